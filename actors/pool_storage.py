@@ -1,0 +1,80 @@
+"""The expert pool's memory: one MLX array per expert tensor, with a leading slot axis.
+
+`gate_proj.weight` of every resident expert lives in one [slots, out, in/pack] array
+(likewise scales, biases, up and down), so a MoE layer's routed experts are a single
+`gather_qmm` over slot indices. The arrays are allocated once, at the budget, and
+updated in place: MLX donates a buffer to a slice update when nothing else holds it,
+which the forward pass guarantees by installing only between layers (after the
+routing sync, when no lazy graph refers to the pool).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from qpack.spec import ExpertFormat, QpackError
+
+_MX_DTYPES = {
+    "uint32": mx.uint32,
+    "uint8": mx.uint8,
+    "bfloat16": mx.bfloat16,
+    "float16": mx.float16,
+    "float32": mx.float32,
+}
+# numpy has no bfloat16: its bytes travel as uint16 and are reinterpreted by MLX.
+_NP_DTYPES = {
+    "uint32": np.uint32,
+    "uint8": np.uint8,
+    "bfloat16": np.uint16,
+    "float16": np.float16,
+    "float32": np.float32,
+}
+
+
+def slot_bytes(fmt: ExpertFormat) -> int:
+    return sum(t.nbytes for t in fmt.tensors)
+
+
+def slots_for_budget(fmt: ExpertFormat, budget_bytes: int) -> int:
+    return budget_bytes // slot_bytes(fmt)
+
+
+class PoolStorage:
+    def __init__(self, fmt: ExpertFormat, num_slots: int) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"pool needs at least one slot, got {num_slots}")
+        self.fmt = fmt
+        self.num_slots = num_slots
+        self.arrays: dict[str, mx.array] = {
+            t.name: mx.zeros((num_slots, *t.shape), dtype=_MX_DTYPES[t.dtype]) for t in fmt.tensors
+        }
+        mx.eval(list(self.arrays.values()))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def install(self, items: Sequence[tuple[int, np.ndarray]]) -> None:
+        """Copy expert blobs (uint8, at least fmt.nbytes) into their slots."""
+        if not items:
+            return
+        for slot, blob in items:
+            for t in self.fmt.tensors:
+                raw = blob[t.offset : t.offset + t.nbytes].view(_NP_DTYPES[t.dtype])
+                value = mx.array(raw.reshape(t.shape))
+                if t.dtype == "bfloat16":
+                    value = value.view(mx.bfloat16)
+                self.arrays[t.name][slot] = value
+        mx.eval(list(self.arrays.values()))
+
+
+def uniform_format(formats: Sequence[ExpertFormat], where: str) -> ExpertFormat:
+    """The pool holds experts of every layer in shared slots, so their layouts must agree."""
+    first = formats[0]
+    for fmt in formats[1:]:
+        if fmt != first:
+            raise QpackError(where, "MoE layers have different expert layouts; one pool cannot hold them")
+    return first

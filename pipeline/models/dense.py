@@ -1,0 +1,74 @@
+"""Build the resident dense core from a container with mlx-lm's own model classes.
+
+mlx-lm's layers (Gated DeltaNet, gated attention, norms, router gates, shared
+expert) are reused as they are; only the routed experts (`mlp.switch_mlp`) are cut
+out before anything is materialised, so their random initialisers are never
+evaluated and the core costs exactly the bytes of dense.safetensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes, infer_quant_config
+
+from qpack.spec import QpackError
+
+ROUTED = "switch_mlp"
+
+
+def build_model(config: dict[str, Any]) -> nn.Module:
+    """Instantiate the mlx-lm model for `config` with the routed experts removed."""
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    for layer in model.layers:
+        if ROUTED in layer.mlp:
+            del layer.mlp[ROUTED]
+    return model
+
+
+def _quantize(model: nn.Module, config: dict[str, Any], weights: dict[str, mx.array]) -> None:
+    """Mirror mlx_lm.utils.load_model's quantization so the modules match the saved tensors."""
+    quantization = config.get("quantization")
+    if quantization is None:
+        return
+
+    def class_predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
+        if path in quantization:
+            return quantization[path]
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        return infer_quant_config(path, module, weights)
+
+    nn.quantize(
+        model,
+        group_size=quantization["group_size"],
+        bits=quantization["bits"],
+        mode=quantization.get("mode", "affine"),
+        class_predicate=class_predicate,
+    )
+
+
+def load_dense(config: dict[str, Any], dense_path: Path) -> nn.Module:
+    """The mlx-lm model holding every dense weight of the container, evaluated."""
+    weights = mx.load(str(dense_path))
+    model = build_model(config)
+    _quantize(model, config, weights)
+    expected = {name for name, _ in tree_flatten(model.parameters())}
+    missing = sorted(expected - weights.keys())
+    unexpected = sorted(weights.keys() - expected)
+    if missing or unexpected:
+        raise QpackError(
+            dense_path,
+            f"dense tensors do not match the {config.get('model_type')} model: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}",
+        )
+    model.load_weights(list(weights.items()), strict=True)
+    model.eval()
+    mx.eval(model.parameters())
+    return model

@@ -1,0 +1,78 @@
+"""The streamed sparse-MoE block: mlx-lm's routing math, experts taken from pool slots.
+
+The routed experts live in the pool's slot arrays ([slots, ...] per tensor), so the
+expert matmuls are mlx-lm's own `gather_qmm`/`gather_mm` calls with slot indices in
+place of expert indices. Same kernels, same order of operations: logits do not depend
+on which slot an expert happens to occupy, so they are bit-identical across pool sizes.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
+
+from qpack.spec import ExpertFormat
+
+# mlx-lm sorts tokens by expert once a batch has this many (token, expert) pairs.
+SORT_THRESHOLD = 64
+
+
+def route(mlp: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
+    """Top-k expert ids and their weights, exactly as mlx-lm's Qwen3NextSparseMoeBlock."""
+    gates = mx.softmax(mlp.gate(x), axis=-1, precise=True)
+    k = mlp.top_k
+    inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    if mlp.norm_topk_prob:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    return inds, scores
+
+
+def router_logits(mlp: nn.Module, x: mx.array) -> mx.array:
+    return mlp.gate(x)
+
+
+def _project(
+    arrays: dict[str, mx.array], fmt: ExpertFormat, proj: str, x: mx.array, idx: mx.array, sort: bool
+) -> mx.array:
+    if fmt.bits is None:
+        return mx.gather_mm(
+            x, arrays[f"{proj}.weight"].swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sort
+        )
+    return mx.gather_qmm(
+        x,
+        arrays[f"{proj}.weight"],
+        arrays[f"{proj}.scales"],
+        arrays.get(f"{proj}.biases"),
+        rhs_indices=idx,
+        transpose=True,
+        group_size=fmt.group_size,
+        bits=fmt.bits,
+        mode=fmt.mode or "affine",
+        sorted_indices=sort,
+    )
+
+
+def routed_experts(
+    arrays: dict[str, mx.array], fmt: ExpertFormat, x: mx.array, slots: mx.array
+) -> mx.array:
+    """SwitchGLU over pool slots: x [..., H], slots [..., k] -> [..., k, H]."""
+    x = mx.expand_dims(x, (-2, -3))
+    sort = slots.size >= SORT_THRESHOLD
+    idx, inv_order = slots, None
+    if sort:
+        x, idx, inv_order = _gather_sort(x, slots)
+    up = _project(arrays, fmt, "up_proj", x, idx, sort)
+    gate = _project(arrays, fmt, "gate_proj", x, idx, sort)
+    x = _project(arrays, fmt, "down_proj", swiglu(gate, up), idx, sort)
+    if sort:
+        x = _scatter_unsort(x, inv_order, slots.shape)
+    return x.squeeze(-2)
+
+
+def moe_output(mlp: nn.Module, x: mx.array, routed: mx.array, scores: mx.array) -> mx.array:
+    y = (routed * scores[..., None]).sum(axis=-2)
+    shared = mlp.shared_expert(x)
+    return y + mx.sigmoid(mlp.shared_expert_gate(x)) * shared
