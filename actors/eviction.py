@@ -1,0 +1,255 @@
+"""Eviction policies for the expert pool.
+
+A policy only orders the resident keys; the `SlotTable` owns slots, pins and counters and
+asks the policy for a victim among the keys it may evict. Every policy is deterministic:
+given the same sequence of calls it picks the same victims, which is what lets a recorded
+routing trace replay to the live run's hit rate.
+
+- `LFUDecay` (default): access counts that fade multiplicatively with time. Instead of
+  scaling every count each tick (O(n)), an access at tick t adds growth(t) =
+  (1/decay)^(t/period); comparing raw sums is then equivalent to comparing decayed counts.
+  When growth gets large all raw sums are divided by it once (rare, amortised O(1)).
+  Victim = smallest decayed count, ties -> least recently used. A heap with lazy
+  invalidation keeps each operation O(log n) amortised.
+- `LRU`: least recently used (an OrderedDict, O(1)).
+- `SLRU`: segmented LRU. New keys enter probation; a second access promotes them to the
+  protected segment. Keys that are inserted and never used again (a wrong prefetch, a
+  one-off expert) are evicted from probation before anything proven useful.
+
+Recency is the order of calls (each call gets a sequence number), a total order, so no
+ties remain for any policy.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+ExpertKey = tuple[int, int]
+Evictable = Callable[[ExpertKey], bool]
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    name: str
+
+    def insert(self, key: ExpertKey, tick: int) -> None: ...
+
+    def touch(self, key: ExpertKey, tick: int) -> None: ...
+
+    def remove(self, key: ExpertKey) -> None: ...
+
+    def victim(self, evictable: Evictable) -> ExpertKey | None: ...
+
+    def params(self) -> dict[str, float]: ...
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+
+def _missing(policy: str, key: ExpertKey) -> KeyError:
+    return KeyError(f"{policy}: expert {key} (layer, expert) is not resident")
+
+
+class LRU:
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[ExpertKey, None] = OrderedDict()
+
+    def params(self) -> dict[str, float]:
+        return {}
+
+    def insert(self, key: ExpertKey, tick: int) -> None:
+        if key in self._order:
+            raise KeyError(f"lru: expert {key} inserted twice")
+        self._order[key] = None
+
+    def touch(self, key: ExpertKey, tick: int) -> None:
+        if key not in self._order:
+            raise _missing(self.name, key)
+        self._order.move_to_end(key)
+
+    def remove(self, key: ExpertKey) -> None:
+        if self._order.pop(key, 0) is not None:
+            raise _missing(self.name, key)
+
+    def victim(self, evictable: Evictable) -> ExpertKey | None:
+        # Pinned keys are few (about two layers' top-k), so the scan stops early.
+        for key in self._order:
+            if evictable(key):
+                return key
+        return None
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+
+class LFUDecay:
+    name = "lfu"
+    # exp(200) ~ 7e86: far from float overflow, and renormalising that rarely is free.
+    _MAX_EXPONENT = 200.0
+
+    def __init__(self, decay: float = 0.9, period: int = 512) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"lfu: decay must be in (0, 1], got {decay!r}")
+        if period < 1:
+            raise ValueError(f"lfu: period must be >= 1 tick, got {period!r}")
+        self.decay = float(decay)
+        self.period = int(period)
+        self._log_growth = -math.log(self.decay) / self.period
+        self._base_tick: int | None = None
+        self._score: dict[ExpertKey, float] = {}
+        self._last: dict[ExpertKey, int] = {}
+        self._seq = 0
+        self._heap: list[tuple[float, int, ExpertKey]] = []
+
+    def params(self) -> dict[str, float]:
+        return {"decay": self.decay, "period": self.period}
+
+    def _weight(self, tick: int) -> float:
+        if self._base_tick is None:
+            self._base_tick = tick
+        exponent = (tick - self._base_tick) * self._log_growth
+        if exponent > self._MAX_EXPONENT:
+            factor = math.exp(exponent)
+            for key in self._score:
+                self._score[key] /= factor
+            self._base_tick = tick
+            self._rebuild()
+            exponent = 0.0
+        return math.exp(exponent)
+
+    def _rebuild(self) -> None:
+        self._heap = [(self._score[k], seq, k) for k, seq in self._last.items()]
+        heapq.heapify(self._heap)
+
+    def _access(self, key: ExpertKey, tick: int) -> None:
+        self._score[key] = self._score.get(key, 0.0) + self._weight(tick)
+        self._seq += 1
+        self._last[key] = self._seq
+        heapq.heappush(self._heap, (self._score[key], self._seq, key))
+        if len(self._heap) > 4 * len(self._last) + 64:
+            self._rebuild()
+
+    def insert(self, key: ExpertKey, tick: int) -> None:
+        if key in self._last:
+            raise KeyError(f"lfu: expert {key} inserted twice")
+        self._access(key, tick)
+
+    def touch(self, key: ExpertKey, tick: int) -> None:
+        if key not in self._last:
+            raise _missing(self.name, key)
+        self._access(key, tick)
+
+    def remove(self, key: ExpertKey) -> None:
+        if key not in self._last:
+            raise _missing(self.name, key)
+        del self._last[key]
+        del self._score[key]
+
+    def frequency(self, key: ExpertKey, tick: int) -> float:
+        """Decayed access count of `key` as seen at `tick` (for diagnostics and tests)."""
+        if key not in self._score or self._base_tick is None:
+            return 0.0
+        return self._score[key] / math.exp((tick - self._base_tick) * self._log_growth)
+
+    def victim(self, evictable: Evictable) -> ExpertKey | None:
+        skipped: list[tuple[float, int, ExpertKey]] = []
+        found: ExpertKey | None = None
+        while self._heap:
+            _, seq, key = self._heap[0]
+            if self._last.get(key) != seq:
+                heapq.heappop(self._heap)  # stale: the key was touched or removed since
+                continue
+            if evictable(key):
+                found = key
+                break
+            skipped.append(heapq.heappop(self._heap))
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        return found
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._last
+
+
+class SLRU:
+    name = "slru"
+
+    def __init__(self, protected_fraction: float = 0.8) -> None:
+        if not 0.0 < protected_fraction < 1.0:
+            raise ValueError(
+                f"slru: protected_fraction must be in (0, 1), got {protected_fraction!r}"
+            )
+        self.protected_fraction = float(protected_fraction)
+        self._probation: OrderedDict[ExpertKey, None] = OrderedDict()
+        self._protected: OrderedDict[ExpertKey, None] = OrderedDict()
+
+    def params(self) -> dict[str, float]:
+        return {"protected_fraction": self.protected_fraction}
+
+    def insert(self, key: ExpertKey, tick: int) -> None:
+        if key in self:
+            raise KeyError(f"slru: expert {key} inserted twice")
+        self._probation[key] = None
+
+    def touch(self, key: ExpertKey, tick: int) -> None:
+        if key in self._protected:
+            self._protected.move_to_end(key)
+            return
+        if key not in self._probation:
+            raise _missing(self.name, key)
+        del self._probation[key]
+        self._protected[key] = None
+        # The protected segment is sized relative to the pool so it adapts to any slot count.
+        cap = max(1, int(self.protected_fraction * len(self)))
+        while len(self._protected) > cap:
+            demoted, _ = self._protected.popitem(last=False)
+            self._probation[demoted] = None
+
+    def remove(self, key: ExpertKey) -> None:
+        if self._probation.pop(key, 0) is None:
+            return
+        if self._protected.pop(key, 0) is not None:
+            raise _missing(self.name, key)
+
+    def victim(self, evictable: Evictable) -> ExpertKey | None:
+        for segment in (self._probation, self._protected):
+            for key in segment:
+                if evictable(key):
+                    return key
+        return None
+
+    def __len__(self) -> int:
+        return len(self._probation) + len(self._protected)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._probation or key in self._protected
+
+
+_POLICIES: dict[str, Callable[..., EvictionPolicy]] = {"lfu": LFUDecay, "lru": LRU, "slru": SLRU}
+POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
+
+
+def make_policy(name: str, **params: float) -> EvictionPolicy:
+    """Build a policy by its registry name ("lfu", "lru", "slru")."""
+    factory = _POLICIES.get(name)
+    if factory is None:
+        raise ValueError(
+            f"unknown eviction policy {name!r}; valid names: {', '.join(POLICY_NAMES)}"
+        )
+    try:
+        return factory(**params)
+    except TypeError as exc:
+        raise ValueError(f"eviction policy {name!r}: bad parameters {params!r}: {exc}") from exc

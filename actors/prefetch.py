@@ -1,0 +1,321 @@
+"""Prefetch strategies: predict which experts later MoE layers will route to.
+
+Protocol, per token and per MoE layer l in order, right after l's true routing is known:
+`observe(l, chosen)` (learn), then `predict(l, chosen, hidden)` -> [(layer_j, ids)] for
+later MoE layers of the same token, ids most confident first. `reset_sequence()` starts a
+new prompt. A wrong prediction costs bandwidth only: compute always uses the true routing.
+
+Statistics-based strategies (`History`, `Transition`) are deterministic functions of the
+routing they observed, so `moestream replay` reruns them exactly. Gate-based ones
+(`NextGate` in actors/prefetch_gate.py) need the model; replay uses their recorded
+predictions. Ties between equal scores go to the lower expert id.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import msgspec
+import numpy as np
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+Prediction = list[tuple[int, list[int]]]
+
+
+@runtime_checkable
+class PrefetchStrategy(Protocol):
+    name: str
+
+    def predict(self, layer: int, chosen: Sequence[int], hidden: mx.array | None) -> Prediction: ...
+
+    def observe(self, layer: int, chosen: Sequence[int]) -> None: ...
+
+    def reset_sequence(self) -> None: ...
+
+    def params(self) -> dict[str, Any]: ...
+
+
+class LayerOrder:
+    """Successor lookups over the (sorted) MoE layer indices; do not assume all are MoE."""
+
+    def __init__(self, moe_layers: Sequence[int]) -> None:
+        layers = sorted(set(int(x) for x in moe_layers))
+        if not layers:
+            raise ValueError("prefetch: moe_layers is empty")
+        self.layers = layers
+        self._prev = {b: a for a, b in zip(layers, layers[1:], strict=False)}
+
+    def after(self, layer: int, depth: int) -> list[int]:
+        start = bisect.bisect_right(self.layers, layer)
+        return self.layers[start : start + depth]
+
+    def previous(self, layer: int) -> int | None:
+        return self._prev.get(layer)
+
+
+def top_ids(scores: np.ndarray, k: int) -> list[int]:
+    """Up to k ids with positive score, best first, ties to the lower id."""
+    order = np.argsort(-scores, kind="stable")[:k]
+    return [int(i) for i in order if scores[i] > 0]
+
+
+class NoPrefetch:
+    name = "none"
+
+    def predict(self, layer: int, chosen: Sequence[int], hidden: mx.array | None) -> Prediction:
+        return []
+
+    def observe(self, layer: int, chosen: Sequence[int]) -> None:
+        pass
+
+    def reset_sequence(self) -> None:
+        pass
+
+    def params(self) -> dict[str, Any]:
+        return {}
+
+
+class History:
+    """Per-layer popularity with exponential decay (one decay step per observation)."""
+
+    name = "history"
+
+    def __init__(
+        self,
+        *,
+        moe_layers: Sequence[int],
+        num_experts: int,
+        top_k: int,
+        decay: float = 0.95,
+        depth: int = 1,
+    ) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"history: decay must be in (0, 1], got {decay!r}")
+        self.order = LayerOrder(moe_layers)
+        self.num_experts, self.top_k, self.decay, self.depth = num_experts, top_k, decay, depth
+        self._pop = {layer: np.zeros(num_experts) for layer in self.order.layers}
+
+    def observe(self, layer: int, chosen: Sequence[int]) -> None:
+        pop = self._pop.get(layer)
+        if pop is None:
+            return
+        pop *= self.decay
+        pop[np.asarray(chosen, dtype=np.int64)] += 1.0
+
+    def predict(self, layer: int, chosen: Sequence[int], hidden: mx.array | None) -> Prediction:
+        out: Prediction = []
+        for target in self.order.after(layer, self.depth):
+            ids = top_ids(self._pop[target], self.top_k)
+            if ids:
+                out.append((target, ids))
+        return out
+
+    def reset_sequence(self) -> None:
+        pass  # popularity spans prompts on purpose: that is what makes it useful
+
+    def params(self) -> dict[str, Any]:
+        return {"decay": self.decay, "depth": self.depth}
+
+
+class Transition:
+    """Co-activation counts: layer l expert i -> next MoE layer expert j."""
+
+    name = "transition"
+
+    def __init__(self, *, moe_layers: Sequence[int], num_experts: int, top_k: int) -> None:
+        self.order = LayerOrder(moe_layers)
+        self.num_experts, self.top_k = num_experts, top_k
+        # counts[j][i, e]: times layer prev(j) chose i and layer j chose e. Allocated on first
+        # use; float32 E x E per layer (1 MiB at 512 experts).
+        self._counts: dict[int, np.ndarray] = {}
+        self._prev: tuple[int, np.ndarray] | None = None
+
+    def observe(self, layer: int, chosen: Sequence[int]) -> None:
+        ids = np.asarray(chosen, dtype=np.int64)
+        prev = self._prev
+        if prev is not None and prev[0] == self.order.previous(layer):
+            counts = self._counts.get(layer)
+            if counts is None:
+                counts = np.zeros((self.num_experts, self.num_experts), dtype=np.float32)
+                self._counts[layer] = counts
+            counts[np.ix_(prev[1], ids)] += 1.0
+        self._prev = (layer, ids)
+
+    def predict(self, layer: int, chosen: Sequence[int], hidden: mx.array | None) -> Prediction:
+        targets = self.order.after(layer, 1)
+        if not targets or targets[0] not in self._counts or len(chosen) == 0:
+            return []
+        rows = self._counts[targets[0]][np.asarray(chosen, dtype=np.int64)]
+        ids = top_ids(rows.sum(axis=0), self.top_k)
+        return [(targets[0], ids)] if ids else []
+
+    def reset_sequence(self) -> None:
+        self._prev = None  # the last layer of one prompt does not lead into the next
+
+    def params(self) -> dict[str, Any]:
+        return {}
+
+
+class Combined:
+    """Reciprocal-rank fusion of several strategies' predictions, per target layer."""
+
+    name = "combined"
+    RRF_K = 60  # the usual RRF constant: damps the weight of any single list's top rank
+
+    def __init__(self, strategies: Sequence[PrefetchStrategy], max_per_layer: int) -> None:
+        if not strategies:
+            raise ValueError("combined: needs at least one strategy")
+        self.strategies = list(strategies)
+        self.max_per_layer = max_per_layer
+
+    def observe(self, layer: int, chosen: Sequence[int]) -> None:
+        for s in self.strategies:
+            s.observe(layer, chosen)
+
+    def predict(self, layer: int, chosen: Sequence[int], hidden: mx.array | None) -> Prediction:
+        scores: dict[int, dict[int, float]] = {}
+        for s in self.strategies:
+            for target, ids in s.predict(layer, chosen, hidden):
+                per = scores.setdefault(target, {})
+                for rank, e in enumerate(ids):
+                    per[e] = per.get(e, 0.0) + 1.0 / (self.RRF_K + rank + 1)
+        out: Prediction = []
+        for target in sorted(scores):
+            ranked = sorted(scores[target].items(), key=lambda kv: (-kv[1], kv[0]))
+            out.append((target, [e for e, _ in ranked[: self.max_per_layer]]))
+        return out
+
+    def reset_sequence(self) -> None:
+        for s in self.strategies:
+            s.reset_sequence()
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "max_per_layer": self.max_per_layer,
+            "combine": [s.name for s in self.strategies],
+        }
+
+
+STRATEGY_NAMES = ("none", "next-gate", "lookahead", "history", "transition", "combined")
+
+
+def make_strategy(
+    name: str,
+    *,
+    moe_layers: Sequence[int],
+    num_experts: int,
+    top_k: int,
+    routers: Callable[[int, mx.array], mx.array] | None = None,
+    depth: int = 1,
+    max_per_layer: int | None = None,
+    combine: Sequence[str] = (),
+    extra: int = 0,
+    history_decay: float = 0.95,
+) -> PrefetchStrategy:
+    """Build a strategy by registry name (see STRATEGY_NAMES)."""
+    if name == "none":
+        return NoPrefetch()
+    if name in ("next-gate", "lookahead"):
+        if routers is None:
+            raise ValueError(f"prefetch strategy {name!r} needs routers (the model's gates)")
+        # Deferred: prefetch_gate imports this module, and only gate strategies need MLX.
+        from actors.prefetch_gate import NextGate
+
+        return NextGate(
+            routers,
+            moe_layers=moe_layers,
+            num_experts=num_experts,
+            top_k=top_k,
+            depth=1 if name == "next-gate" else depth,
+            extra=extra,
+        )
+    if name == "history":
+        return History(
+            moe_layers=moe_layers,
+            num_experts=num_experts,
+            top_k=top_k,
+            decay=history_decay,
+            depth=depth,
+        )
+    if name == "transition":
+        return Transition(moe_layers=moe_layers, num_experts=num_experts, top_k=top_k)
+    if name == "combined":
+        if not combine or "combined" in combine:
+            raise ValueError(
+                f"prefetch strategy 'combined' needs combine=[names of other strategies], "
+                f"got {list(combine)!r}"
+            )
+        parts = [
+            make_strategy(
+                n,
+                moe_layers=moe_layers,
+                num_experts=num_experts,
+                top_k=top_k,
+                routers=routers,
+                depth=depth,
+                extra=extra,
+                history_decay=history_decay,
+            )
+            for n in combine
+        ]
+        return Combined(parts, max_per_layer or top_k + extra)
+    raise ValueError(
+        f"unknown prefetch strategy {name!r}; valid names: {', '.join(STRATEGY_NAMES)}"
+    )
+
+
+class PrefetchStats(msgspec.Struct):
+    predicted: int = 0  # predicted (token, layer, expert) triples, unique per (token, layer)
+    correct: int = 0  # predicted and then actually chosen
+    actual: int = 0  # chosen (token, layer, expert) triples, predicted or not
+    precision: float = 0.0
+    recall: float = 0.0
+    bytes_wasted: int = 0  # wrong predictions x expert stride: the reads they would cost
+    stall_saved_s: float = 0.0  # filled in by the live engine from measured waits
+
+
+class PrefetchScorer:
+    """Scores predictions per (token, layer) when that layer's true routing arrives.
+
+    Several predictions for one layer (lookahead predicts it from several earlier layers)
+    are scored as their union: that union is what the prefetcher would have read.
+    """
+
+    def __init__(self, stride: int) -> None:
+        self.stride = stride
+        self._pending: dict[int, set[int]] = {}
+        self._predicted = self._correct = self._actual = 0
+
+    def begin_token(self) -> None:
+        # Predictions for layers the token never reached are wrong predictions too.
+        for ids in self._pending.values():
+            self._predicted += len(ids)
+        self._pending.clear()
+
+    def record(self, predictions: Sequence[tuple[int, Sequence[int]]]) -> None:
+        for layer, ids in predictions:
+            self._pending.setdefault(int(layer), set()).update(int(e) for e in ids)
+
+    def score(self, layer: int, actual: Sequence[int]) -> tuple[int, int]:
+        """Score `layer` against its true routing; returns (predicted, correct) for it."""
+        predicted = self._pending.pop(layer, set())
+        correct = len(predicted.intersection(int(e) for e in actual))
+        self._predicted += len(predicted)
+        self._correct += correct
+        self._actual += len(set(actual))
+        return len(predicted), correct
+
+    def stats(self) -> PrefetchStats:
+        p, c, a = self._predicted, self._correct, self._actual
+        return PrefetchStats(
+            predicted=p,
+            correct=c,
+            actual=a,
+            precision=c / p if p else 0.0,
+            recall=c / a if a else 0.0,
+            bytes_wasted=(p - c) * self.stride,
+        )

@@ -1,0 +1,95 @@
+"""Gate-based prefetch: apply later layers' routers to the current hidden state.
+
+The residual stream changes slowly from layer to layer, so layer l+1's router applied to
+the hidden state after layer l's attention predicts l+1's routing well; `depth` > 1 does
+the same for l+1..l+d ("lookahead"). The model supplies `routers(layer, hidden)`, which
+applies that layer's post-attention norm and router gate and returns logits.
+
+All target layers are evaluated as one MLX graph and read back with a single `.tolist()`:
+the host sync is the expensive part, not the tiny matmuls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from actors.prefetch import LayerOrder, Prediction
+
+RouterFn = Callable[[int, mx.array], mx.array]
+
+
+class NextGate:
+    def __init__(
+        self,
+        routers: RouterFn,
+        *,
+        moe_layers: Sequence[int],
+        num_experts: int,
+        top_k: int,
+        depth: int = 1,
+        extra: int = 0,
+    ) -> None:
+        if depth < 1:
+            raise ValueError(f"next-gate: depth must be >= 1, got {depth!r}")
+        if top_k < 1 or extra < 0:
+            raise ValueError(f"next-gate: bad top_k={top_k!r} / extra={extra!r}")
+        self.name = "next-gate" if depth == 1 else "lookahead"
+        self.routers = routers
+        self.order = LayerOrder(moe_layers)
+        self.num_experts, self.top_k, self.depth, self.extra = num_experts, top_k, depth, extra
+
+    def params(self) -> dict[str, Any]:
+        return {"depth": self.depth, "extra": self.extra}
+
+    def observe(self, layer: int, chosen: Sequence[int]) -> None:
+        pass  # stateless: the routers carry the knowledge
+
+    def reset_sequence(self) -> None:
+        pass
+
+    def predict(self, layer: int, chosen: Sequence[int], hidden: mx.array | None) -> Prediction:
+        targets = self.order.after(layer, self.depth)
+        if hidden is None or not targets:
+            return []
+        if hidden.ndim == 2 and hidden.shape[0] == 1:
+            hidden = hidden[0]
+        logits = mx.stack([self.routers(t, hidden) for t in targets]).astype(mx.float32)
+        if logits.ndim == 2:
+            rows = self._single(logits)
+        elif logits.ndim == 3:
+            rows = self._batch(logits)
+        else:
+            raise ValueError(
+                f"next-gate: router logits for layer {targets[0]} have shape "
+                f"{tuple(logits.shape[1:])}; expected [experts] or [tokens, experts]"
+            )
+        return [(t, ids) for t, ids in zip(targets, rows, strict=True) if ids]
+
+    def _single(self, logits: mx.array) -> list[list[int]]:
+        # One token: top (k + extra) by logit. argpartition then sort only those n.
+        n = min(self.num_experts, self.top_k + self.extra)
+        top = mx.argpartition(-logits, kth=n - 1, axis=-1)[:, :n]
+        vals = mx.take_along_axis(logits, top, axis=-1)
+        ranked = mx.take_along_axis(top, mx.argsort(-vals, axis=-1), axis=-1)
+        return ranked.tolist()
+
+    def _batch(self, logits: mx.array) -> list[list[int]]:
+        # Several tokens (prefill): the demand will be the union of their top-k, so rank
+        # experts by how many tokens pick them, mean probability breaking ties, and keep
+        # every expert some token picks (+ extra).
+        k = min(self.num_experts, self.top_k)
+        top = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., k - 1 : k]
+        threshold = mx.take_along_axis(logits, top, axis=-1)
+        counts = (logits >= threshold).astype(mx.float32).sum(axis=1)  # [d, E]
+        score = counts + mx.softmax(logits, axis=-1).mean(axis=1)
+        order = mx.argsort(-score, axis=-1)
+        picked = (counts > 0).sum(axis=-1, keepdims=True).astype(order.dtype)
+        rows = mx.concatenate([picked, order], axis=-1).tolist()
+        out = []
+        for row in rows:
+            n = min(self.num_experts, int(row[0]) + self.extra)
+            out.append(row[1 : 1 + n])
+        return out

@@ -1,0 +1,151 @@
+"""Routing traces: what every MoE layer chose, per step, recorded from a live run.
+
+A trace holds the model's shape, the live pool settings, and per step (one decode token,
+or one prefill chunk whose `chosen` is the union over its tokens) per MoE layer: the
+chosen expert ids in router order and the live strategy's predictions made right after
+that layer. Recorded predictions let `moestream replay` rerun gate-based strategies,
+which need the model, without it. See actors/pool_driver.py for the replay semantics.
+
+Stored as JSON (readable, diffable); a path ending in ".gz" is gzip-compressed.
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+Phase = Literal["prefill", "decode"]
+TRACE_VERSION = 1
+
+
+class TraceModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    num_layers: int
+    moe_layers: list[int]
+    num_experts: int
+    top_k: int
+    stride: int  # bytes per expert read (the container's largest expert stride)
+
+
+class TracePool(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    num_slots: int
+    policy: str
+    policy_params: dict[str, float] = {}
+    strategy: str = "none"
+    strategy_params: dict[str, Any] = {}
+
+
+class TraceLayer(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    # array_like keeps the file small: [layer, chosen, predictions] per entry
+    layer: int
+    chosen: list[int]
+    predictions: list[tuple[int, list[int]]] = []
+
+
+class TraceStep(msgspec.Struct, forbid_unknown_fields=True):
+    phase: Phase
+    seq: int  # prompt (sequence) index: strategies reset when it changes
+    layers: list[TraceLayer] = []
+
+
+class RoutingTrace(msgspec.Struct, forbid_unknown_fields=True):
+    model: TraceModel
+    pool: TracePool
+    steps: list[TraceStep] = []
+    version: int = TRACE_VERSION
+
+    def validate(self, source: str = "trace") -> None:
+        """Raise ValueError naming the step and layer of the first inconsistent entry."""
+        if self.version != TRACE_VERSION:
+            raise ValueError(f"{source}: trace version {self.version}, expected {TRACE_VERSION}")
+        moe = set(self.model.moe_layers)
+        n = self.model.num_experts
+        for s, step in enumerate(self.steps):
+            for entry in step.layers:
+                where = f"{source}: step {s} layer {entry.layer}"
+                if entry.layer not in moe:
+                    raise ValueError(f"{where}: layer is not in moe_layers")
+                bad = [e for e in entry.chosen if not 0 <= e < n]
+                if bad or len(set(entry.chosen)) != len(entry.chosen):
+                    raise ValueError(
+                        f"{where}: chosen {entry.chosen} has ids out of [0, {n}) or duplicates"
+                    )
+                for target, ids in entry.predictions:
+                    if target not in moe or any(not 0 <= e < n for e in ids):
+                        raise ValueError(f"{where}: bad prediction ({target}, {ids})")
+
+
+def save_trace(trace: RoutingTrace, path: str | Path) -> Path:
+    path = Path(path)
+    data = msgspec.json.encode(trace)
+    if path.suffix == ".gz":
+        data = gzip.compress(data, compresslevel=6)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)  # never leave a half-written trace under the real name
+    return path
+
+
+def load_trace(path: str | Path) -> RoutingTrace:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"routing trace {path}: cannot read: {exc}") from exc
+    if data[:2] == b"\x1f\x8b":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as exc:
+            raise ValueError(f"routing trace {path}: corrupt gzip: {exc}") from exc
+    try:
+        trace = msgspec.json.decode(data, type=RoutingTrace)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"routing trace {path}: not a valid trace: {exc}") from exc
+    trace.validate(str(path))
+    return trace
+
+
+class TraceRecorder:
+    """Called by the engine: `begin_token(phase)` per step, `record(...)` per MoE layer."""
+
+    def __init__(self, model: TraceModel, pool: TracePool) -> None:
+        self.trace = RoutingTrace(model=model, pool=pool)
+        self._seq = 0
+        self._step: TraceStep | None = None
+
+    def begin_sequence(self) -> None:
+        """A new prompt starts; replayed strategies get reset_sequence() here."""
+        if self.trace.steps:
+            self._seq += 1
+
+    def begin_token(self, phase: Phase) -> None:
+        if phase not in ("prefill", "decode"):
+            raise ValueError(f"TraceRecorder.begin_token: phase {phase!r} not prefill/decode")
+        self._step = TraceStep(phase=phase, seq=self._seq)
+        self.trace.steps.append(self._step)
+
+    def record(
+        self,
+        layer: int,
+        chosen: Sequence[int],
+        predictions: Sequence[tuple[int, Sequence[int]]] = (),
+    ) -> None:
+        if self._step is None:
+            raise RuntimeError("TraceRecorder.record called before begin_token")
+        self._step.layers.append(
+            TraceLayer(
+                layer=int(layer),
+                chosen=[int(e) for e in chosen],
+                predictions=[(int(t), [int(e) for e in ids]) for t, ids in predictions],
+            )
+        )
+
+    def save(self, path: str | Path) -> Path:
+        return save_trace(self.trace, path)
+
+    @staticmethod
+    def load(path: str | Path) -> RoutingTrace:
+        return load_trace(path)

@@ -1,0 +1,222 @@
+"""Slot bookkeeping for the expert pool: which expert lives in which slot.
+
+The table holds no weights; the pool that owns the buffers asks it where an expert goes
+and what to evict. It never maps more than `num_slots` keys, never evicts a pinned key,
+and keeps the key -> slot map a bijection onto the used slots. Free slots are handed out
+lowest index first so that a replay assigns the same slots as the live run.
+
+States: a key acquired on a miss is "loading" until the reader calls `mark_ready`; a load
+that failed gives its slot back with `release`. A resident key counts as a hit whether it
+is loading or ready: it is in the pool, and any wait for it is measured live as stall.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Container
+from typing import Literal
+
+import msgspec
+
+from actors.eviction import EvictionPolicy, ExpertKey
+
+SlotState = Literal["loading", "ready"]
+
+
+class PoolExhausted(RuntimeError):
+    """No slot can be freed: every resident key is pinned (or protected)."""
+
+
+class SlotCounters(msgspec.Struct, frozen=True):
+    num_slots: int
+    resident: int
+    pinned: int
+    hits: int
+    misses: int
+    evictions: int
+    prefetch_installs: int
+    prefetch_used: int
+    prefetch_wasted: int
+    prefetch_dropped: int
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class SlotTable:
+    def __init__(self, num_slots: int, policy: EvictionPolicy) -> None:
+        if num_slots < 1:
+            raise ValueError(f"SlotTable: num_slots must be >= 1, got {num_slots!r}")
+        self.num_slots = num_slots
+        self.policy = policy
+        self._slot_of: dict[ExpertKey, int] = {}
+        self._key_at: list[ExpertKey | None] = [None] * num_slots
+        self._free: list[int] = list(range(num_slots))  # already a valid min-heap
+        self._pins: dict[ExpertKey, int] = {}
+        self._state: dict[ExpertKey, SlotState] = {}
+        self._prefetched: set[ExpertKey] = set()  # installed by prefetch, not yet demanded
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self.prefetch_installs = 0
+        self.prefetch_used = 0
+        self.prefetch_wasted = 0
+        self.prefetch_dropped = 0
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def lookup(self, key: ExpertKey) -> int | None:
+        return self._slot_of.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slot_of
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def resident(self) -> list[ExpertKey]:
+        return sorted(self._slot_of)
+
+    def state(self, key: ExpertKey) -> SlotState:
+        self._require(key)
+        return self._state[key]
+
+    def pin_count(self, key: ExpertKey) -> int:
+        return self._pins.get(key, 0)
+
+    def key_at(self, slot: int) -> ExpertKey | None:
+        return self._key_at[slot]
+
+    @property
+    def pinned(self) -> int:
+        return len(self._pins)
+
+    # -- mutation --------------------------------------------------------------------------
+
+    def acquire(
+        self,
+        key: ExpertKey,
+        tick: int,
+        *,
+        pin: bool,
+        prefetch: bool = False,
+        protect: Container[ExpertKey] = (),
+    ) -> tuple[int, bool]:
+        """Place `key` in the pool; return (slot, was_resident).
+
+        A demand acquire (prefetch=False) counts a hit or a miss and touches the policy. A
+        prefetch acquire of a resident key changes nothing; of a new key it installs it as
+        a prefetch. Keys in `protect` are never chosen as victims. Raises PoolExhausted if
+        every resident key is pinned or protected.
+        """
+        slot = self._slot_of.get(key)
+        if slot is not None:
+            if not prefetch:
+                self.hits += 1
+                self.policy.touch(key, tick)
+                if key in self._prefetched:
+                    self._prefetched.discard(key)
+                    self.prefetch_used += 1
+            if pin:
+                self._pins[key] = self._pins.get(key, 0) + 1
+            return slot, True
+        slot = self._take_slot(protect)
+        self._slot_of[key] = slot
+        self._key_at[slot] = key
+        self._state[key] = "loading"
+        self.policy.insert(key, tick)
+        if prefetch:
+            self.prefetch_installs += 1
+            self._prefetched.add(key)
+        else:
+            self.misses += 1
+        if pin:
+            self._pins[key] = self._pins.get(key, 0) + 1
+        return slot, False
+
+    def try_prefetch(
+        self, key: ExpertKey, tick: int, *, protect: Container[ExpertKey] = ()
+    ) -> int | None:
+        """Install `key` as a prefetch if room exists; None (and prefetch_dropped += 1) if not.
+
+        Returns the slot to load into, or None when the key was already resident or dropped.
+        """
+        if key in self._slot_of:
+            return None
+        try:
+            slot, _ = self.acquire(key, tick, pin=False, prefetch=True, protect=protect)
+        except PoolExhausted:
+            self.prefetch_dropped += 1
+            return None
+        return slot
+
+    def _take_slot(self, protect: Container[ExpertKey]) -> int:
+        if self._free:
+            return heapq.heappop(self._free)
+
+        def evictable(k: ExpertKey) -> bool:
+            return k not in self._pins and k not in protect
+
+        victim = self.policy.victim(evictable)
+        if victim is None:
+            raise PoolExhausted(
+                f"expert pool exhausted: {len(self._pins)} of {self.num_slots} slots pinned"
+                f" and the rest protected; nothing can be evicted"
+            )
+        slot = self._slot_of.pop(victim)
+        self._key_at[slot] = None
+        del self._state[victim]
+        self.policy.remove(victim)
+        self.evictions += 1
+        if victim in self._prefetched:
+            self._prefetched.discard(victim)
+            self.prefetch_wasted += 1
+        return slot
+
+    def mark_ready(self, key: ExpertKey) -> None:
+        self._require(key)
+        self._state[key] = "ready"
+
+    def release(self, key: ExpertKey) -> None:
+        """Give back the slot of `key` (its load failed). Pins on it are dropped."""
+        self._require(key)
+        slot = self._slot_of.pop(key)
+        self._key_at[slot] = None
+        del self._state[key]
+        self._pins.pop(key, None)
+        self._prefetched.discard(key)
+        self.policy.remove(key)
+        heapq.heappush(self._free, slot)
+
+    def pin(self, key: ExpertKey) -> None:
+        self._require(key)
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: ExpertKey) -> None:
+        count = self._pins.get(key, 0)
+        if count == 0:
+            raise KeyError(f"SlotTable.unpin: expert {key} (layer, expert) is not pinned")
+        if count == 1:
+            del self._pins[key]
+        else:
+            self._pins[key] = count - 1
+
+    def _require(self, key: ExpertKey) -> None:
+        if key not in self._slot_of:
+            raise KeyError(f"SlotTable: expert {key} (layer, expert) is not resident")
+
+    def snapshot(self) -> SlotCounters:
+        return SlotCounters(
+            num_slots=self.num_slots,
+            resident=len(self._slot_of),
+            pinned=len(self._pins),
+            hits=self.hits,
+            misses=self.misses,
+            evictions=self.evictions,
+            prefetch_installs=self.prefetch_installs,
+            prefetch_used=self.prefetch_used,
+            prefetch_wasted=self.prefetch_wasted,
+            prefetch_dropped=self.prefetch_dropped,
+        )
