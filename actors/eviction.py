@@ -46,6 +46,10 @@ class EvictionPolicy(Protocol):
 
     def params(self) -> dict[str, float]: ...
 
+    def set_capacity(self, num_slots: int) -> None:
+        """Told once by the SlotTable: how many keys can ever be resident."""
+        ...
+
     def __len__(self) -> int: ...
 
     def __contains__(self, key: object) -> bool: ...
@@ -63,6 +67,9 @@ class LRU:
 
     def params(self) -> dict[str, float]:
         return {}
+
+    def set_capacity(self, num_slots: int) -> None:
+        pass
 
     def insert(self, key: ExpertKey, tick: int) -> None:
         if key in self._order:
@@ -113,6 +120,9 @@ class LFUDecay:
 
     def params(self) -> dict[str, float]:
         return {"decay": self.decay, "period": self.period}
+
+    def set_capacity(self, num_slots: int) -> None:
+        pass
 
     def _weight(self, tick: int) -> float:
         if self._base_tick is None:
@@ -195,9 +205,13 @@ class SLRU:
         self.protected_fraction = float(protected_fraction)
         self._probation: OrderedDict[ExpertKey, None] = OrderedDict()
         self._protected: OrderedDict[ExpertKey, None] = OrderedDict()
+        self._capacity: int | None = None
 
     def params(self) -> dict[str, float]:
         return {"protected_fraction": self.protected_fraction}
+
+    def set_capacity(self, num_slots: int) -> None:
+        self._capacity = num_slots
 
     def insert(self, key: ExpertKey, tick: int) -> None:
         if key in self:
@@ -212,8 +226,9 @@ class SLRU:
             raise _missing(self.name, key)
         del self._probation[key]
         self._protected[key] = None
-        # The protected segment is sized relative to the pool so it adapts to any slot count.
-        cap = max(1, int(self.protected_fraction * len(self)))
+        # The protected segment is a fraction of the pool (of what is resident if unbound).
+        size = self._capacity if self._capacity is not None else len(self)
+        cap = max(1, int(self.protected_fraction * size))
         while len(self._protected) > cap:
             demoted, _ = self._protected.popitem(last=False)
             self._probation[demoted] = None

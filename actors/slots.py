@@ -51,6 +51,7 @@ class SlotTable:
             raise ValueError(f"SlotTable: num_slots must be >= 1, got {num_slots!r}")
         self.num_slots = num_slots
         self.policy = policy
+        policy.set_capacity(num_slots)
         self._slot_of: dict[ExpertKey, int] = {}
         self._key_at: list[ExpertKey | None] = [None] * num_slots
         self._free: list[int] = list(range(num_slots))  # already a valid min-heap
