@@ -1,0 +1,323 @@
+"""The container reader: open and validate a `.qpack`, then one pread per expert.
+
+Everything that can be checked without reading the payload is checked at open, so a
+truncated, foreign, newer or hand-edited container fails there with an error naming
+the file and the problem. Expert payloads are checked by crc32 on first use (or all
+at open with verify="full"): no reader ever hands out garbage weights silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import zlib
+from pathlib import Path
+from typing import Literal, Protocol
+
+import mlx.core as mx
+import msgspec
+import numpy as np
+
+from qpack import spec
+from qpack.spec import QpackError
+
+Verify = Literal["off", "first-use", "full"]
+_NP_DTYPES = {"uint32": np.uint32, "uint8": np.uint8, "bfloat16": np.uint16, "float16": np.float16,
+              "float32": np.float32}
+MODEL_TYPE_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+class ExpertCorrupt(QpackError):
+    """An expert's bytes do not match the checksum recorded at pack time."""
+
+
+class ExpertIO(Protocol):
+    """Positional read into a caller buffer; returns the byte count (0 at EOF)."""
+
+    def pread_into(self, fd: int, buf: memoryview, offset: int) -> int: ...
+
+
+class PosixIO:
+    def pread_into(self, fd: int, buf: memoryview, offset: int) -> int:
+        return os.preadv(fd, [buf], offset)
+
+
+class Container:
+    def __init__(self, root: Path, manifest: spec.Manifest, config: dict, verify: Verify,
+                 io: ExpertIO) -> None:
+        self.root = root
+        self.manifest = manifest
+        self.config = config
+        self.verify = verify
+        self.io = io
+        self._layers = {entry.index: entry for entry in manifest.layers}
+        self._paths = {entry.index: spec.check_relative(root, entry.file) for entry in manifest.layers}
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._checked = {i: bytearray(e.num_experts) for i, e in self._layers.items()}
+
+    # -- opening ---------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, verify: Verify = "first-use",
+             io: ExpertIO | None = None) -> Container:
+        if verify not in ("off", "first-use", "full"):
+            raise ValueError(f"verify must be off, first-use or full, not {verify!r}")
+        root = Path(path)
+        if not root.exists():
+            raise QpackError(root, "no such container")
+        if not root.is_dir():
+            raise QpackError(root, "not a container directory (a .qpack is a directory)")
+        manifest = load_manifest(root)
+        config = _load_config(root, manifest)
+        _check_files(root, manifest)
+        _check_layers(root, manifest)
+        container = cls(root, manifest, config, verify, io or PosixIO())
+        if verify == "full":
+            report = verify_container(root)
+            if not report.ok:
+                raise QpackError(root, "verification failed: " + "; ".join(report.problems[:5]))
+            for bits in container._checked.values():
+                bits[:] = b"\x01" * len(bits)
+        return container
+
+    # -- dense core --------------------------------------------------------------
+    @property
+    def dense_path(self) -> Path:
+        return self.root / spec.DENSE
+
+    def dense_weights(self) -> dict[str, mx.array]:
+        return mx.load(str(self.dense_path))
+
+    # -- experts -----------------------------------------------------------------
+    def layer(self, layer_index: int) -> spec.LayerEntry:
+        entry = self._layers.get(layer_index)
+        if entry is None:
+            raise KeyError(f"layer {layer_index} has no routed experts in {self.root} (MoE layers: {sorted(self._layers)})")
+        return entry
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return sorted(self._layers)
+
+    def _fd(self, layer_index: int) -> int:
+        fd = self._fds.get(layer_index)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(layer_index)
+                if fd is None:
+                    fd = self._fds[layer_index] = os.open(self._paths[layer_index], os.O_RDONLY)
+        return fd
+
+    def read_expert(self, layer_index: int, expert: int, out: memoryview | np.ndarray) -> None:
+        """Read one expert blob into `out` (writable bytes, at least nbytes long; a full
+        stride when it fits, so the read stays one aligned request)."""
+        entry = self.layer(layer_index)
+        if not 0 <= expert < entry.num_experts:
+            raise IndexError(f"layer {layer_index}: expert {expert} out of range 0..{entry.num_experts - 1}")
+        view = memoryview(out).cast("B") if not isinstance(out, memoryview) or out.format != "B" else out
+        if view.readonly:
+            raise ValueError("read_expert needs a writable buffer")
+        nbytes = entry.format.nbytes
+        if len(view) < nbytes:
+            raise ValueError(f"buffer of {len(view)} bytes is smaller than the expert ({nbytes} bytes)")
+        want = entry.stride if len(view) >= entry.stride else nbytes
+        fd = self._fd(layer_index)
+        offset = expert * entry.stride
+        got = 0
+        while got < want:
+            n = self.io.pread_into(fd, view[got:want], offset + got)
+            if n <= 0:
+                break
+            got += n
+        if got < nbytes:
+            raise QpackError(self._paths[layer_index],
+                             f"layer {layer_index} expert {expert}: short read ({got} of {nbytes} bytes at {offset}); file truncated?")
+        if self.verify == "first-use" and not self._checked[layer_index][expert]:
+            crc = zlib.crc32(view[:nbytes])
+            if crc != entry.checksums[expert]:
+                raise ExpertCorrupt(self._paths[layer_index],
+                                    f"layer {layer_index} expert {expert}: crc32 {crc:08x} != {entry.checksums[expert]:08x} "
+                                    "recorded at pack time (corrupted on disk?)")
+            self._checked[layer_index][expert] = 1
+
+    def expert_views(self, buf: memoryview | np.ndarray, layer_index: int | None = None) -> dict[str, np.ndarray]:
+        """Each tensor of an expert blob as a numpy view into `buf` (bfloat16 as uint16)."""
+        entry = self.layer(layer_index if layer_index is not None else self.moe_layers[0])
+        return expert_views(entry.format, buf)
+
+    # -- sizes -------------------------------------------------------------------
+    @property
+    def smallest_pool_bytes(self) -> int:
+        """Smallest workable pool for decode: one layer's top-k experts resident at once."""
+        return self.manifest.top_k * self.manifest.max_stride
+
+    def prefill_pool_bytes(self, chunk_tokens: int) -> int:
+        """Smallest pool for a prefill chunk: every expert the chunk can route to in one layer."""
+        return min(self.manifest.num_experts, chunk_tokens * self.manifest.top_k) * self.manifest.max_stride
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __enter__(self) -> Container:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def expert_views(fmt: spec.ExpertFormat, buf: memoryview | np.ndarray) -> dict[str, np.ndarray]:
+    raw = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf.view(np.uint8).reshape(-1)
+    if raw.size < fmt.nbytes:
+        raise ValueError(f"buffer of {raw.size} bytes is smaller than the expert ({fmt.nbytes} bytes)")
+    return {t.name: raw[t.offset : t.offset + t.nbytes].view(_NP_DTYPES[t.dtype]).reshape(t.shape) for t in fmt.tensors}
+
+
+def load_manifest(root: Path) -> spec.Manifest:
+    path = root / spec.MANIFEST
+    if not path.is_file():
+        raise QpackError(root, "incomplete container (no manifest.json); re-run pack to resume")
+    data = path.read_bytes()
+    try:
+        raw = json.loads(data)
+    except ValueError as exc:
+        raise QpackError(path, f"manifest is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict) or raw.get("magic") != spec.MAGIC:
+        magic = raw.get("magic") if isinstance(raw, dict) else None
+        raise QpackError(path, f"not a qpack container (magic {magic!r}, expected {spec.MAGIC!r})")
+    version = raw.get("version")
+    if not isinstance(version, int) or version < 1:
+        raise QpackError(path, f"container version {version!r} is not a valid version")
+    if version > spec.VERSION:
+        raise QpackError(path, f"container version {version} is newer than this moestream supports ({spec.VERSION})")
+    return spec.decode_manifest(data, path)
+
+
+def _load_config(root: Path, manifest: spec.Manifest) -> dict:
+    path = root / spec.CONFIG
+    if not path.is_file():
+        raise QpackError(path, "config.json is missing")
+    try:
+        config = json.loads(path.read_bytes())
+    except ValueError as exc:
+        raise QpackError(path, f"config.json is not valid JSON: {exc}") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if MODEL_TYPE_ALIASES.get(model_type, model_type) != manifest.model_type:
+        raise QpackError(path, f"config.json model_type {model_type!r} does not match the manifest's {manifest.model_type!r}")
+    return config
+
+
+def _check_files(root: Path, manifest: spec.Manifest) -> None:
+    listed = set()
+    for f in manifest.files:
+        path = spec.check_relative(root, f.path)
+        if f.path in listed:
+            raise QpackError(root / spec.MANIFEST, f"file {f.path!r} is listed twice")
+        listed.add(f.path)
+        if not path.is_file():
+            raise QpackError(path, "listed in the manifest but missing")
+        size = path.stat().st_size
+        if size != f.size:
+            raise QpackError(path, f"is {size} bytes, manifest says {f.size} (truncated or replaced)")
+    for required in (spec.CONFIG, spec.DENSE):
+        if required not in listed:
+            raise QpackError(root / spec.MANIFEST, f"manifest does not list {required}")
+    dense = next(f for f in manifest.files if f.path == spec.DENSE)
+    if dense.size != manifest.dense_bytes:
+        raise QpackError(root / spec.MANIFEST, f"dense_bytes {manifest.dense_bytes} != size of {spec.DENSE} ({dense.size})")
+
+
+def _check_layers(root: Path, m: spec.Manifest) -> None:
+    where = root / spec.MANIFEST
+    if m.alignment <= 0 or m.alignment % spec.TENSOR_ALIGNMENT:
+        raise QpackError(where, f"alignment {m.alignment} is not a positive multiple of {spec.TENSOR_ALIGNMENT}")
+    if not 0 < m.top_k <= m.num_experts:
+        raise QpackError(where, f"top_k {m.top_k} is not within 1..num_experts ({m.num_experts})")
+    sizes = {f.path: f.size for f in m.files}
+    seen: set[int] = set()
+    for entry in m.layers:
+        name = f"layer {entry.index}"
+        if entry.index in seen or not 0 <= entry.index < m.num_layers:
+            raise QpackError(where, f"{name}: index duplicated or outside 0..{m.num_layers - 1}")
+        seen.add(entry.index)
+        spec.check_relative(root, entry.file)
+        if entry.file not in sizes:
+            raise QpackError(where, f"{name}: file {entry.file!r} is not in the files list")
+        if entry.num_experts != m.num_experts or len(entry.checksums) != entry.num_experts:
+            raise QpackError(where, f"{name}: {entry.num_experts} experts, {len(entry.checksums)} checksums, "
+                             f"manifest num_experts {m.num_experts}")
+        _check_format(where, name, entry.format)
+        if entry.stride < entry.format.nbytes:
+            raise QpackError(where, f"{name}: stride {entry.stride} is smaller than the expert format's {entry.format.nbytes} bytes")
+        if entry.stride % m.alignment:
+            raise QpackError(where, f"{name}: stride {entry.stride} is not a multiple of the alignment {m.alignment}")
+        if entry.num_experts * entry.stride != sizes[entry.file]:
+            raise QpackError(root / entry.file, f"{name}: {entry.num_experts} experts x stride {entry.stride} = "
+                             f"{entry.num_experts * entry.stride} bytes, but the file is {sizes[entry.file]}")
+
+
+def _check_format(where: Path, name: str, fmt: spec.ExpertFormat) -> None:
+    end = 0
+    for t in sorted(fmt.tensors, key=lambda t: t.offset):
+        expected = spec.DTYPE_SIZES[t.dtype] * int(np.prod(t.shape, dtype=np.int64))
+        if any(d < 0 for d in t.shape) or t.nbytes != expected:
+            raise QpackError(where, f"{name}: tensor {t.name} {t.dtype}{list(t.shape)} cannot be {t.nbytes} bytes")
+        if t.offset < 0:
+            raise QpackError(where, f"{name}: tensor {t.name} has negative offset {t.offset}")
+        if t.offset < end:
+            raise QpackError(where, f"{name}: tensor {t.name} at offset {t.offset} overlaps the previous tensor (ends at {end})")
+        end = t.offset + t.nbytes
+    if end > fmt.nbytes:
+        raise QpackError(where, f"{name}: tensors end at {end}, past the format's nbytes {fmt.nbytes}")
+    names = [t.name for t in fmt.tensors]
+    for proj in spec.PROJECTIONS:
+        if f"{proj}.weight" not in names:
+            raise QpackError(where, f"{name}: expert format has no {proj}.weight")
+
+
+class VerifyReport(msgspec.Struct):
+    path: str
+    problems: list[str] = []
+    files_checked: int = 0
+    experts_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_container(path: str | os.PathLike[str]) -> VerifyReport:
+    """Full check: structure, every file's sha256 and every expert's crc32.
+
+    Collects every problem instead of stopping at the first."""
+    root = Path(path)
+    report = VerifyReport(str(root))
+    try:
+        container = Container.open(root, verify="off")
+    except QpackError as exc:
+        report.problems.append(str(exc))
+        return report
+    with container:
+        m = container.manifest
+        for f in m.files:
+            h = hashlib.sha256()
+            with open(root / f.path, "rb") as fh:
+                while chunk := fh.read(1 << 22):
+                    h.update(chunk)
+            report.files_checked += 1
+            if h.hexdigest() != f.sha256:
+                report.problems.append(f"{root / f.path}: sha256 {h.hexdigest()[:16]}... != manifest {f.sha256[:16]}...")
+        for entry in m.layers:
+            buf = bytearray(entry.stride)
+            for e in range(entry.num_experts):
+                container.read_expert(entry.index, e, buf)
+                report.experts_checked += 1
+                crc = zlib.crc32(memoryview(buf)[: entry.format.nbytes])
+                if crc != entry.checksums[e]:
+                    report.problems.append(f"{root / entry.file}: layer {entry.index} expert {e}: crc32 {crc:08x} "
+                                           f"!= {entry.checksums[e]:08x}")
+    return report

@@ -1,0 +1,298 @@
+"""Reading a source checkpoint (HF or MLX) one tensor at a time, in mlx-lm's terms.
+
+Handles: HF sharded safetensors (bf16/f16/f32) for qwen3_next (per-expert tensors)
+and qwen3_5_moe (hub layout: nested text_config, `model.language_model.` prefix, fused
+`experts.gate_up_proj`/`experts.down_proj`; transformers-5 text-only layout: flat
+config, `qwen3_5_moe_text`), and MLX checkpoints (stacked `switch_mlp` experts,
+possibly quantized). Dense names are mapped exactly as the mlx-lm model's `sanitize`
+would, tensor by tensor, so the whole checkpoint is never in memory at once.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import msgspec
+
+from qpack.safetensors_io import SafetensorsFile, TensorInfo, bytes_to_mx, open_index
+from qpack.spec import PROJECTIONS, QpackError
+
+FAMILIES = ("qwen3_next", "qwen3_5_moe")
+MODEL_TYPE_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+)
+_NORM_SUFFIXES = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
+_PER_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_STACKED = re.compile(r"layers\.(\d+)\.mlp\.switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
+
+
+class RawTensor(msgspec.Struct):
+    """A tensor's bytes as stored in the source, plus what they are."""
+
+    tag: str  # safetensors dtype tag
+    shape: tuple[int, ...]
+    data: bytearray
+
+    def to_mx(self) -> mx.array:
+        return bytes_to_mx(self.data, self.tag, self.shape)
+
+
+@dataclass(frozen=True)
+class ExpertRef:
+    """Where one projection part of a layer's experts lives in the source."""
+
+    name: str  # source tensor name
+    kind: str  # "per-expert" (name has {e}), "stacked" (row e), "fused-gate"/"fused-up" (row e, half)
+
+
+@dataclass(frozen=True)
+class DenseRef:
+    target: str  # mlx-lm parameter name
+    source: str
+    moveaxis: bool = False  # conv1d weight [C,1,K] -> [C,K,1]
+    plus_one: bool = False  # HF stores (1 + w) norms as w
+
+
+@dataclass
+class SourceCheckpoint:
+    root: Path
+    config: dict  # source config.json
+    model_type: str  # container model type (qwen3_next | qwen3_5_moe)
+    text: dict  # the text model's arguments (text_config, or the flat config)
+    quantization: dict | None  # MLX quantization block when the source is MLX quantized
+    is_mlx: bool
+    index: dict[str, Path]
+    moe_layers: dict[int, dict[str, ExpertRef]] = field(default_factory=dict)
+    dense: list[DenseRef] = field(default_factory=list)
+    _files: dict[Path, SafetensorsFile] = field(default_factory=dict)
+
+    # -- facts -------------------------------------------------------------
+    @property
+    def num_experts(self) -> int:
+        return int(self.text["num_experts"])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.text["num_experts_per_tok"])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.text["num_hidden_layers"])
+
+    def mlx_config(self) -> dict:
+        """The config the mlx-lm model class understands (and the container ships)."""
+        cfg = copy.deepcopy(self.config)
+        if cfg.get("model_type") in MODEL_TYPE_ALIASES:
+            cfg["model_type"] = MODEL_TYPE_ALIASES[cfg["model_type"]]
+        return cfg
+
+    def tokenizer_files(self) -> list[Path]:
+        return [self.root / n for n in TOKENIZER_FILES if (self.root / n).is_file()]
+
+    # -- tensor access -----------------------------------------------------
+    def file(self, name: str) -> SafetensorsFile:
+        path = self.index.get(name)
+        if path is None:
+            raise QpackError(self.root, f"tensor {name!r} is not in the checkpoint")
+        f = self._files.get(path)
+        if f is None:
+            if not path.is_file():
+                raise QpackError(path, f"shard listed in the index for {name!r} is missing")
+            f = self._files[path] = SafetensorsFile(path)
+        if name not in f.tensors:
+            raise QpackError(path, f"tensor {name!r} listed in the index is not in this shard")
+        return f
+
+    def info(self, name: str) -> TensorInfo:
+        return self.file(name).tensors[name]
+
+    def raw(self, name: str, row: int | None = None) -> RawTensor:
+        f = self.file(name)
+        info = f.tensors[name]
+        shape = info.shape if row is None else info.shape[1:]
+        return RawTensor(info.dtype, shape, f.read_bytes(name, row))
+
+    def dense_tensor(self, ref: DenseRef) -> mx.array:
+        """One dense tensor under its mlx-lm name, sanitized as mlx-lm would."""
+        arr = self.raw(ref.source).to_mx()
+        if ref.moveaxis:
+            arr = arr.moveaxis(2, 1)
+        if ref.plus_one:
+            arr = arr + 1.0
+        return arr
+
+    def expert(self, layer: int, e: int) -> dict[str, RawTensor]:
+        """Expert e of a layer: "{proj}.{part}" -> its bytes (source dtype, unquantized
+        or MLX-quantized exactly as stored)."""
+        out: dict[str, RawTensor] = {}
+        for key, ref in self.moe_layers[layer].items():
+            if ref.kind == "per-expert":
+                out[key] = self.raw(ref.name.format(e=e))
+            elif ref.kind == "stacked":
+                out[key] = self.raw(ref.name, row=e)
+            else:
+                t = self.raw(ref.name, row=e)
+                half = len(t.data) // 2
+                rows = t.shape[0] // 2
+                data = t.data[:half] if ref.kind == "fused-gate" else t.data[half:]
+                out[key] = RawTensor(t.tag, (rows, *t.shape[1:]), data)
+        return out
+
+    def expert_shapes(self, layer: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Shape and safetensors tag of each part of one expert, without reading data."""
+        out = {}
+        for key, ref in self.moe_layers[layer].items():
+            name = ref.name.format(e=0) if ref.kind == "per-expert" else ref.name
+            info = self.info(name)
+            shape = info.shape if ref.kind == "per-expert" else info.shape[1:]
+            if ref.kind.startswith("fused"):
+                shape = (shape[0] // 2, *shape[1:])
+            out[key] = (tuple(shape), info.dtype)
+        return out
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def _load_config(root: Path) -> dict:
+    path = root / "config.json"
+    if not path.is_file():
+        raise QpackError(root, "not a checkpoint directory (no config.json)")
+    try:
+        cfg = json.loads(path.read_text())
+    except ValueError as exc:
+        raise QpackError(path, f"config.json is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise QpackError(path, "config.json has no model_type")
+    return cfg
+
+
+def _target_name(model_type: str, name: str) -> str | None:
+    """mlx-lm's key renames (qwen3_5_moe.Model.sanitize); None drops the tensor."""
+    if "mtp." in name:
+        return None
+    if model_type == "qwen3_next":
+        return name
+    if name.startswith(("vision_tower", "model.visual")):
+        return None
+    if name.startswith("model.language_model"):
+        return name.replace("model.language_model", "language_model.model", 1)
+    if name.startswith("language_model."):
+        return name
+    return "language_model." + name
+
+
+def _experts(names: list[str], num_experts: int, root: Path) -> dict[int, dict[str, ExpertRef]]:
+    layers: dict[int, dict[str, ExpertRef]] = {}
+    seen: dict[tuple[int, str], set[int]] = {}
+    for name in names:
+        if "mtp." in name:
+            continue
+        if m := _PER_EXPERT.search(name):
+            layer, e, proj = int(m[1]), int(m[2]), m[3]
+            seen.setdefault((layer, proj), set()).add(e)
+            template = name[: m.start(2)] + "{e}" + name[m.end(2) :]
+            layers.setdefault(layer, {})[f"{proj}.weight"] = ExpertRef(template, "per-expert")
+        elif m := _FUSED.search(name):
+            layer = int(m[1])
+            refs = layers.setdefault(layer, {})
+            if m[2] == "down_proj":
+                refs["down_proj.weight"] = ExpertRef(name, "stacked")
+            else:
+                refs["gate_proj.weight"] = ExpertRef(name, "fused-gate")
+                refs["up_proj.weight"] = ExpertRef(name, "fused-up")
+        elif m := _STACKED.search(name):
+            layers.setdefault(int(m[1]), {})[f"{m[2]}.{m[3]}"] = ExpertRef(name, "stacked")
+    for (layer, proj), es in seen.items():
+        if es != set(range(num_experts)):
+            missing = sorted(set(range(num_experts)) - es)[:8]
+            raise QpackError(root, f"layer {layer} {proj}: experts {missing} missing from the checkpoint")
+    for layer, refs in layers.items():
+        for proj in PROJECTIONS:
+            if f"{proj}.weight" not in refs:
+                raise QpackError(root, f"layer {layer}: no {proj} weight for the routed experts")
+    return dict(sorted(layers.items()))
+
+
+def open_source(root: str | Path) -> SourceCheckpoint:
+    root = Path(root)
+    config = _load_config(root)
+    source_type = config["model_type"]
+    model_type = MODEL_TYPE_ALIASES.get(source_type, source_type)
+    if model_type not in FAMILIES:
+        raise QpackError(root / "config.json", f"model_type {source_type!r} is not supported (want one of {FAMILIES})")
+    text = config.get("text_config", config) if model_type == "qwen3_5_moe" else config
+    for key in ("num_experts", "num_experts_per_tok", "num_hidden_layers"):
+        if key not in text:
+            raise QpackError(root / "config.json", f"config has no {key!r}")
+    quantization = config.get("quantization")
+    index = open_index(root)
+    names = sorted(index)
+    src = SourceCheckpoint(root, config, model_type, text, quantization, False, index)
+    src.moe_layers = _experts(names, src.num_experts, root)
+    if not src.moe_layers:
+        raise QpackError(root, "no routed expert tensors found")
+    kinds = {ref.kind for refs in src.moe_layers.values() for ref in refs.values()}
+    src.is_mlx = kinds == {"stacked"} and any(".switch_mlp." in n for n in names)
+    if quantization is not None and not src.is_mlx:
+        raise QpackError(root / "config.json", "config has a quantization block but tensors are not MLX-stacked")
+    expert_names = {
+        (ref.name.format(e=e) if ref.kind == "per-expert" else ref.name)
+        for refs in src.moe_layers.values()
+        for ref in refs.values()
+        for e in (range(src.num_experts) if ref.kind == "per-expert" else (0,))
+    }
+    src.dense = _dense_refs(src, [n for n in names if n not in expert_names])
+    return src
+
+
+def _dense_refs(src: SourceCheckpoint, names: list[str]) -> list[DenseRef]:
+    """mlx-lm `sanitize`, decided per tensor: which HF fix-ups apply is a property of
+    the whole checkpoint (HF vs already-sanitized MLX), so decide it once here."""
+    conv_unsanitized = any(
+        "conv1d.weight" in n and src.info(n).shape[-1] != 1 for n in names if "mtp." not in n
+    )
+    if src.model_type == "qwen3_next":
+        hf_norms = not src.is_mlx  # its sanitize is a no-op unless per-expert HF keys exist
+    else:
+        hf_norms = conv_unsanitized
+    tied = bool(src.text.get("tie_word_embeddings", src.config.get("tie_word_embeddings", False)))
+    refs = []
+    for name in names:
+        target = _target_name(src.model_type, name)
+        if target is None or (tied and target.endswith("lm_head.weight")):
+            continue
+        info = src.info(name)
+        moveaxis = "conv1d.weight" in target and info.shape[-1] != 1 and (
+            src.model_type != "qwen3_next" or not src.is_mlx
+        )
+        plus_one = hf_norms and len(info.shape) == 1 and target.endswith(_NORM_SUFFIXES)
+        refs.append(DenseRef(target, name, moveaxis, plus_one))
+    refs.sort(key=lambda r: r.target)
+    counts = Counter(r.target for r in refs)
+    dupes = [t for t, n in counts.items() if n > 1]
+    if dupes:
+        raise QpackError(src.root, f"tensors map to the same mlx-lm name: {sorted(dupes)[:5]}")
+    return refs

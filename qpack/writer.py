@@ -1,0 +1,331 @@
+"""The packer: source checkpoint (local or hub) -> `.qpack` container, resumably.
+
+Every file is written as `<name>.partial`, fsynced, then renamed; a small journal
+(`.qpack-journal.json`, tmp+rename) records each finished file with its size, sha256
+and per-expert crc32s. A run killed at any point (kill -9 included) leaves only whole
+files plus at most one `.partial`; the next run skips what the journal lists and
+redoes the rest. The output bytes depend only on the source and the options, so a
+resumed container is byte-identical to an uninterrupted one. manifest.json is written
+last: until it exists the reader refuses the directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import structlog
+
+from qpack import spec
+from qpack.layout import ContainerPlan, LayerPlan, make_plan
+from qpack.quantize import cast, quantize
+from qpack.safetensors_io import SafetensorsWriter, mx_to_bytes
+from qpack.source import SourceCheckpoint, open_source
+from qpack.spec import QpackError
+
+log = structlog.get_logger("qpack.pack")
+JOURNAL = ".qpack-journal.json"
+TEST_DELAY_ENV = "QPACK_TEST_DELAY_S"  # tests: sleep after each expert/file so a kill lands mid-pack
+
+
+class Done(msgspec.Struct):
+    size: int
+    sha256: str
+    checksums: list[int] = []
+
+
+class Journal(msgspec.Struct):
+    options: dict[str, str | int | None]
+    done: dict[str, Done] = {}
+
+
+@dataclass
+class PackResult:
+    manifest: spec.Manifest
+    path: Path
+    bytes_written: int
+    seconds: float
+
+    @property
+    def mb_s(self) -> float:
+        return self.bytes_written / 1e6 / max(self.seconds, 1e-9)
+
+
+def _delay() -> None:
+    if d := os.environ.get(TEST_DELAY_ENV):
+        time.sleep(float(d))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Out:
+    """One output file written as .partial then renamed; hashes while writing."""
+
+    def __init__(self, root: Path, rel: str) -> None:
+        self.path = root / rel
+        self.partial = self.path.with_name(self.path.name + ".partial")
+        self.sha = hashlib.sha256()
+        self.size = 0
+        self.f = None
+
+    def __enter__(self) -> _Out:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = _guard(self.partial, lambda: open(self.partial, "wb"))  # noqa: SIM115
+        return self
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        _guard(self.partial, lambda: self.f.write(data))
+        self.sha.update(data)
+        self.size += len(data)
+
+    def __exit__(self, exc_type, exc, tb) -> None:  # noqa: ANN001
+        if exc_type is not None:
+            self.f.close()
+            if isinstance(exc, QpackError):  # disk full: free the space of what we wrote
+                self.partial.unlink(missing_ok=True)
+            return
+        def finish() -> None:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+            os.replace(self.partial, self.path)
+            _fsync_dir(self.path.parent)
+        _guard(self.partial, finish)
+
+    def done(self) -> Done:
+        return Done(self.size, self.sha.hexdigest())
+
+
+def _guard(path: Path, fn: Callable):  # noqa: ANN202
+    try:
+        return fn()
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise QpackError(path, "disk full (ENOSPC) while writing; free space and re-run pack to resume") from None
+        raise
+
+
+class Packer:
+    def __init__(self, src: SourceCheckpoint, plan: ContainerPlan, out: Path, source_name: str,
+                 options: dict, progress: bool) -> None:
+        self.src, self.plan, self.out = src, plan, out
+        self.source_name = source_name
+        self.options = options
+        self.progress = progress
+        self.journal = self._load_journal()
+        self.bytes_written = 0
+
+    # -- journal ------------------------------------------------------------
+    def _load_journal(self) -> Journal:
+        path = self.out / JOURNAL
+        if path.exists():
+            try:
+                journal = msgspec.json.decode(path.read_bytes(), type=Journal)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                log.warning("pack.journal_unreadable", path=str(path))
+                return Journal(self.options)
+            if journal.options != self.options:
+                diff = {k: (journal.options.get(k), v) for k, v in self.options.items() if journal.options.get(k) != v}
+                raise QpackError(self.out, f"a pack with other options is in progress here {diff}; "
+                                 "re-run with the same options or use another -o")
+            return journal
+        if self.out.exists() and any(self.out.iterdir()):
+            raise QpackError(self.out, "output directory exists, is not empty and is not a partial container")
+        return Journal(self.options)
+
+    def _commit(self, rel: str, done: Done) -> None:
+        self.journal.done[rel] = done
+        tmp = self.out / (JOURNAL + ".tmp")
+        data = msgspec.json.encode(self.journal)
+        _guard(tmp, lambda: tmp.write_bytes(data))
+        os.replace(tmp, self.out / JOURNAL)
+        _delay()
+
+    def _finished(self, rel: str) -> bool:
+        d = self.journal.done.get(rel)
+        path = self.out / rel
+        return d is not None and path.is_file() and path.stat().st_size == d.size
+
+    # -- steps ----------------------------------------------------------------
+    def run(self, bar: Callable[[int], None]) -> spec.Manifest:
+        self.out.mkdir(parents=True, exist_ok=True)
+        for p in self.out.rglob("*.partial"):  # leftovers of a killed run
+            p.unlink()
+        self._small(spec.CONFIG, (json.dumps(self.plan.config, indent=2, sort_keys=True) + "\n").encode())
+        for tok in self.src.tokenizer_files():
+            self._small(tok.name, tok.read_bytes())
+        self._dense(bar)
+        for layer in self.plan.layers:
+            self._layer(layer, bar)
+        return self._manifest()
+
+    def _small(self, rel: str, data: bytes) -> None:
+        if self._finished(rel):
+            return
+        with _Out(self.out, rel) as o:
+            o.write(data)
+        self._commit(rel, o.done())
+
+    def _dense(self, bar: Callable[[int], None]) -> None:
+        if self._finished(spec.DENSE):
+            bar(self.journal.done[spec.DENSE].size)
+            return
+        planned = self.plan.dense_plan()
+        with _Out(self.out, spec.DENSE) as o:
+            writer = SafetensorsWriter(o, planned)
+            produced: dict[str, object] = {}
+            for item in sorted(self.plan.dense, key=lambda i: i.outputs[0].name):
+                arr = cast(self.src.dense_tensor(item.ref), item.cast)
+                if item.rule is not None:
+                    wq, scales, biases = quantize(arr, item.rule)
+                    parts = dict(zip([t.name for t in item.outputs], (wq, scales, biases), strict=True))
+                else:
+                    parts = {item.outputs[0].name: arr}
+                produced.update(parts)
+                # Output order is by name; flush whatever prefix of the plan is ready.
+                while writer.next < len(planned) and planned[writer.next].name in produced:
+                    name = planned[writer.next].name
+                    writer.write(name, produced.pop(name))
+            writer.finish()
+        self.bytes_written += o.size
+        bar(o.size)
+        self._commit(spec.DENSE, o.done())
+
+    def _layer(self, lp: LayerPlan, bar: Callable[[int], None]) -> None:
+        rel = spec.layer_file(lp.index)
+        n = self.src.num_experts
+        if self._finished(rel):
+            bar(lp.stride * n)
+            return
+        crcs: list[int] = []
+        with _Out(self.out, rel) as o:
+            for e in range(n):
+                blob = self._expert_blob(lp, e)
+                crcs.append(zlib.crc32(memoryview(blob)[: lp.format.nbytes]))
+                o.write(blob)
+                bar(lp.stride)
+                _delay()
+        self.bytes_written += o.size
+        done = o.done()
+        done.checksums = crcs
+        self._commit(rel, done)
+        log.debug("pack.layer", layer=lp.index, bytes=o.size)
+
+    def _expert_blob(self, lp: LayerPlan, e: int) -> bytearray:
+        raw = self.src.expert(lp.index, e)
+        parts: dict[str, bytes | bytearray | memoryview] = {}
+        if self.plan.copy_quantized:
+            parts = {k: t.data for k, t in raw.items()}
+        else:
+            for proj in spec.PROJECTIONS:
+                w = cast(raw[f"{proj}.weight"].to_mx(), lp.cast)
+                if lp.rule is None:
+                    parts[f"{proj}.weight"] = mx_to_bytes(w)
+                    continue
+                wq, scales, biases = quantize(w, lp.rule)
+                for part, arr in (("weight", wq), ("scales", scales), ("biases", biases)):
+                    parts[f"{proj}.{part}"] = mx_to_bytes(arr)
+        blob = bytearray(lp.stride)
+        for t in lp.format.tensors:
+            data = parts[t.name]
+            if len(data) != t.nbytes:
+                raise QpackError(self.src.root, f"layer {lp.index} expert {e} {t.name}: {len(data)} bytes, format says {t.nbytes}")
+            blob[t.offset : t.offset + t.nbytes] = data
+        return blob
+
+    def _manifest(self) -> spec.Manifest:
+        done = self.journal.done
+        q = self.plan.quant
+        quant = spec.Quantization(
+            q.default.bits if q.default else None,
+            q.default.group_size if q.default else None,
+            q.default.mode if q.default else None,
+            {k: dict(v) for k, v in sorted(q.overrides.items())},
+        )
+        layers = tuple(
+            spec.LayerEntry(lp.index, spec.layer_file(lp.index), self.src.num_experts, lp.stride, lp.format,
+                            tuple(done[spec.layer_file(lp.index)].checksums))
+            for lp in self.plan.layers
+        )
+        files = tuple(spec.FileEntry(rel, d.size, d.sha256) for rel, d in sorted(done.items()))
+        manifest = spec.Manifest(
+            magic=spec.MAGIC, version=spec.VERSION, source=self.source_name,
+            model_type=self.src.model_type, num_layers=self.src.num_layers,
+            num_experts=self.src.num_experts, top_k=self.src.top_k, quantization=quant,
+            alignment=spec.ALIGNMENT, checksum="crc32", dense_bytes=done[spec.DENSE].size,
+            layers=layers, files=files,
+        )
+        data = json.dumps(json.loads(spec.encode_manifest(manifest)), indent=2, sort_keys=True).encode() + b"\n"
+        with _Out(self.out, spec.MANIFEST) as o:
+            o.write(data)
+        (self.out / JOURNAL).unlink(missing_ok=True)
+        return manifest
+
+
+def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: int | None = 4,
+         group_size: int = 64, dtype: str | None = None, revision: str | None = None,
+         progress: bool = True) -> PackResult:
+    """Pack `source` (a checkpoint dir or a hub repo id) into the container `out`.
+
+    bits: 4 or 8 quantize float sources (16 or None: keep float); an MLX-quantized
+    source keeps its own quantization (bits None or equal to it)."""
+    from qpack.hub import resolve_source
+
+    out = Path(out)
+    bits = None if bits == 16 else bits
+    options = {"source": str(source), "bits": bits, "group_size": group_size, "dtype": dtype, "revision": revision}
+    if (out / spec.MANIFEST).exists():
+        manifest = spec.decode_manifest((out / spec.MANIFEST).read_bytes(), out / spec.MANIFEST)
+        (out / JOURNAL).unlink(missing_ok=True)
+        log.info("pack.already_complete", path=str(out))
+        return PackResult(manifest, out, 0, 0.0)
+    t0 = time.perf_counter()
+    src = open_source(resolve_source(str(source), revision=revision, progress=progress))
+    try:
+        plan = make_plan(src, bits, group_size, dtype)
+        packer = Packer(src, plan, out, str(source), options, progress)
+        total = sum(t.nbytes for t in plan.dense_plan()) + sum(lp.stride * src.num_experts for lp in plan.layers)
+        manifest = _with_progress(packer, total, progress, out)
+    finally:
+        src.close()
+    result = PackResult(manifest, out, packer.bytes_written, time.perf_counter() - t0)
+    log.info("pack.done", path=str(out), mb=round(result.bytes_written / 1e6, 2), seconds=round(result.seconds, 2),
+             mb_s=round(result.mb_s, 1))
+    return result
+
+
+def _with_progress(packer: Packer, total: int, progress: bool, out: Path) -> spec.Manifest:
+    if not progress:
+        return packer.run(lambda n: None)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress("[bold]pack", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn()) as p:
+        task = p.add_task(out.name, total=total)
+        return packer.run(lambda n: p.advance(task, n))
+
+
+def remove_partial(out: Path) -> None:
+    """Throw away an unfinished container (used by `pack --restart`)."""
+    if (out / JOURNAL).exists() and not (out / spec.MANIFEST).exists():
+        shutil.rmtree(out)
