@@ -4,7 +4,9 @@
 OpenAI body share it). `Sampler` turns one step's logits into one token id; it owns the
 RNG and the token counts the penalties need, so one `Sampler` belongs to one sequence.
 `StopMatcher` cuts the streamed text at the first stop string without ever emitting any
-part of it, even when a stop string spans several token deltas.
+part of it, even when a stop string spans several token deltas. `TextStream` is the glue
+from sampled ids to the text a caller may see: an mlx-lm streaming detokenizer (whole
+UTF-8 characters only) feeding a `StopMatcher`, ending on EOS / stop ids / stop strings.
 
 Order of operations (as in HF transformers and vLLM, so results are comparable with
 the usual OpenAI-compatible servers): repetition penalty (prompt + generated), frequency
@@ -19,6 +21,7 @@ import math
 import secrets
 from collections import Counter
 from collections.abc import Iterable
+from typing import Literal, Protocol
 
 import mlx.core as mx
 import msgspec
@@ -267,3 +270,67 @@ class StopMatcher:
                     longest = n
                     break
         return longest
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class Detokenizer(Protocol):
+    """What `TextStream` needs: mlx-lm's `StreamingDetokenizer` (`TokenizerWrapper.detokenizer`)."""
+
+    def add_token(self, token: int) -> object: ...
+
+    def finalize(self) -> object: ...
+
+    @property
+    def last_segment(self) -> str: ...
+
+
+class TextStream:
+    """Sampled token ids -> text deltas that are safe to send to a client.
+
+    `add(token)` returns `(delta, finish_reason)`: finish_reason is "stop" when the token is
+    an EOS / stop token (the token itself produces no text, as in the OpenAI API) or the
+    text reached a stop string (cut before it), else None. `finish()` ends a stream that
+    ran out of tokens ("length") and returns the text still held back. `text` is all that
+    was emitted so far.
+    """
+
+    def __init__(
+        self,
+        detokenizer: Detokenizer,
+        stops: Iterable[str] = (),
+        stop_token_ids: Iterable[int] = (),
+    ) -> None:
+        self._detok = detokenizer
+        self._matcher = StopMatcher(stops)
+        self._stop_ids = frozenset(stop_token_ids)
+        self.text = ""
+        self.finish_reason: FinishReason | None = None
+
+    def add(self, token: int) -> tuple[str, FinishReason | None]:
+        if self.finish_reason is not None:
+            return "", self.finish_reason
+        if token in self._stop_ids:
+            return self._end("stop"), "stop"
+        self._detok.add_token(token)
+        out, stopped = self._matcher.feed(self._detok.last_segment)
+        self.text += out
+        if stopped:
+            self.finish_reason = "stop"
+        return out, self.finish_reason
+
+    def finish(self, reason: FinishReason = "length") -> str:
+        """End the stream (no-op if it already ended); returns the last text to emit."""
+        if self.finish_reason is not None:
+            return ""
+        return self._end(reason)
+
+    def _end(self, reason: FinishReason) -> str:
+        self.finish_reason = reason
+        self._detok.finalize()
+        out, stopped = self._matcher.feed(self._detok.last_segment)
+        if not stopped:
+            out += self._matcher.flush()
+        self.text += out
+        return out

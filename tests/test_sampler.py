@@ -5,8 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from actors.sampler import Sampler, SamplingParams, StopMatcher
+from actors.sampler import Sampler, SamplingParams, StopMatcher, TextStream
 
 VOCAB = 64
 
@@ -284,3 +285,61 @@ def test_stop_overlapping_prefixes() -> None:
     # "aab": after "aa" the matcher must still find "aab" starting one char later.
     text, stopped, _ = _stream(["aab"], ["xa", "a", "ab!"])
     assert stopped and text == "xa"
+
+
+# --- streaming detokenizer glue ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer() -> TokenizerWrapper:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # One token per byte (no merges): multi-byte characters always span several tokens.
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return TokenizerWrapper(PreTrainedTokenizerFast(tokenizer_object=tok))
+
+
+def _run_stream(
+    tokenizer: TokenizerWrapper, text: str, stops: tuple[str, ...] = ()
+) -> tuple[list[str], str | None, TextStream]:
+    stream = TextStream(tokenizer.detokenizer, stops=stops)
+    deltas = []
+    reason = None
+    for t in tokenizer.encode(text):
+        out, reason = stream.add(t)
+        deltas.append(out)
+        if reason:
+            break
+    if reason is None:
+        deltas.append(stream.finish())
+    return deltas, stream.finish_reason, stream
+
+
+def test_text_stream_whole_characters_only(byte_tokenizer: TokenizerWrapper) -> None:
+    text = "héllo 🙂 wörld"
+    deltas, reason, stream = _run_stream(byte_tokenizer, text)
+    assert reason == "length" and "".join(deltas) == text == stream.text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_text_stream_stop_string_across_multibyte_tokens(byte_tokenizer: TokenizerWrapper) -> None:
+    deltas, reason, stream = _run_stream(
+        byte_tokenizer, "answer: 42 🙂 END more", stops=("🙂 END",)
+    )
+    assert reason == "stop" and stream.text == "answer: 42 "
+    assert "".join(deltas) == stream.text
+    assert stream.add(5) == ("", "stop")  # nothing after the end
+
+
+def test_text_stream_stop_token_flushes_held_text(byte_tokenizer: TokenizerWrapper) -> None:
+    ids = byte_tokenizer.encode("ab#")
+    stop_id = byte_tokenizer.encode("!")[0]
+    stream = TextStream(byte_tokenizer.detokenizer, stops=["##"], stop_token_ids=[stop_id])
+    outs = [stream.add(t) for t in ids]
+    assert outs[-1] == ("", None)  # "#" held: it may start "##"
+    assert stream.add(stop_id) == ("#", "stop")
+    assert stream.text == "ab#" and stream.finish() == ""
