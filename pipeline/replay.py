@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -143,7 +144,6 @@ def sweep(
     for n, policy, strategy in itertools.product(slots, policies, strategies):
         params = trace.pool.policy_params if policy == trace.pool.policy else {}
         results.append(simulate(trace, policy, params, strategy, n))
-        log.debug("replay.run", policy=policy, strategy=strategy, slots=n)
     return results
 
 
@@ -171,9 +171,9 @@ def _render(trace: RoutingTrace, results: Sequence[ReplayResult], source: Path) 
         f" {p.strategy}"
     )
     for col in ("slots", "policy", "strategy"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=True)
     for col in ("hit rate", "precision", "recall", "read MB", "unused MB", "dropped"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=True)
     mb = 1024 * 1024
     for r in results:
         table.add_row(
@@ -187,7 +187,9 @@ def _render(trace: RoutingTrace, results: Sequence[ReplayResult], source: Path) 
             f"{r.prefetch_unused_bytes / mb:.1f}",
             str(r.pool.prefetch_dropped),
         )
-    Console().print(table)
+    # Piped output (files, CI logs) gets a fixed wide layout instead of rich's 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    console.print(table)
 
 
 def run(args: argparse.Namespace) -> int:
