@@ -130,7 +130,7 @@ def _layer_plan(src: SourceCheckpoint, layer: int, quant: QuantPlan, cast_to, co
         fmt = expert_format({k: (s, spec_dtype(t)) for k, (s, t) in shapes.items()}, rule.bits, rule.group_size, rule.mode)
         return LayerPlan(layer, fmt, round_up(fmt.nbytes, ALIGNMENT), None, None)
     missing = [p for p in paths if p not in quant.experts]
-    if missing:
+    if missing and quant.default is not None:
         raise QpackError(src.root, f"layer {layer} has routed experts but mlx-lm's model has no {missing[0]}")
     rules = {quant.experts[p] for p in paths} if quant.default is not None else {None}
     if len(rules) != 1:

@@ -277,17 +277,18 @@ class Packer:
         return manifest
 
 
-def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: int | None = 4,
+def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: int | None = None,
          group_size: int = 64, dtype: str | None = None, revision: str | None = None,
          progress: bool = True) -> PackResult:
     """Pack `source` (a checkpoint dir or a hub repo id) into the container `out`.
 
-    bits: 4 or 8 quantize float sources (16 or None: keep float); an MLX-quantized
-    source keeps its own quantization (bits None or equal to it)."""
+    bits: 4 or 8 quantize a float source, 16 keeps it float, None means 4 for a float
+    source and "as it is" for an MLX-quantized one (which is copied, never re-quantized)."""
     from qpack.hub import resolve_source
 
     out = Path(out)
-    bits = None if bits == 16 else bits
+    if bits not in (None, 4, 8, 16):
+        raise QpackError("--bits", f"{bits} is not one of 4, 8, 16")
     options = {"source": str(source), "bits": bits, "group_size": group_size, "dtype": dtype, "revision": revision}
     if (out / spec.MANIFEST).exists():
         manifest = spec.decode_manifest((out / spec.MANIFEST).read_bytes(), out / spec.MANIFEST)
@@ -297,7 +298,10 @@ def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: i
     t0 = time.perf_counter()
     src = open_source(resolve_source(str(source), revision=revision, progress=progress))
     try:
-        plan = make_plan(src, bits, group_size, dtype)
+        if src.quantization is not None and bits == 16:
+            raise QpackError(src.root, "source is MLX-quantized; --bits 16 would need dequantizing, which pack does not do")
+        plan_bits = None if bits == 16 else (bits or (None if src.quantization is not None else 4))
+        plan = make_plan(src, plan_bits, group_size, dtype)
         packer = Packer(src, plan, out, str(source), options, progress)
         total = sum(t.nbytes for t in plan.dense_plan()) + sum(lp.stride * src.num_experts for lp in plan.layers)
         manifest = _with_progress(packer, total, progress, out)

@@ -1,0 +1,157 @@
+"""`moestream pack`, `moestream verify`, `moestream info`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from qpack.spec import QpackError
+
+PACK_HELP = """\
+Repack a checkpoint into a .qpack container: the dense core in dense.safetensors
+(mlx-lm names, quantized as mlx-lm's convert would) and the routed experts in
+experts/layer_NNN.bin, one aligned blob per expert.
+
+SOURCE is a local checkpoint directory (HF safetensors, bf16/f16/f32, or an MLX
+quantized checkpoint) or a hub repo id (owner/name; honours HF_ENDPOINT, HF_HUB_CACHE
+and HF_TOKEN). Packing is resumable: re-run the same command after an interruption
+(even kill -9 or a full disk) and it continues where it stopped; the result is
+byte-identical to an uninterrupted pack.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pack", help="repack an HF/MLX checkpoint (local or hub) into a .qpack container",
+                       description=PACK_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", help="checkpoint directory or hub repo id (owner/name)")
+    p.add_argument("-o", "--output", required=True, type=Path, help="container directory to write (X.qpack)")
+    p.add_argument("--bits", type=int, choices=(4, 8, 16), default=None,
+                   help="4 or 8: quantize float experts and dense weights (affine); 16: keep float. "
+                        "Default: 4 for float sources, unchanged for MLX-quantized sources")
+    p.add_argument("--group-size", type=int, default=64, help="quantization group size (default 64)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="cast float weights first (default: the config's dtype when quantizing, "
+                        "else the source dtype)")
+    p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) for a repo id")
+    p.add_argument("--verify-after", action="store_true", help="check every sha256 and crc32 after packing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_pack)
+
+    v = sub.add_parser("verify", help="check a container: structure, every file's sha256, every expert's crc32",
+                       description="Check a .qpack container completely. Prints OK, or each problem found; "
+                                   "exit status 1 when anything is wrong.")
+    v.add_argument("container", type=Path, help="the .qpack directory")
+    v.set_defaults(func=cmd_verify)
+
+    i = sub.add_parser("info", help="show what a container holds and the smallest workable expert pool",
+                       description="Summarize a .qpack container: model type, MoE layers, experts, top-k, "
+                                   "stride, dense-core and expert bytes, quantization, smallest pool.")
+    i.add_argument("container", type=Path, help="the .qpack directory")
+    i.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    i.set_defaults(func=cmd_info)
+
+
+def _error(exc: Exception) -> int:
+    print(f"error: {exc}", file=sys.stderr)
+    return 2
+
+
+def cmd_pack(args: argparse.Namespace) -> int:
+    from qpack.reader import verify_container
+    from qpack.writer import pack
+
+    try:
+        result = pack(args.source, args.output, bits=args.bits, group_size=args.group_size, dtype=args.dtype,
+                      revision=args.revision, progress=not args.no_progress)
+    except QpackError as exc:
+        return _error(exc)
+    print(f"packed {args.output}: {result.bytes_written / 1e6:.1f} MB in {result.seconds:.1f} s "
+          f"({result.mb_s:.1f} MB/s)")
+    if args.verify_after:
+        report = verify_container(args.output)
+        for problem in report.problems:
+            print(problem, file=sys.stderr)
+        if not report.ok:
+            return 1
+        print(f"verified: {report.files_checked} files, {report.experts_checked} experts OK")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from qpack.reader import verify_container
+
+    report = verify_container(args.container)
+    if report.ok:
+        print(f"OK {args.container}: {report.files_checked} files, {report.experts_checked} experts")
+        return 0
+    for problem in report.problems:
+        print(problem)
+    print(f"{len(report.problems)} problem(s) in {args.container}")
+    return 1
+
+
+def info_dict(path: Path) -> dict:
+    """What `info` shows, as plain data."""
+    from qpack.reader import Container
+
+    with Container.open(path, verify="off") as c:
+        m = c.manifest
+        q = m.quantization
+        return {
+            "path": str(path),
+            "model_type": m.model_type,
+            "source": m.source,
+            "num_layers": m.num_layers,
+            "moe_layers": len(m.layers),
+            "num_experts": m.num_experts,
+            "top_k": m.top_k,
+            "stride": m.max_stride,
+            "expert_nbytes": max((entry.format.nbytes for entry in m.layers), default=0),
+            "dense_bytes": m.dense_bytes,
+            "expert_bytes": m.expert_bytes,
+            "total_bytes": sum(f.size for f in m.files),
+            "quantization": {"bits": q.bits, "group_size": q.group_size, "mode": q.mode,
+                             "overrides": len(q.overrides)},
+            "smallest_pool_bytes": c.smallest_pool_bytes,
+            "smallest_pool_note": "decode: one layer's top-k experts; a prefill chunk of T tokens "
+                                  "needs min(num_experts, T*top_k) experts",
+        }
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    try:
+        info = info_dict(args.container)
+    except QpackError as exc:
+        return _error(exc)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    q = info["quantization"]
+    quant = "none (float)" if q["bits"] is None else (
+        f"{q['bits']}-bit {q['mode']}, group {q['group_size']}" + (f", {q['overrides']} overrides" if q["overrides"] else ""))
+    table = Table(title=str(args.container), show_header=False)
+    rows = [
+        ("model type", info["model_type"]),
+        ("layers (MoE layers)", f"{info['num_layers']} ({info['moe_layers']})"),
+        ("experts per layer", str(info["num_experts"])),
+        ("top-k", str(info["top_k"])),
+        ("expert stride", f"{info['stride']:,} B ({info['expert_nbytes']:,} B payload)"),
+        ("dense core", _mb(info["dense_bytes"])),
+        ("experts", _mb(info["expert_bytes"])),
+        ("total", _mb(info["total_bytes"])),
+        ("quantization", quant),
+        ("smallest pool (decode)", f"{_mb(info['smallest_pool_bytes'])} = top-k x stride"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)
+    return 0
