@@ -14,9 +14,11 @@ difflib suggestion), then decodes with `msgspec.convert(strict=True)`. Every fai
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import math
 import re
+import sys
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -212,6 +214,8 @@ def config_from_dict(
     overrides: Mapping[str, str] | Sequence[str] | None = None,
     check_paths: bool = True,
 ) -> PipelineConfig:
+    """Validate an already-parsed TOML document (`text` only serves the line numbers)."""
+    raw = copy.deepcopy(raw)  # overrides must not leak into the caller's dict
     where = _Locator(source, text)
     for key, value_text in _override_items(overrides):
         _apply_override(raw, key, value_text, where)
@@ -227,41 +231,38 @@ def config_from_dict(
     return cfg
 
 
-def _override_items(
-    overrides: Mapping[str, str] | Sequence[str] | None,
-) -> list[tuple[str, str]]:
+def _override_items(overrides: Mapping[str, str] | Sequence[str] | None) -> list[tuple[str, str]]:
     if overrides is None:
         return []
     if isinstance(overrides, Mapping):
-        return [(str(k).strip(), str(v)) for k, v in overrides.items()]
+        return [(str(k).strip(), str(v).strip()) for k, v in overrides.items()]
+    if isinstance(overrides, str):
+        overrides = [overrides]
     items = []
     for item in overrides:
         key, eq, value = item.partition("=")
-        if not eq or "." not in key.strip():
+        if not eq:
             raise ConfigError(f"override {item!r}: expected section.key=value")
         items.append((key.strip(), value.strip()))
     return items
 
 
-def _parse_value(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text  # a bare word like `demo-data/x.qpack` means the string
-
-
 def _apply_override(raw: dict[str, Any], key: str, value_text: str, where: _Locator) -> None:
+    """Set `key` (dotted) to `value_text` parsed as a TOML value, or as a string if not one."""
+    name = f"{key}={value_text}"
     parts = key.split(".")
     if len(parts) < 2 or not all(parts):
-        raise ConfigError(f"override {key}={value_text!r}: expected section.key=value")
+        raise ConfigError(f"override {name!r}: expected section.key=value")
     node = raw
     for p in parts[:-1]:
-        child = node.setdefault(p, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {key}={value_text!r}: {p!r} is not a section")
-        node = child
-    node[parts[-1]] = _parse_value(value_text)
-    where.overridden[key] = f"{key}={value_text}"
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {name!r}: {p!r} is not a section")
+    try:
+        node[parts[-1]] = tomllib.loads(f"v = {value_text}")["v"]
+    except tomllib.TOMLDecodeError:
+        node[parts[-1]] = value_text  # a bare word like `demo-data/x.qpack` means the string
+    where.overridden[tuple(parts)] = name
 
 
 def _struct_type(tp: Any) -> type[msgspec.Struct] | None:
@@ -314,7 +315,7 @@ class _Locator:
 
     def __init__(self, source: str, text: str) -> None:
         self.source = source
-        self.overridden: dict[str, str] = {}
+        self.overridden: dict[tuple[str, ...], str] = {}
         self.lines: dict[tuple[str, ...], int] = {}
         section: tuple[str, ...] = ()
         for n, line in enumerate(text.splitlines(), start=1):
@@ -325,11 +326,10 @@ class _Locator:
                 self.lines.setdefault((*section, *_split_key(k.group(1))), n)
 
     def at(self, key: tuple[str, ...]) -> str:
-        """' (line N)', ' (override k=v)' or '' for the key or its nearest enclosing one."""
-        dotted = ".".join(key)
-        if dotted in self.overridden:
-            return f" (override {self.overridden[dotted]!r})"
+        """' (line N)', " (override 'k=v')" or '' for the key or its nearest enclosing one."""
         for i in range(len(key), 0, -1):
+            if key[:i] in self.overridden:
+                return f" (override {self.overridden[key[:i]]!r})"
             if key[:i] in self.lines:
                 return f" (line {self.lines[key[:i]]})"
         return ""
@@ -347,7 +347,7 @@ class _Locator:
             full = (*key, missing.group(1))
             return f"{self.source}: missing required key {'.'.join(full)!r}{self.at(key)}"
         if expected := re.match(r"Expected `([^`]*)`(.*?)(?:, got `(\w+)`)?$", msg):
-            tp = expected.group(1).replace(" | null", "")
+            tp = " | ".join(_toml_type(t) for t in expected.group(1).split(" | ") if t != "null")
             want = f"expected {tp}{expected.group(2)}"
             value = _lookup(raw, key)
             # With a type name this is a wrong type; without, a range constraint failed.
@@ -464,7 +464,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.path, args.overrides, check_paths=not args.no_check_paths)
     except ConfigError as e:
-        print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 2
     print(cfg.to_toml(), end="")
     return 0

@@ -124,7 +124,7 @@ def test_wrong_type_bool_for_int_and_table_for_value(tmp_path: Path) -> None:
     p = _write(tmp_path, '[model]\npath = "synth:tiny"\n[reader]\nconcurrency = true\n')
     assert "reader.concurrency: expected int, got bool true (line 4)" in _error(p)
     p = _write(tmp_path, 'pool = 3\n[model]\npath = "synth:tiny"\n')
-    assert "pool: expected object, got int 3 (line 1)" in _error(p)
+    assert "pool: expected table, got int 3 (line 1)" in _error(p)
 
 
 @pytest.mark.parametrize(
@@ -223,4 +223,4 @@ def test_cli_config_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "slots = 12" in capsys.readouterr().out
     args = parser.parse_args(["config", str(good), "--set", "pool.slots=0"])
     assert args.func(args) == 2
-    assert "pool.slots: expected int >= 1, got 0" in capsys.readouterr().out
+    assert "pool.slots: expected int >= 1, got 0" in capsys.readouterr().err
