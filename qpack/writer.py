@@ -201,6 +201,7 @@ class Packer:
                 while writer.next < len(planned) and planned[writer.next].name in produced:
                     name = planned[writer.next].name
                     writer.write(name, produced.pop(name))
+                _delay()
             writer.finish()
         self.bytes_written += o.size
         bar(o.size)
