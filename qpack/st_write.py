@@ -1,0 +1,154 @@
+"""Streaming safetensors writer: tensors are produced chunk by chunk, so a file of any size
+is written with one chunk in memory.
+
+The format is trivial (8-byte little-endian header length, a JSON header with dtype, shape and
+data offsets per tensor, then the raw bytes), and writing it ourselves gives us bfloat16 from
+numpy (which has no bf16 dtype) without an extra dependency.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# safetensors dtype tag -> bytes per element
+ST_DTYPE_SIZES: dict[str, int] = {
+    "BF16": 2,
+    "F16": 2,
+    "F32": 4,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "I32": 4,
+    "I64": 8,
+}
+
+# our dtype names (qpack.spec.DType) -> safetensors tags
+ST_DTYPES: dict[str, str] = {
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float32": "F32",
+    "uint32": "U32",
+    "uint8": "U8",
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor to write: its bytes come from `chunks()`, in row-major order."""
+
+    name: str
+    dtype: str  # safetensors tag, e.g. "BF16"
+    shape: tuple[int, ...]
+    chunks: Callable[[], Iterable[np.ndarray | bytes]]
+
+    @property
+    def nbytes(self) -> int:
+        n = ST_DTYPE_SIZES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def header_bytes(entries: Sequence[TensorEntry], metadata: dict[str, str] | None = None) -> bytes:
+    """The length prefix plus the JSON header for `entries`, laid out in the given order."""
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for e in entries:
+        if e.dtype not in ST_DTYPE_SIZES:
+            raise ValueError(f"tensor {e.name!r}: unsupported safetensors dtype {e.dtype!r}")
+        header[e.name] = {
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
+        offset += e.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    # The reference implementation pads the header with spaces to 8 bytes, so the data
+    # section is aligned for zero-copy loaders.
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_safetensors(
+    path: Path,
+    entries: Sequence[TensorEntry],
+    metadata: dict[str, str] | None = None,
+) -> int:
+    """Write `entries` to `path` (via a temporary file and rename); returns the file size.
+
+    Raises ValueError naming the tensor whose chunks do not add up to its declared size.
+    """
+    names = [e.name for e in entries]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"{path}: duplicate tensor names {dup}")
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(header_bytes(entries, metadata))
+        for e in entries:
+            written = 0
+            for chunk in e.chunks():
+                buf = chunk if isinstance(chunk, bytes) else np.ascontiguousarray(chunk).data
+                f.write(buf)
+                written += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
+            if written != e.nbytes:
+                raise ValueError(
+                    f"{path}: tensor {e.name!r} {e.dtype}{list(e.shape)} produced {written} bytes, "
+                    f"expected {e.nbytes}"
+                )
+        size = f.tell()
+    os.replace(tmp, path)
+    return size
+
+
+def plan_shards(entries: Sequence[TensorEntry], max_bytes: int) -> list[list[TensorEntry]]:
+    """Group entries, in order, into shards of at most `max_bytes` (a bigger tensor gets its own)."""
+    shards: list[list[TensorEntry]] = []
+    current: list[TensorEntry] = []
+    size = 0
+    for e in entries:
+        if current and size + e.nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(e)
+        size += e.nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def write_sharded(
+    out: Path,
+    entries: Sequence[TensorEntry],
+    max_shard_bytes: int,
+    metadata: dict[str, str] | None = None,
+    on_shard: Callable[[int, int, list[TensorEntry]], None] | None = None,
+) -> dict[str, object]:
+    """Write HF-style `model-0000i-of-0000N.safetensors` shards and `model.safetensors.index.json`.
+
+    Returns the index (also written). `on_shard(i, n, entries)` is called before each shard.
+    """
+    shards = plan_shards(entries, max_shard_bytes)
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        if on_shard is not None:
+            on_shard(i, n, shard)
+        write_safetensors(out / name, shard, metadata)
+        for e in shard:
+            weight_map[e.name] = name
+            total += e.nbytes
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return index

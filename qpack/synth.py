@@ -1,0 +1,385 @@
+"""Synthetic checkpoints: real HF-format (or MLX-quantized) checkpoints with random weights.
+
+    synthesize(out, "qwen3_next", "tiny")                      # bf16, the hub's layout
+    synthesize(out, "qwen3_5_moe", "tiny", layout="per-expert")  # transformers' text-only class
+    synthesize(out, "qwen3_next", "tiny", bits=4)               # what mlx_lm.convert -q writes
+
+Layouts:
+- qwen3_next, hub: `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`, fused
+  `linear_attn.in_proj_qkvz` / `in_proj_ba`, conv1d [C, 1, K], zero-centred norms.
+- qwen3_5_moe, hub: everything under `model.language_model.`, fused experts
+  `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I], split
+  `in_proj_qkv` / `in_proj_z` / `in_proj_b` / `in_proj_a`, A_log in float32.
+  No vision or MTP weights are written (moestream is text-only; both loaders drop them).
+- qwen3_5_moe, per-expert: transformers 5's Qwen3_5MoeForCausalLM (`model.layers...`,
+  per-expert tensors, flat config with model_type `qwen3_5_moe_text`). mlx-lm cannot load this
+  one (it has no `qwen3_5_moe_text` module); it exists to test the packer on both layouts.
+- bits 4/8: mlx-lm's names after its `sanitize` (experts stacked as `mlp.switch_mlp.*`,
+  norms +1, conv1d [C, K, 1]), every Linear/Embedding quantized with `mx.quantize`, routers
+  at 8 bits as the model's `quant_predicate` says; the config gets mlx-lm's `quantization`.
+
+Values are identical across layouts for one seed (see qpack.synth_init), and only one block
+of one tensor (<= 4M values) is in memory at a time: the 80B preset writes with flat RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import structlog
+
+from qpack.presets import ModelDims, generation_config, get_preset, hf_config
+from qpack.st_write import ST_DTYPES, TensorEntry, write_sharded
+from qpack.synth_init import NORM_STD, Init, WeightSource, to_storage
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+TINY_SHARD_BYTES = 8 * 1024**2  # small enough that the tiny presets have several shards
+ZERO_CENTRED = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
+ROUTER_SUFFIXES = ("mlp.gate", "shared_expert_gate")
+Blocks = Callable[[], Iterator[np.ndarray]]
+
+
+def dense_inits(dims: ModelDims, layer: int) -> list[tuple[str, Init]]:
+    """One decoder layer's tensors except the routed experts: (name under the text model, init)."""
+    h, p = dims.hidden_size, f"layers.{layer}."
+    res = 1.0 / math.sqrt(2 * dims.num_hidden_layers)
+
+    def lin(name: str, out_dim: int, in_dim: int, scale: float = 1.0) -> tuple[str, Init]:
+        return p + name, Init(p + name, (out_dim, in_dim), "normal", scale / math.sqrt(in_dim))
+
+    def vec(name: str, n: int, mean: float, std: float) -> tuple[str, Init]:
+        return p + name, Init(p + name, (n,), "normal", std, mean)
+
+    out = [vec("input_layernorm.weight", h, 0.0, NORM_STD)]
+    nv, kd, vd = dims.linear_num_value_heads, dims.key_dim, dims.value_dim
+    if dims.is_linear(layer):
+        if dims.family == "qwen3_next":
+            out += [
+                lin("linear_attn.in_proj_qkvz.weight", 2 * kd + 2 * vd, h),
+                lin("linear_attn.in_proj_ba.weight", 2 * nv, h),
+            ]
+        else:
+            out += [
+                lin("linear_attn.in_proj_qkv.weight", 2 * kd + vd, h),
+                lin("linear_attn.in_proj_z.weight", vd, h),
+                lin("linear_attn.in_proj_b.weight", nv, h),
+                lin("linear_attn.in_proj_a.weight", nv, h),
+            ]
+        k = dims.linear_conv_kernel_dim
+        conv = p + "linear_attn.conv1d.weight"
+        out += [
+            (conv, Init(conv, (dims.conv_dim, 1, k), "normal", 1.0 / math.sqrt(k))),
+            (p + "linear_attn.A_log", Init(p + "linear_attn.A_log", (nv,), "a_log")),
+            vec("linear_attn.dt_bias", nv, -1.0, 0.5),
+            vec("linear_attn.norm.weight", dims.linear_value_head_dim, 1.0, NORM_STD),
+            lin("linear_attn.out_proj.weight", h, vd, res),
+        ]
+    else:
+        q = dims.num_attention_heads * dims.head_dim
+        kv = dims.num_key_value_heads * dims.head_dim
+        out += [
+            lin("self_attn.q_proj.weight", 2 * q, h),  # queries and their output gate
+            lin("self_attn.k_proj.weight", kv, h),
+            lin("self_attn.v_proj.weight", kv, h),
+            lin("self_attn.o_proj.weight", h, q, res),
+            vec("self_attn.q_norm.weight", dims.head_dim, 0.0, NORM_STD),
+            vec("self_attn.k_norm.weight", dims.head_dim, 0.0, NORM_STD),
+        ]
+    si = dims.shared_expert_intermediate_size
+    gate = p + "mlp.gate.weight"
+    out += [
+        vec("post_attention_layernorm.weight", h, 0.0, NORM_STD),
+        (gate, Init(gate, (dims.num_experts, h), "router", 1.0, layer=layer)),
+        lin("mlp.shared_expert.gate_proj.weight", si, h),
+        lin("mlp.shared_expert.up_proj.weight", si, h),
+        lin("mlp.shared_expert.down_proj.weight", h, si, res),
+        lin("mlp.shared_expert_gate.weight", 1, h),
+    ]
+    return out
+
+
+def expert_init(dims: ModelDims, layer: int, expert: int, proj: str) -> Init:
+    h, i = dims.hidden_size, dims.moe_intermediate_size
+    key = f"layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+    if proj == "down_proj":
+        res = 1.0 / math.sqrt(2 * dims.num_hidden_layers)
+        return Init(key, (h, i), "normal", res / math.sqrt(i))
+    return Init(key, (i, h), "normal", 1.0 / math.sqrt(h))
+
+
+class _Writer:
+    """Turns logical tensors into safetensors entries for one layout."""
+
+    def __init__(self, dims: ModelDims, dtype: str, layout: str, bits: int | None,
+                 group_size: int, src: WeightSource) -> None:
+        self.dims, self.dtype, self.layout, self.bits, self.gs = dims, dtype, layout, bits, group_size
+        self.src = src
+        self.mlx = bits is not None
+        qwen35 = dims.family == "qwen3_5_moe"
+        if self.mlx:
+            self.prefix = "language_model.model." if qwen35 else "model."
+            self.head = "language_model.lm_head.weight" if qwen35 else "lm_head.weight"
+        else:
+            self.prefix = "model.language_model." if qwen35 and layout == "hub" else "model."
+            self.head = "lm_head.weight"
+        self.overrides: dict[str, dict[str, int]] = {}
+
+    def entries(self, rel: str, init: Init) -> list[TensorEntry]:
+        name = self.head if rel == "lm_head.weight" else self.prefix + rel
+        blocks: Blocks = lambda: self.src.blocks(init)  # noqa: E731
+        store = self.dtype
+        if rel.endswith("A_log") and self.dims.family == "qwen3_5_moe":
+            store = "float32"  # the hub keeps A_log in float32; mlx-lm's cast_predicate too
+        if not self.mlx:
+            return [self._plain(name, init.shape, blocks, store)]
+        if rel.endswith(ZERO_CENTRED) or rel == "norm.weight":
+            return [self._plain(name, init.shape, blocks, store, plus_one=True)]
+        if "conv1d" in rel:
+            c, _, k = init.shape
+            return [self._plain(name, (c, k, 1), blocks, store)]  # same bytes as [C, 1, K]
+        if len(init.shape) == 2 and rel.endswith(".weight"):
+            return self._quantized(name, init.shape, blocks)
+        return [self._plain(name, init.shape, blocks, store)]
+
+    def _plain(self, name: str, shape: tuple[int, ...], blocks: Blocks, store: str,
+               plus_one: bool = False) -> TensorEntry:
+        def chunks() -> Iterator[np.ndarray]:
+            for b in blocks():
+                yield _mlx_plus_one(b, store) if plus_one else to_storage(b, store)
+
+        return TensorEntry(name, ST_DTYPES[store], tuple(shape), chunks)
+
+    def _quantized(self, name: str, shape: tuple[int, ...], blocks: Blocks) -> list[TensorEntry]:
+        """weight/scales/biases of a (possibly expert-stacked) Linear, sharing one pass."""
+        base = name.removesuffix(".weight")
+        bits, gs = self.bits or 4, self.gs
+        if base.endswith(ROUTER_SUFFIXES):
+            bits, gs = 8, 64  # the model's quant_predicate
+            self.overrides[base] = {"group_size": 64, "bits": 8}
+        *lead, in_dim = shape
+        if in_dim % gs:
+            raise ValueError(f"tensor {name!r}: input dim {in_dim} is not a multiple of group size {gs}")
+        stash: dict[str, list[np.ndarray]] = {}
+
+        def weight() -> Iterator[np.ndarray]:
+            stash.clear()
+            scales, biases = [], []
+            for b in blocks():
+                q, s, z = _mlx_quantize(b, self.dtype, bits, gs)
+                scales.append(s)
+                biases.append(z)
+                yield q
+            stash.update(scales=scales, biases=biases)
+
+        def part(which: str) -> Callable[[], Iterator[np.ndarray]]:
+            def chunks() -> Iterator[np.ndarray]:
+                if which in stash:  # written right after the weight: reuse that pass
+                    yield from stash.pop(which)
+                    return
+                for b in blocks():
+                    yield _mlx_quantize(b, self.dtype, bits, gs)[1 if which == "scales" else 2]
+
+            return chunks
+
+        st = ST_DTYPES[self.dtype]
+        return [
+            TensorEntry(f"{base}.weight", "U32", (*lead, in_dim * bits // 32), weight),
+            TensorEntry(f"{base}.scales", st, (*lead, in_dim // gs), part("scales")),
+            TensorEntry(f"{base}.biases", st, (*lead, in_dim // gs), part("biases")),
+        ]
+
+    def expert_entries(self, layer: int) -> list[TensorEntry]:
+        d, p = self.dims, f"layers.{layer}.mlp."
+        e_n, i, h = d.num_experts, d.moe_intermediate_size, d.hidden_size
+
+        def stacked(*projs: str) -> Blocks:
+            def blocks() -> Iterator[np.ndarray]:
+                for e in range(e_n):
+                    parts = [self.src.full(expert_init(d, layer, e, pr)) for pr in projs]
+                    yield np.concatenate(parts, axis=0)[None]
+
+            return blocks
+
+        if self.mlx:
+            out: list[TensorEntry] = []
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                shape = (e_n, h, i) if proj == "down_proj" else (e_n, i, h)
+                out += self._quantized(self.prefix + p + f"switch_mlp.{proj}.weight", shape,
+                                       stacked(proj))
+            return out
+        if d.family == "qwen3_5_moe" and self.layout == "hub":
+            return [
+                self._plain(self.prefix + p + "experts.gate_up_proj", (e_n, 2 * i, h),
+                            stacked("gate_proj", "up_proj"), self.dtype),
+                self._plain(self.prefix + p + "experts.down_proj", (e_n, h, i),
+                            stacked("down_proj"), self.dtype),
+            ]
+        out = []
+        for e in range(e_n):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                init = expert_init(d, layer, e, proj)
+                out += self.entries(f"layers.{layer}.mlp.experts.{e}.{proj}.weight", init)
+        return out
+
+
+def _mx_array(block: np.ndarray, dtype: str):  # -> mx.array
+    import mlx.core as mx
+
+    arr = mx.array(to_storage(block, dtype))
+    return arr.view(mx.bfloat16) if dtype == "bfloat16" else arr
+
+
+def _np_storage(arr) -> np.ndarray:  # mx.array -> numpy bytes-compatible array
+    import mlx.core as mx
+
+    return np.array(arr.view(mx.uint16) if arr.dtype == mx.bfloat16 else arr)
+
+
+def _mlx_plus_one(block: np.ndarray, dtype: str) -> np.ndarray:
+    # mlx-lm's sanitize adds 1.0 to zero-centred norms in the checkpoint's dtype: do the same
+    # operation so the result is bit-identical to converting our HF output.
+    return _np_storage(_mx_array(block, dtype) + 1.0)
+
+
+def _mlx_quantize(block: np.ndarray, dtype: str, bits: int, gs: int):
+    import mlx.core as mx
+
+    q, s, b = mx.quantize(_mx_array(block, dtype), group_size=gs, bits=bits)
+    return _np_storage(q), _np_storage(s), _np_storage(b)
+
+
+def checkpoint_entries(writer: _Writer, dims: ModelDims) -> list[TensorEntry]:
+    """Every tensor of the checkpoint, in file order (embeddings, layer by layer, head)."""
+    h, v = dims.hidden_size, dims.vocab_size
+    entries = writer.entries("embed_tokens.weight",
+                             Init("embed_tokens.weight", (v, h), "normal", 1.0))
+    for layer in range(dims.num_hidden_layers):
+        for rel, init in dense_inits(dims, layer):
+            entries += writer.entries(rel, init)
+        entries += writer.expert_entries(layer)
+    entries += writer.entries("norm.weight", Init("norm.weight", (h,), "normal", NORM_STD))
+    entries += writer.entries("lm_head.weight",
+                              Init("lm_head.weight", (v, h), "normal", 1.0 / math.sqrt(h)))
+    return entries
+
+
+def synthesize(
+    out: Path,
+    family: str | None,
+    preset: str,
+    *,
+    dtype: str = "bfloat16",
+    bits: int | None = None,
+    group_size: int = 64,
+    seed: int = 0,
+    layout: str = "hub",
+    shard_bytes: int | None = None,
+    max_layers: int | None = None,
+    tokenizer: bool = True,
+    progress: bool = True,
+) -> Path:
+    """Write a synthetic checkpoint of `family`/`preset` into directory `out`; returns `out`.
+
+    `max_layers` truncates the model (config included) to its first layers: a smaller valid
+    checkpoint, used to measure the full-size presets without writing all of them (mlx-lm
+    needs at least `full_attention_interval` layers to run it).
+    """
+    dims = get_preset(family, preset)
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"dtype {dtype!r}: expected bfloat16, float16 or float32")
+    if bits not in (None, 4, 8):
+        raise ValueError(f"bits {bits!r}: expected 4 or 8 (or None for unquantized)")
+    if layout not in ("hub", "per-expert"):
+        raise ValueError(f"layout {layout!r}: expected 'hub' or 'per-expert'")
+    if bits is not None and layout != "hub":
+        raise ValueError("bits: the MLX quantized layout has no per-expert variant; use layout='hub'")
+    if max_layers is not None:
+        if not 0 < max_layers <= dims.num_hidden_layers:
+            raise ValueError(f"max_layers {max_layers}: expected 1..{dims.num_hidden_layers}")
+        dims = msgspec.structs.replace(dims, num_hidden_layers=max_layers)
+    if shard_bytes is None:
+        shard_bytes = TINY_SHARD_BYTES if dims.name == "tiny" else DEFAULT_SHARD_BYTES
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("model*.safetensors*"):
+        stale.unlink()
+
+    src = WeightSource(seed, dims.num_experts, dims.hidden_size)
+    writer = _Writer(dims, dtype, layout, bits, group_size, src)
+    entries = checkpoint_entries(writer, dims)
+    total = sum(e.nbytes for e in entries)
+    log.info("synth.start", family=dims.family, preset=dims.name, dtype=dtype, bits=bits,
+             layout=layout, layers=dims.num_hidden_layers, gb=round(total / 1e9, 3), out=str(out))
+    metadata = {"format": "mlx" if bits else "pt"}
+    with _progress(progress, total, f"synth {dims.family}/{dims.name}") as advance:
+        tracked = [_tracked(e, advance) for e in entries]
+        index = write_sharded(out, tracked, shard_bytes, metadata)
+
+    config = hf_config(dims, dtype, layout)
+    if bits is not None:
+        quant: dict[str, object] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+        quant.update(dict(sorted(writer.overrides.items())))
+        config.pop("vision_config", None)  # mlx_lm's save_config drops it too
+        config["quantization"] = quant
+        config["quantization_config"] = quant
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(generation_config(dims), indent=2) + "\n")
+    if tokenizer:
+        from qpack.tokenizer import write_tokenizer
+
+        write_tokenizer(out, dims.family)
+    log.info("synth.done", out=str(out), shards=len(set(index["weight_map"].values())),  # type: ignore[arg-type]
+             gb=round(total / 1e9, 3))
+    return out
+
+
+def _tracked(entry: TensorEntry, advance: Callable[[int], None]) -> TensorEntry:
+    def chunks() -> Iterator[np.ndarray | bytes]:
+        for c in entry.chunks():
+            advance(c.nbytes if isinstance(c, np.ndarray) else len(c))
+            yield c
+
+    return TensorEntry(entry.name, entry.dtype, entry.shape, chunks)
+
+
+class _progress:
+    """A rich progress bar over bytes written, or nothing."""
+
+    def __init__(self, enabled: bool, total: int, label: str) -> None:
+        self.enabled, self.total, self.label = enabled, total, label
+        self._bar = None
+
+    def __enter__(self) -> Callable[[int], None]:
+        if not self.enabled:
+            return lambda n: None
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                             TransferSpeedColumn(), TimeRemainingColumn())
+        self._bar.start()
+        task = self._bar.add_task(self.label, total=self.total)
+        bar = self._bar
+        return lambda n: bar.advance(task, n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
