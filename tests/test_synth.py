@@ -190,3 +190,29 @@ def test_bad_preset_and_family_are_named():
         get_preset("qwen3_next", "qwen3.6-35b-a3b")
     assert get_preset(None, "qwen3-next-80b-a3b").num_experts == 512
     assert math.prod((get_preset(None, "qwen3.6-35b-a3b").vocab_size,)) == 248320
+
+
+def test_cli_writes_and_names_bad_input(tmp_path, capsys):
+    import argparse
+
+    from qpack import synth_cli
+
+    parser = argparse.ArgumentParser(prog="moestream")
+    synth_cli.register(parser.add_subparsers(dest="command", required=True))
+
+    def run(*argv: str) -> int:
+        args = parser.parse_args(["synth", *argv])
+        return args.func(args)
+
+    assert run("--preset", "tiny", "-o", str(tmp_path / "x")) == 2
+    assert "needs a family" in capsys.readouterr().err
+    assert run("--family", "qwen3_next", "--preset", "qwen3.6-35b-a3b", "-o", str(tmp_path)) == 2
+    assert "belongs to family 'qwen3_5_moe'" in capsys.readouterr().err
+    out = tmp_path / "q"
+    assert run("--family", "qwen3_5_moe", "--preset", "tiny", "-o", str(out), "--bits", "8",
+               "--shard-mb", "4", "--no-progress") == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"]["bits"] == 8
+    assert config["quantization"]["language_model.model.layers.0.mlp.gate"] == {
+        "group_size": 64, "bits": 8}
+    assert (out / "chat_template.jinja").exists() and (out / "tokenizer.json").exists()

