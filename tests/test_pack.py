@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -274,3 +275,34 @@ def test_resume_with_other_options_is_refused(synth_checkpoint, tmp_path):
     _kill_when(_start(src, out, "0.01"), lambda: (out / spec.EXPERTS_DIR).exists())
     with pytest.raises(QpackError, match="other options"):
         pack(src, out, bits=8, progress=False)
+
+
+def test_full_disk_stops_naming_the_file_and_resumes_when_space_is_back(synth_checkpoint, tmp_path):
+    """A real ENOSPC: a 3 MiB tmpfs in a private mount namespace, grown after the failure."""
+    import shutil
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) for a private tmpfs")
+    src = synth_checkpoint("qwen3_next", dtype="bfloat16")
+    reference = tmp_path / "ref.qpack"
+    pack(src, reference, bits=4, progress=False)
+    mnt, result = tmp_path / "mnt", tmp_path / "result.qpack"
+    mnt.mkdir()
+    run = f'{sys.executable} -c "$CLI" pack {src} -o {mnt}/x.qpack --bits 4 --no-progress'
+    script = (
+        f"mount -t tmpfs -o size=3m tmpfs {mnt} || exit 77\n"
+        f"{run}; echo first=$? >&2\n"
+        f"mount -o remount,size=256m tmpfs {mnt}\n"
+        f"{run}; echo second=$? >&2\n"
+        f"cp -r {mnt}/x.qpack {result}\n"
+    )
+    env = {**os.environ, "CLI": _CLI, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode == 77 or "unshare failed" in proc.stderr or "Operation not permitted" in proc.stderr:
+        pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr[-300:]}")
+    assert "first=2" in proc.stderr and "second=0" in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"error: \S+\.partial: disk full \(ENOSPC\) while writing; free space and re-run", proc.stderr)
+    for rel, data in _files(reference).items():
+        if rel != spec.MANIFEST:
+            assert _files(result)[rel] == data, rel
