@@ -146,6 +146,14 @@ class SafetensorsFile:
         rb = info.row_bytes()
         return pread_exact(self.fd, rb, info.start + row * rb, self.path)
 
+    def read_rows(self, name: str, start: int, stop: int) -> bytearray:
+        """Bytes of entries start..stop of the leading axis (contiguous in the file)."""
+        info = self.tensors[name]
+        if not info.shape:
+            return pread_exact(self.fd, info.nbytes, info.start, self.path)
+        rb = info.row_bytes()
+        return pread_exact(self.fd, rb * (stop - start), info.start + start * rb, self.path)
+
     def read(self, name: str, row: int | None = None) -> mx.array:
         info = self.tensors[name]
         shape = info.shape if row is None else info.shape[1:]
@@ -183,6 +191,16 @@ def header_bytes(plan: Iterable[PlannedTensor], metadata: dict[str, str] | None 
     raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data section starts 8-aligned, as safetensors does
     return struct.pack("<Q", len(raw)) + raw
+
+
+def data_offsets(plan: list[PlannedTensor]) -> tuple[bytes, dict[str, int], int]:
+    """Header bytes, each tensor's absolute file offset, and the file size."""
+    header = header_bytes(plan)
+    offsets, offset = {}, len(header)
+    for t in plan:
+        offsets[t.name] = offset
+        offset += t.nbytes
+    return header, offsets, offset
 
 
 class SafetensorsWriter:

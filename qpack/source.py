@@ -132,9 +132,16 @@ class SourceCheckpoint:
         shape = info.shape if row is None else info.shape[1:]
         return RawTensor(info.dtype, shape, f.read_bytes(name, row))
 
-    def dense_tensor(self, ref: DenseRef) -> mx.array:
-        """One dense tensor under its mlx-lm name, sanitized as mlx-lm would."""
-        arr = self.raw(ref.source).to_mx()
+    def dense_tensor(self, ref: DenseRef, rows: tuple[int, int] | None = None) -> mx.array:
+        """One dense tensor (or rows start..stop of it) under its mlx-lm name, sanitized as
+        mlx-lm would. Every fix-up keeps the leading axis, so rows can be done apart."""
+        if rows is None:
+            arr = self.raw(ref.source).to_mx()
+        else:
+            f = self.file(ref.source)
+            info = f.tensors[ref.source]
+            shape = (rows[1] - rows[0], *info.shape[1:]) if info.shape else ()
+            arr = bytes_to_mx(f.read_rows(ref.source, *rows), info.dtype, shape)
         if ref.moveaxis:
             arr = arr.moveaxis(2, 1)
         if ref.plus_one:

@@ -28,12 +28,13 @@ import structlog
 from qpack import spec
 from qpack.layout import ContainerPlan, LayerPlan, make_plan
 from qpack.quantize import cast, quantize
-from qpack.safetensors_io import SafetensorsWriter, mx_to_bytes
+from qpack.safetensors_io import data_offsets, mx_to_bytes
 from qpack.source import SourceCheckpoint, open_source
 from qpack.spec import QpackError
 
 log = structlog.get_logger("qpack.pack")
 JOURNAL = ".qpack-journal.json"
+DENSE_CHUNK = 32 * 1024 * 1024  # bytes of source rows converted at once
 TEST_DELAY_ENV = "QPACK_TEST_DELAY_S"  # tests: sleep after each expert/file so a kill lands mid-pack
 
 
@@ -111,6 +112,13 @@ class _Out:
         return Done(self.size, self.sha.hexdigest())
 
 
+def _pwrite(fd: int, data: bytes | memoryview, offset: int, path: Path) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = _guard(path, lambda v=view, o=offset: os.pwrite(fd, v, o))
+        view, offset = view[n:], offset + n
+
+
 def _guard(path: Path, fn: Callable):  # noqa: ANN202
     try:
         return fn()
@@ -144,16 +152,23 @@ class Packer:
                 raise QpackError(self.out, f"a pack with other options is in progress here {diff}; "
                                  "re-run with the same options or use another -o")
             return journal
-        if self.out.exists() and any(self.out.iterdir()):
+        if self.out.exists() and any(p.name != JOURNAL + ".tmp" for p in self.out.iterdir()):
             raise QpackError(self.out, "output directory exists, is not empty and is not a partial container")
-        return Journal(self.options)
+        # The journal goes first, so that whatever a kill leaves behind is a resumable pack.
+        self.out.mkdir(parents=True, exist_ok=True)
+        journal = Journal(self.options)
+        self._save(journal)
+        return journal
+
+    def _save(self, journal: Journal) -> None:
+        tmp = self.out / (JOURNAL + ".tmp")
+        data = msgspec.json.encode(journal)
+        _guard(tmp, lambda: tmp.write_bytes(data))
+        os.replace(tmp, self.out / JOURNAL)
 
     def _commit(self, rel: str, done: Done) -> None:
         self.journal.done[rel] = done
-        tmp = self.out / (JOURNAL + ".tmp")
-        data = msgspec.json.encode(self.journal)
-        _guard(tmp, lambda: tmp.write_bytes(data))
-        os.replace(tmp, self.out / JOURNAL)
+        self._save(self.journal)
         _delay()
 
     def _finished(self, rel: str) -> bool:
@@ -182,30 +197,46 @@ class Packer:
         self._commit(rel, o.done())
 
     def _dense(self, bar: Callable[[int], None]) -> None:
+        """dense.safetensors, written in row chunks at their planned offsets: affine groups
+        never cross rows, so a chunk quantizes exactly like the whole tensor, and the
+        largest tensor (the embedding) never has to be in memory at once."""
         if self._finished(spec.DENSE):
             bar(self.journal.done[spec.DENSE].size)
             return
-        planned = self.plan.dense_plan()
-        with _Out(self.out, spec.DENSE) as o:
-            writer = SafetensorsWriter(o, planned)
-            produced: dict[str, object] = {}
-            for item in sorted(self.plan.dense, key=lambda i: i.outputs[0].name):
-                arr = cast(self.src.dense_tensor(item.ref), item.cast)
-                if item.rule is not None:
-                    wq, scales, biases = quantize(arr, item.rule)
-                    parts = dict(zip([t.name for t in item.outputs], (wq, scales, biases), strict=True))
-                else:
-                    parts = {item.outputs[0].name: arr}
-                produced.update(parts)
-                # Output order is by name; flush whatever prefix of the plan is ready.
-                while writer.next < len(planned) and planned[writer.next].name in produced:
-                    name = planned[writer.next].name
-                    writer.write(name, produced.pop(name))
+        header, offsets, size = data_offsets(self.plan.dense_plan())
+        path = self.out / spec.DENSE
+        partial = path.with_name(path.name + ".partial")
+        fd = _guard(partial, lambda: os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+        try:
+            _pwrite(fd, header, 0, partial)
+            for item in self.plan.dense:
+                info = self.src.info(item.ref.source)
+                rows = info.shape[0] if info.shape else 1
+                step = max(1, DENSE_CHUNK // max(info.row_bytes(), 1))
+                for start in range(0, rows, step):
+                    stop = min(rows, start + step)
+                    arr = cast(self.src.dense_tensor(item.ref, (start, stop) if info.shape else None), item.cast)
+                    outs = quantize(arr, item.rule) if item.rule is not None else (arr,)
+                    for t, a in zip(item.outputs, outs, strict=True):
+                        row_bytes = t.nbytes // t.shape[0] if t.shape else t.nbytes
+                        data = mx_to_bytes(a)
+                        _pwrite(fd, data, offsets[t.name] + start * row_bytes, partial)
+                        bar(len(data))
                 _delay()
-            writer.finish()
-        self.bytes_written += o.size
-        bar(o.size)
-        self._commit(spec.DENSE, o.done())
+            _guard(partial, lambda: os.fsync(fd))
+        except QpackError:
+            os.close(fd)
+            partial.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        sha = hashlib.sha256()
+        with open(partial, "rb") as f:
+            while chunk := f.read(1 << 22):
+                sha.update(chunk)
+        os.replace(partial, path)
+        _fsync_dir(path.parent)
+        self.bytes_written += size
+        self._commit(spec.DENSE, Done(size, sha.hexdigest()))
 
     def _layer(self, lp: LayerPlan, bar: Callable[[int], None]) -> None:
         rel = spec.layer_file(lp.index)

@@ -239,6 +239,7 @@ def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_pack_killed_at_several_points_resumes_byte_identical(synth_checkpoint, tmp_path):
     src = synth_checkpoint("qwen3_next", dtype="bfloat16")
     reference = tmp_path / "ref.qpack"
@@ -246,6 +247,7 @@ def test_pack_killed_at_several_points_resumes_byte_identical(synth_checkpoint, 
     out = tmp_path / "killed.qpack"
     experts = out / spec.EXPERTS_DIR
     kill_points = [
+        lambda: (out / JOURNAL).exists(),  # as early as possible: nothing but the journal
         lambda: (out / (spec.DENSE + ".partial")).exists(),
         lambda: (experts / "layer_001.bin.partial").exists(),
         lambda: (experts / "layer_002.bin").exists(),  # just after a rename, maybe before the journal
