@@ -308,3 +308,26 @@ def test_full_disk_stops_naming_the_file_and_resumes_when_space_is_back(synth_ch
     for rel, data in _files(reference).items():
         if rel != spec.MANIFEST:
             assert _files(result)[rel] == data, rel
+
+
+def test_pack_subcommand_with_verify_after(synth_checkpoint, tmp_path, capsys):
+    import argparse
+
+    from qpack.pack_cli import register
+
+    parser = argparse.ArgumentParser(prog="moestream")
+    register(parser.add_subparsers())
+    out = tmp_path / "cli.qpack"
+    src = synth_checkpoint("qwen3_5_moe", dtype="float32", layout="per-expert")
+    args = parser.parse_args(["pack", str(src), "-o", str(out), "--bits", "8", "--dtype", "bfloat16",
+                              "--no-progress", "--verify-after"])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "MB/s" in text and "verified:" in text
+    m = Container.open(out).manifest
+    assert m.model_type == "qwen3_5_moe" and m.quantization.bits == 8
+    assert m.layers[0].format.tensor("gate_proj.scales").dtype == "bfloat16"  # --dtype applied first
+    assert args.func(args) == 0  # a finished container: nothing to do
+    args = parser.parse_args(["pack", str(tmp_path / "no-such-dir"), "-o", str(tmp_path / "y.qpack")])
+    assert args.func(args) == 2
+    assert "neither a checkpoint directory nor a hub repo id" in capsys.readouterr().err
