@@ -15,7 +15,6 @@ import errno
 import hashlib
 import json
 import os
-import shutil
 import time
 import zlib
 from collections.abc import Callable
@@ -359,9 +358,3 @@ def _with_progress(packer: Packer, total: int, progress: bool, out: Path) -> spe
     with Progress("[bold]pack", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn()) as p:
         task = p.add_task(out.name, total=total)
         return packer.run(lambda n: p.advance(task, n))
-
-
-def remove_partial(out: Path) -> None:
-    """Throw away an unfinished container (used by `pack --restart`)."""
-    if (out / JOURNAL).exists() and not (out / spec.MANIFEST).exists():
-        shutil.rmtree(out)
