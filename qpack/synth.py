@@ -143,7 +143,8 @@ class _Writer:
         if rel.endswith("A_log") and self.dims.family == "qwen3_5_moe":
             store = "float32"  # the hub keeps A_log in float32; mlx-lm's cast_predicate too
         if not self.mlx:
-            return [self._plain(name, init.shape, blocks, store)]
+            return [TensorEntry(name, ST_DTYPES[store], init.shape,
+                                lambda: self.src.stored_blocks(init, store))]
         if rel.endswith(ZERO_CENTRED) or rel == "norm.weight":
             return [self._plain(name, init.shape, blocks, store, plus_one=True)]
         if "conv1d" in rel:
@@ -204,10 +205,16 @@ class _Writer:
         d, p = self.dims, f"layers.{layer}.mlp."
         e_n, i, h = d.num_experts, d.moe_intermediate_size, d.hidden_size
 
-        def stacked(*projs: str) -> Blocks:
+        def stacked(*projs: str, store: str | None = None) -> Blocks:
+            # One expert per block; `store` encodes directly (HF), None gives float32 (MLX).
+            def one(init: Init) -> np.ndarray:
+                if store is None:
+                    return self.src.full(init)
+                return np.concatenate(list(self.src.stored_blocks(init, store)), axis=0)
+
             def blocks() -> Iterator[np.ndarray]:
                 for e in range(e_n):
-                    parts = [self.src.full(expert_init(d, layer, e, pr)) for pr in projs]
+                    parts = [one(expert_init(d, layer, e, pr)) for pr in projs]
                     yield np.concatenate(parts, axis=0)[None]
 
             return blocks
@@ -220,11 +227,12 @@ class _Writer:
                                        stacked(proj))
             return out
         if d.family == "qwen3_5_moe" and self.layout == "hub":
+            st = ST_DTYPES[self.dtype]
             return [
-                self._plain(self.prefix + p + "experts.gate_up_proj", (e_n, 2 * i, h),
-                            stacked("gate_proj", "up_proj"), self.dtype),
-                self._plain(self.prefix + p + "experts.down_proj", (e_n, h, i),
-                            stacked("down_proj"), self.dtype),
+                TensorEntry(self.prefix + p + "experts.gate_up_proj", st, (e_n, 2 * i, h),
+                            stacked("gate_proj", "up_proj", store=self.dtype)),
+                TensorEntry(self.prefix + p + "experts.down_proj", st, (e_n, h, i),
+                            stacked("down_proj", store=self.dtype)),
             ]
         out = []
         for e in range(e_n):

@@ -112,6 +112,29 @@ class WeightSource:
                 vals += np.float32(init.mean)
             yield vals.reshape((n, *tail))
 
+    def stored_blocks(self, init: Init, dtype: str) -> Iterator[np.ndarray]:
+        """`blocks(init)` already encoded as `dtype` (see `to_storage`), bit for bit.
+
+        For normal tensors the scaled table is encoded once and indexed: the same float32
+        arithmetic per value, one pass instead of four.
+        """
+        if init.kind != "normal":
+            for b in self.blocks(init):
+                yield to_storage(b, dtype)
+            return
+        table = normal_lut() * np.float32(init.std)
+        if init.mean:
+            table += np.float32(init.mean)
+        table = to_storage(table, dtype)
+        rows = init.rows_per_block()
+        tail = init.shape[1:]
+        row_elems = math.prod(tail) if tail else 1
+        for b, start in enumerate(range(0, init.shape[0], rows)):
+            n = min(rows, init.shape[0] - start)
+            rng = rng_for(self.seed, f"{init.key}#{b}")
+            idx = np.frombuffer(rng.bytes(2 * n * row_elems), dtype=np.uint16)
+            yield table[idx].reshape((n, *tail))
+
     def full(self, init: Init) -> np.ndarray:
         return np.concatenate(list(self.blocks(init)), axis=0)
 
