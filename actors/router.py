@@ -1,0 +1,154 @@
+"""The router actor: turns a layer's true routing into resident pool slots.
+
+It owns the slot table (through the `PoolDriver`, the same call sequence `moestream
+replay` makes) and the loads in flight. For a demand it pins the layer's experts,
+issues reads for the misses, promotes prefetches that are now needed, and waits for
+exactly those loads; the wait is the compute stall. Finished loads, demanded or
+prefetched, are handed to compute to be installed between layers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+
+from actors.eviction import ExpertKey
+from actors.pool_driver import PoolDriver
+from actors.reader import ExpertReader, ExpertReadError, Load
+from actors.slots import SlotTable
+
+log = structlog.get_logger("moestream.router")
+
+Install = tuple[int, np.ndarray]
+
+
+@dataclass
+class RouterStats:
+    stall_seconds: float = 0.0
+    demand_waits: int = 0
+    prefetch_hits_waited: int = 0
+    prefetch_read_seconds_saved: float = 0.0
+
+
+class ExpertRouter:
+    def __init__(
+        self,
+        table: SlotTable,
+        reader: ExpertReader,
+        num_experts: int,
+        install: Callable[[list[Install]], Awaitable[None]],
+    ) -> None:
+        self.table = table
+        self.install = install
+        self.driver = PoolDriver(table)
+        self.reader = reader
+        self.num_experts = num_experts
+        self.loads: dict[ExpertKey, Load] = {}
+        self.failures: dict[ExpertKey, str] = {}
+        self.stats = RouterStats()
+
+    async def demand(self, layer: int, ids: Sequence[int], tick: int) -> np.ndarray:
+        """Make `ids` of `layer` resident and installed; returns slot_of (expert -> slot)."""
+        placed = self.driver.demand(layer, ids, tick)
+        waits: list[Load] = []
+        for expert, (_slot, was_resident) in zip(ids, placed, strict=True):
+            key = (layer, int(expert))
+            load = self.loads.get(key)
+            if load is None and not was_resident:
+                load = self.loads[key] = self.reader.submit(key, demand=True)
+            elif load is not None:
+                if not load.demand:
+                    self.stats.prefetch_hits_waited += 1
+                self.reader.promote(load)
+            if load is not None:
+                waits.append(load)
+        start = time.perf_counter()
+        # Install as loads land: the MLX thread is idle while compute waits, and
+        # installing early keeps the staging buffers (and so memory) bounded by the
+        # reader's concurrency, not by how many experts a layer misses.
+        while True:
+            all_done = all(load.done.is_set() for load in waits)
+            await self.install_finished()
+            if all_done:
+                break
+            # Loads may have landed during the install's await: only sleep if none did.
+            if not all(load.done.is_set() for load in waits):
+                await self.reader.wait_any()
+        elapsed = time.perf_counter() - start
+        self.stats.stall_seconds += elapsed
+        self.stats.demand_waits += elapsed > 0
+        slot_of = np.full(self.num_experts, -1, dtype=np.int32)
+        for expert in ids:
+            slot = self.table.lookup((layer, int(expert)))
+            if slot is None or self.table.state((layer, int(expert))) != "ready":
+                raise ExpertReadError(self.failures.pop((layer, int(expert)), None) or
+                                      f"expert {expert} of layer {layer} could not be loaded")
+            slot_of[int(expert)] = slot
+        return slot_of
+
+    async def install_finished(self) -> None:
+        """Copy every finished load into its slot (on the MLX thread) and mark it ready."""
+        installs, keys = self.collect()
+        if not installs:
+            return
+        try:
+            await self.install(installs)
+        except BaseException:
+            for key in keys:
+                if key in self.table and self.table.pin_count(key) == 0:
+                    self.table.release(key)
+            raise
+        finally:
+            for _slot, buffer in installs:
+                self.reader.give_back(buffer)
+        for key in keys:
+            if key in self.table:
+                self.table.mark_ready(key)
+
+    def prefetch(self, predictions: Sequence[tuple[int, Sequence[int]]], tick: int) -> None:
+        for key, _slot in self.driver.prefetch(predictions, tick):
+            if key not in self.loads:
+                self.loads[key] = self.reader.submit(key, demand=False)
+
+    def collect(self) -> tuple[list[Install], list[ExpertKey]]:
+        """Finished loads whose key is still resident, as (slot, blob); stale ones are dropped."""
+        installs: list[Install] = []
+        keys: list[ExpertKey] = []
+        for key, load in list(self.loads.items()):
+            if not load.done.is_set():
+                continue
+            del self.loads[key]
+            slot = self.table.lookup(key)
+            if load.error is not None:
+                self.failures[key] = str(load.error)
+                if slot is not None:
+                    self.table.release(key)
+                continue
+            assert load.buffer is not None
+            if slot is None:
+                self.reader.give_back(load.buffer)
+                continue
+            installs.append((slot, load.buffer))
+            keys.append(key)
+        return installs, keys
+
+    async def drain(self) -> None:
+        """Wait for every read in flight and drop its result (cancellation, shutdown)."""
+        for load in list(self.loads.values()):
+            await load.done.wait()
+        installs, _keys = self.collect()
+        for _slot, buffer in installs:
+            self.reader.give_back(buffer)
+        self.driver.end_layer()
+        self.release_unready()
+
+    def release_unready(self) -> None:
+        """After an abandoned forward: keys never installed must not look resident."""
+        for key in self.table.resident():
+            if self.table.state(key) == "loading" and key not in self.loads:
+                if self.table.pin_count(key) == 0:
+                    self.table.release(key)

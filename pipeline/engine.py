@@ -1,0 +1,247 @@
+"""The engine: opens a container, wires the actors, and serves generations in order.
+
+    async with open_engine(config) as engine:
+        async for event in engine.generate("Hello", SamplingParams(max_tokens=16)):
+            ...
+
+Actors and who owns what: the reader's workers run in the engine's nursery for its
+whole life; the MLX thread (`MlxWorker`) holds the dense core and the pool arrays;
+a generation's compute loop runs in the caller's task, so cancelling the caller stops
+it at the next layer boundary. One generation runs at a time (a FIFO lock): they share
+the pool, and the pool's slots are the scarce resource.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import structlog
+import trio
+
+from actors.compute import Compute
+from actors.eviction import make_policy
+from actors.mlx_worker import MlxWorker
+from actors.pool_storage import PoolStorage, uniform_format
+from actors.prefetch import PrefetchScorer, make_strategy
+from actors.reader import ExpertReader
+from actors.router import ExpertRouter
+from actors.routing_trace import TraceModel, TracePool, TraceRecorder
+from actors.sampler import SamplingParams
+from actors.slots import SlotTable
+from pipeline.config import PipelineConfig
+from pipeline.events import Event
+from pipeline.generation import Generation
+from pipeline.models.dense import load_dense
+from pipeline.models.streamed import StreamedModel
+from pipeline.prefix_cache import PrefixCache
+from qpack.reader import Container
+
+log = structlog.get_logger("moestream.engine")
+
+
+class PoolTooSmall(ValueError):
+    pass
+
+
+def smallest_workable_slots(num_experts: int, top_k: int, prefill_chunk: int) -> int:
+    """A prefill chunk's layer may touch chunk * top_k distinct experts, all pinned at once."""
+    return min(num_experts, prefill_chunk * top_k)
+
+
+class Engine:
+    def __init__(
+        self,
+        config: PipelineConfig,
+        container: Container,
+        worker: MlxWorker,
+        model: StreamedModel,
+        storage: PoolStorage,
+        router: ExpertRouter,
+        compute: Compute,
+        tokenizer: Any,
+    ) -> None:
+        self.config = config
+        self.container = container
+        self.worker = worker
+        self.model = model
+        self.storage = storage
+        self.router = router
+        self.compute = compute
+        self.tokenizer = tokenizer
+        self.prefix_cache = PrefixCache()
+        self.lock = trio.Lock()  # trio's Lock is FIFO-fair: callers are served in order
+        self.context_limit = config.server.context_limit or int(
+            _text_config(container.config).get("max_position_embeddings", 1 << 20)
+        )
+        self.waiting = 0
+        self.generations = 0
+
+    @property
+    def name(self) -> str:
+        return Path(self.container.root).stem
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.storage.nbytes
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def chat_tokens(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
+        kwargs: dict[str, Any] = {"add_generation_prompt": True}
+        if tools:
+            kwargs["tools"] = list(tools)
+        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, **kwargs)
+        return self.encode(text)
+
+    async def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+    ) -> AsyncIterator[Event]:
+        """Text deltas as they are decoded, then `Done` with stats.
+
+        Wrap in `contextlib.aclosing` when you may stop early, so the pool is handed
+        back at once rather than when the generator is collected.
+        """
+        tokens = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        generation = Generation(self, tokens, params or SamplingParams())
+        generation.check()
+        self.waiting += 1
+        try:
+            async with self.lock:
+                self.waiting -= 1
+                async for event in generation.run():
+                    yield event
+        finally:
+            if not generation.started:
+                self.waiting -= 1
+            self.generations += 1
+
+    async def chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        params: SamplingParams | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> AsyncIterator[Event]:
+        async for event in self.generate(self.chat_tokens(messages, tools), params):
+            yield event
+
+    def pool_snapshot(self) -> dict[str, Any]:
+        counters = self.router.table.snapshot()
+        return {
+            "slots": counters.num_slots,
+            "resident": counters.resident,
+            "pinned": counters.pinned,
+            "hit_rate": counters.hit_rate,
+            "pool_bytes": self.pool_bytes,
+            "loads_in_flight": len(self.router.loads),
+        }
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    return config.get("text_config", config)
+
+
+def _num_slots(config: PipelineConfig, container: Container, slot_nbytes: int) -> int:
+    if config.pool.slots is not None:
+        return config.pool.slots
+    if config.pool.budget_mb is not None:
+        return config.pool.budget_mb * 2**20 // slot_nbytes
+    # Neither given: a quarter of the experts, a sensible default for a demo.
+    m = container.manifest
+    return max(1, m.num_experts * len(m.layers) // 4)
+
+
+@asynccontextmanager
+async def open_engine(config: PipelineConfig, *, record_routing: bool = False) -> AsyncIterator[Engine]:
+    """Open the container in `config.model.path` and start the actors."""
+    from mlx_lm.utils import load_tokenizer
+
+    started = time.perf_counter()
+    container = Container.open(Path(config.model.path), verify=config.model.verify)
+    manifest = container.manifest
+    fmt = uniform_format([layer.format for layer in manifest.layers], str(container.root))
+    storage_probe = sum(t.nbytes for t in fmt.tensors)
+    slots = min(_num_slots(config, container, storage_probe), manifest.num_experts * len(manifest.layers))
+    need = smallest_workable_slots(manifest.num_experts, manifest.top_k, config.compute.prefill_chunk)
+    if slots < need:
+        raise PoolTooSmall(
+            f"expert pool of {slots} slots ({slots * storage_probe / 2**20:.1f} MiB) cannot hold "
+            f"one layer's routed experts for a prefill chunk of {config.compute.prefill_chunk} "
+            f"tokens: the smallest workable pool is {need} slots = "
+            f"{need * storage_probe / 2**20:.1f} MiB (or lower compute.prefill_chunk)"
+        )
+    overlap = config.compute.overlap
+    async with MlxWorker() as worker, trio.open_nursery() as nursery:
+        dense = await worker.run(load_dense, container.config, container.dense_path)
+        storage = await worker.run(PoolStorage, fmt, slots)
+        model = StreamedModel(dense, fmt, storage.arrays)
+        tokenizer = await trio.to_thread.run_sync(load_tokenizer, container.root)
+        policy_params = {"decay": config.pool.lfu_decay, "period": config.pool.lfu_period}
+        policy = make_policy(config.pool.eviction, **(policy_params if config.pool.eviction == "lfu" else {}))
+        table = SlotTable(slots, policy)
+        reader = ExpertReader(
+            container,
+            concurrency=config.reader.concurrency if overlap else 1,
+            retries=config.reader.retries,
+            retry_backoff_s=config.reader.retry_backoff_ms / 1000,
+        )
+        nursery.start_soon(reader.run)
+        router = ExpertRouter(
+            table, reader, model.num_experts, lambda items: worker.run(storage.install, items)
+        )
+        strategy_name = config.prefetch.strategy if overlap else "none"
+        strategy = make_strategy(
+            strategy_name,
+            moe_layers=model.moe_layers,
+            num_experts=model.num_experts,
+            top_k=model.top_k,
+            routers=model.router_logits,
+            depth=config.prefetch.depth,
+            max_per_layer=config.prefetch.max_per_layer,
+            combine=config.prefetch.combine,
+        )
+        recorder = None
+        if record_routing:
+            recorder = TraceRecorder(
+                TraceModel(
+                    num_layers=model.num_layers,
+                    moe_layers=list(model.moe_layers),
+                    num_experts=model.num_experts,
+                    top_k=model.top_k,
+                    stride=manifest.max_stride,
+                ),
+                TracePool(
+                    num_slots=slots,
+                    policy=config.pool.eviction,
+                    policy_params=policy_params if config.pool.eviction == "lfu" else {},
+                    strategy=strategy_name,
+                    strategy_params=strategy.params(),
+                ),
+            )
+        compute = Compute(
+            worker, model, router, strategy, PrefetchScorer(manifest.max_stride), recorder
+        )
+        engine = Engine(config, container, worker, model, storage, router, compute, tokenizer)
+        log.info(
+            "engine.open",
+            container=str(container.root),
+            model_type=manifest.model_type,
+            slots=slots,
+            pool_mb=round(storage.nbytes / 2**20, 1),
+            dense_mb=round(manifest.dense_bytes / 2**20, 1),
+            strategy=strategy_name,
+            eviction=config.pool.eviction,
+            readers=reader.concurrency,
+            seconds=round(time.perf_counter() - started, 2),
+        )
+        try:
+            yield engine
+        finally:
+            nursery.cancel_scope.cancel()
+            container.close()

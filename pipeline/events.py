@@ -1,0 +1,48 @@
+"""What a generation yields: text deltas, then one `Done` carrying the run's stats."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length"]
+
+
+class TextDelta(msgspec.Struct, frozen=True, tag="delta"):
+    text: str
+    token_ids: tuple[int, ...]
+
+
+class GenerationStats(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    hit_rate: float
+    hits: int
+    misses: int
+    reads: int
+    bytes_read: int
+    bytes_read_per_token: float
+    stall_s: float
+    stall_fraction: float  # of the decode time, compute spent waiting on reads
+    prefetch_precision: float
+    prefetch_recall: float
+    prefetch_wasted_bytes: int
+    prefetch_used: int
+    peak_rss_mb: float
+    peak_device_mb: float
+    seed: int
+
+
+class Done(msgspec.Struct, frozen=True, tag="done"):
+    finish_reason: FinishReason
+    text: str
+    token_ids: tuple[int, ...]
+    stats: GenerationStats
+
+
+Event = TextDelta | Done

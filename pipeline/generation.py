@@ -1,0 +1,180 @@
+"""One generation: chunked prefill, then decode token by token, streaming text.
+
+Owns the request's sampler, detokenizer, stop matcher and model state. If it is
+cancelled or fails mid-way, its model state is discarded (a half-updated recurrent
+state is useless) and the reads in flight are drained, so the next generation starts
+from a clean pool; the pool's contents stay valid and keep serving as a cache.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import structlog
+import trio
+
+from actors.sampler import Sampler, SamplingParams, StopMatcher
+from pipeline.events import Done, Event, GenerationStats, TextDelta
+
+if TYPE_CHECKING:
+    from pipeline.engine import Engine
+
+log = structlog.get_logger("moestream.generation")
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+def peak_rss_mb() -> float:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024
+
+
+class Generation:
+    def __init__(self, engine: Engine, tokens: list[int], params: SamplingParams) -> None:
+        self.engine = engine
+        self.tokens = tokens
+        self.params = params
+        self.started = False
+
+    def check(self) -> None:
+        """Refuse what cannot run before taking the engine's lock."""
+        limit = self.engine.context_limit
+        if not self.tokens:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if len(self.tokens) >= limit:
+            raise PromptTooLong(
+                f"prompt has {len(self.tokens)} tokens; the context limit is {limit} "
+                f"(prompt + completion), so at most {limit - 1} prompt tokens fit"
+            )
+        vocab = self.engine.model.parts.args.vocab_size
+        bad = next((t for t in self.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def _max_tokens(self) -> int:
+        room = self.engine.context_limit - len(self.tokens)
+        wanted = self.params.max_tokens if self.params.max_tokens is not None else room
+        return max(0, min(wanted, room))
+
+    async def _prefill(self, cache: list[Any], start: int) -> mx.array:
+        compute = self.engine.compute
+        chunk = self.engine.config.compute.prefill_chunk
+        logits = None
+        for i in range(start, len(self.tokens), chunk):
+            logits = await compute.forward(self.tokens[i : i + chunk], cache, "prefill")
+        assert logits is not None
+        return logits
+
+    async def run(self) -> AsyncIterator[Event]:
+        self.started = True
+        engine = self.engine
+        worker = engine.worker
+        router = engine.router
+        table0 = router.table.snapshot()
+        reader0 = (engine.router.reader.stats.reads, engine.router.reader.stats.bytes_read)
+        stall0 = router.stats.stall_seconds
+        scorer0 = engine.compute.scorer.stats()
+        vocab = engine.model.parts.args.vocab_size
+        eos = set(engine.tokenizer.eos_token_ids)
+        sampler = Sampler(self.params, vocab, self.tokens)
+        stops = StopMatcher(self.params.stop)
+        detok = engine.tokenizer.detokenizer
+        detok.reset()
+        max_tokens = self._max_tokens()
+        cache, cached = engine.prefix_cache.take(self.tokens)
+        if cache is None:
+            cache = engine.model.make_cache()
+        await worker.run(mx.reset_peak_memory)
+        t0 = time.perf_counter()
+        generated: list[int] = []
+        text_parts: list[str] = []
+        finish = "length"
+        stop_string = False
+        ok = False
+        try:
+            logits = await self._prefill(cache, cached)
+            t_first = time.perf_counter()
+            stall_prefill = router.stats.stall_seconds
+            while len(generated) < max_tokens:
+                token = await worker.run(sampler.sample, logits)
+                generated.append(token)
+                if token in eos or sampler.is_stop_token(token):
+                    finish = "stop"
+                    break
+                detok.add_token(token)
+                text, stopped = stops.feed(detok.last_segment)
+                if text:
+                    text_parts.append(text)
+                    yield TextDelta(text, (token,))
+                if stopped:
+                    finish, stop_string = "stop", True
+                    break
+                if len(generated) >= max_tokens:
+                    break
+                logits = await engine.compute.forward([token], cache, "decode")
+            if not stop_string:
+                detok.finalize()
+                tail = stops.feed(detok.last_segment)[0] + stops.flush()
+                if tail:
+                    text_parts.append(tail)
+                    yield TextDelta(tail, ())
+            ok = True
+        finally:
+            if not ok:
+                with trio.CancelScope(shield=True):
+                    await router.drain()
+        t_end = time.perf_counter()
+        # The state after prompt + all generated tokens but the last (never fed back).
+        engine.prefix_cache.put(self.tokens + generated[:-1], cache)
+        table = router.table.snapshot()
+        reads = engine.router.reader.stats.reads - reader0[0]
+        nbytes = engine.router.reader.stats.bytes_read - reader0[1]
+        scores = engine.compute.scorer.stats()
+        predicted = scores.predicted - scorer0.predicted
+        correct = scores.correct - scorer0.correct
+        actual = scores.actual - scorer0.actual
+        hits, misses = table.hits - table0.hits, table.misses - table0.misses
+        decode_s = t_end - t_first
+        decoded = max(len(generated) - 1, 0)
+        stall_decode = router.stats.stall_seconds - stall_prefill
+        peak_device = await worker.run(mx.get_peak_memory)
+        stats = GenerationStats(
+            prompt_tokens=len(self.tokens),
+            cached_tokens=cached,
+            completion_tokens=len(generated),
+            ttft_s=t_first - t0,
+            prefill_tok_s=(len(self.tokens) - cached) / max(t_first - t0, 1e-9),
+            decode_tok_s=decoded / decode_s if decoded else 0.0,
+            hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+            hits=hits,
+            misses=misses,
+            reads=reads,
+            bytes_read=nbytes,
+            bytes_read_per_token=nbytes / max(len(self.tokens) - cached + len(generated), 1),
+            stall_s=router.stats.stall_seconds - stall0,
+            stall_fraction=stall_decode / decode_s if decoded else 0.0,
+            prefetch_precision=correct / predicted if predicted else 0.0,
+            prefetch_recall=correct / actual if actual else 0.0,
+            prefetch_wasted_bytes=(predicted - correct) * engine.container.manifest.max_stride,
+            prefetch_used=table.prefetch_used - table0.prefetch_used,
+            peak_rss_mb=peak_rss_mb(),
+            peak_device_mb=peak_device / 2**20,
+            seed=sampler.seed,
+        )
+        log.info(
+            "generation.done",
+            finish=finish,
+            prompt_tokens=stats.prompt_tokens,
+            cached_tokens=cached,
+            completion_tokens=stats.completion_tokens,
+            decode_tok_s=round(stats.decode_tok_s, 2),
+            hit_rate=round(stats.hit_rate, 3),
+        )
+        yield Done(finish, "".join(text_parts), tuple(generated), stats)  # type: ignore[arg-type]
