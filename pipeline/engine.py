@@ -38,7 +38,7 @@ from pipeline.generation import Generation
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel
 from pipeline.prefix_cache import PrefixCache
-from qpack.reader import Container
+from qpack.reader import Container, ExpertIO
 
 log = structlog.get_logger("moestream.engine")
 
@@ -158,12 +158,17 @@ def _num_slots(config: PipelineConfig, container: Container, slot_nbytes: int) -
 
 
 @asynccontextmanager
-async def open_engine(config: PipelineConfig, *, record_routing: bool = False) -> AsyncIterator[Engine]:
-    """Open the container in `config.model.path` and start the actors."""
+async def open_engine(
+    config: PipelineConfig, *, record_routing: bool = False, io: ExpertIO | None = None
+) -> AsyncIterator[Engine]:
+    """Open the container in `config.model.path` and start the actors.
+
+    `io` replaces the container's positional-read layer (fault injection in tests).
+    """
     from mlx_lm.utils import load_tokenizer
 
     started = time.perf_counter()
-    container = Container.open(Path(config.model.path), verify=config.model.verify)
+    container = Container.open(Path(config.model.path), verify=config.model.verify, io=io)
     manifest = container.manifest
     fmt = uniform_format([layer.format for layer in manifest.layers], str(container.root))
     storage_probe = sum(t.nbytes for t in fmt.tensors)
