@@ -1,0 +1,77 @@
+"""Server metrics in the Prometheus text exposition format (no client library needed).
+
+Counters live here and are bumped by the server; gauges that belong to the engine
+(queue depth, pool bytes, pool hit rate) are read from it when scraped.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from pipeline.events import GenerationStats
+
+if TYPE_CHECKING:
+    from pipeline.engine import Engine
+
+PREFIX = "moestream"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.tokens_generated = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.last_decode_tok_s = 0.0
+        self.last_ttft_s = 0.0
+        self.requests: Counter[tuple[str, int]] = Counter()
+
+    def record_request(self, path: str, status: int) -> None:
+        self.requests[(path, status)] += 1
+
+    def record_generation(self, stats: GenerationStats) -> None:
+        self.tokens_generated += stats.completion_tokens
+        self.prompt_tokens += stats.prompt_tokens
+        self.cached_tokens += stats.cached_tokens
+        self.last_decode_tok_s = stats.decode_tok_s
+        self.last_ttft_s = stats.ttft_s
+
+    def render(self, engine: Engine) -> str:
+        pool = engine.pool_snapshot()
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+            full = f"{PREFIX}_{name}"
+            lines.append(f"# HELP {full} {help_}")
+            lines.append(f"# TYPE {full} {kind}")
+            for labels, value in samples:
+                lines.append(f"{full}{labels} {_num(value)}")
+
+        metric("tokens_generated_total", "counter", "Completion tokens generated.",
+               [("", self.tokens_generated)])
+        metric("prompt_tokens_total", "counter", "Prompt tokens received.", [("", self.prompt_tokens)])
+        metric("cached_prompt_tokens_total", "counter", "Prompt tokens served from the prefix cache.",
+               [("", self.cached_tokens)])
+        metric("decode_tokens_per_second", "gauge", "Decode speed of the last finished request.",
+               [("", self.last_decode_tok_s)])
+        metric("time_to_first_token_seconds", "gauge", "TTFT of the last finished request.",
+               [("", self.last_ttft_s)])
+        metric("queue_depth", "gauge", "Requests waiting for the engine.", [("", engine.waiting)])
+        metric("pool_bytes", "gauge", "Bytes of the expert pool.", [("", pool["pool_bytes"])])
+        metric("pool_slots", "gauge", "Expert slots in the pool.", [("", pool["slots"])])
+        metric("pool_resident_experts", "gauge", "Experts resident in the pool.",
+               [("", pool["resident"])])
+        metric("pool_hit_rate", "gauge", "Expert pool hit rate since the engine opened.",
+               [("", pool["hit_rate"])])
+        metric("requests_total", "counter", "HTTP requests by path and status.",
+               [(f'{{path="{_escape(p)}",status="{s}"}}', n)
+                for (p, s), n in sorted(self.requests.items())])
+        return "\n".join(lines) + "\n"
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

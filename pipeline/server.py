@@ -1,0 +1,518 @@
+"""The OpenAI-compatible HTTP face: a starlette app over one open engine, served by hypercorn/trio.
+
+    async with open_engine(config) as engine:
+        await serve_engine(engine, "127.0.0.1", 8000, api_key="...")
+
+Every request is checked (auth, body size, JSON, fields, model, prompt length, queue)
+before a response starts, so refusals are proper OpenAI error bodies with the right
+status. Generations run in the request's task: a client that goes away cancels its
+task, and `aclosing` hands the engine's generator back at once (the engine drains
+its reads and unpins the pool). The engine serves one generation at a time; the
+others wait on its FIFO lock, up to `max_queue` of them.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any
+
+import msgspec
+import structlog
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from actors.sampler import SamplingParams
+from pipeline import openai_schema as s
+from pipeline.engine import Engine
+from pipeline.events import Done, TextDelta
+from pipeline.generation import Generation, PromptTooLong
+from pipeline.metrics import Metrics
+from pipeline.tool_calls import Call, Content, OutputParser, Part, Reasoning
+
+log = structlog.get_logger("moestream.server")
+
+KNOWN_PATHS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+
+
+class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
+    api_key: str | None = None
+    max_queue: int = 16
+    max_body_bytes: int = 1 << 20
+    hide_reasoning: bool = False
+    aliases: tuple[str, ...] = ()  # more names the model answers to (e.g. the CLI's path)
+    defaults: SamplingParams = SamplingParams()
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(obj), status, headers, media_type="application/json")
+
+
+def _error(exc: s.APIError) -> Response:
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return _json(exc.body(), exc.status, headers)
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes its body iterator whichever way streaming ends (send failure, disconnect).
+
+    Starlette leaves an unfinished iterator to the garbage collector; ours holds the
+    engine's lock and pinned experts, so it must be closed now.
+    """
+
+    async def stream_response(self, send: Send) -> None:
+        async with aclosing(self.body_iterator) as body:  # type: ignore[type-var]
+            self.body_iterator = body
+            await super().stream_response(send)
+
+
+class _StatusCounter:
+    """ASGI middleware: counts responses by route and status for /metrics."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        label = next((p for p in KNOWN_PATHS if path == p or path.startswith(p + "/")), "other")
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.record_request(label, int(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+class Api:
+    def __init__(self, engine: Engine, settings: ServerSettings, metrics: Metrics) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    # --- checks ------------------------------------------------------------------------
+
+    def check_auth(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise s.APIError(401, "missing or incorrect API key: send `Authorization: Bearer <key>`",
+                             code="invalid_api_key")
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise s.APIError(400, f"Content-Length {length!r} is not a byte count")
+            if int(length) > limit:
+                raise s.APIError(413, f"request body of {length} bytes is over the limit of "
+                                 f"{limit} bytes", code="request_too_large")
+        chunks: list[bytes] = []
+        total = 0
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise s.APIError(413, f"request body is over the limit of {limit} bytes",
+                                 code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def model_names(self) -> set[str]:
+        root = str(self.engine.container.root)
+        return {self.engine.name, root, root.rstrip("/"), *self.settings.aliases}
+
+    def check_model(self, model: str) -> None:
+        if model not in self.model_names():
+            raise s.APIError(404, f"the model {model!r} does not exist; this server serves "
+                             f"{self.engine.name!r}", param="model", code="model_not_found")
+
+    def check_prompt(self, tokens: list[int], params: SamplingParams, param: str) -> None:
+        try:
+            Generation(self.engine, tokens, params).check()
+        except PromptTooLong as exc:
+            raise s.APIError(400, str(exc), param=param, code="context_length_exceeded") from None
+        except ValueError as exc:
+            raise s.APIError(400, str(exc), param=param) from None
+        if self.engine.waiting >= self.settings.max_queue:
+            raise s.APIError(429, f"the server is busy: {self.engine.waiting} requests are "
+                             "waiting; retry later", type="rate_limit_error", code="queue_full")
+
+    # --- routes ------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return _json({"status": "ok", "model": self.engine.name})
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.render(self.engine),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self, request: Request) -> Response:
+        self.check_auth(request)
+        return _json(s.ModelList([s.ModelCard(self.engine.name, self.created)]))
+
+    async def model(self, request: Request) -> Response:
+        self.check_auth(request)
+        self.check_model(request.path_params["model"])
+        return _json(s.ModelCard(self.engine.name, self.created))
+
+    async def chat(self, request: Request) -> Response:
+        self.check_auth(request)
+        req: s.ChatRequest = s.decode_request(await self.read_body(request), s.ChatRequest)
+        s.check_unsupported(req)
+        self.check_model(req.model)
+        params = s.sampling_params(req, self.settings.defaults)
+        messages = template_messages(req.messages)
+        tools = [msgspec.to_builtins(t) for t in req.tools or []]
+        if isinstance(req.tool_choice, s.NamedToolChoice):
+            wanted = req.tool_choice.function.name
+            if wanted not in {t.function.name for t in req.tools or []}:
+                raise s.APIError(400, f"tool_choice names {wanted!r}, which is not in tools",
+                                 param="tool_choice")
+        if req.tool_choice == "none":
+            tools = []
+        try:
+            text = self.engine.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True,
+                **({"tools": tools} if tools else {}))
+        except Exception as exc:  # jinja raises for conversations the template refuses
+            raise s.APIError(400, f"the chat template refused the messages: {exc}",
+                             param="messages") from None
+        tokens = self.engine.encode(text)
+        self.check_prompt(tokens, params, "messages")
+        reply = _ChatReply(self, req, bool(tools), text.rstrip().endswith("<think>"))
+        if req.stream:
+            return _ClosingStreamingResponse(reply.stream(tokens, params),
+                                             media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache"})
+        return await _unless_disconnected(request, lambda: reply.complete(tokens, params))
+
+    async def completions(self, request: Request) -> Response:
+        self.check_auth(request)
+        req: s.CompletionRequest = s.decode_request(await self.read_body(request),
+                                                    s.CompletionRequest)
+        s.check_unsupported(req)
+        self.check_model(req.model)
+        params = s.sampling_params(req, self.settings.defaults)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise s.APIError(400, f"prompt holds {len(prompt)} strings; send one per request",
+                                 param="prompt")
+            prompt = prompt[0]
+        tokens = self.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)  # type: ignore[arg-type]
+        self.check_prompt(tokens, params, "prompt")
+        reply = _TextReply(self, req)
+        if req.stream:
+            return _ClosingStreamingResponse(reply.stream(tokens, params),
+                                             media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache"})
+        return await _unless_disconnected(request, lambda: reply.complete(tokens, params))
+
+
+def template_messages(messages: list[s.Message]) -> list[dict[str, Any]]:
+    """Request messages as the chat template wants them (tool-call arguments as dicts)."""
+    if not messages:
+        raise s.APIError(400, "messages must hold at least one message", param="messages")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                               "content": _text(m.content, f"messages[{i}].content")}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise s.APIError(400, f"only assistant messages carry tool_calls, not {m.role!r}",
+                                 param=f"messages[{i}].tool_calls")
+            calls = []
+            for j, call in enumerate(m.tool_calls):
+                try:
+                    args = json.loads(call.function.arguments or "{}")
+                except ValueError as exc:
+                    raise s.APIError(400, f"tool call arguments are not JSON: {exc}",
+                                     param=f"messages[{i}].tool_calls[{j}].function.arguments"
+                                     ) from None
+                calls.append({"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": args}})
+            msg["tool_calls"] = calls
+        if m.role == "tool":
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def _text(content: str | list[s.ContentPart] | None, param: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise s.APIError(400, f"content part type {part.type!r} is not supported (only "
+                             "'text' parts with a text field)", param=f"{param}[{j}].type")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _usage(done: Done) -> s.Usage:
+    st = done.stats
+    return s.Usage(st.prompt_tokens, st.completion_tokens, st.prompt_tokens + st.completion_tokens,
+                   s.PromptTokensDetails(st.cached_tokens))
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+def _sse_error(exc: BaseException) -> bytes:
+    log.error("server.stream_failed", exc_info=exc)
+    body = s.APIError(500, "internal error while generating", type="server_error").body()
+    return _sse(body)
+
+
+async def _unless_disconnected(request: Request, run: Callable[[], Awaitable[Response]]) -> Response:
+    """Run a non-streaming generation, cancelled if the client goes away meanwhile."""
+    result: list[Response] = []
+    error: Exception | None = None
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            log.info("server.client_gone", path=request.url.path)
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        # Raised outside the nursery, so that callers see the error, not an ExceptionGroup.
+        try:
+            result.append(await run())
+        except Exception as exc:
+            error = exc
+        finally:
+            nursery.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return result[0] if result else Response(status_code=499)
+
+
+class _Reply:
+    prefix = "cmpl"
+
+    def __init__(self, api: Api, req: s.ChatRequest | s.CompletionRequest) -> None:
+        self.api = api
+        self.req = req
+        self.id = f"{self.prefix}-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+        self.model = req.model
+
+    async def run(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[TextDelta | Done]:
+        async with aclosing(self.api.engine.generate(tokens, params)) as events:
+            async for event in events:
+                if isinstance(event, Done):
+                    self.api.metrics.record_generation(event.stats)
+                yield event
+
+    def include_usage(self) -> bool:
+        return bool(self.req.stream_options and self.req.stream_options.include_usage)
+
+
+class _ChatReply(_Reply):
+    prefix = "chatcmpl"
+
+    def __init__(self, api: Api, req: s.ChatRequest, tools: bool, in_reasoning: bool) -> None:
+        super().__init__(api, req)
+        self.tools = tools
+        self.in_reasoning = in_reasoning
+
+    def finish_reason(self, done: Done, parser: OutputParser) -> str:
+        return "tool_calls" if parser.calls and done.finish_reason == "stop" else done.finish_reason
+
+    async def complete(self, tokens: list[int], params: SamplingParams) -> Response:
+        parser = OutputParser(tools=self.tools, in_reasoning=self.in_reasoning)
+        parts: list[Part] = []
+        done = None
+        async with aclosing(self.run(tokens, params)) as events:
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    parts += parser.feed(event.text)
+                else:
+                    done = event
+        assert done is not None
+        parts += parser.finish()
+        content = "".join(p.text for p in parts if isinstance(p, Content))
+        reasoning = "".join(p.text for p in parts if isinstance(p, Reasoning))
+        calls = [s.OutToolCall(c.id, s.OutFunction(c.name, c.arguments))
+                 for c in parts if isinstance(c, Call)]
+        message = s.OutMessage(
+            role="assistant",
+            content=(content.strip() or None) if calls else content,
+            reasoning_content=None if self.api.settings.hide_reasoning else (reasoning or None),
+            tool_calls=calls or None,
+        )
+        choice = s.ChatChoice(0, message, self.finish_reason(done, parser))
+        return _json(s.ChatCompletion(self.id, self.created, self.model, [choice], _usage(done)))
+
+    def chunk(self, delta: s.Delta, finish: str | None = None) -> bytes:
+        return _sse(s.ChatChunk(self.id, self.created, self.model,
+                                [s.ChunkChoice(0, delta, finish)]))
+
+    def delta(self, part: Part) -> s.Delta | None:
+        if isinstance(part, Content):
+            return s.Delta(content=part.text)
+        if isinstance(part, Reasoning):
+            return None if self.api.settings.hide_reasoning else s.Delta(reasoning_content=part.text)
+        call = s.DeltaToolCall(part.index, part.id, "function", s.OutFunction(part.name, part.arguments))
+        return s.Delta(tool_calls=[call])
+
+    async def stream(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
+        parser = OutputParser(tools=self.tools, in_reasoning=self.in_reasoning)
+        yield self.chunk(s.Delta(role="assistant", content=""))
+        try:
+            async with aclosing(self.run(tokens, params)) as events:
+                async for event in events:
+                    parts = parser.feed(event.text) if isinstance(event, TextDelta) else parser.finish()
+                    for part in parts:
+                        delta = self.delta(part)
+                        if delta is not None:
+                            yield self.chunk(delta)
+                    if isinstance(event, Done):
+                        yield self.chunk(s.Delta(), self.finish_reason(event, parser))
+                        if self.include_usage():
+                            yield _sse(s.ChatChunk(self.id, self.created, self.model, [],
+                                                   usage=_usage(event)))
+        except Exception as exc:
+            yield _sse_error(exc)
+            return
+        yield b"data: [DONE]\n\n"
+
+
+class _TextReply(_Reply):
+    async def complete(self, tokens: list[int], params: SamplingParams) -> Response:
+        texts: list[str] = []
+        done = None
+        async with aclosing(self.run(tokens, params)) as events:
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    texts.append(event.text)
+                else:
+                    done = event
+        assert done is not None
+        choice = s.TextChoice(0, "".join(texts), done.finish_reason)
+        return _json(s.Completion(self.id, self.created, self.model, [choice], _usage(done)))
+
+    async def stream(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
+        try:
+            async with aclosing(self.run(tokens, params)) as events:
+                async for event in events:
+                    if isinstance(event, TextDelta):
+                        if event.text:
+                            yield _sse(s.Completion(self.id, self.created, self.model,
+                                                    [s.TextChoice(0, event.text)]))
+                        continue
+                    yield _sse(s.Completion(self.id, self.created, self.model,
+                                            [s.TextChoice(0, "", event.finish_reason)]))
+                    if self.include_usage():
+                        yield _sse(s.Completion(self.id, self.created, self.model, [],
+                                                usage=_usage(event)))
+        except Exception as exc:
+            yield _sse_error(exc)
+            return
+        yield b"data: [DONE]\n\n"
+
+
+def _guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """OpenAI error bodies for refusals; a generic 500 (logged, never a traceback) otherwise."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except s.APIError as exc:
+            log.info("server.refused", path=request.url.path, status=exc.status, reason=exc.message)
+            return _error(exc)
+        except Exception as exc:
+            log.error("server.internal_error", path=request.url.path, exc_info=exc)
+            return _error(s.APIError(500, "internal server error", type="server_error"))
+
+    return endpoint
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        err = s.APIError(404, f"no route {request.method} {request.url.path}", code="not_found")
+    else:
+        err = s.APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+    return _error(err)
+
+
+def create_app(engine: Engine, settings: ServerSettings | None = None,
+               metrics: Metrics | None = None) -> ASGIApp:
+    api = Api(engine, settings or ServerSettings(), metrics or Metrics())
+    routes = [
+        Route("/health", _guarded(api.health), methods=["GET"]),
+        Route("/metrics", _guarded(api.metrics_text), methods=["GET"]),
+        Route("/v1/models", _guarded(api.models), methods=["GET"]),
+        Route("/v1/models/{model:path}", _guarded(api.model), methods=["GET"]),
+        Route("/v1/chat/completions", _guarded(api.chat), methods=["POST"]),
+        Route("/v1/completions", _guarded(api.completions), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    return _StatusCounter(app, api.metrics)
+
+
+async def serve_engine(
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    api_key: str | None = None,
+    max_queue: int = 16,
+    max_body_bytes: int = 1 << 20,
+    hide_reasoning: bool = False,
+    aliases: tuple[str, ...] = (),
+    defaults: SamplingParams | None = None,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve `engine` until `shutdown_trigger` returns (or forever); reports the bound port.
+
+    Port 0 binds a free port: `port = await nursery.start(serve_engine, engine, host, 0)`.
+    """
+    settings = ServerSettings(api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes,
+                              hide_reasoning=hide_reasoning, aliases=aliases,
+                              defaults=defaults or engine.config.sampling)
+    config = HypercornConfig()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None
+    config.graceful_timeout = 5.0
+
+    async def started(binds: list[str]) -> None:
+        bound = int(binds[0].rsplit(":", 1)[1])
+        log.info("server.listening", host=host, port=bound, model=engine.name)
+        task_status.started(bound)
+
+    async def run(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+        await serve(create_app(engine, settings), config,  # type: ignore[arg-type]
+                    shutdown_trigger=shutdown_trigger, task_status=task_status)
+
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(run)
+        await started(binds)

@@ -1,0 +1,103 @@
+"""`moestream serve MODEL`: the OpenAI-compatible server, until SIGINT/SIGTERM.
+
+The engine is opened once for the server's life; a signal starts hypercorn's graceful
+shutdown (in-flight requests get `graceful_timeout` to finish, then are cancelled),
+then the engine closes and the command exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import signal
+from typing import Any
+
+import structlog
+import trio
+
+from pipeline.commands import add_engine_flags, engine_config, err
+from pipeline.config import ConfigError, PipelineConfig
+from pipeline.engine import open_engine
+from pipeline.prepare import ensure_container
+from pipeline.server import serve_engine
+
+log = structlog.get_logger("moestream.server")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+async def _wait_for_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("server.shutdown", signal=signal.Signals(signum).name)
+            return
+
+
+async def serve_config(cfg: PipelineConfig, *, hide_reasoning: bool = False,
+                       aliases: tuple[str, ...] = ()) -> int:
+    server = cfg.server
+    if not is_loopback(server.host) and server.api_key is None:
+        log.warning("server.open_without_key", host=server.host,
+                    hint="anyone who can reach this host can use the model; pass --api-key")
+    async with open_engine(cfg) as engine:
+        await serve_engine(
+            engine, server.host, server.port, api_key=server.api_key,
+            max_queue=server.max_queue, max_body_bytes=server.max_body_bytes,
+            hide_reasoning=hide_reasoning, aliases=aliases, defaults=cfg.sampling,
+            shutdown_trigger=_wait_for_signal,
+        )
+    log.info("server.stopped")
+    return 0
+
+
+_SERVER_FLAGS = ("host", "port", "api_key", "max_queue", "max_body_bytes", "context_limit")
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    overrides: list[str] = []
+    for flag in _SERVER_FLAGS:
+        value: Any = getattr(args, flag)
+        if value is not None:
+            # TOML syntax for the override: a quoted string for text, bare for numbers.
+            text = json.dumps(value) if isinstance(value, str) else str(value)
+            overrides.append(f"server.{flag}={text}")
+    args.overrides = [*overrides, *args.overrides]
+    try:
+        cfg = engine_config(args, args.model)
+        ensure_container(cfg.model)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        return 2
+    return trio.run(lambda: serve_config(cfg, hide_reasoning=args.hide_reasoning,
+                                         aliases=(args.model,)))
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (chat, completions, tools, SSE)",
+        description="Serve MODEL over an OpenAI-compatible API: POST /v1/chat/completions, "
+        "POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus). "
+        "Stops cleanly on Ctrl-C / SIGTERM.")
+    p.add_argument("model", help="path of a .qpack container (its name is the model id)")
+    h = p.add_argument_group("server")
+    h.add_argument("--host", help="address to bind (default 127.0.0.1; binding another host "
+                   "without --api-key logs a warning)")
+    h.add_argument("--port", type=int, help="port to bind (default 8000)")
+    h.add_argument("--api-key", help="require `Authorization: Bearer <key>` on /v1/*")
+    h.add_argument("--max-queue", type=int, help="requests that may wait; more get 429 (default 16)")
+    h.add_argument("--max-body-bytes", type=int, help="largest request body; more get 413 "
+                   "(default 1 MiB)")
+    h.add_argument("--context-limit", type=int, help="prompt + completion tokens at most "
+                   "(default: the model's max_position_embeddings)")
+    h.add_argument("--hide-reasoning", action="store_true",
+                   help="drop <think> reasoning from replies instead of sending reasoning_content")
+    add_engine_flags(p)
+    p.set_defaults(func=_cmd_serve)

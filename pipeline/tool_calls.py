@@ -1,0 +1,198 @@
+"""Model text -> OpenAI message parts: content, reasoning and tool calls, streamed safely.
+
+Qwen models write tool calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+and thinking as `<think>...</think>` (thinking templates open the `<think>` in the
+prompt, so the output starts inside it: the caller says so with `in_reasoning`). `OutputParser.feed(delta)` turns raw text
+deltas into `Content`, `Reasoning` and `Call` parts as soon as they are certain: text
+that could be the start of a tag is held back until the next delta decides it, so a
+client never sees half a tag, and a tool call is emitted whole once its closing tag
+arrives. A block whose JSON does not parse is passed through as content (the model
+wrote something call-shaped that is not a call; hiding it would lose text).
+
+The non-streaming path feeds the whole text through the same parser, so both paths
+agree by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class Content:
+    text: str
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    text: str
+
+
+@dataclass(frozen=True)
+class Call:
+    index: int
+    id: str
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's wire form)
+
+
+Part = Content | Reasoning | Call
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def parse_call(body: str) -> tuple[str, str] | None:
+    """`{"name": ..., "arguments": {...}}` -> (name, arguments JSON), or None if not a call."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        # Some models double-encode; keep it if it is a JSON object, else not a call.
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return obj["name"], json.dumps(args, ensure_ascii=False)
+
+
+def _held_suffix(buf: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `buf` that is a proper prefix of one of `tags`."""
+    best = 0
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(buf)), best, -1):
+            if buf.endswith(tag[:n]):
+                best = n
+                break
+    return best
+
+
+class OutputParser:
+    """Incremental splitter of model output into content, reasoning and tool calls.
+
+    tools: parse `<tool_call>` blocks (False when the request has no tools: the text
+    is then plain content). in_reasoning: the prompt already opened `<think>`.
+    """
+
+    def __init__(self, *, tools: bool = True, in_reasoning: bool = False) -> None:
+        self.tools = tools
+        self._mode = "reasoning" if in_reasoning else "content"
+        self._buf = ""
+        self._pending_ws = ""  # whitespace between calls: content only if text follows
+        self.calls: list[Call] = []
+
+    def _tags(self) -> tuple[str, ...]:
+        if self._mode == "reasoning":
+            return (THINK_CLOSE,)
+        if self._mode == "call":
+            return (CALL_CLOSE,)
+        return (THINK_OPEN, CALL_OPEN) if self.tools else (THINK_OPEN,)
+
+    def feed(self, delta: str) -> list[Part]:
+        self._buf += delta
+        out: list[Part] = []
+        while True:
+            tags = self._tags()
+            hits = [(i, t) for t in tags if (i := self._buf.find(t)) >= 0]
+            if not hits:
+                break
+            index, tag = min(hits)
+            before, self._buf = self._buf[:index], self._buf[index + len(tag):]
+            self._close_segment(before, tag, out)
+        if self._mode != "call":
+            keep = _held_suffix(self._buf, self._tags())
+            ready, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+            self._emit(ready, out)
+        return out
+
+    def finish(self) -> list[Part]:
+        """End of output: release what was held (an unclosed call is passed through as text)."""
+        out: list[Part] = []
+        rest, self._buf = self._buf, ""
+        if self._mode == "call":
+            parsed = parse_call(rest) if self.tools else None
+            if parsed is not None:
+                self._add_call(*parsed, out)
+            else:
+                self._mode = "content"
+                self._emit(CALL_OPEN + rest, out)
+        else:
+            self._emit(rest, out)
+        if self._pending_ws and not self.calls:
+            self._content(self._pending_ws, out, flush=True)
+        self._pending_ws = ""
+        return out
+
+    def _close_segment(self, before: str, tag: str, out: list[Part]) -> None:
+        if tag == CALL_CLOSE:
+            parsed = parse_call(before)
+            self._mode = "content"
+            if parsed is None:
+                self._emit(CALL_OPEN + before + CALL_CLOSE, out)
+            else:
+                self._add_call(*parsed, out)
+            return
+        self._emit(before, out)
+        if tag == THINK_OPEN:
+            self._mode = "reasoning"
+        elif tag == THINK_CLOSE:
+            self._mode = "content"
+        elif tag == CALL_OPEN:
+            self._mode = "call"
+
+    def _add_call(self, name: str, arguments: str, out: list[Part]) -> None:
+        self._pending_ws = ""
+        call = Call(len(self.calls), new_call_id(), name, arguments)
+        self.calls.append(call)
+        out.append(call)
+
+    def _emit(self, text: str, out: list[Part]) -> None:
+        if not text:
+            return
+        if self._mode == "reasoning":
+            out.append(Reasoning(text))
+        else:
+            self._content(text, out)
+
+    def _content(self, text: str, out: list[Part], flush: bool = False) -> None:
+        text = self._pending_ws + text if not flush else text
+        self._pending_ws = ""
+        if not flush and not text.strip():
+            # Whitespace alone (e.g. "\n" between two calls) waits to see what follows.
+            self._pending_ws = text
+            return
+        if out and isinstance(out[-1], Content):
+            out[-1] = Content(out[-1].text + text)
+        else:
+            out.append(Content(text))
+
+
+@dataclass
+class ParsedOutput:
+    content: str | None
+    reasoning: str | None
+    calls: list[Call]
+
+
+def parse_output(text: str, *, tools: bool = True, in_reasoning: bool = False) -> ParsedOutput:
+    """The whole output at once (non-streaming), through the streaming parser."""
+    parser = OutputParser(tools=tools, in_reasoning=in_reasoning)
+    parts = parser.feed(text) + parser.finish()
+    content = "".join(p.text for p in parts if isinstance(p, Content))
+    reasoning = "".join(p.text for p in parts if isinstance(p, Reasoning))
+    calls = [p for p in parts if isinstance(p, Call)]
+    if calls:
+        content = content.strip()
+    return ParsedOutput(content or (None if calls else ""), reasoning or None, calls)
