@@ -167,11 +167,20 @@ class OutputParser:
             self._content(text, out)
 
     def _content(self, text: str, out: list[Part], flush: bool = False) -> None:
-        text = self._pending_ws + text if not flush else text
-        self._pending_ws = ""
-        if not flush and not text.strip():
-            # Whitespace alone (e.g. "\n" between two calls) waits to see what follows.
-            self._pending_ws = text
+        if flush:
+            self._append(text, out)
+            return
+        # Trailing whitespace waits to see what follows: dropped before a tool call (the
+        # "\n" between calls), sent with the next text otherwise. Holding it however the
+        # text was cut keeps streamed and one-shot output identical.
+        text = self._pending_ws + text
+        kept = text.rstrip()
+        self._pending_ws = text[len(kept):]
+        self._append(kept, out)
+
+    @staticmethod
+    def _append(text: str, out: list[Part]) -> None:
+        if not text:
             return
         if out and isinstance(out[-1], Content):
             out[-1] = Content(out[-1].text + text)
