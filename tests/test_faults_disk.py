@@ -1,0 +1,207 @@
+"""Disk faults under a real engine: EIO, early EOF, short and slow reads, flipped bytes.
+
+Faults are injected below the container (`tests.faultio.FaultIO` replaces the positional
+read), so the container's crc check, the reader's retries, the router and the
+generation's clean-up are the code under test. Transient faults must be invisible
+(tokens equal a clean engine's); persistent ones fail that one request with an error
+naming layer, expert and attempts, and leave the engine fully usable.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+import trio
+
+from actors.reader import ExpertReadError
+from actors.sampler import SamplingParams
+from pipeline.config import config_from_dict
+from pipeline.engine import Engine, open_engine
+from pipeline.events import Done
+from qpack import spec
+from qpack.reader import Container, verify_container
+from qpack.writer import pack
+from tests.faultio import FaultIO
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ("Hello there", "The quick brown fox", "Streams of experts", "One two three four",
+           "Disk faults", "Pool slots")
+PARAMS = SamplingParams(temperature=0.0, max_tokens=5)
+RETRIES = 2
+
+
+@pytest.fixture(scope="session")
+def tiny_qpack(synth_checkpoint, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("faults") / "tiny.qpack"
+    pack(synth_checkpoint("qwen3_next", dtype="float32"), out, bits=None, progress=False)
+    return out
+
+
+def _config(path: Path):  # noqa: ANN202
+    # The smallest workable pool (prefill_chunk * top_k = 16 of 64 experts): many reads.
+    return config_from_dict({
+        "model": {"path": str(path)},
+        "pool": {"slots": 16},
+        "compute": {"prefill_chunk": 4},
+        "prefetch": {"strategy": "next-gate"},
+        "reader": {"retries": RETRIES, "retry_backoff_ms": 1.0},
+    })
+
+
+async def _tokens(engine: Engine, prompt: str) -> tuple[int, ...]:
+    async with aclosing(engine.generate(prompt, PARAMS)) as events:
+        async for event in events:
+            if isinstance(event, Done):
+                return event.token_ids
+    raise AssertionError("no Done event")
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_qpack) -> dict[str, tuple[int, ...]]:
+    """Greedy tokens of each prompt from a clean engine (no FaultIO at all)."""
+
+    async def run() -> dict[str, tuple[int, ...]]:
+        async with open_engine(_config(tiny_qpack)) as engine:
+            return {p: await _tokens(engine, p) for p in PROMPTS}
+
+    return trio.run(run)
+
+
+def assert_pool_clean(engine: Engine) -> None:
+    """Nothing left over from a failed or cancelled request."""
+    snap = engine.pool_snapshot()
+    table = engine.router.table
+    assert snap["pinned"] == 0, snap
+    assert snap["loads_in_flight"] == 0, snap
+    assert [k for k in table.resident() if table.state(k) == "loading"] == []
+    assert engine.waiting == 0
+    assert not engine.lock.locked()
+
+
+async def test_transient_faults_are_retried_and_invisible(tiny_qpack, reference):
+    io = FaultIO(tiny_qpack)
+    async with open_engine(_config(tiny_qpack), io=io) as engine:
+        reader = engine.router.reader
+        # flip first: a fresh engine has verified no expert yet, so every read is crc-checked.
+        cases = [("flip", PROMPTS[0], True), ("eio", PROMPTS[1], True), ("eof", PROMPTS[2], True),
+                 ("short", PROMPTS[3], False), ("slow", PROMPTS[4], False)]
+        for kind, prompt, retried in cases:
+            engine.prefix_cache.clear()
+            retries0, failures0 = reader.stats.retries, reader.stats.failures
+            # The same read fails RETRIES times in a row at worst: still within the budget.
+            rule = io.inject(kind, times=RETRIES if retried else 40, delay_s=0.02, max_bytes=1000)
+            assert await _tokens(engine, prompt) == reference[prompt], kind
+            assert rule.hits == rule.times, (kind, rule)
+            assert reader.stats.failures == failures0, kind
+            assert (reader.stats.retries - retries0 == RETRIES) if retried else \
+                reader.stats.retries == retries0, (kind, reader.stats)
+            io.clear()
+
+
+async def test_persistent_faults_fail_one_request_then_the_engine_recovers(tiny_qpack, reference):
+    io = FaultIO(tiny_qpack)
+    details = {"flip": "crc32", "eio": "Input/output error", "eof": "short read"}
+    async with open_engine(_config(tiny_qpack), io=io) as engine:
+        # flip first, on a layer no read has verified yet: verify="first-use" checks each
+        # expert's crc once, so a flip in a later re-read of a verified expert is not seen.
+        for (kind, layer), prompt in zip([("flip", 2), ("eio", 3), ("eof", 0)], PROMPTS, strict=False):
+            engine.prefix_cache.clear()
+            rule = io.inject(kind, layer=layer)
+            with pytest.raises(ExpertReadError) as info:
+                await _tokens(engine, prompt)
+            message = str(info.value)
+            assert f"of layer {layer}: read failed after {RETRIES + 1} attempts" in message, message
+            assert details[kind] in message, message
+            assert rule.hits >= RETRIES + 1
+            assert_pool_clean(engine)
+            io.clear()
+            # The very next request (fault gone) is exactly a clean engine's.
+            assert await _tokens(engine, prompt) == reference[prompt], kind
+
+
+async def test_one_bad_expert_and_a_cancelled_slow_read(tiny_qpack, reference):
+    io = FaultIO(tiny_qpack)
+    async with open_engine(_config(tiny_qpack), io=io) as engine:
+        # A persistent fault on a single expert fails only requests routed to it (a failed
+        # prefetch of it is dropped silently); no request ever gets wrong tokens.
+        io.inject("eio", layer=1, expert=0)
+        outcomes = {}
+        for prompt in PROMPTS:
+            engine.prefix_cache.clear()
+            try:
+                outcomes[prompt] = await _tokens(engine, prompt) == reference[prompt]
+            except ExpertReadError as exc:
+                assert "expert 0 of layer 1" in str(exc)
+                assert_pool_clean(engine)
+                outcomes[prompt] = "failed"
+        assert False not in outcomes.values(), outcomes
+        io.clear()
+        # A client that goes away while reads are in flight on a slow disk.
+        io.inject("slow", delay_s=0.2)
+        with trio.move_on_after(0.5) as scope:
+            await _tokens(engine, PROMPTS[0])
+        assert scope.cancelled_caught
+        assert_pool_clean(engine)
+        io.clear()
+        engine.prefix_cache.clear()
+        assert await _tokens(engine, PROMPTS[1]) == reference[PROMPTS[1]]
+
+
+def _flip_on_disk(root: Path, layer: int) -> None:
+    entry = Container.open(root, verify="off").manifest.layer(layer)
+    path = root / entry.file
+    data = bytearray(path.read_bytes())
+    for e in range(entry.num_experts):  # every expert of the layer: any route hits one
+        data[e * entry.stride + 17] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+async def test_flipped_byte_on_disk_is_caught_before_use(tiny_qpack, tmp_path):
+    copy = tmp_path / "flipped.qpack"
+    shutil.copytree(tiny_qpack, copy)
+    _flip_on_disk(copy, 1)
+    async with open_engine(_config(copy)) as engine:
+        with pytest.raises(ExpertReadError, match=r"of layer 1: read failed after 3 attempts:.*crc32"):
+            await _tokens(engine, PROMPTS[0])
+        assert_pool_clean(engine)
+        # Still refuses (never "verified" by a failed read), and still cleanly.
+        with pytest.raises(ExpertReadError, match="crc32"):
+            await _tokens(engine, PROMPTS[1])
+        assert_pool_clean(engine)
+    report = verify_container(copy)
+    assert len(report.problems) == 16 + 1, report.problems  # 16 experts + the file's sha256
+    assert all("layer_001.bin" in p for p in report.problems)
+    bad, good = _verify_cli(copy), _verify_cli(tiny_qpack)
+    assert bad.returncode != 0
+    assert "layer 1 expert 0: crc32" in bad.stdout + bad.stderr, bad.stdout + bad.stderr
+    assert good.returncode == 0, good.stdout + good.stderr
+
+
+def _verify_cli(path: Path) -> subprocess.CompletedProcess[str]:
+    """`moestream verify PATH`, through the subcommand's own register()."""
+    script = ("import argparse, sys\n"
+              "from qpack.pack_cli import register\n"
+              "p = argparse.ArgumentParser(); register(p.add_subparsers())\n"
+              "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n")
+    return subprocess.run([sys.executable, "-c", script, "verify", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_faultio_maps_reads_to_layer_and_expert(tiny_qpack):
+    """The helper itself: a rule on (layer, expert) hits exactly that blob."""
+    io = FaultIO(tiny_qpack)
+    rule = io.inject("eio", layer=3, expert=5, times=1)
+    with Container.open(tiny_qpack, io=io) as c:
+        buf = bytearray(c.manifest.max_stride)
+        c.read_expert(3, 4, buf)
+        c.read_expert(2, 5, buf)
+        with pytest.raises(OSError, match="Input/output error"):
+            c.read_expert(3, 5, buf)
+        c.read_expert(3, 5, buf)  # times=1: spent
+    assert rule.hits == 1 and io.reads == 4
+    assert (tiny_qpack / spec.layer_file(3)).is_file()
