@@ -1,0 +1,285 @@
+"""`moestream bench`: what the streamer achieves, next to what it could.
+
+Each configuration runs in its own process (`python -m pipeline.bench CASE_JSON`), so
+its peak RSS and peak MLX memory are its own, and is measured the product's way: one
+`engine.generate` over a fixed random prompt. Before the measured generation a tiny
+warm-up compiles the kernels; a cold case then drops the container's pages.
+
+Per case: decode and prefill tok/s, time to first token, peak host RSS and MLX device
+memory, bytes read per decode token, pool hit rate (whole run and decode only),
+prefetch precision/recall and the fraction of decode time compute stalled on reads.
+References: "serial" (no prefetch, no overlap), "resident" (mlx-lm, every expert in
+memory) and the I/O ceiling (measured read bandwidth / bytes a decode token reads).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+Kind = str  # "moestream" | "resident" | "io"
+
+
+class Case(msgspec.Struct, kw_only=True):
+    """One configuration to measure (sent to the worker process as JSON)."""
+
+    name: str
+    model: str
+    kind: Kind = "moestream"
+    config: dict[str, Any] = {}  # PipelineConfig sections over the defaults
+    prompt_tokens: int = 16
+    max_tokens: int = 32
+    cold: bool = True
+    trace: str | None = None
+    seed: int = 0
+
+
+class Result(msgspec.Struct, kw_only=True):
+    name: str
+    kind: Kind
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    completion_tokens: int = 0
+    decode_tok_s: float = 0.0
+    prefill_tok_s: float = 0.0
+    ttft_s: float = 0.0
+    peak_rss_mb: float = 0.0
+    peak_device_mb: float = 0.0
+    pool_mb: float = 0.0
+    slots: int = 0
+    readers: int = 0
+    strategy: str = ""
+    overlap: bool = True
+    o_direct: bool = False
+    hit_rate: float = 0.0
+    decode_hit_rate: float = 0.0
+    bytes_read_per_token: float = 0.0
+    decode_bytes_per_token: float = 0.0
+    prefetch_precision: float = 0.0
+    prefetch_recall: float = 0.0
+    stall_fraction: float = 0.0
+    read_gb_s: float = 0.0  # "io" only
+    backend: str = ""
+    seconds: float = 0.0
+    error: str | None = None
+
+
+def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
+    """A fixed random prompt of ordinary tokens (below the special-token range)."""
+    rng = random.Random(seed)
+    return [rng.randrange(100, min(vocab, 150_000)) for _ in range(n)]
+
+
+def _backend() -> str:
+    import mlx.core as mx
+
+    return str(mx.default_device())
+
+
+def engine_dict(case: Case) -> dict[str, Any]:
+    raw: dict[str, Any] = {k: dict(v) for k, v in case.config.items()}
+    raw.setdefault("model", {})["path"] = case.model
+    raw["model"].setdefault("verify", "off")
+    return raw
+
+
+async def measure_engine(case: Case) -> Result:
+    """One case in this process: open the engine, warm up, (cold) measure one generation."""
+    from actors.sampler import SamplingParams
+    from pipeline import timeline
+    from pipeline.bench_refs import drop_page_cache
+    from pipeline.config import config_from_dict
+    from pipeline.engine import open_engine
+    from pipeline.events import Done
+
+    cfg = config_from_dict(engine_dict(case), source=f"<bench {case.name}>")
+    started = time.perf_counter()
+    async with open_engine(cfg) as engine:
+        vocab = engine.model.parts.args.vocab_size
+        warm = SamplingParams(temperature=1.0, seed=case.seed + 1, max_tokens=2)
+        async with aclosing(engine.generate(prompt_ids(2, vocab, case.seed + 99), warm)) as it:
+            async for _ in it:
+                pass
+        if case.cold:
+            drop_page_cache(case.model)
+        router, compute = engine.router, engine.compute
+        mark: dict[str, float] = {}
+        original = compute.forward
+
+        async def forward(tokens: Any, cache: Any, phase: Any) -> Any:
+            # The first decode forward: snapshot counters to split prefill from decode.
+            if phase == "decode" and not mark:
+                snap = router.table.snapshot()
+                mark.update(bytes=router.reader.stats.bytes_read, hits=snap.hits, misses=snap.misses)
+            return await original(tokens, cache, phase)
+
+        compute.forward = forward  # type: ignore[method-assign]
+        params = SamplingParams(temperature=1.0, seed=case.seed, max_tokens=case.max_tokens)
+        prompt = prompt_ids(case.prompt_tokens, vocab, case.seed)
+        done: Done | None = None
+        with timeline.recording(case.trace):
+            async with aclosing(engine.generate(prompt, params)) as it:
+                async for event in it:
+                    if isinstance(event, Done):
+                        done = event
+        compute.forward = original  # type: ignore[method-assign]
+        assert done is not None
+        s = done.stats
+        snap = router.table.snapshot()
+        decoded = max(s.completion_tokens - 1, 0)
+        d_hits = snap.hits - mark.get("hits", snap.hits)
+        d_misses = snap.misses - mark.get("misses", snap.misses)
+        d_bytes = router.reader.stats.bytes_read - mark.get("bytes", router.reader.stats.bytes_read)
+        return Result(
+            name=case.name, kind=case.kind, prompt_tokens=s.prompt_tokens, max_tokens=case.max_tokens,
+            completion_tokens=s.completion_tokens, decode_tok_s=s.decode_tok_s,
+            prefill_tok_s=s.prefill_tok_s, ttft_s=s.ttft_s, peak_rss_mb=s.peak_rss_mb,
+            peak_device_mb=s.peak_device_mb, pool_mb=engine.pool_bytes / 2**20,
+            slots=engine.storage.num_slots, readers=router.reader.concurrency,
+            strategy=cfg.prefetch.strategy if cfg.compute.overlap else "none",
+            overlap=cfg.compute.overlap, o_direct=engine.container.o_direct, hit_rate=s.hit_rate,
+            decode_hit_rate=d_hits / (d_hits + d_misses) if d_hits + d_misses else 0.0,
+            bytes_read_per_token=s.bytes_read_per_token,
+            decode_bytes_per_token=d_bytes / decoded if decoded else 0.0,
+            prefetch_precision=s.prefetch_precision, prefetch_recall=s.prefetch_recall,
+            stall_fraction=s.stall_fraction, backend=_backend(),
+            seconds=time.perf_counter() - started,
+        )
+
+
+def measure(case: Case) -> Result:
+    """Run one case in this process (the worker side)."""
+    import trio
+
+    from pipeline.bench_refs import read_bandwidth, resident_decode
+
+    started = time.perf_counter()
+    if case.kind == "moestream":
+        return trio.run(measure_engine, case)
+    if case.kind == "resident":
+        from qpack.reader import Container
+
+        with Container.open(case.model, verify="off") as c:
+            vocab = int(c.config.get("text_config", c.config)["vocab_size"])
+        r = resident_decode(case.model, prompt_ids(case.prompt_tokens, vocab, case.seed),
+                            case.max_tokens, case.seed)
+        from pipeline.generation import peak_rss_mb
+
+        return Result(name=case.name, kind="resident", prompt_tokens=case.prompt_tokens,
+                      max_tokens=case.max_tokens, completion_tokens=r.tokens,
+                      decode_tok_s=r.decode_tok_s, prefill_tok_s=r.prefill_tok_s, ttft_s=r.ttft_s,
+                      peak_rss_mb=peak_rss_mb(), peak_device_mb=r.peak_device_mb,
+                      pool_mb=r.model_bytes / 2**20, backend=_backend(),
+                      seconds=time.perf_counter() - started)
+    if case.kind == "io":
+        reader = case.config.get("reader", {})
+        bw = read_bandwidth(case.model, threads=int(reader.get("concurrency", 4)),
+                            o_direct=bool(reader.get("o_direct", False)))
+        return Result(name=case.name, kind="io", readers=bw.threads, o_direct=bw.o_direct,
+                      read_gb_s=bw.gb_s, seconds=time.perf_counter() - started)
+    raise ValueError(f"case {case.name!r}: unknown kind {case.kind!r} (moestream, resident, io)")
+
+
+def run_case(case: Case, timeout_s: float | None = None) -> Result:
+    """Run one case in a fresh process; a crash or timeout becomes a Result with `error`."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
+    cmd = [sys.executable, "-m", "pipeline.bench", msgspec.json.encode(case).decode()]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return Result(name=case.name, kind=case.kind, error=f"timed out after {timeout_s} s")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
+        return Result(name=case.name, kind=case.kind, error=f"exit {proc.returncode}: " + " | ".join(tail))
+    return msgspec.json.decode(lines[-1], type=Result)
+
+
+@dataclass
+class Report:
+    """What one `bench` invocation measured, with the derived ceilings and ratios."""
+
+    machine: dict[str, Any]
+    container: dict[str, Any]
+    command: str
+    results: list[Result] = field(default_factory=list)
+
+    def by_name(self, name: str) -> Result | None:
+        return next((r for r in self.results if r.name == name and r.error is None), None)
+
+    def derived(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        default, serial = self.by_name("default"), self.by_name("serial")
+        resident, io = self.by_name("resident"), self.by_name("io")
+        if default is not None and io is not None and io.read_gb_s > 0:
+            per_tok = default.decode_bytes_per_token
+            out["io_ceiling_tok_s"] = io.read_gb_s * 1e9 / per_tok if per_tok > 0 else None
+        if default is not None and serial is not None and serial.decode_tok_s > 0:
+            out["default_over_serial"] = default.decode_tok_s / serial.decode_tok_s
+        ceilings = [c for c in (resident.decode_tok_s if resident else None, out.get("io_ceiling_tok_s"))
+                    if c]
+        if default is not None and ceilings:
+            out["ceiling_tok_s"] = min(ceilings)
+            out["default_over_ceiling"] = default.decode_tok_s / min(ceilings)
+        if default is not None:
+            budget = self.container["dense_mb"] + default.pool_mb + 256
+            total = default.peak_rss_mb + (default.peak_device_mb if "gpu" in default.backend else 0.0)
+            out["memory_total_mb"] = total
+            out["memory_budget_mb"] = budget
+            out["memory_over_budget_mb"] = total - budget
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"machine": self.machine, "container": self.container, "command": self.command,
+                "results": [msgspec.to_builtins(r) for r in self.results], "derived": self.derived()}
+
+
+def machine_info() -> dict[str, Any]:
+    import platform
+
+    info: dict[str, Any] = {"host": platform.node(), "cpu_count": os.cpu_count(),
+                            "python": platform.python_version(),
+                            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    try:
+        import mlx.core as mx
+
+        info["mlx"] = mx.__version__
+        info["device"] = str(mx.default_device())
+        if hasattr(mx, "device_info"):
+            info["device_info"] = {k: str(v) for k, v in mx.device_info().items()}
+    except Exception as exc:  # noqa: BLE001 - informational only
+        info["mlx_error"] = str(exc)
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_kb"] = int(f.readline().split()[1])
+    except OSError:
+        pass
+    return info
+
+
+def main(argv: list[str]) -> int:
+    """Worker entry: one Case as JSON in argv[1]; one Result as JSON on stdout's last line."""
+    from pipeline.logging_setup import configure_logging
+
+    configure_logging("warning", False)
+    case = msgspec.json.decode(argv[1], type=Case)
+    result = measure(case)
+    sys.stdout.write("\n" + json.dumps(msgspec.to_builtins(result)) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

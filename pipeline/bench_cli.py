@@ -1,0 +1,141 @@
+"""`moestream bench` and `moestream bench-container`."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline.bench import Case, Report, machine_info, run_case
+
+CASES = ("default", "serial", "resident", "io")
+
+
+def plan_cases(args: argparse.Namespace) -> list[Case]:
+    """default = as configured; serial = overlap off; resident = mlx-lm; io = disk bandwidth."""
+    base: dict[str, Any] = {
+        "pool": {"budget_mb": args.pool_mb},
+        "reader": {"concurrency": args.readers, "o_direct": args.o_direct},
+        "prefetch": {"strategy": args.strategy},
+        "compute": {"prefill_chunk": args.prefill_chunk},
+    }
+    common = dict(model=str(args.model), prompt_tokens=args.prompt_tokens,
+                  max_tokens=args.max_tokens, cold=not args.warm, seed=args.seed)
+    cases: list[Case] = []
+    for name in args.cases:
+        if name == "default":
+            cases.append(Case(name="default", config=base, trace=args.trace, **common))
+        elif name == "serial":
+            serial = {**base, "compute": {**base["compute"], "overlap": False}}
+            cases.append(Case(name="serial", config=serial, **common))
+        elif name == "resident":
+            cases.append(Case(name="resident", kind="resident", **common))
+        elif name == "io":
+            cases.append(Case(name="io", kind="io", config=base, **common))
+    return cases
+
+
+def run_bench(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    from rich.console import Console
+
+    from pipeline.bench_refs import container_summary
+
+    err = Console(stderr=True)
+    report = Report(machine_info(), container_summary(args.model), command)
+    for case in plan_cases(args):
+        err.print(f"[dim]bench: {case.name} ...[/dim]")
+        result = run_case(case, timeout_s=args.case_timeout)
+        if result.error:
+            err.print(f"[red]bench: {case.name} failed:[/red] {result.error}")
+        report.results.append(result)
+    return report.to_json()
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from pipeline.bench_report import plot_timeline, results_table, write_json
+
+    unknown = [c for c in args.cases if c not in CASES]
+    if unknown:
+        print(f"moestream bench: unknown case(s) {unknown}; choose from {list(CASES)}", file=sys.stderr)
+        return 2
+    if not (Path(args.model) / "manifest.json").is_file():
+        print(f"moestream bench: {args.model}: not a .qpack container (no manifest.json)", file=sys.stderr)
+        return 2
+    report = run_bench(args, "moestream bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []))
+    Console(stderr=True, width=None if sys.stderr.isatty() else 220).print(results_table(report))
+    if args.json:
+        write_json(report, args.json)
+    if args.trace and args.plots:
+        Path(args.plots).mkdir(parents=True, exist_ok=True)
+        if plot_timeline(args.trace, Path(args.plots) / "timeline.png") is None:
+            print("bench: timeline plot skipped (matplotlib missing or no decode step)", file=sys.stderr)
+    failed = [r for r in report["results"] if r.get("error")]
+    return 1 if failed else 0
+
+
+def _cmd_bench_container(args: argparse.Namespace) -> int:
+    from qpack.bench_container import write_bench_container
+    from qpack.presets import get_preset
+    from qpack.spec import QpackError
+
+    try:
+        dims = get_preset(args.family, args.preset)
+        result = write_bench_container(args.out, dims.family, args.preset, bits=args.bits,
+                                       group_size=args.group_size, seed=args.seed,
+                                       max_layers=args.max_layers, workers=args.workers)
+    except (ValueError, QpackError) as exc:
+        print(f"moestream bench-container: {exc}", file=sys.stderr)
+        return 2
+    print(f"{result.path}: {result.bytes_written / 1e9:.2f} GB in {result.seconds:.1f} s "
+          f"({result.mb_s:.0f} MB/s; experts {result.experts_mb_s:.0f} MB/s, dense {result.dense_seconds:.1f} s)")
+    return 0
+
+
+def add_bench_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pool-mb", type=int, default=1024, help="expert pool budget in MiB (default 1024)")
+    p.add_argument("--readers", type=int, default=4, help="expert reads in flight (default 4)")
+    p.add_argument("--strategy", default="next-gate", help="prefetch strategy of the default case")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill step")
+    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (default 16)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--o-direct", action="store_true", help="read experts with O_DIRECT")
+    p.add_argument("--warm", action="store_true", help="keep the page cache (default: cold runs)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--case-timeout", type=float, default=None, help="seconds per case before giving up")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench", help="measure tok/s, memory and I/O against the serial/resident/disk ceilings",
+        description="Run each case in its own process on a cold page cache: 'default' (as "
+        "configured), 'serial' (no prefetch, no overlap: the plain streamer), 'resident' "
+        "(mlx-lm with every expert in memory: the compute ceiling) and 'io' (random expert "
+        "reads: the disk's bandwidth; x bytes per decode token = the I/O ceiling). Prints a "
+        "table, writes JSON, and with --trace and --plots a timeline of one decode step.")
+    p.add_argument("model", type=Path, help="path of a .qpack container")
+    p.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES),
+                   help=f"comma-separated subset of {','.join(CASES)}")
+    add_bench_flags(p)
+    p.add_argument("--json", help="write the report as JSON here")
+    p.add_argument("--trace", help="write the default case's Chrome/Perfetto timeline here")
+    p.add_argument("--plots", help="directory for PNG plots (needs matplotlib)")
+    p.set_defaults(func=_cmd_bench)
+
+    c = sub.add_parser(
+        "bench-container", help="write a benchmark container fast (real dims, random experts)",
+        description="Write a valid .qpack directly, without synth + pack: the dense core as "
+        "synth --bits writes it, experts as random 4-bit words with scales that give "
+        "zero-mean weights of std ~1/sqrt(fan_in). For speed measurements only.")
+    c.add_argument("--family", choices=("qwen3_next", "qwen3_5_moe"), default=None)
+    c.add_argument("--preset", required=True, help="tiny, demo, qwen3.6-35b-a3b, qwen3-next-80b-a3b")
+    c.add_argument("-o", "--out", required=True, type=Path, help="output .qpack directory")
+    c.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    c.add_argument("--group-size", type=int, default=64)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--max-layers", type=int, default=None, help="only the first N layers")
+    c.add_argument("--workers", type=int, default=None, help="writer threads (default: cores, <= 16)")
+    c.set_defaults(func=_cmd_bench_container)

@@ -1,0 +1,194 @@
+"""The references `moestream bench` compares against, and page-cache control.
+
+- `resident_decode`: mlx-lm with the whole model resident (dense core + every expert
+  stacked into `switch_mlp`, as `mlx_lm.utils.load_model` would hold it), decoded with
+  mlx-lm's own `generate_step`: the compute ceiling for this model on this machine.
+- `read_bandwidth`: random reads of one expert stride from the container's layer
+  files, cold, with the reader's concurrency: what the disk gives the streamer. Times
+  the bytes a decode token has to read, it is the I/O ceiling.
+- `drop_page_cache`: POSIX_FADV_DONTNEED on every container file, so a run is cold.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import msgspec
+import numpy as np
+
+from qpack import spec
+from qpack.reader import Container, aligned_empty
+
+_NP = {"uint32": np.uint32, "uint8": np.uint8, "bfloat16": np.uint16, "float16": np.float16,
+       "float32": np.float32}
+
+
+def drop_page_cache(root: str | os.PathLike[str]) -> int:
+    """Evict every file of the container from the page cache; returns the bytes covered."""
+    total = 0
+    for path in sorted(Path(root).rglob("*")):
+        if not path.is_file():
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages cannot be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            total += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return total
+
+
+class Bandwidth(msgspec.Struct):
+    reads: int
+    bytes: int
+    seconds: float
+    threads: int
+    o_direct: bool
+
+    @property
+    def gb_s(self) -> float:
+        return self.bytes / 1e9 / max(self.seconds, 1e-9)
+
+
+def read_bandwidth(root: str | os.PathLike[str], *, threads: int, o_direct: bool,
+                   max_reads: int = 2000, max_bytes: int = 4 << 30, seed: int = 0) -> Bandwidth:
+    """Cold random reads of whole expert strides (each expert at most once)."""
+    drop_page_cache(root)
+    container = Container.open(root, verify="off", o_direct=o_direct)
+    try:
+        m = container.manifest
+        keys = [(layer.index, e) for layer in m.layers for e in range(layer.num_experts)]
+        random.Random(seed).shuffle(keys)
+        n = max(1, min(len(keys), max_reads, max_bytes // max(m.max_stride, 1)))
+        keys = keys[:n]
+        buffers = [aligned_empty(m.max_stride) for _ in range(threads)]
+
+        def work(i: int) -> int:
+            done = 0
+            for layer, e in keys[i::threads]:
+                container.read_expert(layer, e, buffers[i])
+                done += container.layer(layer).stride
+            return done
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            nbytes = sum(pool.map(work, range(threads)))
+        seconds = time.perf_counter() - start
+        return Bandwidth(n, nbytes, seconds, threads, container.o_direct)
+    finally:
+        container.close()
+
+
+def _switch_prefix(model_type: str, layer: int) -> str:
+    prefix = "language_model.model" if model_type == "qwen3_5_moe" else "model"
+    return f"{prefix}.layers.{layer}.mlp.switch_mlp"
+
+
+def stacked_experts(container: Container) -> dict[str, mx.array]:
+    """Every layer's experts as mlx-lm's stacked switch_mlp tensors [E, ...]."""
+    m = container.manifest
+    out: dict[str, mx.array] = {}
+    for entry in m.layers:
+        raw = np.fromfile(container.root / entry.file, dtype=np.uint8).reshape(entry.num_experts, entry.stride)
+        for t in entry.format.tensors:
+            part = np.ascontiguousarray(raw[:, t.offset : t.offset + t.nbytes])
+            arr = mx.array(part.view(_NP[t.dtype]).reshape(entry.num_experts, *t.shape))
+            if t.dtype == "bfloat16":
+                arr = arr.view(mx.bfloat16)
+            mx.eval(arr)
+            out[f"{_switch_prefix(m.model_type, entry.index)}.{t.name}"] = arr
+        del raw
+    return out
+
+
+def load_resident(container: Container) -> nn.Module:
+    """The full mlx-lm model with every expert resident, loaded as mlx_lm.utils.load_model does."""
+    from mlx_lm.utils import _get_classes
+
+    config = container.config
+    weights = dict(mx.load(str(container.dense_path)))
+    weights.update(stacked_experts(container))
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    quantization = config.get("quantization")
+    if quantization is not None:
+        def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
+            if path in quantization:
+                return quantization[path]
+            return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+        nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
+                    mode=quantization.get("mode", "affine"), class_predicate=predicate)
+    model.load_weights(list(weights.items()), strict=True)
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+class ResidentResult(msgspec.Struct):
+    decode_tok_s: float
+    prefill_tok_s: float
+    ttft_s: float
+    tokens: int
+    load_s: float
+    peak_device_mb: float
+    model_bytes: int
+
+
+def resident_bytes(container: Container) -> int:
+    return container.manifest.dense_bytes + sum(
+        sum(t.nbytes for t in e.format.tensors) * e.num_experts for e in container.manifest.layers)
+
+
+def resident_decode(root: str | os.PathLike[str], prompt: list[int], max_tokens: int,
+                    seed: int = 0) -> ResidentResult:
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    container = Container.open(root, verify="off")
+    try:
+        t0 = time.perf_counter()
+        model = load_resident(container)
+        load_s = time.perf_counter() - t0
+        nbytes = resident_bytes(container)
+    finally:
+        container.close()
+    mx.random.seed(seed)
+    sampler = make_sampler(temp=1.0)
+    # Warm-up: the first calls compile kernels; the ceiling is the steady state.
+    for _ in generate_step(mx.array(prompt[:4]), model, max_tokens=2, sampler=sampler):
+        pass
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    first = None
+    n = 0
+    for _token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=sampler):
+        n += 1
+        if first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    assert first is not None
+    decode = (n - 1) / (end - first) if n > 1 else 0.0
+    return ResidentResult(decode, len(prompt) / (first - start), first - start, n, load_s,
+                          mx.get_peak_memory() / 2**20, nbytes)
+
+
+def container_summary(root: str | os.PathLike[str]) -> dict[str, Any]:
+    with Container.open(root, verify="off") as c:
+        m = c.manifest
+        return {
+            "path": str(root), "model_type": m.model_type, "source": m.source,
+            "layers": len(m.layers), "num_experts": m.num_experts, "top_k": m.top_k,
+            "stride": m.max_stride, "dense_mb": m.dense_bytes / 2**20,
+            "experts_mb": m.expert_bytes / 2**20, "bits": m.quantization.bits,
+            "decode_bytes_all_miss": len(m.layers) * m.top_k * m.max_stride,
+            "alignment": spec.ALIGNMENT,
+        }

@@ -1,0 +1,146 @@
+"""Presenting `bench` results: a rich table, the JSON file, and PNG plots (matplotlib).
+
+Plots need matplotlib (an optional extra); without it they are skipped with a note.
+- `plot_sweep`: decode tok/s against pool size, one line per prefetch strategy.
+- `plot_timeline`: one decode step from a trace, one row per actor track.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline import timeline
+
+
+def _f(x: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def results_table(report: dict[str, Any]):  # -> rich.table.Table
+    from rich.table import Table
+
+    c = report["container"]
+    table = Table(title=f"moestream bench: {c.get('source', c['path'])} ({report['machine'].get('device', '?')})")
+    cols = ("case", "decode tok/s", "prefill tok/s", "TTFT s", "pool MB", "readers", "strategy",
+            "hit", "hit (decode)", "MB read/tok", "prefetch P/R", "stall", "RSS MB", "device MB")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("case", "strategy") else "right")
+    for r in report["results"]:
+        if r.get("error"):
+            table.add_row(r["name"], f"[red]{r['error'][:60]}[/red]", *[""] * (len(cols) - 2))
+            continue
+        if r["kind"] == "io":
+            table.add_row(r["name"], "-", "-", "-", "-", str(r["readers"]),
+                          f"read {r['read_gb_s']:.2f} GB/s" + (" O_DIRECT" if r["o_direct"] else ""),
+                          *["-"] * 7)
+            continue
+        stream = r["kind"] == "moestream"
+        table.add_row(
+            r["name"], _f(r["decode_tok_s"]), _f(r["prefill_tok_s"], "{:.1f}"), _f(r["ttft_s"]),
+            _f(r["pool_mb"], "{:.0f}"), str(r["readers"]) if stream else "-",
+            r["strategy"] if stream else "resident",
+            _f(r["hit_rate"], "{:.1%}") if stream else "-",
+            _f(r["decode_hit_rate"], "{:.1%}") if stream else "-",
+            _f(r["decode_bytes_per_token"] / 2**20) if stream else "-",
+            f"{r['prefetch_precision']:.2f}/{r['prefetch_recall']:.2f}" if stream else "-",
+            _f(r["stall_fraction"], "{:.0%}") if stream else "-",
+            _f(r["peak_rss_mb"], "{:.0f}"), _f(r["peak_device_mb"], "{:.0f}"),
+        )
+    d = report.get("derived", {})
+    table.caption = "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items())
+    return table
+
+
+def write_json(report: dict[str, Any], path: str | Path) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return out
+
+
+def _pyplot():  # -> matplotlib.pyplot | None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot_sweep(results: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path | None:
+    """Decode tok/s vs pool MB, one line per strategy (moestream results only)."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for r in results:
+        if r.get("error") or r["kind"] != "moestream":
+            continue
+        lines.setdefault(r["strategy"] or "none", []).append((r["pool_mb"], r["decode_tok_s"]))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    for r in results:
+        if r["kind"] == "resident" and not r.get("error"):
+            ax.axhline(r["decode_tok_s"], color="k", linestyle="--", label="resident (mlx-lm)")
+    ax.set_xlabel("expert pool (MiB)")
+    ax.set_ylabel("decode tok/s")
+    ax.set_title(title or "decode speed vs pool size")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def decode_step_window(trace: dict[str, Any], which: float = 0.5) -> tuple[float, float] | None:
+    """The [start, end] (µs) of one decode step: the one at fraction `which` of the run."""
+    steps = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] == "decode-step"]
+    if not steps:
+        return None
+    step = steps[min(len(steps) - 1, int(len(steps) * which))]
+    return step["ts"], step["ts"] + step["dur"]
+
+
+def plot_timeline(trace_path: str | Path, path: str | Path, title: str = "") -> Path | None:
+    """One decode step, one row per track: MLX calls, stalls, installs, reads."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    trace = timeline.load(trace_path)
+    window = decode_step_window(trace)
+    if window is None:
+        return None
+    t0, t1 = window
+    names = timeline.track_names(trace)
+    tids = sorted(names)
+    colors = {"read": "tab:red", "prefetch": "tab:orange", "stall": "tab:gray",
+              "install": "tab:purple", "sample": "tab:green", "decode-step": "lightsteelblue"}
+    fig, ax = plt.subplots(figsize=(11, 0.5 + 0.45 * len(tids)))
+    for row, tid in enumerate(tids):
+        for e in trace["traceEvents"]:
+            if e.get("ph") != "X" or e["tid"] != tid or e["ts"] + e["dur"] < t0 or e["ts"] > t1:
+                continue
+            start, end = max(e["ts"], t0), min(e["ts"] + e["dur"], t1)
+            color = colors.get(e["name"], "tab:blue")
+            height = 0.8 if e["name"] != "decode-step" else 0.95
+            ax.broken_barh([((start - t0) / 1000, (end - start) / 1000)], (row - height / 2, height),
+                           facecolors=color, edgecolor="none")
+    ax.set_yticks(range(len(tids)))
+    ax.set_yticklabels([names[t] for t in tids])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms into the decode step")
+    ax.set_title(title or "one decode step")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (*colors.values(), "tab:blue")]
+    ax.legend(handles, [*colors.keys(), "MLX call"], loc="upper right", fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
