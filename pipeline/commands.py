@@ -14,12 +14,14 @@ from rich.console import Console
 from rich.table import Table
 
 from actors.sampler import SamplingParams
+from pipeline import timeline
 from pipeline.config import ConfigError, PipelineConfig, config_from_dict, load_config
 from pipeline.engine import Engine, open_engine
 from pipeline.events import Done, GenerationStats, TextDelta
 from pipeline.prepare import ensure_container
 
-err = Console(stderr=True)
+# Wide enough for the stats table even when stderr is not a terminal.
+err = Console(stderr=True, width=160)
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -161,7 +163,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 2
     if args.record_routing:
         cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, record_routing=args.record_routing))
-    return trio.run(_run, cfg, args.trace)
+    with timeline.recording(args.trace or cfg.run.trace):
+        return trio.run(_run, cfg, args.trace)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

@@ -127,6 +127,9 @@ class PrefetchConfig(_Section):
 class ComputeConfig(_Section):
     prefill_chunk: PositiveInt = 256  # prompt tokens per forward during prefill
     overlap: bool = True  # false = the serial streamer baseline (no read/compute overlap)
+    # Activation dtype. "auto": float32 on MLX's CPU backend (its bfloat16 kernels are ~10x
+    # slower than float32 there), the model's own dtype on GPUs; "model": always the model's.
+    dtype: Literal["auto", "model", "float32", "bfloat16", "float16"] = "auto"
 
 
 class ChatMessage(_Section):

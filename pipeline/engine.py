@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from pipeline.config import PipelineConfig
 from pipeline.events import Event
 from pipeline.generation import Generation
 from pipeline.models.dense import load_dense
-from pipeline.models.streamed import StreamedModel
+from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_cache import PrefixCache
 from qpack.reader import Container, ExpertIO
 
@@ -128,8 +128,10 @@ class Engine:
         params: SamplingParams | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
     ) -> AsyncIterator[Event]:
-        async for event in self.generate(self.chat_tokens(messages, tools), params):
-            yield event
+        # Close the inner generator here, in this task: it holds the engine's lock.
+        async with aclosing(self.generate(self.chat_tokens(messages, tools), params)) as events:
+            async for event in events:
+                yield event
 
     def pool_snapshot(self) -> dict[str, Any]:
         counters = self.router.table.snapshot()
@@ -168,7 +170,8 @@ async def open_engine(
     from mlx_lm.utils import load_tokenizer
 
     started = time.perf_counter()
-    container = Container.open(Path(config.model.path), verify=config.model.verify, io=io)
+    container = Container.open(Path(config.model.path), verify=config.model.verify, io=io,
+                               o_direct=config.reader.o_direct)
     manifest = container.manifest
     fmt = uniform_format([layer.format for layer in manifest.layers], str(container.root))
     storage_probe = sum(t.nbytes for t in fmt.tensors)
@@ -185,7 +188,8 @@ async def open_engine(
     async with MlxWorker() as worker, trio.open_nursery() as nursery:
         dense = await worker.run(load_dense, container.config, container.dense_path)
         storage = await worker.run(PoolStorage, fmt, slots)
-        model = StreamedModel(dense, fmt, storage.arrays)
+        dtype = await worker.run(activation_dtype, config.compute.dtype)
+        model = StreamedModel(dense, fmt, storage.arrays, dtype)
         tokenizer = await trio.to_thread.run_sync(load_tokenizer, container.root)
         policy_params = {"decay": config.pool.lfu_decay, "period": config.pool.lfu_period}
         policy = make_policy(config.pool.eviction, **(policy_params if config.pool.eviction == "lfu" else {}))

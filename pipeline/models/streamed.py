@@ -34,8 +34,15 @@ class Routing:
 class StreamedModel:
     """The resident dense core plus a view of the pool's slot arrays."""
 
-    def __init__(self, model: nn.Module, fmt: ExpertFormat, slot_arrays: dict[str, mx.array]):
+    def __init__(
+        self,
+        model: nn.Module,
+        fmt: ExpertFormat,
+        slot_arrays: dict[str, mx.array],
+        activation_dtype: mx.Dtype | None = None,
+    ):
         self.model = model
+        self.activation_dtype = activation_dtype  # None: whatever the embedding yields
         self.parts: TextParts = text_parts(model)
         self.fmt = fmt
         self.slot_arrays = slot_arrays  # owned by the pool, updated in place on install
@@ -53,6 +60,15 @@ class StreamedModel:
         return block.mlp.gate(block.post_attention_layernorm(hidden))
 
 
+def activation_dtype(setting: str) -> mx.Dtype | None:
+    """The dtype a `compute.dtype` setting asks for on this machine's default device."""
+    if setting == "model":
+        return None
+    if setting == "auto":
+        return mx.float32 if mx.default_device() == mx.cpu else None
+    return getattr(mx, setting)
+
+
 class ForwardStep:
     """One forward call over `tokens` (a prefill chunk or one decode token)."""
 
@@ -60,6 +76,8 @@ class ForwardStep:
         self.m = model
         self.cache = cache
         h = model.parts.embed_tokens(mx.array([tokens]))
+        if model.activation_dtype is not None:
+            h = h.astype(model.activation_dtype)
         first_fa = next((i for i, b in enumerate(model.parts.layers) if not b.is_linear), None)
         first_ssm = next((i for i, b in enumerate(model.parts.layers) if b.is_linear), None)
         self.fa_mask = None if first_fa is None else create_attention_mask(h, cache[first_fa])
