@@ -79,7 +79,7 @@ class Message(_Req, kw_only=True):
     reasoning_content: str | None = None
 
 
-class FunctionDef(_Req, kw_only=True):
+class FunctionDef(_Req, kw_only=True, omit_defaults=True):  # unset keys stay out of the prompt
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -140,7 +140,7 @@ class ChatRequest(_Sampling, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str | int]  # one string, a list of one string, or token ids
     logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None

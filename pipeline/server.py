@@ -214,12 +214,15 @@ class Api:
         self.check_model(req.model)
         params = s.sampling_params(req, self.settings.defaults)
         prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
-                raise s.APIError(400, f"prompt holds {len(prompt)} strings; send one per request",
-                                 param="prompt")
+                raise s.APIError(400, f"prompt must be one string or a list of token ids, got "
+                                 f"a list of {len(prompt)} items with strings", param="prompt")
             prompt = prompt[0]
-        tokens = self.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)  # type: ignore[arg-type]
+        if isinstance(prompt, str):
+            tokens = self.engine.encode(prompt)
+        else:
+            tokens = [int(t) for t in prompt]
         self.check_prompt(tokens, params, "prompt")
         reply = _TextReply(self, req)
         if req.stream:
