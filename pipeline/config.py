@@ -48,7 +48,6 @@ SYNTH_PREFIX = "synth:"
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
-Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 
 
 class ConfigError(ValueError):
@@ -109,7 +108,6 @@ class PrefetchConfig(_Section):
     depth: PositiveInt = 1  # layers ahead, for "lookahead"
     max_per_layer: PositiveInt | None = None  # cap on predicted experts per layer
     combine: tuple[str, ...] = ()  # the strategies "combined" unions
-    min_confidence: Fraction = 0.0  # drop predictions scored below this
 
     def __post_init__(self) -> None:
         _one_of("strategy", self.strategy, PREFETCH_STRATEGIES)
