@@ -3,8 +3,10 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The MLX backend follows the machine: CUDA where an NVIDIA GPU answers, Metal via plain mlx on macOS.
-EXTRAS := test$(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo ,cuda)
+# The MLX backend follows the machine: CUDA where an NVIDIA GPU answers, else the CPU
+# backend on Linux; on macOS plain mlx brings Metal and both extras are empty.
+BACKEND := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+EXTRAS := test,plot,$(BACKEND)
 
 .PHONY: demo test lint bench clean
 
