@@ -2,31 +2,34 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
 # The MLX backend follows the machine: CUDA where an NVIDIA GPU answers, else the CPU
 # backend on Linux; on macOS plain mlx brings Metal and both extras are empty.
 BACKEND := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
-EXTRAS := test,plot,$(BACKEND)
 
 .PHONY: demo test lint bench clean
 
-$(STAMP): pyproject.toml
+# One stamp per set of extras: the demo does not need the test tools (torch among them).
+$(VENV)/.installed-%: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
-	touch $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[$(subst +,$(comma),$*)]"
+	touch $@
 
-demo: $(STAMP)
+comma := ,
+RUNTIME := $(VENV)/.installed-plot+$(BACKEND)
+TESTING := $(VENV)/.installed-test+plot+$(BACKEND)
+
+demo: $(RUNTIME)
 	$(BIN)/moestream run config/demo.toml
 
-test: $(STAMP)
+test: $(TESTING)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -x --durations=15
 
-lint: $(STAMP)
+lint: $(TESTING)
 	$(BIN)/ruff check .
 
-bench: $(STAMP)
+bench: $(RUNTIME)
 	$(BIN)/moestream bench --config config/demo.toml
 
 clean:
