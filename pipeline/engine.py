@@ -154,9 +154,12 @@ def _num_slots(config: PipelineConfig, container: Container, slot_nbytes: int) -
         return config.pool.slots
     if config.pool.budget_mb is not None:
         return config.pool.budget_mb * 2**20 // slot_nbytes
-    # Neither given: a quarter of the experts, a sensible default for a demo.
-    m = container.manifest
-    return max(1, m.num_experts * len(m.layers) // 4)
+    # Neither given: half of the memory left once the dense core is loaded, keeping
+    # 1 GiB aside for the rest of the process (capped at every expert by the caller).
+    import psutil
+
+    left = psutil.virtual_memory().available - container.manifest.dense_bytes - 2**30
+    return max(1, left // 2 // slot_nbytes)
 
 
 @asynccontextmanager
