@@ -1,0 +1,195 @@
+"""Refusals as OpenAI error bodies, limits, a full queue, and clients that hang up mid-stream.
+
+Raw HTTP (httpx2) so the bodies can be wrong on purpose; after every refusal the server
+must still serve.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+import trio
+
+from pipeline.config import config_from_dict
+from pipeline.engine import Engine, open_engine
+from pipeline.server import serve_engine
+from qpack.writer import pack
+
+KEY = "sekret-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("server-errors") / "tiny.qpack"
+    pack(synth_checkpoint("qwen3_next"), out, bits=None, progress=False)
+    return out
+
+
+@asynccontextmanager
+async def running_server(container: Path, server: dict[str, Any] | None = None,
+                         **serve_kw: Any) -> AsyncIterator[tuple[Engine, httpx2.AsyncClient]]:
+    cfg = config_from_dict({"model": {"path": str(container)}, "pool": {"slots": 16},
+                            "compute": {"prefill_chunk": 4}, "prefetch": {"strategy": "next-gate"},
+                            "server": server or {}})
+    async with open_engine(cfg) as engine, trio.open_nursery() as nursery:
+        port = await nursery.start(lambda task_status: serve_engine(
+            engine, "127.0.0.1", 0, task_status=task_status, **serve_kw))
+        async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            yield engine, http
+        nursery.cancel_scope.cancel()
+
+
+def body(**over: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            **over}
+
+
+def error_of(resp: httpx2.Response, status: int) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and "Traceback" not in err["message"]
+    return err
+
+
+async def until(predicate: Any) -> None:
+    with trio.fail_after(60):
+        while not predicate():
+            await trio.sleep(0.02)
+
+
+async def test_refusals_name_what_is_wrong(container: Path) -> None:
+    async with running_server(container, {"context_limit": 48}, api_key=KEY,
+                              max_body_bytes=4096) as (engine, http):
+        # Auth: missing and wrong keys; /health stays open for probes.
+        error_of(await http.post(CHAT, json=body()), 401)
+        err = error_of(await http.post(CHAT, json=body(), headers={"Authorization": "Bearer no"}),
+                       401)
+        assert err["code"] == "invalid_api_key"
+        assert (await http.get("/health")).status_code == 200
+
+        async def refused(status: int, **kw: Any) -> dict[str, Any]:
+            return error_of(await http.post(kw.pop("path", CHAT), headers=AUTH, **kw), status)
+
+        err = await refused(400, content=b'{"model": "tiny", "messages": [')
+        assert "not valid JSON" in err["message"]
+        assert (await refused(400, json=body(temperature="hot")))["param"] == "temperature"
+        assert (await refused(400, json=body(temperature=3.5)))["param"] == "temperature"
+        assert (await refused(400, json=body(top_p=0)))["param"] == "top_p"
+        assert (await refused(400, json=body(max_tokens=0)))["param"] == "max_tokens"
+        assert (await refused(400, json=body(stop=[""])))["param"] == "stop"
+        assert (await refused(400, json=body(n=2)))["param"] == "n"
+        assert (await refused(400, json=body(logprobs=True)))["param"] == "logprobs"
+        assert (await refused(400, json=body(temprature=1)))["param"] == "temprature"
+        assert (await refused(400, json={"model": "tiny"}))["param"] == "messages"
+        assert (await refused(400, json=body(messages=[])))["param"] == "messages"
+        err = await refused(400, json=body(messages=[{"role": "wizard", "content": "x"}]))
+        assert err["param"] == "messages[0].role"
+        image = [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+        err = await refused(400, json=body(messages=[{"role": "user", "content": image}]))
+        assert err["param"] == "messages[0].content[0].type" and "image_url" in err["message"]
+        bad_args = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{nope"}}]}]
+        err = await refused(400, json=body(messages=bad_args))
+        assert err["param"] == "messages[1].tool_calls[0].function.arguments"
+        err = await refused(400, json=body(tool_choice={"type": "function",
+                                                        "function": {"name": "ghost"}}))
+        assert err["param"] == "tool_choice"
+
+        # Unknown model and route.
+        err = await refused(404, json=body(model="gpt-4"))
+        assert err["param"] == "model" and err["code"] == "model_not_found"
+        error_of(await http.get("/v1/models/gpt-4", headers=AUTH), 404)
+        error_of(await http.get("/v1/nothing-here", headers=AUTH), 404)
+
+        # Prompt over the context limit (48 tokens).
+        long = body(messages=[{"role": "user", "content": "word " * 80}])
+        err = await refused(400, json=long)
+        assert err["code"] == "context_length_exceeded" and "48" in err["message"]
+        err = await refused(400, path="/v1/completions",
+                            json={"model": "tiny", "prompt": "word " * 80})
+        assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+        err = await refused(400, path="/v1/completions",
+                            json={"model": "tiny", "prompt": [1, 10**9]})
+        assert "vocabulary" in err["message"]
+
+        # Bodies over the limit: by Content-Length, and counted while reading (chunked).
+        big = json.dumps(body(user="x" * 5000)).encode()
+        err = await refused(413, content=big)
+        assert "4096" in err["message"]
+
+        async def chunked() -> AsyncIterator[bytes]:
+            for i in range(0, len(big), 1000):
+                yield big[i:i + 1000]
+
+        error_of(await http.post(CHAT, headers=AUTH, content=chunked()), 413)
+
+        # Still serving, and the engine is idle and clean.
+        ok = await http.post(CHAT, headers=AUTH, json=body())
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
+        assert engine.waiting == 0 and not engine.lock.locked()
+        metrics = (await http.get("/metrics")).text
+        assert 'moestream_requests_total{path="/v1/chat/completions",status="400"}' in metrics
+        assert 'status="413"' in metrics and 'status="401"' in metrics
+
+
+async def sse_chunks(lines: AsyncIterator[str], n: int) -> list[dict[str, Any]]:
+    """The next `n` SSE data chunks; the iterator stays open (closing it hangs up)."""
+    chunks = []
+    while len(chunks) < n:
+        line = await anext(lines)
+        if line.startswith("data: "):
+            chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+async def test_queue_full_and_disconnects(container: Path) -> None:
+    async with running_server(container, max_queue=1) as (engine, http):
+        # A streams a long answer and holds the engine; B waits for it; C finds the queue full.
+        long = body(max_tokens=2000, stream=True)
+        results: dict[str, httpx2.Response] = {}
+
+        async def post(name: str, payload: dict[str, Any]) -> None:
+            results[name] = await http.post(CHAT, json=payload)
+
+        async with trio.open_nursery() as nursery:
+            async with http.stream("POST", CHAT, json=long) as a:
+                assert a.status_code == 200
+                lines = a.aiter_lines()
+                first = await sse_chunks(lines, 2)
+                assert first[0]["choices"][0]["delta"]["role"] == "assistant"
+                nursery.start_soon(post, "b", body(max_tokens=2))
+                await until(lambda: engine.waiting == 1)
+                err = error_of(await http.post(CHAT, json=body()), 429)
+                assert err["code"] == "queue_full" and err["type"] == "rate_limit_error"
+                # Leaving the block hangs up on A mid-stream: B must get the engine next.
+        assert results["b"].status_code == 200
+        assert results["b"].json()["usage"]["completion_tokens"] <= 2
+
+        # A hang-up with nobody waiting: the generation is closed, the pool unpinned.
+        for path, payload in ((CHAT, long),
+                              ("/v1/completions", {"model": "tiny", "prompt": "Hi",
+                                                   "max_tokens": 2000, "stream": True})):
+            async with http.stream("POST", path, json=payload) as a:
+                await sse_chunks(a.aiter_lines(), 2)
+            await until(lambda: not engine.lock.locked())
+            snapshot = engine.pool_snapshot()
+            assert snapshot["pinned"] == 0 and snapshot["loads_in_flight"] == 0
+
+        # A non-streaming request whose client gives up is cancelled too.
+        with trio.move_on_after(1.5):
+            await http.post(CHAT, json=body(max_tokens=2000))
+        await until(lambda: not engine.lock.locked())
+        assert engine.pool_snapshot()["pinned"] == 0
+
+        ok = await http.post(CHAT, json=body(max_tokens=3))
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 3
+        assert engine.waiting == 0
