@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import trio
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
 from actors.sampler import SamplingParams
@@ -112,8 +113,36 @@ def stats_table(rows: list[tuple[str, GenerationStats]]) -> Table:
     return table
 
 
+PROGRESS_MIN_TOKENS = 512  # prompts shorter than this prefill too fast for a bar to help
+
+
 async def stream(engine: Engine, prompt: Any, params: SamplingParams, echo: bool) -> Done:
-    events = engine.chat(prompt, params) if isinstance(prompt, list) else engine.generate(prompt, params)
+    progress: Progress | None = None
+
+    def on_prefill(done: int, total: int) -> None:
+        nonlocal progress
+        if total < PROGRESS_MIN_TOKENS:
+            return
+        if progress is None:
+            progress = Progress(transient=True, console=err)
+            progress.start()
+            progress.add_task("prefill", total=total)
+        progress.update(progress.task_ids[0], completed=done)
+        if done >= total:
+            progress.stop()
+
+    if isinstance(prompt, list):
+        events = engine.chat(prompt, params, on_prefill=on_prefill)
+    else:
+        events = engine.generate(prompt, params, on_prefill)
+    try:
+        return await _consume(events, echo)
+    finally:
+        if progress is not None:
+            progress.stop()
+
+
+async def _consume(events: Any, echo: bool) -> Done:
     async with aclosing(events) as it:
         async for event in it:
             if isinstance(event, TextDelta):

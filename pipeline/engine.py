@@ -14,7 +14,7 @@ the pool, and the pool's slots are the scarce resource.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -101,15 +101,18 @@ class Engine:
         return self.encode(text)
 
     async def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        on_prefill: Callable[[int, int], None] | None = None,
     ) -> AsyncIterator[Event]:
         """Text deltas as they are decoded, then `Done` with stats.
 
-        Wrap in `contextlib.aclosing` when you may stop early, so the pool is handed
+        `on_prefill(done, total)` is called after each prefill chunk (progress bars). Wrap in `contextlib.aclosing` when you may stop early, so the pool is handed
         back at once rather than when the generator is collected.
         """
         tokens = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        generation = Generation(self, tokens, params or SamplingParams())
+        generation = Generation(self, tokens, params or SamplingParams(), on_prefill)
         generation.check()
         self.waiting += 1
         try:
@@ -127,9 +130,10 @@ class Engine:
         messages: Sequence[dict[str, Any]],
         params: SamplingParams | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
+        on_prefill: Callable[[int, int], None] | None = None,
     ) -> AsyncIterator[Event]:
         # Close the inner generator here, in this task: it holds the engine's lock.
-        async with aclosing(self.generate(self.chat_tokens(messages, tools), params)) as events:
+        async with aclosing(self.generate(self.chat_tokens(messages, tools), params, on_prefill)) as events:
             async for event in events:
                 yield event
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -19,6 +19,7 @@ import structlog
 import trio
 
 from actors.sampler import Sampler, SamplingParams, StopMatcher
+from pipeline import timeline
 from pipeline.events import Done, Event, GenerationStats, TextDelta
 
 if TYPE_CHECKING:
@@ -37,8 +38,15 @@ def peak_rss_mb() -> float:
 
 
 class Generation:
-    def __init__(self, engine: Engine, tokens: list[int], params: SamplingParams) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tokens: list[int],
+        params: SamplingParams,
+        on_prefill: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.engine = engine
+        self.on_prefill = on_prefill  # (tokens done, tokens to do) after each chunk
         self.tokens = tokens
         self.params = params
         self.started = False
@@ -68,7 +76,8 @@ class Generation:
         chunk = self.engine.config.compute.prefill_chunk
         logits = None
         for i in range(start, len(self.tokens), chunk):
-            logits = await compute.forward(self.tokens[i : i + chunk], cache, "prefill")
+            with timeline.span("compute", "prefill-chunk", tokens=len(self.tokens[i : i + chunk])):
+                logits = await compute.forward(self.tokens[i : i + chunk], cache, "prefill")
         assert logits is not None
         return logits
 
@@ -103,7 +112,8 @@ class Generation:
             t_first = time.perf_counter()
             stall_prefill = router.stats.stall_seconds
             while len(generated) < max_tokens:
-                token = await worker.run(sampler.sample, logits)
+                with timeline.span("sampler", "sample"):
+                    token = await worker.run(sampler.sample, logits)
                 generated.append(token)
                 if token in eos or sampler.is_stop_token(token):
                     finish = "stop"
@@ -118,7 +128,8 @@ class Generation:
                     break
                 if len(generated) >= max_tokens:
                     break
-                logits = await engine.compute.forward([token], cache, "decode")
+                with timeline.span("compute", "decode-step", index=len(generated)):
+                    logits = await engine.compute.forward([token], cache, "decode")
             if not stop_string:
                 detok.finalize()
                 tail = stops.feed(detok.last_segment)[0] + stops.flush()
