@@ -22,7 +22,8 @@ from actors.mlx_worker import MlxWorker
 from actors.prefetch import PrefetchScorer, PrefetchStrategy
 from actors.router import ExpertRouter
 from actors.routing_trace import TraceRecorder
-from pipeline.models.streamed import ForwardStep, Routing, StreamedModel
+from pipeline import timeline
+from pipeline.models.streamed import ForwardStep, Presync, Routing, StreamedModel
 
 Phase = Literal["prefill", "decode"]
 Predictions = list[tuple[int, list[int]]]
@@ -70,23 +71,28 @@ class Compute:
         preds = self.strategy.predict(routing.layer, chosen, routing.hidden)
         return [(int(layer), [int(e) for e in ids]) for layer, ids in preds]
 
+    def _presync(self, phase: Phase) -> Presync | None:
+        # Gate strategies stage their prediction so it is evaluated with the routing.
+        return getattr(self.strategy, "prepare", None) if phase == "decode" else None
+
     def _start(
         self, tokens: Sequence[int], cache: list[Any], phase: Phase
     ) -> tuple[ForwardStep, Routing | None, Predictions]:
         step = ForwardStep(self.model, list(tokens), cache)
-        routing = step.run_to_routing()
+        routing = step.run_to_routing(self._presync(phase))
         return step, routing, self._learn(routing, phase)
 
     def _advance(
         self, step: ForwardStep, slot_of: np.ndarray, phase: Phase
     ) -> tuple[Routing | None, Predictions]:
-        routing = step.advance(slot_of)
+        routing = step.advance(slot_of, self._presync(phase))
         return routing, self._learn(routing, phase)
 
     async def _mlx(self, fn: Any, *args: Any) -> Any:
         start = time.perf_counter()
         try:
-            return await self.worker.run(fn, *args)
+            with timeline.span("compute", getattr(fn, "__name__", "mlx")):
+                return await self.worker.run(fn, *args)
         finally:
             self.stats.mlx_seconds += time.perf_counter() - start
 

@@ -176,6 +176,14 @@ class Combined:
         for s in self.strategies:
             s.observe(layer, chosen)
 
+    def prepare(self, layer: int, hidden: mx.array) -> list[mx.array]:
+        staged: list[mx.array] = []
+        for s in self.strategies:
+            prepare = getattr(s, "prepare", None)
+            if prepare is not None:
+                staged.extend(prepare(layer, hidden))
+        return staged
+
     def predict(self, layer: int, chosen: Sequence[int], hidden: mx.array | None) -> Prediction:
         scores: dict[int, dict[int, float]] = {}
         for s in self.strategies:

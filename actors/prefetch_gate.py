@@ -40,6 +40,7 @@ class NextGate:
         self.routers = routers
         self.order = LayerOrder(moe_layers)
         self.num_experts, self.top_k, self.depth, self.extra = num_experts, top_k, depth, extra
+        self._staged: tuple[int, mx.array, mx.array] | None = None
 
     def params(self) -> dict[str, Any]:
         return {"depth": self.depth, "extra": self.extra}
@@ -50,13 +51,34 @@ class NextGate:
     def reset_sequence(self) -> None:
         pass
 
+    def _logits(self, targets: list[int], hidden: mx.array) -> mx.array:
+        if hidden.ndim == 2 and hidden.shape[0] == 1:
+            hidden = hidden[0]
+        return mx.stack([self.routers(t, hidden) for t in targets]).astype(mx.float32)
+
+    def prepare(self, layer: int, hidden: mx.array) -> list[mx.array]:
+        """Build (lazily) what `predict(layer, ...)` will read, for one decode token.
+
+        The caller evaluates the returned arrays in the same sync as layer `layer`'s
+        routing, so the prediction costs no host round trip of its own.
+        """
+        targets = self.order.after(layer, self.depth)
+        if not targets or (hidden.ndim == 2 and hidden.shape[0] != 1):
+            self._staged = None
+            return []
+        ranked = self._ranked(self._logits(targets, hidden))
+        self._staged = (layer, hidden, ranked)
+        return [ranked]
+
     def predict(self, layer: int, chosen: Sequence[int], hidden: mx.array | None) -> Prediction:
         targets = self.order.after(layer, self.depth)
         if hidden is None or not targets:
             return []
-        if hidden.ndim == 2 and hidden.shape[0] == 1:
-            hidden = hidden[0]
-        logits = mx.stack([self.routers(t, hidden) for t in targets]).astype(mx.float32)
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] == layer and staged[1] is hidden:
+            rows = staged[2].tolist()
+            return [(t, ids) for t, ids in zip(targets, rows, strict=True) if ids]
+        logits = self._logits(targets, hidden)
         if logits.ndim == 2:
             rows = self._single(logits)
         elif logits.ndim == 3:
@@ -69,12 +91,14 @@ class NextGate:
         return [(t, ids) for t, ids in zip(targets, rows, strict=True) if ids]
 
     def _single(self, logits: mx.array) -> list[list[int]]:
+        return self._ranked(logits).tolist()
+
+    def _ranked(self, logits: mx.array) -> mx.array:
         # One token: top (k + extra) by logit. argpartition then sort only those n.
         n = min(self.num_experts, self.top_k + self.extra)
         top = mx.argpartition(-logits, kth=n - 1, axis=-1)[:, :n]
         vals = mx.take_along_axis(logits, top, axis=-1)
-        ranked = mx.take_along_axis(top, mx.argsort(-vals, axis=-1), axis=-1)
-        return ranked.tolist()
+        return mx.take_along_axis(top, mx.argsort(-vals, axis=-1), axis=-1)
 
     def _batch(self, logits: mx.array) -> list[list[int]]:
         # Several tokens (prefill): the demand will be the union of their top-k, so rank

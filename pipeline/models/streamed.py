@@ -9,6 +9,7 @@ next routing. Everything else stays lazy, so MLX fuses it into that single sync.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,8 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from pipeline.models.moe import moe_output, route, routed_experts
 from pipeline.models.text_parts import TextParts, moe_layers, text_parts
 from qpack.spec import ExpertFormat
+
+Presync = Callable[[int, mx.array], Sequence[mx.array]]
 
 
 @dataclass
@@ -89,8 +92,12 @@ class ForwardStep:
     def _mask(self, block: nn.Module) -> Any:
         return self.ssm_mask if block.is_linear else self.fa_mask
 
-    def run_to_routing(self) -> Routing | None:
-        """Advance to the next MoE layer's routing; None once every layer has run."""
+    def run_to_routing(self, presync: Presync | None = None) -> Routing | None:
+        """Advance to the next MoE layer's routing; None once every layer has run.
+
+        `presync(layer, hidden)` may return more lazy arrays (a prefetch prediction) to
+        evaluate in the same sync as the routing.
+        """
         moe = self.m.moe_layers
         while self.layer < self.m.num_layers:
             block = self.m.parts.layers[self.layer]
@@ -103,13 +110,15 @@ class ForwardStep:
             h_mid = self.h + mixer(block.input_layernorm(self.h), self._mask(block), cache)
             x = block.post_attention_layernorm(h_mid)
             inds, scores = route(block.mlp, x)
-            mx.eval(inds)
+            hidden = h_mid[0]
+            extra = presync(self.layer, hidden) if presync is not None else []
+            mx.eval(inds, *extra)
             self._pending = (h_mid, x, inds, scores)
             ids = np.asarray(inds).reshape(-1, inds.shape[-1])
-            return Routing(self.layer, ids, h_mid[0])
+            return Routing(self.layer, ids, hidden)
         return None
 
-    def advance(self, slot_of: np.ndarray) -> Routing | None:
+    def advance(self, slot_of: np.ndarray, presync: Presync | None = None) -> Routing | None:
         """Finish the pending MoE layer; `slot_of[e]` is expert e's pool slot (needed ones only)."""
         assert self._pending is not None, "advance() without a pending routing"
         h_mid, x, inds, scores = self._pending
@@ -119,7 +128,7 @@ class ForwardStep:
         routed = routed_experts(self.m.slot_arrays, self.m.fmt, x, slots)
         self.h = h_mid + moe_output(block.mlp, x, routed, scores)
         self.layer += 1
-        return self.run_to_routing()
+        return self.run_to_routing(presync)
 
     def logits(self, all_positions: bool = False) -> mx.array:
         """Final logits, [vocab] for the last position (or [tokens, vocab]); evaluated."""
