@@ -18,7 +18,8 @@ import structlog
 import trio
 
 from actors.eviction import ExpertKey
-from qpack.reader import Container
+from pipeline import timeline
+from qpack.reader import Container, aligned_empty
 
 log = structlog.get_logger("moestream.reader")
 
@@ -65,7 +66,8 @@ class ExpertReader:
         self.retry_backoff_s = retry_backoff_s
         stride = container.manifest.max_stride
         count = buffers if buffers is not None else 2 * concurrency + 2
-        self._free: list[np.ndarray] = [np.empty(stride, dtype=np.uint8) for _ in range(count)]
+        # Page-aligned, so the same buffers serve O_DIRECT reads.
+        self._free: list[np.ndarray] = [aligned_empty(stride) for _ in range(count)]
         self._free_count = trio.Semaphore(count)
         self._demand: deque[Load] = deque()
         self._prefetch: deque[Load] = deque()
@@ -80,8 +82,8 @@ class ExpertReader:
     async def run(self) -> None:
         """The actor's body: `concurrency` read workers, until cancelled."""
         async with trio.open_nursery() as nursery:
-            for _ in range(self.concurrency):
-                nursery.start_soon(self._worker)
+            for i in range(self.concurrency):
+                nursery.start_soon(self._worker, i)
 
     def submit(self, key: ExpertKey, *, demand: bool) -> Load:
         load = Load(key, demand)
@@ -107,18 +109,22 @@ class ExpertReader:
         self._free_count.release()
 
     def _next(self) -> Load:
-        return self._demand.popleft() if self._demand else self._prefetch.popleft()
+        load = self._demand.popleft() if self._demand else self._prefetch.popleft()
+        # Off the queue now: a promotion from here on must not look for it there.
+        load.started = True
+        return load
 
-    async def _worker(self) -> None:
+    async def _worker(self, index: int = 0) -> None:
         while True:
             await self._queued.acquire()
             load = self._next()
             await self._free_count.acquire()
             buffer = self._free.pop()
-            load.started = True
             start = time.perf_counter()
             try:
-                await trio.to_thread.run_sync(self._read, load.key, buffer)
+                with timeline.span(f"reader-{index}", "read" if load.demand else "prefetch",
+                                   layer=load.key[0], expert=load.key[1]):
+                    await trio.to_thread.run_sync(self._read, load.key, buffer)
             except Exception as exc:  # noqa: BLE001 - reported to whoever waits on the load
                 self.give_back(buffer)
                 load.error = exc

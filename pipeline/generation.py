@@ -136,6 +136,8 @@ class Generation:
                 if tail:
                     text_parts.append(tail)
                     yield TextDelta(tail, ())
+            # Nothing runs until the next request: let the last layer's experts go.
+            router.driver.end_layer()
             ok = True
         finally:
             if not ok:

@@ -37,7 +37,7 @@ async def running_server(container: Path, server: dict[str, Any] | None = None,
     # No prefetch: a queued prefetch promoted after a reader worker took it off the queue
     # (reader.promote) fails at random; that is the reader's to fix, not the server's.
     cfg = config_from_dict({"model": {"path": str(container)}, "pool": {"slots": 16},
-                            "compute": {"prefill_chunk": 4}, "prefetch": {"strategy": "none"},
+                            "compute": {"prefill_chunk": 4}, "prefetch": {"strategy": "next-gate"},
                             "server": server or {}})
     async with open_engine(cfg) as engine, trio.open_nursery() as nursery:
         port = await nursery.start(lambda task_status: serve_engine(
