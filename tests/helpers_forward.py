@@ -25,6 +25,9 @@ from qpack.writer import pack
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe")
 _PACKED: dict[tuple[str, int | None], tuple[Path, Path]] = {}
+# Read-only once loaded (the forward never writes to the dense core): shared across tests.
+_DENSE: dict[Path, Any] = {}
+_REFERENCES: dict[tuple[Path, int | None], Reference] = {}
 
 
 def tiny_pair(
@@ -72,7 +75,9 @@ class DirectForward:
         fmt = uniform_format([layer.format for layer in manifest.layers], str(qpack))
         total = manifest.num_experts * len(manifest.layers)
         self.num_slots = total if num_slots is None else num_slots
-        dense = load_dense(self.container.config, self.container.dense_path)
+        if qpack not in _DENSE:
+            _DENSE[qpack] = load_dense(self.container.config, self.container.dense_path)
+        dense = _DENSE[qpack]
         self.storage = PoolStorage(fmt, self.num_slots)
         self.model = StreamedModel(dense, fmt, self.storage.arrays)
         self.rng = random.Random(seed)
@@ -129,7 +134,9 @@ class DirectForward:
 
 def reference_for(src: Path, bits: int | None) -> Reference:
     """The mlx-lm model matching `tiny_pair(..., bits)`: quantized in memory for 8 bits."""
-    return Reference(src, quantize=8 if bits == 8 else None)
+    if (src, bits) not in _REFERENCES:
+        _REFERENCES[(src, bits)] = Reference(src, quantize=8 if bits == 8 else None)
+    return _REFERENCES[(src, bits)]
 
 
 class Reference:

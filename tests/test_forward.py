@@ -112,7 +112,7 @@ def test_logits_bit_identical_across_pool_sizes_and_slot_assignments(pair, famil
     smallest = min(16, min(chunk, len(PROMPT)) * 4)
     runs = [
         _run(qpack, num_slots, seed, chunk)
-        for num_slots, seed in ((smallest, 0), (smallest, 7), (smallest + 5, 1), (None, 3))
+        for num_slots, seed in ((smallest, 0), (smallest + 5, 7), (None, 3))
     ]
     first = runs[0]
     for n, run in enumerate(runs[1:], start=1):

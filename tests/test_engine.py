@@ -1,0 +1,179 @@
+"""The actor engine end to end: every pool/prefetch/reader setting computes the same thing.
+
+References are independent of the actors: greedy tokens from mlx-lm's model fully
+resident (same chunking), logits from our forward driven by hand with every expert
+resident (tests/helpers_forward.py). The live pool's hit rate must replay exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+from helpers_engine import (
+    engine_config,
+    forward_logits,
+    generate,
+    greedy,
+    pool_is_clean,
+    pool_within_slots,
+)
+from helpers_forward import DirectForward, greedy_reference, reference_for, tiny_pair
+
+from pipeline.engine import open_engine
+from pipeline.events import TextDelta
+from pipeline.replay import simulate
+
+PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
+PROMPT_B = [40, 1079, 264, 8, 3, 90000, 512, 2]
+DECODE = (3, 141, 59, 26, 5)
+MAX_TOKENS = 16
+CHUNK = 2  # engine_config's prefill chunk: smallest workable pool is 8 slots
+
+# One engine per case; together they cover every prefetch strategy, eviction policy,
+# reader concurrency 1 and 4, overlap on and off, and pools from the smallest workable
+# (8) to every expert (64).
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "serial-lru-64": ("qwen3_next", {
+        "pool": {"slots": 64, "eviction": "lru"},
+        "compute": {"overlap": False},
+    }),
+    "next-gate-lfu-8-r4": ("qwen3_next", {
+        "pool": {"slots": 8, "eviction": "lfu"},
+        "reader": {"concurrency": 4},
+        "prefetch": {"strategy": "next-gate"},
+    }),
+    "lookahead2-slru-12-r1": ("qwen3_next", {
+        "pool": {"slots": 12, "eviction": "slru"},
+        "reader": {"concurrency": 1},
+        "prefetch": {"strategy": "lookahead", "depth": 2},
+    }),
+    "history-lru-16-r4": ("qwen3_next", {
+        "pool": {"slots": 16, "eviction": "lru"},
+        "reader": {"concurrency": 4},
+        "prefetch": {"strategy": "history"},
+    }),
+    "transition-slru-24-r4": ("qwen3_5_moe", {
+        "pool": {"slots": 24, "eviction": "slru"},
+        "reader": {"concurrency": 4},
+        "prefetch": {"strategy": "transition"},
+    }),
+    "next-gate+transition-lfu-8-r1": ("qwen3_5_moe", {
+        "pool": {"slots": 8, "eviction": "lfu"},
+        "reader": {"concurrency": 1},
+        "prefetch": {"strategy": "combined", "combine": ["next-gate", "transition"]},
+    }),
+}
+
+_EXPECTED: dict[str, tuple[list[int], list[int], list[np.ndarray]]] = {}
+
+
+@pytest.fixture
+def pair(synth_checkpoint, tmp_path_factory):
+    def get(family: str) -> tuple[Path, Path]:
+        return tiny_pair(synth_checkpoint, tmp_path_factory, family, None)
+
+    return get
+
+
+def expected(pair: Any, family: str, eos: set[int]) -> tuple[list[int], list[int], list[np.ndarray]]:
+    """mlx-lm's greedy tokens for PROMPT and PROMPT_B, and our all-resident logits."""
+    if family not in _EXPECTED:
+        src, qpack = pair(family)
+        ref = reference_for(src, None)
+        tokens_a = greedy_reference(ref, PROMPT, MAX_TOKENS, eos, chunk=CHUNK)
+        tokens_b = greedy_reference(ref, PROMPT_B, MAX_TOKENS, eos, chunk=CHUNK)
+        ours = DirectForward(qpack)
+        cache = ours.make_cache()
+        logits = [ours.forward(PROMPT[i : i + CHUNK], cache)[0][-1] for i in range(0, len(PROMPT), CHUNK)]
+        logits += [ours.forward([t], cache)[0][-1] for t in DECODE]
+        ours.close()
+        _EXPECTED[family] = (tokens_a, tokens_b, [np.array(x) for x in logits])
+    return _EXPECTED[family]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(VARIANTS))
+async def test_same_tokens_logits_and_replayable_hit_rate_for_every_setting(pair, variant):
+    family, overrides = VARIANTS[variant]
+    _src, qpack = pair(family)
+    config = engine_config(qpack, **overrides)
+    async with open_engine(config, record_routing=True) as engine:
+        want_a, want_b, want_logits = expected(pair, family, set(engine.tokenizer.eos_token_ids))
+        done = await generate(engine, PROMPT, MAX_TOKENS)
+        assert list(done.token_ids) == want_a
+        pool_within_slots(engine)
+        got = await forward_logits(engine, PROMPT, DECODE)
+        assert len(got) == len(want_logits)
+        for i, (a, b) in enumerate(zip(got, want_logits, strict=True)):
+            assert a.dtype == b.dtype and np.array_equal(a, b), f"forward {i}"
+        done_b = await generate(engine, PROMPT_B, MAX_TOKENS)
+        assert list(done_b.token_ids) == want_b
+        pool_within_slots(engine)
+        assert engine.storage.num_slots == config.pool.slots
+
+        live = engine.router.table.snapshot()
+        trace = engine.compute.recorder.trace
+        assert trace.pool.num_slots == config.pool.slots
+        assert trace.pool.policy == config.pool.eviction
+        replay = simulate(
+            trace, trace.pool.policy, trace.pool.policy_params, "recorded", trace.pool.num_slots
+        )
+        assert replay.hit_rate == live.hit_rate
+        assert (replay.pool.hits, replay.pool.misses) == (live.hits, live.misses)
+        assert replay.pool.evictions == live.evictions
+        assert replay.pool.prefetch_installs == live.prefetch_installs
+
+
+async def _cancel_after_deltas(engine: Any, prompt: list[int], deltas: int) -> int:
+    seen = 0
+    with trio.CancelScope() as scope:
+        async for event in engine.generate(prompt, greedy(48)):
+            if isinstance(event, TextDelta):
+                seen += 1
+                if seen == deltas:
+                    scope.cancel()
+    assert scope.cancelled_caught
+    return seen
+
+
+async def _cancel_after(engine: Any, prompt: list[int], seconds: float) -> None:
+    with trio.move_on_after(seconds):
+        async for _ in engine.generate(prompt, greedy(48)):
+            pass
+
+
+async def test_cancelled_generations_leave_a_clean_pool_and_concurrent_ones_agree(pair):
+    """Cancel after 3 deltas, then at arbitrary points (mid-read, mid-layer); then run two
+    generations at once. Every later run must equal a fresh model's tokens."""
+    _src, qpack = pair("qwen3_next")
+    config = engine_config(qpack, pool={"slots": 8}, reader={"concurrency": 4})
+    async with open_engine(config) as engine:
+        want_a, want_b, _ = expected(pair, "qwen3_next", set(engine.tokenizer.eos_token_ids))
+        assert await _cancel_after_deltas(engine, PROMPT, 3) == 3
+        pool_is_clean(engine)
+        assert engine.waiting == 0 and not engine.lock.locked()
+        assert list((await generate(engine, PROMPT, MAX_TOKENS)).token_ids) == want_a
+
+        # Wherever the cancel lands, nothing is left behind (no timing is asserted).
+        for seconds in (0.0, 0.01, 0.05, 0.2):
+            await _cancel_after(engine, PROMPT_B, seconds)
+            pool_is_clean(engine)
+            assert not engine.lock.locked()
+        assert list((await generate(engine, PROMPT_B, MAX_TOKENS)).token_ids) == want_b
+
+        results: dict[str, list[int]] = {}
+
+        async def run(name: str, prompt: list[int]) -> None:
+            results[name] = list((await generate(engine, prompt, MAX_TOKENS)).token_ids)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "a", PROMPT)
+            nursery.start_soon(run, "b", PROMPT_B)
+        assert results == {"a": want_a, "b": want_b}
+        assert engine.waiting == 0
+        pool_within_slots(engine)
+        assert engine.pool_snapshot()["loads_in_flight"] == 0
