@@ -13,6 +13,7 @@ the pool, and the pool's slots are the scarce resource.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
@@ -149,6 +150,25 @@ class Engine:
         }
 
 
+def cached_tokenizer(root: Path) -> Any:
+    """mlx-lm's tokenizer for a container, built once per process and file version.
+
+    Building it from tokenizer.json takes seconds (150k+ tokens); engines reopened in one
+    process (tests, benchmarks) share it. Sharing is safe: each generation takes its own
+    detokenizer copy, and encoding is stateless.
+    """
+    path = Path(root) / "tokenizer.json"
+    stamp = path.stat().st_mtime_ns if path.exists() else 0
+    return _load_tokenizer(str(Path(root).resolve()), stamp)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(root: str, stamp: int) -> Any:
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(Path(root))
+
+
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config.get("text_config", config)
 
@@ -174,8 +194,6 @@ async def open_engine(
 
     `io` replaces the container's positional-read layer (fault injection in tests).
     """
-    from mlx_lm.utils import load_tokenizer
-
     started = time.perf_counter()
     container = Container.open(Path(config.model.path), verify=config.model.verify, io=io,
                                o_direct=config.reader.o_direct)
@@ -197,7 +215,7 @@ async def open_engine(
         storage = await worker.run(PoolStorage, fmt, slots)
         dtype = await worker.run(activation_dtype, config.compute.dtype)
         model = StreamedModel(dense, fmt, storage.arrays, dtype)
-        tokenizer = await trio.to_thread.run_sync(load_tokenizer, container.root)
+        tokenizer = await trio.to_thread.run_sync(cached_tokenizer, container.root)
         policy_params = {"decay": config.pool.lfu_decay, "period": config.pool.lfu_period}
         policy = make_policy(config.pool.eviction, **(policy_params if config.pool.eviction == "lfu" else {}))
         table = SlotTable(slots, policy)
