@@ -139,7 +139,9 @@ async def test_one_bad_expert_and_a_cancelled_slow_read(tiny_qpack, reference):
                 assert "expert 0 of layer 1" in str(exc)
                 assert_pool_clean(engine)
                 outcomes[prompt] = "failed"
+        print("single bad expert:", outcomes)  # quoted by the README's reliability table
         assert False not in outcomes.values(), outcomes
+        assert {"failed", True} <= set(outcomes.values()), outcomes  # both kinds really happen
         io.clear()
         # A client that goes away while reads are in flight on a slow disk.
         io.inject("slow", delay_s=0.2)
