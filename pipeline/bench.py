@@ -106,8 +106,11 @@ async def measure_engine(case: Case) -> Result:
     started = time.perf_counter()
     async with open_engine(cfg) as engine:
         vocab = engine.model.parts.args.vocab_size
+        # Warm-up with the measured prompt's length: MLX's CUDA backend JIT-compiles a
+        # kernel per new shape (tens of seconds the first time), which is not TTFT.
         warm = SamplingParams(temperature=1.0, seed=case.seed + 1, max_tokens=2)
-        async with aclosing(engine.generate(prompt_ids(2, vocab, case.seed + 99), warm)) as it:
+        warm_prompt = prompt_ids(case.prompt_tokens, vocab, case.seed + 99)
+        async with aclosing(engine.generate(warm_prompt, warm)) as it:
             async for _ in it:
                 pass
         if case.cold:

@@ -16,7 +16,7 @@ CASES = ("default", "serial", "resident", "io")
 def plan_cases(args: argparse.Namespace) -> list[Case]:
     """default = as configured; serial = overlap off; resident = mlx-lm; io = disk bandwidth."""
     base: dict[str, Any] = {
-        "pool": {"budget_mb": args.pool_mb},
+        "pool": {"slots": args.slots} if args.slots else {"budget_mb": args.pool_mb},
         "reader": {"concurrency": args.readers, "o_direct": args.o_direct},
         "prefetch": {"strategy": args.strategy},
         "compute": {"prefill_chunk": args.prefill_chunk},
@@ -97,6 +97,7 @@ def _cmd_bench_container(args: argparse.Namespace) -> int:
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-mb", type=int, default=1024, help="expert pool budget in MiB (default 1024)")
+    p.add_argument("--slots", type=int, default=None, help="expert pool size in experts (instead of --pool-mb)")
     p.add_argument("--readers", type=int, default=4, help="expert reads in flight (default 4)")
     p.add_argument("--strategy", default="next-gate", help="prefetch strategy of the default case")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill step")

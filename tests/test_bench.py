@@ -1,0 +1,109 @@
+"""The benchmark pieces: the fast bench container, `bench` end to end on a tiny model,
+the timeline file format, and O_DIRECT reads."""
+
+from __future__ import annotations
+
+import json
+import sys
+import zlib
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from pipeline import timeline
+from qpack.bench_container import write_bench_container
+from qpack.reader import Container, aligned_empty, verify_container
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+
+@pytest.fixture(scope="module")
+def tiny_bench(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bench") / "tiny.qpack"
+    write_bench_container(out, "qwen3_next", "tiny", seed=3)
+    return out
+
+
+def test_bench_container_is_valid_and_realistic(tiny_bench: Path) -> None:
+    report = verify_container(tiny_bench)
+    assert report.ok, report.problems
+    with Container.open(tiny_bench, verify="first-use") as c:
+        m = c.manifest
+        entry = c.layer(0)
+        assert len(set(entry.checksums)) == entry.num_experts  # no two experts alike
+        buf = aligned_empty(entry.stride)
+        c.read_expert(0, 5, buf)
+        assert zlib.crc32(buf[: entry.format.nbytes]) == entry.checksums[5]
+        views = c.expert_views(buf, 0)
+        w = mx.dequantize(mx.array(views["gate_proj.weight"]),
+                          mx.array(views["gate_proj.scales"]).view(mx.bfloat16),
+                          mx.array(views["gate_proj.biases"]).view(mx.bfloat16),
+                          group_size=m.quantization.group_size, bits=4)
+        values = np.array(w.astype(mx.float32))
+        fan_in = values.shape[1]
+        assert abs(values.mean()) < 0.2 / np.sqrt(fan_in)
+        assert 0.7 < values.std() * np.sqrt(fan_in) < 1.4
+
+
+def test_bench_end_to_end_writes_json_and_trace(tiny_bench: Path, tmp_path: Path) -> None:
+    import moestream_bench
+
+    out, trace = tmp_path / "bench.json", tmp_path / "trace.json"
+    code = moestream_bench.main([
+        "bench", str(tiny_bench), "--cases", "default,serial,io", "--slots", "8",
+        "--prefill-chunk", "2", "--prompt-tokens", "6", "--max-tokens", "4",
+        "--json", str(out), "--trace", str(trace), "--o-direct",
+    ])
+    assert code == 0
+    report = json.loads(out.read_text())
+    by_name = {r["name"]: r for r in report["results"]}
+    assert set(by_name) == {"default", "serial", "io"}
+    assert all(r["error"] is None for r in by_name.values())
+    default, serial = by_name["default"], by_name["serial"]
+    assert default["completion_tokens"] == 4 and default["decode_tok_s"] > 0
+    assert default["strategy"] == "next-gate" and serial["strategy"] == "none"
+    assert serial["readers"] == 1 and not serial["overlap"]
+    assert by_name["io"]["read_gb_s"] > 0
+    assert report["derived"]["default_over_serial"] > 0
+
+    data = timeline.load(trace)
+    tracks = set(timeline.track_names(data).values())
+    assert {"compute", "router", "sampler", "reader-0"} <= tracks
+    names = {e["name"] for e in data["traceEvents"] if e["ph"] == "X"}
+    assert {"decode-step", "prefill-chunk", "sample", "stall", "install"} <= names
+    assert names & {"read", "prefetch"}
+
+
+def test_timeline_format_and_noop(tmp_path: Path) -> None:
+    assert timeline.active() is None
+    assert timeline.span("compute", "x") is timeline.span("router", "y")  # shared no-op
+    path = tmp_path / "t.json"
+    with timeline.recording(path) as tl:
+        assert tl is not None and timeline.active() is tl
+        with timeline.span("compute", "outer", layer=1), timeline.span("reader-2", "read"):
+            pass
+    assert timeline.active() is None
+    data = json.loads(path.read_text())
+    events = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert [e["name"] for e in events] == ["outer", "read"]
+    assert all(e["dur"] >= 0 and e["pid"] == timeline.PID for e in events)
+    outer = events[0]
+    assert outer["args"] == {"layer": 1}
+    tracks = timeline.track_names(data)
+    assert tracks[outer["tid"]] == "compute" and tracks[events[1]["tid"]] == "reader-2"
+    with pytest.raises(ValueError, match="traceEvents"):
+        (tmp_path / "bad.json").write_text("{}")
+        timeline.load(tmp_path / "bad.json")
+
+
+def test_o_direct_reads_match_buffered(tiny_bench: Path) -> None:
+    buf = aligned_empty(1 << 16)
+    assert buf.ctypes.data % 4096 == 0
+    with Container.open(tiny_bench, o_direct=True) as direct, Container.open(tiny_bench) as plain:
+        stride = plain.layer(1).stride
+        a, b = aligned_empty(stride), aligned_empty(stride)
+        direct.read_expert(1, 7, a)  # falls back (with a warning) where O_DIRECT is refused
+        plain.read_expert(1, 7, b)
+        assert np.array_equal(a, b)
