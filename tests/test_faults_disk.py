@@ -9,6 +9,7 @@ naming layer, expert and attempts, and leave the engine fully usable.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -207,3 +208,30 @@ def test_faultio_maps_reads_to_layer_and_expert(tiny_qpack):
         c.read_expert(3, 5, buf)  # times=1: spent
     assert rule.hits == 1 and io.reads == 4
     assert (tiny_qpack / spec.layer_file(3)).is_file()
+
+
+async def test_disk_fault_under_the_http_server_fails_one_request_then_serves(tiny_qpack):
+    """Through `serve_engine`: a persistent fault is a server error (never a hang or a
+    4xx), in a JSON body or, once a stream has started, as an in-stream error event."""
+    import httpx2
+
+    from pipeline.server import serve_engine
+
+    io = FaultIO(tiny_qpack)
+    async with open_engine(_config(tiny_qpack), io=io) as engine, trio.open_nursery() as nursery:
+        port = await nursery.start(lambda task_status: serve_engine(
+            engine, "127.0.0.1", 0, task_status=task_status))
+        async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            request = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 3}
+            io.inject("eio", layer=2)
+            resp = await http.post("/v1/completions", json=request)
+            assert resp.status_code in (500, 503), resp.text
+            assert resp.json()["error"]["type"] == "server_error"
+            resp = await http.post("/v1/completions", json={**request, "stream": True})
+            events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+            assert resp.status_code == 200 and "error" in json.loads(events[-1]), events[-2:]
+            assert_pool_clean(engine)
+            io.clear()
+            resp = await http.post("/v1/completions", json=request)
+            assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+        nursery.cancel_scope.cancel()
