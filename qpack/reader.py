@@ -8,6 +8,7 @@ at open with verify="full"): no reader ever hands out garbage weights silently.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -19,11 +20,14 @@ from typing import Literal, Protocol
 import mlx.core as mx
 import msgspec
 import numpy as np
+import structlog
 
 from qpack import spec
 from qpack.spec import QpackError
 
+log = structlog.get_logger("qpack.reader")
 Verify = Literal["off", "first-use", "full"]
+ALIGN_BYTES = 4096  # O_DIRECT buffer alignment: the largest logical block size in common use
 _NP_DTYPES = {"uint32": np.uint32, "uint8": np.uint8, "bfloat16": np.uint16, "float16": np.float16,
               "float32": np.float32}
 MODEL_TYPE_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
@@ -44,10 +48,21 @@ class PosixIO:
         return os.preadv(fd, [buf], offset)
 
 
+def aligned_empty(nbytes: int, align: int = ALIGN_BYTES) -> np.ndarray:
+    """An uninitialised uint8 buffer whose start is `align`-aligned (for O_DIRECT reads)."""
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start : start + nbytes]
+
+
 class Container:
     def __init__(self, root: Path, manifest: spec.Manifest, config: dict, verify: Verify,
-                 io: ExpertIO) -> None:
+                 io: ExpertIO, o_direct: bool = False) -> None:
         self.root = root
+        # O_DIRECT bypasses the page cache (honest disk numbers on a host whose RAM would
+        # cache every expert); it needs buffers and offsets aligned to the block size,
+        # which strides are (ALIGNMENT) and the reader's staging buffers are (ALIGN_BYTES).
+        self.o_direct = o_direct
         self.manifest = manifest
         self.config = config
         self.verify = verify
@@ -61,7 +76,7 @@ class Container:
     # -- opening ---------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, verify: Verify = "first-use",
-             io: ExpertIO | None = None) -> Container:
+             io: ExpertIO | None = None, o_direct: bool = False) -> Container:
         if verify not in ("off", "first-use", "full"):
             raise ValueError(f"verify must be off, first-use or full, not {verify!r}")
         root = Path(path)
@@ -73,7 +88,7 @@ class Container:
         config = _load_config(root, manifest)
         _check_files(root, manifest)
         _check_layers(root, manifest)
-        container = cls(root, manifest, config, verify, io or PosixIO())
+        container = cls(root, manifest, config, verify, io or PosixIO(), o_direct)
         if verify == "full":
             report = verify_container(root)
             if not report.ok:
@@ -107,8 +122,22 @@ class Container:
             with self._lock:
                 fd = self._fds.get(layer_index)
                 if fd is None:
-                    fd = self._fds[layer_index] = os.open(self._paths[layer_index], os.O_RDONLY)
+                    fd = self._fds[layer_index] = self._open_layer(self._paths[layer_index])
         return fd
+
+    def _open_layer(self, path: Path) -> int:
+        if self.o_direct:
+            flag = getattr(os, "O_DIRECT", 0)
+            try:
+                if not flag:
+                    raise OSError(errno.EINVAL, "O_DIRECT is not available on this platform")
+                return os.open(path, os.O_RDONLY | flag)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                log.warning("reader.o_direct_unsupported", path=str(path), error=str(exc))
+                self.o_direct = False  # e.g. tmpfs: fall back to buffered reads, once
+        return os.open(path, os.O_RDONLY)
 
     def read_expert(self, layer_index: int, expert: int, out: memoryview | np.ndarray) -> None:
         """Read one expert blob into `out` (writable bytes, at least nbytes long; a full
