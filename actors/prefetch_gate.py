@@ -52,9 +52,11 @@ class NextGate:
         pass
 
     def _logits(self, targets: list[int], hidden: mx.array) -> mx.array:
-        if hidden.ndim == 2 and hidden.shape[0] == 1:
-            hidden = hidden[0]
-        return mx.stack([self.routers(t, hidden) for t in targets]).astype(mx.float32)
+        # Routers always see [tokens, H]: a 1-D input to the quantized gate raised
+        # "SmallVector out of range" on MLX 0.32.4's CUDA backend.
+        one = hidden.ndim == 1 or hidden.shape[0] == 1
+        logits = mx.stack([self.routers(t, hidden.reshape(-1, hidden.shape[-1])) for t in targets])
+        return (logits[:, 0] if one else logits).astype(mx.float32)
 
     def prepare(self, layer: int, hidden: mx.array) -> list[mx.array]:
         """Build (lazily) what `predict(layer, ...)` will read, for one decode token.
@@ -95,10 +97,10 @@ class NextGate:
 
     def _ranked(self, logits: mx.array) -> mx.array:
         # One token: top (k + extra) by logit. argpartition then sort only those n.
+        # A full argsort (E is a few hundred): argpartition + take_along_axis here raised
+        # "SmallVector out of range" on MLX 0.32.4's CUDA backend.
         n = min(self.num_experts, self.top_k + self.extra)
-        top = mx.argpartition(-logits, kth=n - 1, axis=-1)[:, :n]
-        vals = mx.take_along_axis(logits, top, axis=-1)
-        return mx.take_along_axis(top, mx.argsort(-vals, axis=-1), axis=-1)
+        return mx.argsort(-logits, axis=-1)[:, :n]
 
     def _batch(self, logits: mx.array) -> list[list[int]]:
         # Several tokens (prefill): the demand will be the union of their top-k, so rank

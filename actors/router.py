@@ -20,6 +20,7 @@ from actors.eviction import ExpertKey
 from actors.pool_driver import PoolDriver
 from actors.reader import ExpertReader, ExpertReadError, Load
 from actors.slots import SlotTable
+from pipeline import timeline
 
 log = structlog.get_logger("moestream.router")
 
@@ -70,14 +71,15 @@ class ExpertRouter:
         # Install as loads land: the MLX thread is idle while compute waits, and
         # installing early keeps the staging buffers (and so memory) bounded by the
         # reader's concurrency, not by how many experts a layer misses.
-        while True:
-            all_done = all(load.done.is_set() for load in waits)
-            await self.install_finished()
-            if all_done:
-                break
-            # Loads may have landed during the install's await: only sleep if none did.
-            if not all(load.done.is_set() for load in waits):
-                await self.reader.wait_any()
+        with timeline.span("router", "stall", layer=layer, misses=len(waits)):
+            while True:
+                all_done = all(load.done.is_set() for load in waits)
+                await self.install_finished()
+                if all_done:
+                    break
+                # Loads may have landed during the install's await: only sleep if none did.
+                if not all(load.done.is_set() for load in waits):
+                    await self.reader.wait_any()
         elapsed = time.perf_counter() - start
         self.stats.stall_seconds += elapsed
         self.stats.demand_waits += elapsed > 0
@@ -96,7 +98,8 @@ class ExpertRouter:
         if not installs:
             return
         try:
-            await self.install(installs)
+            with timeline.span("router", "install", experts=len(installs)):
+                await self.install(installs)
         except BaseException:
             for key in keys:
                 if key in self.table and self.table.pin_count(key) == 0:
