@@ -239,7 +239,10 @@ class Report:
         if default is not None:
             budget = self.container["dense_mb"] + default.pool_mb + 256
             total = default.peak_rss_mb + (default.peak_device_mb if "gpu" in default.backend else 0.0)
+            # MLX's CUDA memory is unified: the host RSS already counts some of it, so the
+            # sum over-counts and max(RSS, device) under-counts; report both.
             out["memory_total_mb"] = total
+            out["memory_max_mb"] = max(default.peak_rss_mb, default.peak_device_mb)
             out["memory_budget_mb"] = budget
             out["memory_over_budget_mb"] = total - budget
         return out
