@@ -51,13 +51,13 @@ def reference(source, tmp_path_factory) -> Path:
 
 
 def _start(ctx, source: Path, out: Path, delay: str = DELAY_S):  # noqa: ANN001, ANN202
-    os.environ[TEST_DELAY_ENV] = delay  # the fork server's child copies the environment
-    try:
-        proc = ctx.Process(target=pack, args=(str(source), str(out)),
-                           kwargs={"bits": 4, "progress": False})
-        proc.start()
-    finally:
-        del os.environ[TEST_DELAY_ENV]
+    # The fork server's children inherit *its* environment, not ours: set the delay in the
+    # child itself (exec of a snippet: a builtin pickles by name, no test module import).
+    code = (f"import os; os.environ[{TEST_DELAY_ENV!r}] = {delay!r}\n"
+            "from qpack.writer import pack\n"
+            f"pack({str(source)!r}, {str(out)!r}, bits=4, progress=False)\n")
+    proc = ctx.Process(target=exec, args=(code,))
+    proc.start()
     return proc
 
 
