@@ -9,16 +9,17 @@ status. Generations run in the request's task: a client that goes away cancels i
 task, and `aclosing` hands the engine's generator back at once (the engine drains
 its reads and unpins the pool). The engine serves one generation at a time; the
 others wait on its FIFO lock, up to `max_queue` of them.
+
+This module checks requests and routes them; pipeline.server_responses builds the replies
+(one JSON body, or SSE chunks).
 """
 
 from __future__ import annotations
 
 import hmac
 import json
-import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -29,17 +30,16 @@ from hypercorn.trio import serve
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actors.sampler import SamplingParams
 from pipeline import openai_schema as s
 from pipeline.engine import Engine
-from pipeline.events import Done, TextDelta
 from pipeline.generation import Generation, PromptTooLong
 from pipeline.metrics import Metrics
-from pipeline.tool_calls import Call, Content, OutputParser, Part, Reasoning
+from pipeline.server_responses import ChatReply, TextReply, json_response, respond
 
 log = structlog.get_logger("moestream.server")
 
@@ -55,26 +55,9 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     defaults: SamplingParams = SamplingParams()
 
 
-def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(msgspec.json.encode(obj), status, headers, media_type="application/json")
-
-
 def _error(exc: s.APIError) -> Response:
     headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-    return _json(exc.body(), exc.status, headers)
-
-
-class _ClosingStreamingResponse(StreamingResponse):
-    """Closes its body iterator whichever way streaming ends (send failure, disconnect).
-
-    Starlette leaves an unfinished iterator to the garbage collector; ours holds the
-    engine's lock and pinned experts, so it must be closed now.
-    """
-
-    async def stream_response(self, send: Send) -> None:
-        async with aclosing(self.body_iterator) as body:  # type: ignore[type-var]
-            self.body_iterator = body
-            await super().stream_response(send)
+    return json_response(exc.body(), exc.status, headers)
 
 
 class _StatusCounter:
@@ -160,7 +143,7 @@ class Api:
     # --- routes ------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        return _json({"status": "ok", "model": self.engine.name})
+        return json_response({"status": "ok", "model": self.engine.name})
 
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.render(self.engine),
@@ -168,12 +151,12 @@ class Api:
 
     async def models(self, request: Request) -> Response:
         self.check_auth(request)
-        return _json(s.ModelList([s.ModelCard(self.engine.name, self.created)]))
+        return json_response(s.ModelList([s.ModelCard(self.engine.name, self.created)]))
 
     async def model(self, request: Request) -> Response:
         self.check_auth(request)
         self.check_model(request.path_params["model"])
-        return _json(s.ModelCard(self.engine.name, self.created))
+        return json_response(s.ModelCard(self.engine.name, self.created))
 
     async def chat(self, request: Request) -> Response:
         self.check_auth(request)
@@ -199,12 +182,10 @@ class Api:
                              param="messages") from None
         tokens = self.engine.encode(text)
         self.check_prompt(tokens, params, "messages")
-        reply = _ChatReply(self, req, bool(tools), text.rstrip().endswith("<think>"))
-        if req.stream:
-            return _ClosingStreamingResponse(reply.stream(tokens, params),
-                                             media_type="text/event-stream",
-                                             headers={"Cache-Control": "no-cache"})
-        return await _unless_disconnected(request, lambda: reply.complete(tokens, params))
+        reply = ChatReply(self.engine, self.metrics, req, tools=bool(tools),
+                          in_reasoning=text.rstrip().endswith("<think>"),
+                          hide_reasoning=self.settings.hide_reasoning)
+        return await respond(request, reply, tokens, params)
 
     async def completions(self, request: Request) -> Response:
         self.check_auth(request)
@@ -224,12 +205,8 @@ class Api:
         else:
             tokens = [int(t) for t in prompt]
         self.check_prompt(tokens, params, "prompt")
-        reply = _TextReply(self, req)
-        if req.stream:
-            return _ClosingStreamingResponse(reply.stream(tokens, params),
-                                             media_type="text/event-stream",
-                                             headers={"Cache-Control": "no-cache"})
-        return await _unless_disconnected(request, lambda: reply.complete(tokens, params))
+        reply = TextReply(self.engine, self.metrics, req)
+        return await respond(request, reply, tokens, params)
 
 
 def template_messages(messages: list[s.Message]) -> list[dict[str, Any]]:
@@ -273,172 +250,6 @@ def _text(content: str | list[s.ContentPart] | None, param: str) -> str:
                              "'text' parts with a text field)", param=f"{param}[{j}].type")
         texts.append(part.text)
     return "".join(texts)
-
-
-def _usage(done: Done) -> s.Usage:
-    st = done.stats
-    return s.Usage(st.prompt_tokens, st.completion_tokens, st.prompt_tokens + st.completion_tokens,
-                   s.PromptTokensDetails(st.cached_tokens))
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
-
-
-def _sse_error(exc: BaseException) -> bytes:
-    log.error("server.stream_failed", exc_info=exc)
-    body = s.APIError(500, "internal error while generating", type="server_error").body()
-    return _sse(body)
-
-
-async def _unless_disconnected(request: Request, run: Callable[[], Awaitable[Response]]) -> Response:
-    """Run a non-streaming generation, cancelled if the client goes away meanwhile."""
-    result: list[Response] = []
-    error: Exception | None = None
-    async with trio.open_nursery() as nursery:
-
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            log.info("server.client_gone", path=request.url.path)
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(watch)
-        # Raised outside the nursery, so that callers see the error, not an ExceptionGroup.
-        try:
-            result.append(await run())
-        except Exception as exc:
-            error = exc
-        finally:
-            nursery.cancel_scope.cancel()
-    if error is not None:
-        raise error
-    return result[0] if result else Response(status_code=499)
-
-
-class _Reply:
-    prefix = "cmpl"
-
-    def __init__(self, api: Api, req: s.ChatRequest | s.CompletionRequest) -> None:
-        self.api = api
-        self.req = req
-        self.id = f"{self.prefix}-{secrets.token_hex(12)}"
-        self.created = int(time.time())
-        self.model = req.model
-
-    async def run(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[TextDelta | Done]:
-        async with aclosing(self.api.engine.generate(tokens, params)) as events:
-            async for event in events:
-                if isinstance(event, Done):
-                    self.api.metrics.record_generation(event.stats)
-                yield event
-
-    def include_usage(self) -> bool:
-        return bool(self.req.stream_options and self.req.stream_options.include_usage)
-
-
-class _ChatReply(_Reply):
-    prefix = "chatcmpl"
-
-    def __init__(self, api: Api, req: s.ChatRequest, tools: bool, in_reasoning: bool) -> None:
-        super().__init__(api, req)
-        self.tools = tools
-        self.in_reasoning = in_reasoning
-
-    def finish_reason(self, done: Done, parser: OutputParser) -> str:
-        return "tool_calls" if parser.calls and done.finish_reason == "stop" else done.finish_reason
-
-    async def complete(self, tokens: list[int], params: SamplingParams) -> Response:
-        parser = OutputParser(tools=self.tools, in_reasoning=self.in_reasoning)
-        parts: list[Part] = []
-        done = None
-        async with aclosing(self.run(tokens, params)) as events:
-            async for event in events:
-                if isinstance(event, TextDelta):
-                    parts += parser.feed(event.text)
-                else:
-                    done = event
-        assert done is not None
-        parts += parser.finish()
-        content = "".join(p.text for p in parts if isinstance(p, Content))
-        reasoning = "".join(p.text for p in parts if isinstance(p, Reasoning))
-        calls = [s.OutToolCall(c.id, s.OutFunction(c.name, c.arguments))
-                 for c in parts if isinstance(c, Call)]
-        message = s.OutMessage(
-            role="assistant",
-            content=(content.strip() or None) if calls else content,
-            reasoning_content=None if self.api.settings.hide_reasoning else (reasoning or None),
-            tool_calls=calls or None,
-        )
-        choice = s.ChatChoice(0, message, self.finish_reason(done, parser))
-        return _json(s.ChatCompletion(self.id, self.created, self.model, [choice], _usage(done)))
-
-    def chunk(self, delta: s.Delta, finish: str | None = None) -> bytes:
-        return _sse(s.ChatChunk(self.id, self.created, self.model,
-                                [s.ChunkChoice(0, delta, finish)]))
-
-    def delta(self, part: Part) -> s.Delta | None:
-        if isinstance(part, Content):
-            return s.Delta(content=part.text)
-        if isinstance(part, Reasoning):
-            return None if self.api.settings.hide_reasoning else s.Delta(reasoning_content=part.text)
-        call = s.DeltaToolCall(part.index, part.id, "function", s.OutFunction(part.name, part.arguments))
-        return s.Delta(tool_calls=[call])
-
-    async def stream(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
-        parser = OutputParser(tools=self.tools, in_reasoning=self.in_reasoning)
-        yield self.chunk(s.Delta(role="assistant", content=""))
-        try:
-            async with aclosing(self.run(tokens, params)) as events:
-                async for event in events:
-                    parts = parser.feed(event.text) if isinstance(event, TextDelta) else parser.finish()
-                    for part in parts:
-                        delta = self.delta(part)
-                        if delta is not None:
-                            yield self.chunk(delta)
-                    if isinstance(event, Done):
-                        yield self.chunk(s.Delta(), self.finish_reason(event, parser))
-                        if self.include_usage():
-                            yield _sse(s.ChatChunk(self.id, self.created, self.model, [],
-                                                   usage=_usage(event)))
-        except Exception as exc:
-            yield _sse_error(exc)
-            return
-        yield b"data: [DONE]\n\n"
-
-
-class _TextReply(_Reply):
-    async def complete(self, tokens: list[int], params: SamplingParams) -> Response:
-        texts: list[str] = []
-        done = None
-        async with aclosing(self.run(tokens, params)) as events:
-            async for event in events:
-                if isinstance(event, TextDelta):
-                    texts.append(event.text)
-                else:
-                    done = event
-        assert done is not None
-        choice = s.TextChoice(0, "".join(texts), done.finish_reason)
-        return _json(s.Completion(self.id, self.created, self.model, [choice], _usage(done)))
-
-    async def stream(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
-        try:
-            async with aclosing(self.run(tokens, params)) as events:
-                async for event in events:
-                    if isinstance(event, TextDelta):
-                        if event.text:
-                            yield _sse(s.Completion(self.id, self.created, self.model,
-                                                    [s.TextChoice(0, event.text)]))
-                        continue
-                    yield _sse(s.Completion(self.id, self.created, self.model,
-                                            [s.TextChoice(0, "", event.finish_reason)]))
-                    if self.include_usage():
-                        yield _sse(s.Completion(self.id, self.created, self.model, [],
-                                                usage=_usage(event)))
-        except Exception as exc:
-            yield _sse_error(exc)
-            return
-        yield b"data: [DONE]\n\n"
 
 
 def _guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
