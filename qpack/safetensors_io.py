@@ -13,6 +13,7 @@ import os
 import struct
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 import mlx.core as mx
 import msgspec
@@ -181,21 +182,52 @@ class PlannedTensor(msgspec.Struct, frozen=True):
         return _DTYPES[self.dtype][0].itemsize * int(np.prod(self.shape, dtype=np.int64))
 
 
-def header_bytes(plan: Iterable[PlannedTensor], metadata: dict[str, str] | None = None) -> bytes:
-    """The 8-byte length plus JSON header for tensors stored contiguously in plan order."""
-    header: dict[str, object] = {"__metadata__": metadata or {"format": "mlx"}}
+class HeaderEntry(Protocol):
+    """What a header needs of a tensor (PlannedTensor, qpack.st_write.TensorEntry)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...  # safetensors tag
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def nbytes(self) -> int: ...
+
+
+# What the packer writes when given no metadata (mlx-lm's own files carry this).
+MLX_METADATA: dict[str, str] = {"format": "mlx"}
+
+
+def header_bytes(
+    tensors: Iterable[HeaderEntry],
+    metadata: dict[str, str] | None = None,
+    *,
+    sort_keys: bool = True,
+) -> bytes:
+    """The 8-byte length plus JSON header for tensors stored contiguously in the given order.
+
+    `__metadata__` is written only when `metadata` is non-empty. `sort_keys` orders the
+    JSON keys by name (the packer); False keeps `__metadata__` first, then the tensors in
+    order (the synthetic checkpoints). The data offsets follow the given order either way.
+    """
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
     offset = 0
-    for t in plan:
+    for t in tensors:
         header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
-    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data section starts 8-aligned, as safetensors does
+    raw = json.dumps(header, sort_keys=sort_keys, separators=(",", ":")).encode()
+    # The reference implementation pads the header with spaces to 8 bytes, so the data
+    # section is aligned for zero-copy loaders.
+    raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
 
 
 def data_offsets(plan: list[PlannedTensor]) -> tuple[bytes, dict[str, int], int]:
     """Header bytes, each tensor's absolute file offset, and the file size."""
-    header = header_bytes(plan)
+    header = header_bytes(plan, MLX_METADATA)
     offsets, offset = {}, len(header)
     for t in plan:
         offsets[t.name] = offset
@@ -214,7 +246,7 @@ class SafetensorsWriter:
         self.plan = plan
         self.sink = sink
         self.next = 0
-        self._emit(header_bytes(plan))
+        self._emit(header_bytes(plan, MLX_METADATA))
 
     def _emit(self, data: bytes | memoryview) -> None:
         self.f.write(data)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from qpack.safetensors_io import header_bytes
 
 # safetensors dtype tag -> bytes per element
 ST_DTYPE_SIZES: dict[str, int] = {
@@ -56,26 +57,11 @@ class TensorEntry:
         return n
 
 
-def header_bytes(entries: Sequence[TensorEntry], metadata: dict[str, str] | None = None) -> bytes:
-    """The length prefix plus the JSON header for `entries`, laid out in the given order."""
-    header: dict[str, object] = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    offset = 0
+def _check_dtypes(entries: Sequence[TensorEntry]) -> Sequence[TensorEntry]:
     for e in entries:
         if e.dtype not in ST_DTYPE_SIZES:
             raise ValueError(f"tensor {e.name!r}: unsupported safetensors dtype {e.dtype!r}")
-        header[e.name] = {
-            "dtype": e.dtype,
-            "shape": list(e.shape),
-            "data_offsets": [offset, offset + e.nbytes],
-        }
-        offset += e.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    # The reference implementation pads the header with spaces to 8 bytes, so the data
-    # section is aligned for zero-copy loaders.
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
+    return entries
 
 
 def write_safetensors(
@@ -93,7 +79,8 @@ def write_safetensors(
         raise ValueError(f"{path}: duplicate tensor names {dup}")
     tmp = path.with_name(path.name + ".partial")
     with open(tmp, "wb") as f:
-        f.write(header_bytes(entries, metadata))
+        # Unsorted: the JSON lists the tensors in file order, as synth has always written it.
+        f.write(header_bytes(_check_dtypes(entries), metadata, sort_keys=False))
         for e in entries:
             written = 0
             for chunk in e.chunks():
