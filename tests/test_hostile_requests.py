@@ -25,14 +25,14 @@ from typing import Any
 
 import pytest
 import trio
+from helpers_server import pack_tiny, serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline import server as server_module
-from pipeline.config import ServerConfig, config_from_dict
-from pipeline.engine import Engine, open_engine
+from pipeline.config import ServerConfig
+from pipeline.engine import Engine
 from pipeline.server import serve_engine
-from qpack.writer import pack
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -42,21 +42,14 @@ KEY = "k3y-0f-t3sts"
 
 @pytest.fixture(scope="module")
 def container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("hostile-requests") / "tiny.qpack"
-    pack(synth_checkpoint("qwen3_next"), out, bits=None, progress=False)
-    return out
+    return pack_tiny(synth_checkpoint, tmp_path_factory, "hostile-requests")
 
 
 @asynccontextmanager
 async def running_server(container: Path, **serve_kw: Any) -> AsyncIterator[tuple[Engine, int]]:
     # A small context limit bounds any valid request the fuzz stumbles on.
-    cfg = config_from_dict({"model": {"path": str(container)}, "pool": {"slots": 16},
-                            "compute": {"prefill_chunk": 4}, "server": {"context_limit": 40}})
-    async with open_engine(cfg) as engine, trio.open_nursery() as nursery:
-        port = await nursery.start(lambda task_status: serve_engine(
-            engine, "127.0.0.1", 0, task_status=task_status, **serve_kw))
+    async with serving(container, {"context_limit": 40}, **serve_kw) as (engine, port):
         yield engine, port
-        nursery.cancel_scope.cancel()
 
 
 def request(port: int, method: str, path: str, body: bytes | None = None,

@@ -15,11 +15,9 @@ from typing import Any
 import httpx2
 import pytest
 import trio
+from helpers_server import pack_tiny, serving
 
-from pipeline.config import config_from_dict
-from pipeline.engine import Engine, open_engine
-from pipeline.server import serve_engine
-from qpack.writer import pack
+from pipeline.engine import Engine
 
 KEY = "sekret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -28,25 +26,15 @@ CHAT = "/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("server-errors") / "tiny.qpack"
-    pack(synth_checkpoint("qwen3_next"), out, bits=None, progress=False)
-    return out
+    return pack_tiny(synth_checkpoint, tmp_path_factory, "server-errors")
 
 
 @asynccontextmanager
 async def running_server(container: Path, server: dict[str, Any] | None = None,
                          **serve_kw: Any) -> AsyncIterator[tuple[Engine, httpx2.AsyncClient]]:
-    # No prefetch: a queued prefetch promoted after a reader worker took it off the queue
-    # (reader.promote) fails at random; that is the reader's to fix, not the server's.
-    cfg = config_from_dict({"model": {"path": str(container)}, "pool": {"slots": 16},
-                            "compute": {"prefill_chunk": 4}, "prefetch": {"strategy": "next-gate"},
-                            "server": server or {}})
-    async with open_engine(cfg) as engine, trio.open_nursery() as nursery:
-        port = await nursery.start(lambda task_status: serve_engine(
-            engine, "127.0.0.1", 0, task_status=task_status, **serve_kw))
+    async with serving(container, server, **serve_kw) as (engine, port):
         async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
             yield engine, http
-        nursery.cancel_scope.cancel()
 
 
 def body(**over: Any) -> dict[str, Any]:

@@ -1,0 +1,42 @@
+"""Test helpers for the HTTP server: a tiny packed container and a real server on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from pipeline.config import config_from_dict
+from pipeline.engine import Engine, open_engine
+from pipeline.server import serve_engine
+from qpack.writer import pack
+
+
+def pack_tiny(synth_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory,
+              name: str) -> Path:
+    """The float32 tiny Qwen3-Next checkpoint packed into `<tmp>/<name>*/tiny.qpack`."""
+    out = tmp_path_factory.mktemp(name) / "tiny.qpack"
+    pack(synth_checkpoint("qwen3_next"), out, bits=None, progress=False)
+    return out
+
+
+@asynccontextmanager
+async def serving(container: Path, server: dict[str, Any] | None = None,
+                  **serve_kw: Any) -> AsyncIterator[tuple[Engine, int]]:
+    """An engine on `container` served on a free loopback port; yields (engine, port).
+
+    `server` is the config's [server] section (e.g. context_limit); `serve_kw` goes to
+    serve_engine (api_key, max_queue, max_body_bytes, ...).
+    """
+    cfg = config_from_dict({"model": {"path": str(container)}, "pool": {"slots": 16},
+                            "compute": {"prefill_chunk": 4}, "prefetch": {"strategy": "next-gate"},
+                            "server": server or {}})
+    async with open_engine(cfg) as engine, trio.open_nursery() as nursery:
+        port = await nursery.start(lambda task_status: serve_engine(
+            engine, "127.0.0.1", 0, task_status=task_status, **serve_kw))
+        yield engine, port
+        nursery.cancel_scope.cancel()
