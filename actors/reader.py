@@ -65,7 +65,8 @@ class ExpertReader:
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
         stride = container.manifest.max_stride
-        count = buffers if buffers is not None else 2 * concurrency + 2
+        # Enough staging for installs to come in batches while reads continue.
+        count = buffers if buffers is not None else max(4 * concurrency, 16)
         # Page-aligned, so the same buffers serve O_DIRECT reads.
         self._free: list[np.ndarray] = [aligned_empty(stride) for _ in range(count)]
         self._free_count = trio.Semaphore(count)
@@ -99,6 +100,11 @@ class ExpertReader:
         load.demand = True
         self._prefetch.remove(load)
         self._demand.append(load)
+
+    @property
+    def starved(self) -> bool:
+        """Every staging buffer holds a finished blob or a read: installs must free some."""
+        return self._free_count.value == 0
 
     async def wait_any(self) -> None:
         """Until the next load finishes (whichever it is)."""

@@ -68,15 +68,18 @@ class ExpertRouter:
             if load is not None:
                 waits.append(load)
         start = time.perf_counter()
-        # Install as loads land: the MLX thread is idle while compute waits, and
-        # installing early keeps the staging buffers (and so memory) bounded by the
-        # reader's concurrency, not by how many experts a layer misses.
+        # Install in batches (each install is one MLX call with a fixed cost): once
+        # every demanded load has landed, or earlier when the readers run out of
+        # staging buffers, so staging memory stays bounded whatever a layer misses.
         with timeline.span("router", "stall", layer=layer, misses=len(waits)):
             while True:
                 all_done = all(load.done.is_set() for load in waits)
-                await self.install_finished()
-                if all_done:
-                    break
+                if all_done or self.reader.starved:
+                    installed = await self.install_finished()
+                    if all_done:
+                        break
+                    if installed:
+                        continue
                 # Loads may have landed during the install's await: only sleep if none did.
                 if not all(load.done.is_set() for load in waits):
                     await self.reader.wait_any()
@@ -92,11 +95,11 @@ class ExpertRouter:
             slot_of[int(expert)] = slot
         return slot_of
 
-    async def install_finished(self) -> None:
+    async def install_finished(self) -> int:
         """Copy every finished load into its slot (on the MLX thread) and mark it ready."""
         installs, keys = self.collect()
         if not installs:
-            return
+            return 0
         try:
             with timeline.span("router", "install", experts=len(installs)):
                 await self.install(installs)
@@ -111,6 +114,7 @@ class ExpertRouter:
         for key in keys:
             if key in self.table:
                 self.table.mark_ready(key)
+        return len(installs)
 
     def prefetch(self, predictions: Sequence[tuple[int, Sequence[int]]], tick: int) -> None:
         for key, _slot in self.driver.prefetch(predictions, tick):
