@@ -40,6 +40,7 @@ from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_cache import PrefixCache
 from qpack.reader import Container, ExpertIO
+from qpack.spec import QpackError
 
 log = structlog.get_logger("moestream.engine")
 
@@ -209,73 +210,109 @@ async def open_engine(
             f"tokens: the smallest workable pool is {need} slots = "
             f"{need * storage_probe / 2**20:.1f} MiB (or lower compute.prefill_chunk)"
         )
-    overlap = config.compute.overlap
-    async with MlxWorker() as worker, trio.open_nursery() as nursery:
-        dense = await worker.run(load_dense, container.config, container.dense_path)
-        storage = await worker.run(PoolStorage, fmt, slots)
-        dtype = await worker.run(activation_dtype, config.compute.dtype)
-        model = StreamedModel(dense, fmt, storage.arrays, dtype)
-        tokenizer = await trio.to_thread.run_sync(cached_tokenizer, container.root)
-        policy_params = {"decay": config.pool.lfu_decay, "period": config.pool.lfu_period}
-        policy = make_policy(config.pool.eviction, **(policy_params if config.pool.eviction == "lfu" else {}))
-        table = SlotTable(slots, policy)
-        reader = ExpertReader(
-            container,
-            concurrency=config.reader.concurrency if overlap else 1,
-            retries=config.reader.retries,
-            retry_backoff_s=config.reader.retry_backoff_ms / 1000,
-        )
-        nursery.start_soon(reader.run)
-        router = ExpertRouter(
-            table, reader, model.num_experts, lambda items: worker.run(storage.install, items)
-        )
-        strategy_name = config.prefetch.strategy if overlap else "none"
-        strategy = make_strategy(
-            strategy_name,
-            moe_layers=model.moe_layers,
-            num_experts=model.num_experts,
-            top_k=model.top_k,
-            routers=model.router_logits,
-            depth=config.prefetch.depth,
-            max_per_layer=config.prefetch.max_per_layer,
-            combine=config.prefetch.combine,
-        )
-        recorder = None
-        if record_routing:
-            recorder = TraceRecorder(
-                TraceModel(
-                    num_layers=model.num_layers,
-                    moe_layers=list(model.moe_layers),
-                    num_experts=model.num_experts,
-                    top_k=model.top_k,
-                    stride=manifest.max_stride,
-                ),
-                TracePool(
-                    num_slots=slots,
-                    policy=config.pool.eviction,
-                    policy_params=policy_params if config.pool.eviction == "lfu" else {},
-                    strategy=strategy_name,
-                    strategy_params=strategy.params(),
-                ),
+    try:
+        async with MlxWorker() as worker:
+            # Loaded before the actors' nursery opens, so a bad container surfaces as one
+            # QpackError naming the file rather than inside an exception group.
+            dense = await worker.run(
+                _guarded, container.dense_path, load_dense, container.config, container.dense_path
             )
-        compute = Compute(
-            worker, model, router, strategy, PrefetchScorer(manifest.max_stride), recorder
+            tokenizer = await trio.to_thread.run_sync(
+                _guarded, container.root / "tokenizer.json", cached_tokenizer, container.root
+            )
+            storage = await worker.run(PoolStorage, fmt, slots)
+            dtype = await worker.run(activation_dtype, config.compute.dtype)
+            model = StreamedModel(dense, fmt, storage.arrays, dtype)
+            async with trio.open_nursery() as nursery:
+                yield _start_actors(
+                    config, container, worker, nursery, model, storage, tokenizer, slots,
+                    record_routing, started,
+                )
+                nursery.cancel_scope.cancel()
+    finally:
+        container.close()
+
+
+def _guarded(path: Path, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run a loader; anything it raises becomes a QpackError naming the file it read."""
+    try:
+        return fn(*args)
+    except QpackError:
+        raise
+    except Exception as exc:
+        raise QpackError(path, f"does not load for this model: {type(exc).__name__}: {exc}") from exc
+
+
+def _start_actors(
+    config: PipelineConfig,
+    container: Container,
+    worker: MlxWorker,
+    nursery: trio.Nursery,
+    model: StreamedModel,
+    storage: PoolStorage,
+    tokenizer: Any,
+    slots: int,
+    record_routing: bool,
+    started: float,
+) -> Engine:
+    manifest = container.manifest
+    overlap = config.compute.overlap
+    policy_params = {"decay": config.pool.lfu_decay, "period": config.pool.lfu_period}
+    policy = make_policy(config.pool.eviction, **(policy_params if config.pool.eviction == "lfu" else {}))
+    table = SlotTable(slots, policy)
+    reader = ExpertReader(
+        container,
+        concurrency=config.reader.concurrency if overlap else 1,
+        retries=config.reader.retries,
+        retry_backoff_s=config.reader.retry_backoff_ms / 1000,
+    )
+    nursery.start_soon(reader.run)
+    router = ExpertRouter(
+        table, reader, model.num_experts, lambda items: worker.run(storage.install, items)
+    )
+    strategy_name = config.prefetch.strategy if overlap else "none"
+    strategy = make_strategy(
+        strategy_name,
+        moe_layers=model.moe_layers,
+        num_experts=model.num_experts,
+        top_k=model.top_k,
+        routers=model.router_logits,
+        depth=config.prefetch.depth,
+        max_per_layer=config.prefetch.max_per_layer,
+        combine=config.prefetch.combine,
+    )
+    recorder = None
+    if record_routing:
+        recorder = TraceRecorder(
+            TraceModel(
+                num_layers=model.num_layers,
+                moe_layers=list(model.moe_layers),
+                num_experts=model.num_experts,
+                top_k=model.top_k,
+                stride=manifest.max_stride,
+            ),
+            TracePool(
+                num_slots=slots,
+                policy=config.pool.eviction,
+                policy_params=policy_params if config.pool.eviction == "lfu" else {},
+                strategy=strategy_name,
+                strategy_params=strategy.params(),
+            ),
         )
-        engine = Engine(config, container, worker, model, storage, router, compute, tokenizer)
-        log.info(
-            "engine.open",
-            container=str(container.root),
-            model_type=manifest.model_type,
-            slots=slots,
-            pool_mb=round(storage.nbytes / 2**20, 1),
-            dense_mb=round(manifest.dense_bytes / 2**20, 1),
-            strategy=strategy_name,
-            eviction=config.pool.eviction,
-            readers=reader.concurrency,
-            seconds=round(time.perf_counter() - started, 2),
-        )
-        try:
-            yield engine
-        finally:
-            nursery.cancel_scope.cancel()
-            container.close()
+    compute = Compute(
+        worker, model, router, strategy, PrefetchScorer(manifest.max_stride), recorder
+    )
+    engine = Engine(config, container, worker, model, storage, router, compute, tokenizer)
+    log.info(
+        "engine.open",
+        container=str(container.root),
+        model_type=manifest.model_type,
+        slots=slots,
+        pool_mb=round(storage.nbytes / 2**20, 1),
+        dense_mb=round(manifest.dense_bytes / 2**20, 1),
+        strategy=strategy_name,
+        eviction=config.pool.eviction,
+        readers=reader.concurrency,
+        seconds=round(time.perf_counter() - started, 2),
+    )
+    return engine

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import threading
 import zlib
@@ -88,6 +89,7 @@ class Container:
         config = _load_config(root, manifest)
         _check_files(root, manifest)
         _check_layers(root, manifest)
+        _check_config_matches(root, manifest, config)
         container = cls(root, manifest, config, verify, io or PosixIO(), o_direct)
         if verify == "full":
             report = verify_container(root)
@@ -240,6 +242,17 @@ def _load_config(root: Path, manifest: spec.Manifest) -> dict:
     return config
 
 
+def _check_config_matches(root: Path, m: spec.Manifest, config: dict) -> None:
+    """The model config must describe the packed weights, and text must be encodable."""
+    text = config.get("text_config", config)
+    for key, want in (("num_hidden_layers", m.num_layers), ("num_experts", m.num_experts),
+                      ("num_experts_per_tok", m.top_k)):
+        if text.get(key) != want:
+            raise QpackError(root / spec.CONFIG, f"config.json {key} = {text.get(key)!r} does not match the manifest's {want}")
+    if not (root / "tokenizer.json").is_file():
+        raise QpackError(root / "tokenizer.json", "tokenizer.json is missing: the container cannot encode text")
+
+
 def _check_files(root: Path, manifest: spec.Manifest) -> None:
     listed = set()
     for f in manifest.files:
@@ -292,8 +305,8 @@ def _check_layers(root: Path, m: spec.Manifest) -> None:
 def _check_format(where: Path, name: str, fmt: spec.ExpertFormat) -> None:
     end = 0
     for t in sorted(fmt.tensors, key=lambda t: t.offset):
-        expected = spec.DTYPE_SIZES[t.dtype] * int(np.prod(t.shape, dtype=np.int64))
-        if any(d < 0 for d in t.shape) or t.nbytes != expected:
+        # Python ints: numpy's int64 product wraps around on absurd shapes.
+        if any(d < 0 for d in t.shape) or t.nbytes != spec.DTYPE_SIZES[t.dtype] * math.prod(t.shape):
             raise QpackError(where, f"{name}: tensor {t.name} {t.dtype}{list(t.shape)} cannot be {t.nbytes} bytes")
         if t.offset < 0:
             raise QpackError(where, f"{name}: tensor {t.name} has negative offset {t.offset}")

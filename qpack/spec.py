@@ -168,7 +168,13 @@ def expert_format(
 
 def check_relative(root: Path, rel: str) -> Path:
     """Resolve a manifest path, refusing anything that would leave the container."""
-    if not rel or os.path.isabs(rel) or "\\" in rel or any(p in ("..", "") for p in rel.split("/")):
+    if (
+        not rel
+        or "\x00" in rel
+        or os.path.isabs(rel)
+        or "\\" in rel
+        or any(p in ("..", "") for p in rel.split("/"))
+    ):
         raise QpackError(root / MANIFEST, f"path {rel!r} is not a plain relative path inside the container")
     path = (root / rel).resolve()
     if root.resolve() not in path.parents:
