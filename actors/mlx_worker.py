@@ -43,6 +43,12 @@ class MlxWorker:
 
     def stop(self) -> None:
         if self._started:
+            # Finish this thread's stream work before it ends: MLX tearing down a stream
+            # with work in flight at interpreter exit aborts the process ("terminate
+            # called without an active exception").
+            import mlx.core as mx
+
+            self.call(mx.synchronize)
             self._jobs.put(_STOP)
             self._thread.join()
             self._started = False
