@@ -57,8 +57,12 @@ class PoolStorage:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
-    def install(self, items: Sequence[tuple[int, np.ndarray]]) -> None:
-        """Copy expert blobs (uint8, at least fmt.nbytes) into their slots.
+    def stage(self, blob: np.ndarray) -> mx.array:
+        """An expert blob as an MLX array, made in a reader's thread (see `stage_threads_ok`)."""
+        return mx.array(blob[: self.fmt.nbytes])
+
+    def install(self, items: Sequence[tuple[int, np.ndarray | mx.array]]) -> None:
+        """Copy expert blobs (uint8, at least fmt.nbytes; numpy or staged) into their slots.
 
         A batch costs one host->device copy and one scatter per tensor, whatever its
         size: on a GPU per-expert slice updates cost ~25-100 us each, which added up to
@@ -67,7 +71,10 @@ class PoolStorage:
         if not items:
             return
         slots = mx.array([slot for slot, _ in items], dtype=mx.int32)
-        blobs = mx.array(np.stack([blob[: self.fmt.nbytes] for _, blob in items]))
+        if isinstance(items[0][1], mx.array):
+            blobs = mx.stack([blob[: self.fmt.nbytes] for _, blob in items])
+        else:
+            blobs = mx.array(np.stack([blob[: self.fmt.nbytes] for _, blob in items]))
         n = len(items)
         for t in self.fmt.tensors:
             raw = blobs[:, t.offset : t.offset + t.nbytes]

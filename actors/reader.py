@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import structlog
@@ -34,6 +36,7 @@ class Load:
     demand: bool
     done: trio.Event = field(default_factory=trio.Event)
     buffer: np.ndarray | None = None
+    staged: Any = None  # what `stage` made of the buffer, in the read's worker thread
     error: BaseException | None = None
     started: bool = False
     seconds: float = 0.0
@@ -59,7 +62,11 @@ class ExpertReader:
         retries: int = 2,
         retry_backoff_s: float = 0.01,
         buffers: int | None = None,
+        stage: Callable[[np.ndarray], Any] | None = None,
     ) -> None:
+        # Run on each finished read in its worker thread, off the MLX thread: e.g. the
+        # host->device copy of the blob, which on a GPU is slower than the disk.
+        self.stage = stage
         self.container = container
         self.concurrency = concurrency
         self.retries = retries
@@ -130,7 +137,7 @@ class ExpertReader:
             try:
                 with timeline.span(f"reader-{index}", "read" if load.demand else "prefetch",
                                    layer=load.key[0], expert=load.key[1]):
-                    await trio.to_thread.run_sync(self._read, load.key, buffer)
+                    load.staged = await trio.to_thread.run_sync(self._read, load.key, buffer)
             except Exception as exc:  # noqa: BLE001 - reported to whoever waits on the load
                 self.give_back(buffer)
                 load.error = exc
@@ -151,13 +158,13 @@ class ExpertReader:
             self._any_done.set()
             self._any_done = trio.Event()
 
-    def _read(self, key: ExpertKey, buffer: np.ndarray) -> None:
+    def _read(self, key: ExpertKey, buffer: np.ndarray) -> Any:
         """Blocking, in a worker thread: one read, retried on failure with a short backoff."""
         layer, expert = key
         for attempt in range(self.retries + 1):
             try:
                 self.container.read_expert(layer, expert, buffer)
-                return
+                return None if self.stage is None else self.stage(buffer)
             except Exception as exc:
                 if attempt == self.retries:
                     raise ExpertReadError(

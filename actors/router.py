@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import structlog
@@ -24,7 +25,7 @@ from pipeline import timeline
 
 log = structlog.get_logger("moestream.router")
 
-Install = tuple[int, np.ndarray]
+Install = tuple[int, Any]  # (slot, blob: a staging buffer or the MLX array staged from it)
 
 
 @dataclass
@@ -97,7 +98,7 @@ class ExpertRouter:
 
     async def install_finished(self) -> int:
         """Copy every finished load into its slot (on the MLX thread) and mark it ready."""
-        installs, keys = self.collect()
+        installs, keys, buffers = self.collect()
         if not installs:
             return 0
         try:
@@ -109,7 +110,7 @@ class ExpertRouter:
                     self.table.release(key)
             raise
         finally:
-            for _slot, buffer in installs:
+            for buffer in buffers:
                 self.reader.give_back(buffer)
         for key in keys:
             if key in self.table:
@@ -121,9 +122,10 @@ class ExpertRouter:
             if key not in self.loads:
                 self.loads[key] = self.reader.submit(key, demand=False)
 
-    def collect(self) -> tuple[list[Install], list[ExpertKey]]:
+    def collect(self) -> tuple[list[Install], list[ExpertKey], list[np.ndarray]]:
         """Finished loads whose key is still resident, as (slot, blob); stale ones are dropped."""
         installs: list[Install] = []
+        buffers: list[np.ndarray] = []
         keys: list[ExpertKey] = []
         for key, load in list(self.loads.items()):
             if not load.done.is_set():
@@ -139,16 +141,18 @@ class ExpertRouter:
             if slot is None:
                 self.reader.give_back(load.buffer)
                 continue
-            installs.append((slot, load.buffer))
+            # The blob as the reader staged it (an MLX array) or the raw staging buffer.
+            installs.append((slot, load.staged if load.staged is not None else load.buffer))
+            buffers.append(load.buffer)
             keys.append(key)
-        return installs, keys
+        return installs, keys, buffers
 
     async def drain(self) -> None:
         """Wait for every read in flight and drop its result (cancellation, shutdown)."""
         for load in list(self.loads.values()):
             await load.done.wait()
-        installs, _keys = self.collect()
-        for _slot, buffer in installs:
+        _installs, _keys, buffers = self.collect()
+        for buffer in buffers:
             self.reader.give_back(buffer)
         self.driver.end_layer()
         self.release_unready()

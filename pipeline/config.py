@@ -89,6 +89,9 @@ class ReaderConfig(_Section):
     retries: NonNegInt = 2  # per read, on EIO/short read, before the error propagates
     retry_backoff_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 10.0
     o_direct: bool = False  # bypass the page cache (Linux; falls back if unsupported)
+    # Copy each blob into MLX memory in the reader's own thread rather than on the MLX
+    # thread. "auto": on GPUs (where that copy is slower than the disk), if MLX allows it.
+    stage_in_threads: Literal["auto", "on", "off"] = "auto"
 
 
 class PrefetchConfig(_Section):

@@ -221,16 +221,36 @@ async def open_engine(
                 _guarded, container.root / "tokenizer.json", cached_tokenizer, container.root
             )
             storage = await worker.run(PoolStorage, fmt, slots)
+            stage_in_threads = await _stage_in_threads(config.reader.stage_in_threads, worker)
             dtype = await worker.run(activation_dtype, config.compute.dtype)
             model = StreamedModel(dense, fmt, storage.arrays, dtype)
             async with trio.open_nursery() as nursery:
                 yield _start_actors(
                     config, container, worker, nursery, model, storage, tokenizer, slots,
-                    record_routing, started,
+                    record_routing, started, stage_in_threads,
                 )
                 nursery.cancel_scope.cancel()
     finally:
         container.close()
+
+
+async def _stage_in_threads(setting: str, worker: MlxWorker) -> bool:
+    """Whether readers may make MLX arrays in their own threads (a probe decides "auto")."""
+    import mlx.core as mx
+    import numpy as np
+
+    if setting == "off":
+        return False
+    on_gpu = await worker.run(lambda: mx.default_device() != mx.cpu)
+    if setting == "auto" and not on_gpu:
+        return False
+    try:
+        probe = await trio.to_thread.run_sync(lambda: mx.array(np.arange(64, dtype=np.uint8)))
+        ok = await worker.run(lambda: int((probe.astype(mx.int32) + 1).sum().item()) == 2080)
+    except Exception as exc:  # noqa: BLE001 - any failure means "not here"
+        log.warning("engine.stage_in_threads_unavailable", error=str(exc))
+        return False
+    return ok
 
 
 def _guarded(path: Path, fn: Callable[..., Any], *args: Any) -> Any:
@@ -254,6 +274,7 @@ def _start_actors(
     slots: int,
     record_routing: bool,
     started: float,
+    stage_in_threads: bool,
 ) -> Engine:
     manifest = container.manifest
     overlap = config.compute.overlap
@@ -265,6 +286,7 @@ def _start_actors(
         concurrency=config.reader.concurrency if overlap else 1,
         retries=config.reader.retries,
         retry_backoff_s=config.reader.retry_backoff_ms / 1000,
+        stage=storage.stage if stage_in_threads else None,
     )
     nursery.start_soon(reader.run)
     router = ExpertRouter(
@@ -313,6 +335,7 @@ def _start_actors(
         strategy=strategy_name,
         eviction=config.pool.eviction,
         readers=reader.concurrency,
+        stage_in_threads=stage_in_threads,
         seconds=round(time.perf_counter() - started, 2),
     )
     return engine
