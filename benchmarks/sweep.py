@@ -10,12 +10,15 @@ process; results go to one JSON file and plots next to it.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.bench import Case, Report, machine_info, run_case  # noqa: E402
+import msgspec  # noqa: E402
+
+from pipeline.bench import Case, Report, Result, machine_info, run_case  # noqa: E402
 from pipeline.bench_refs import container_summary  # noqa: E402
 from pipeline.bench_report import plot_sweep, write_json  # noqa: E402
 
@@ -67,10 +70,20 @@ def main(argv: list[str]) -> int:
     p.add_argument("--o-direct", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--case-timeout", type=float, default=900)
+    p.add_argument("--only", type=lambda s: s.split(","), default=None,
+                   help="re-run only these points, replacing them in an existing --out")
     args = p.parse_args(argv)
     container = container_summary(args.model)
     report = Report(machine_info(), container, "benchmarks/sweep.py " + " ".join(argv))
-    for case in plan(args, container):
+    cases = plan(args, container)
+    if args.only:
+        cases = [c for c in cases if c.name in args.only]
+        if args.out.exists():
+            old = json.loads(args.out.read_text())
+            report.command = old["command"] + " ; re-run: " + report.command
+            report.results = [msgspec.convert(r, Result) for r in old["results"]
+                              if r["name"] not in args.only]
+    for case in cases:
         print(f"sweep: {case.name}", file=sys.stderr, flush=True)
         result = run_case(case, timeout_s=args.case_timeout)
         if result.error:

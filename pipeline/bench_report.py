@@ -82,18 +82,29 @@ def plot_sweep(results: Sequence[dict[str, Any]], path: str | Path, title: str =
         if r.get("error") or r["kind"] != "moestream":
             continue
         lines.setdefault(r["strategy"] or "none", []).append((r["pool_mb"], r["decode_tok_s"]))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    mb: dict[str, list[tuple[float, float]]] = {}
+    for r in results:
+        if not r.get("error") and r["kind"] == "moestream":
+            mb.setdefault(r["strategy"] or "none", []).append(
+                (r["pool_mb"], r["decode_bytes_per_token"] / 2**20))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     for name, pts in sorted(lines.items()):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        more = sorted(mb[name])
+        ax2.plot([p[0] for p in more], [p[1] for p in more], marker="o", label=name)
     for r in results:
         if r["kind"] == "resident" and not r.get("error"):
             ax.axhline(r["decode_tok_s"], color="k", linestyle="--", label="resident (mlx-lm)")
     ax.set_xlabel("expert pool (MiB)")
     ax.set_ylabel("decode tok/s")
-    ax.set_title(title or "decode speed vs pool size")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.set_title(title or "decode speed vs pool size", fontsize=9)
+    ax2.set_xlabel("expert pool (MiB)")
+    ax2.set_ylabel("MiB read per decode token")
+    ax2.set_title("expert bytes read per decode token", fontsize=9)
+    for a in (ax, ax2):
+        a.grid(True, alpha=0.3)
+        a.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

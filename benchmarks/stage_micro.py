@@ -1,0 +1,59 @@
+"""Micro-benchmark: where should an expert blob become an MLX array?
+
+(a) on the MLX thread, one batched install per layer (`PoolStorage.install` of numpy blobs);
+(b) in the readers' threads (`PoolStorage.stage`, 4 threads at once), then the batched
+    scatter on the MLX thread. Also checks (b) puts the same bytes in the pool.
+
+    python benchmarks/stage_micro.py [preset] [pool_mb] [batch]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from actors.pool_storage import PoolStorage  # noqa: E402
+from qpack.bench_container import expert_layout  # noqa: E402
+from qpack.presets import get_preset  # noqa: E402
+
+
+def main() -> None:
+    preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3.6-35b-a3b"
+    pool_mb = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
+    batch = int(sys.argv[3]) if len(sys.argv) > 3 else 8
+    fmt, stride = expert_layout(get_preset(None, preset), 4, 64)
+    slot = sum(t.nbytes for t in fmt.tensors)
+    storage = PoolStorage(fmt, pool_mb * 2**20 // slot)
+    rng = np.random.default_rng(0)
+    blobs = [np.frombuffer(rng.bytes(stride), dtype=np.uint8).copy() for _ in range(64)]
+    print(f"device {mx.default_device()} slots {storage.num_slots} expert {slot / 2**20:.2f} MiB")
+    reps = 12
+    with ThreadPoolExecutor(4) as pool:
+        for name in ("mlx-thread", "reader-threads", "mlx-thread", "reader-threads"):
+            t0 = time.perf_counter()
+            for r in range(reps):
+                chosen = rng.choice(storage.num_slots, batch, replace=False)
+                items = [(int(s), blobs[(r * batch + i) % len(blobs)]) for i, s in enumerate(chosen)]
+                if name == "reader-threads":
+                    staged = list(pool.map(storage.stage, [b for _, b in items]))
+                    storage.install([(s, a) for (s, _), a in zip(items, staged, strict=True)])
+                else:
+                    storage.install(items)
+            dt = (time.perf_counter() - t0) / (reps * batch)
+            print(f"{name:15s} {dt * 1e3:6.2f} ms/expert  {slot / dt / 1e9:5.2f} GB/s")
+        slot0, blob = int(chosen[0]), items[0][1]
+        for t in fmt.tensors:
+            got = np.asarray(storage.arrays[t.name][slot0].view(mx.uint8)).tobytes()
+            assert got == blob[t.offset : t.offset + t.nbytes].tobytes(), t.name
+        print("pool bytes equal the blob: ok")
+
+
+if __name__ == "__main__":
+    main()
