@@ -3,8 +3,12 @@
 MLX streams are thread-local (an array built on one thread cannot be evaluated on
 another: "There is no Stream(cpu, 0) in current thread"), so every MLX operation of
 an engine — loading the dense core, pool installs, the forward pass — runs on this
-single thread. trio code awaits it like `trio.to_thread.run_sync`, but the thread is
-explicit, owned by the engine, and started and stopped by `async with`.
+single thread. trio code awaits it like `trio.to_thread.run_sync`.
+
+There is one such thread per process (`MlxWorker.shared()`), started on first use and
+never stopped: each new thread that touches MLX gets streams of its own, and a thread
+that exits tears its streams down, which at times aborted the process ("terminate
+called without an active exception"). Engines opened one after another reuse it.
 """
 
 from __future__ import annotations
@@ -19,10 +23,20 @@ import trio
 
 T = TypeVar("T")
 
-_STOP = object()
-
 
 class MlxWorker:
+    _shared: MlxWorker | None = None
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> MlxWorker:
+        """The process's MLX thread, started on first use."""
+        with cls._shared_lock:
+            if cls._shared is None:
+                cls._shared = cls()
+                cls._shared.start()
+            return cls._shared
+
     def __init__(self, name: str = "moestream-mlx") -> None:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -31,35 +45,15 @@ class MlxWorker:
     def _loop(self) -> None:
         while True:
             job = self._jobs.get()
-            if job is _STOP:
-                return
             fn, deliver = job
             deliver(outcome.capture(fn))
+            # Drop the job now: it may hold an engine's model or pool alive until the next.
+            del job, fn, deliver
 
     def start(self) -> None:
         if not self._started:
             self._thread.start()
             self._started = True
-
-    def stop(self) -> None:
-        if self._started:
-            # Finish this thread's stream work before it ends: MLX tearing down a stream
-            # with work in flight at interpreter exit aborts the process ("terminate
-            # called without an active exception").
-            import mlx.core as mx
-
-            self.call(mx.synchronize)
-            self._jobs.put(_STOP)
-            self._thread.join()
-            self._started = False
-
-    async def __aenter__(self) -> MlxWorker:
-        self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        # Joining may wait for the job in flight; do it off the event loop.
-        await trio.to_thread.run_sync(self.stop)
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the MLX thread from a plain (non-trio) thread and wait for it."""

@@ -130,7 +130,34 @@ def load_resident(container: Container) -> nn.Module:
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     mx.eval(model.parameters())
+    _match_activation_dtype(model)
     return model
+
+
+class _CastEmbedding(nn.Module):
+    """The embedding, with its output cast to the activation dtype the streamer uses."""
+
+    def __init__(self, inner: nn.Module, dtype: mx.Dtype) -> None:
+        super().__init__()
+        self.inner = inner
+        self.dtype = dtype
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.inner(x).astype(self.dtype)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self.inner.as_linear(x)
+
+
+def _match_activation_dtype(model: nn.Module) -> None:
+    # Same rule as the streamer (compute.dtype = "auto"): float32 activations on MLX's CPU,
+    # whose bfloat16 kernels are ~10x slower; otherwise the ceiling would not be one.
+    from pipeline.models.streamed import activation_dtype
+
+    dtype = activation_dtype("auto")
+    if dtype is not None:
+        text = model.language_model if "language_model" in model else model
+        text.model.embed_tokens = _CastEmbedding(text.model.embed_tokens, dtype)
 
 
 class ResidentResult(msgspec.Struct):

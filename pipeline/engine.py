@@ -5,7 +5,7 @@
             ...
 
 Actors and who owns what: the reader's workers run in the engine's nursery for its
-whole life; the MLX thread (`MlxWorker`) holds the dense core and the pool arrays;
+whole life; the process's MLX thread (`MlxWorker.shared()`) runs every MLX operation;
 a generation's compute loop runs in the caller's task, so cancelling the caller stops
 it at the next layer boundary. One generation runs at a time (a FIFO lock): they share
 the pool, and the pool's slots are the scarce resource.
@@ -210,26 +210,26 @@ async def open_engine(
             f"tokens: the smallest workable pool is {need} slots = "
             f"{need * storage_probe / 2**20:.1f} MiB (or lower compute.prefill_chunk)"
         )
+    worker = MlxWorker.shared()
     try:
-        async with MlxWorker() as worker:
-            # Loaded before the actors' nursery opens, so a bad container surfaces as one
-            # QpackError naming the file rather than inside an exception group.
-            dense = await worker.run(
-                _guarded, container.dense_path, load_dense, container.config, container.dense_path
+        # Loaded before the actors' nursery opens, so a bad container surfaces as one
+        # QpackError naming the file rather than inside an exception group.
+        dense = await worker.run(
+            _guarded, container.dense_path, load_dense, container.config, container.dense_path
+        )
+        tokenizer = await trio.to_thread.run_sync(
+            _guarded, container.root / "tokenizer.json", cached_tokenizer, container.root
+        )
+        storage = await worker.run(PoolStorage, fmt, slots)
+        stage_in_threads = await _stage_in_threads(config.reader.stage_in_threads, worker)
+        dtype = await worker.run(activation_dtype, config.compute.dtype)
+        model = StreamedModel(dense, fmt, storage.arrays, dtype)
+        async with trio.open_nursery() as nursery:
+            yield _start_actors(
+                config, container, worker, nursery, model, storage, tokenizer, slots,
+                record_routing, started, stage_in_threads,
             )
-            tokenizer = await trio.to_thread.run_sync(
-                _guarded, container.root / "tokenizer.json", cached_tokenizer, container.root
-            )
-            storage = await worker.run(PoolStorage, fmt, slots)
-            stage_in_threads = await _stage_in_threads(config.reader.stage_in_threads, worker)
-            dtype = await worker.run(activation_dtype, config.compute.dtype)
-            model = StreamedModel(dense, fmt, storage.arrays, dtype)
-            async with trio.open_nursery() as nursery:
-                yield _start_actors(
-                    config, container, worker, nursery, model, storage, tokenizer, slots,
-                    record_routing, started, stage_in_threads,
-                )
-                nursery.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
     finally:
         container.close()
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from helpers_engine import engine_config
 from helpers_forward import (
     FAMILIES,
     DirectForward,
@@ -22,7 +23,6 @@ from helpers_forward import (
 )
 
 from actors.sampler import SamplingParams
-from pipeline.config import config_from_dict
 from pipeline.engine import PoolTooSmall, open_engine
 from pipeline.events import Done
 
@@ -121,24 +121,12 @@ def test_logits_bit_identical_across_pool_sizes_and_slot_assignments(pair, famil
             assert mx.array_equal(a, b).item(), f"run {n}, forward {i}"
 
 
-def _config(qpack: Path, **sections: dict) -> object:
-    base = {
-        "model": {"path": str(qpack)},
-        "pool": {"slots": 8},
-        "compute": {"prefill_chunk": 2},
-        "prefetch": {"strategy": "next-gate"},
-    }
-    for name, values in sections.items():
-        base[name] = {**base.get(name, {}), **values}
-    return config_from_dict(base)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 async def test_engine_greedy_64_tokens_equal_mlx_lm_greedy(pair, family):
     """The real engine, at its smallest workable pool (8 slots for chunks of 2 tokens)."""
     src, qpack = pair(family)
     ref = reference_for(src, None)
-    async with open_engine(_config(qpack)) as engine:
+    async with open_engine(engine_config(qpack)) as engine:
         eos = set(engine.tokenizer.eos_token_ids)
         want = greedy_reference(ref, PROMPT, 64, eos, chunk=2)
         events = [e async for e in engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=64))]
@@ -152,8 +140,8 @@ async def test_pool_too_small_is_refused_with_the_smallest_workable_size(pair):
     _src, qpack = pair("qwen3_next")
     # top_k 4: a prefill chunk of 3 tokens may need 12 distinct experts of one layer.
     with pytest.raises(PoolTooSmall, match=r"smallest workable pool is 12 slots"):
-        async with open_engine(_config(qpack, pool={"slots": 11}, compute={"prefill_chunk": 3})):
+        async with open_engine(engine_config(qpack, pool={"slots": 11}, compute={"prefill_chunk": 3})):
             pass
     with pytest.raises(PoolTooSmall, match=r"smallest workable pool is 16 slots"):
-        async with open_engine(_config(qpack, pool={"slots": 15}, compute={"prefill_chunk": 64})):
+        async with open_engine(engine_config(qpack, pool={"slots": 15}, compute={"prefill_chunk": 64})):
             pass
