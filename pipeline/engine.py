@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -234,6 +234,21 @@ async def open_engine(
         container.close()
 
 
+def _installer(worker: MlxWorker, storage: PoolStorage) -> Callable[[list[Any]], Awaitable[None]]:
+    """How finished reads enter the pool: a memcpy on the CPU, an MLX scatter elsewhere."""
+    if storage.host_bytes is not None:
+
+        async def write(items: list[Any]) -> None:
+            storage.write(items)
+
+        return write
+
+    async def install(items: list[Any]) -> None:
+        await worker.run(storage.install, items)
+
+    return install
+
+
 async def _stage_in_threads(setting: str, worker: MlxWorker) -> bool:
     """Whether readers may make MLX arrays in their own threads (a probe decides "auto")."""
     import mlx.core as mx
@@ -289,9 +304,7 @@ def _start_actors(
         stage=storage.stage if stage_in_threads else None,
     )
     nursery.start_soon(reader.run)
-    router = ExpertRouter(
-        table, reader, model.num_experts, lambda items: worker.run(storage.install, items)
-    )
+    router = ExpertRouter(table, reader, model.num_experts, _installer(worker, storage))
     strategy_name = config.prefetch.strategy if overlap else "none"
     strategy = make_strategy(
         strategy_name,

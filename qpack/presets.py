@@ -135,11 +135,26 @@ _DEMO = dict(
     max_position_embeddings=32768,
 )
 
+# A scaled-down model whose experts have the real models' size (1024 x 1024 per
+# projection, ~1.7 MiB at 4 bits) and dominate the bytes a token touches, so a small CPU
+# machine reading them from disk is I/O-bound as the full-size models are on a GPU.
+_CPU_BENCH = dict(
+    _DEMO,
+    hidden_size=1024,
+    num_experts=64,
+    num_experts_per_tok=4,
+    moe_intermediate_size=1024,
+    num_attention_heads=8,
+)
+
 PRESETS: dict[tuple[str, str], ModelDims] = {}
 for _fam in FAMILIES:
     _vocab = 151936 if _fam == "qwen3_next" else 248320
     PRESETS[(_fam, "tiny")] = ModelDims(family=_fam, name="tiny", vocab_size=_vocab, **_TINY)  # type: ignore[arg-type]
     PRESETS[(_fam, "demo")] = ModelDims(family=_fam, name="demo", vocab_size=_vocab, **_DEMO)  # type: ignore[arg-type]
+    PRESETS[(_fam, "cpu-bench")] = ModelDims(  # type: ignore[arg-type]
+        family=_fam, name="cpu-bench", vocab_size=_vocab, **_CPU_BENCH
+    )
 
 PRESETS[("qwen3_next", "qwen3-next-80b-a3b")] = ModelDims(
     family="qwen3_next",
