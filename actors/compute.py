@@ -1,11 +1,11 @@
 """The compute actor: drives one forward call layer by layer on the MLX thread.
 
-Per MoE layer it makes one MLX call that installs the blobs that have arrived,
-computes the previous layer's routed experts, runs the dense work up to this layer's
-router and syncs the top-k ids; in the same call the prefetch strategy sees the true
-routing and predicts later layers, so prediction costs no extra sync. Between those
-calls the trio side asks the router for the slots (the only place compute can wait on
-I/O) and queues the prefetch reads, which then overlap the next MLX call.
+Per MoE layer it makes one MLX call that computes the previous layer's routed experts,
+runs the dense work up to this layer's router and syncs the top-k ids; gate-based
+prefetch strategies stage their prediction into that same sync, so prediction costs no
+extra host round trip. Between those calls the trio side asks the router for the slots
+(the only place compute can wait on I/O; the router installs the blobs that have landed)
+and queues the prefetch reads, which then overlap the next MLX call.
 """
 
 from __future__ import annotations

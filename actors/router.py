@@ -33,7 +33,6 @@ class RouterStats:
     stall_seconds: float = 0.0
     demand_waits: int = 0
     prefetch_hits_waited: int = 0
-    prefetch_read_seconds_saved: float = 0.0
 
 
 class ExpertRouter:
@@ -55,6 +54,7 @@ class ExpertRouter:
 
     async def demand(self, layer: int, ids: Sequence[int], tick: int) -> np.ndarray:
         """Make `ids` of `layer` resident and installed; returns slot_of (expert -> slot)."""
+        self.failures.clear()  # only this demand's failures are reported
         placed = self.driver.demand(layer, ids, tick)
         waits: list[Load] = []
         for expert, (_slot, was_resident) in zip(ids, placed, strict=True):

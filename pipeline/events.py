@@ -33,6 +33,8 @@ class GenerationStats(msgspec.Struct, kw_only=True):
     prefetch_recall: float
     prefetch_wasted_bytes: int
     prefetch_used: int
+    # Estimate: demanded experts a prefetch had already loaded x the mean read time.
+    prefetch_saved_s: float
     peak_rss_mb: float
     peak_device_mb: float
     seed: int

@@ -87,7 +87,8 @@ class Generation:
         worker = engine.worker
         router = engine.router
         table0 = router.table.snapshot()
-        reader0 = (engine.router.reader.stats.reads, engine.router.reader.stats.bytes_read)
+        rstats = engine.router.reader.stats
+        reader0 = (rstats.reads, rstats.bytes_read, rstats.read_seconds)
         stall0 = router.stats.stall_seconds
         scorer0 = engine.compute.scorer.stats()
         vocab = engine.model.parts.args.vocab_size
@@ -147,8 +148,8 @@ class Generation:
         # The state after prompt + all generated tokens but the last (never fed back).
         engine.prefix_cache.put(self.tokens + generated[:-1], cache)
         table = router.table.snapshot()
-        reads = engine.router.reader.stats.reads - reader0[0]
-        nbytes = engine.router.reader.stats.bytes_read - reader0[1]
+        reads = rstats.reads - reader0[0]
+        nbytes = rstats.bytes_read - reader0[1]
         scores = engine.compute.scorer.stats()
         predicted = scores.predicted - scorer0.predicted
         correct = scores.correct - scorer0.correct
@@ -177,6 +178,8 @@ class Generation:
             prefetch_recall=correct / actual if actual else 0.0,
             prefetch_wasted_bytes=(predicted - correct) * engine.container.manifest.max_stride,
             prefetch_used=table.prefetch_used - table0.prefetch_used,
+            prefetch_saved_s=(table.prefetch_used - table0.prefetch_used)
+            * (rstats.read_seconds - reader0[2]) / max(reads, 1),
             peak_rss_mb=peak_rss_mb(),
             peak_device_mb=peak_device / 2**20,
             seed=sampler.seed,
