@@ -32,7 +32,6 @@ Predictions = list[tuple[int, list[int]]]
 @dataclass
 class ComputeStats:
     mlx_seconds: float = 0.0
-    layers: int = 0
 
 
 def unique_in_order(ids: np.ndarray) -> list[int]:
@@ -105,7 +104,6 @@ class Compute:
         step, routing, preds = await self._mlx(self._start, tokens, cache, phase)
         while routing is not None:
             self.tick += 1
-            self.stats.layers += 1
             ids = unique_in_order(routing.ids)
             if phase == "decode":
                 self.scorer.score(routing.layer, ids)

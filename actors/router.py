@@ -31,7 +31,6 @@ Install = tuple[int, Any]  # (slot, blob: a staging buffer or the MLX array stag
 @dataclass
 class RouterStats:
     stall_seconds: float = 0.0
-    demand_waits: int = 0
     prefetch_hits_waited: int = 0
 
 
@@ -86,7 +85,6 @@ class ExpertRouter:
                     await self.reader.wait_any()
         elapsed = time.perf_counter() - start
         self.stats.stall_seconds += elapsed
-        self.stats.demand_waits += elapsed > 0
         slot_of = np.full(self.num_experts, -1, dtype=np.int32)
         for expert in ids:
             slot = self.table.lookup((layer, int(expert)))

@@ -148,6 +148,12 @@ class Engine:
             "hit_rate": counters.hit_rate,
             "pool_bytes": self.pool_bytes,
             "loads_in_flight": len(self.router.loads),
+            "generations": self.generations,
+            "expert_reads": self.router.reader.stats.reads,
+            "expert_read_bytes": self.router.reader.stats.bytes_read,
+            "stall_seconds": self.router.stats.stall_seconds,
+            "prefetch_hits_waited": self.router.stats.prefetch_hits_waited,
+            "mlx_seconds": self.compute.stats.mlx_seconds,
         }
 
 

@@ -63,6 +63,18 @@ class Metrics:
                [("", pool["resident"])])
         metric("pool_hit_rate", "gauge", "Expert pool hit rate since the engine opened.",
                [("", pool["hit_rate"])])
+        metric("generations_total", "counter", "Generations finished or cancelled.",
+               [("", pool["generations"])])
+        metric("expert_reads_total", "counter", "Expert blobs read from the container.",
+               [("", pool["expert_reads"])])
+        metric("expert_read_bytes_total", "counter", "Bytes of expert blobs read.",
+               [("", pool["expert_read_bytes"])])
+        metric("read_stall_seconds_total", "counter", "Time compute waited on expert reads.",
+               [("", pool["stall_seconds"])])
+        metric("prefetch_hits_waited_total", "counter",
+               "Demanded experts whose prefetch was still loading.", [("", pool["prefetch_hits_waited"])])
+        metric("mlx_seconds_total", "counter", "Time spent in MLX calls (forward, sampling).",
+               [("", pool["mlx_seconds"])])
         metric("requests_total", "counter", "HTTP requests by path and status.",
                [(f'{{path="{_escape(p)}",status="{s}"}}', n)
                 for (p, s), n in sorted(self.requests.items())])
