@@ -37,7 +37,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--readers", type=int, help="expert reads in flight at once")
     g.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill step")
     g.add_argument("--no-overlap", action="store_true", help="serial streamer: no prefetch or overlap")
-    g.add_argument("--verify", choices=["off", "first-use", "full"], help="expert checksums")
+    g.add_argument("--verify", choices=["off", "first-use", "full", "always"],
+                   help="expert checksums: at first read (default), all at open, every read, or off")
     g.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="override any config key; repeatable")
     s = p.add_argument_group("sampling")

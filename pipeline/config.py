@@ -59,8 +59,9 @@ class ModelConfig(_Section):
     path: str
     # Hub id, checkpoint directory or `synth:<preset>` to pack `path` from when it is missing.
     source: str | None = None
-    # Checksums: "off", "first-use" (each expert once, when first read) or "full" (at open).
-    verify: Literal["off", "first-use", "full"] = "first-use"
+    # Checksums: "off", "first-use" (each expert once, when first read), "full" (everything
+    # at open) or "always" (every read: catches a flip on a re-read, costs a crc32 pass).
+    verify: Literal["off", "first-use", "full", "always"] = "first-use"
 
     def __post_init__(self) -> None:
         for name, value in (("path", self.path), ("source", self.source)):

@@ -27,7 +27,9 @@ from qpack import spec
 from qpack.spec import QpackError
 
 log = structlog.get_logger("qpack.reader")
-Verify = Literal["off", "first-use", "full"]
+# "full": every file and expert checked at open; "always": every read checked (costs a
+# crc32 pass per read); "first-use": each expert checked the first time it is read.
+Verify = Literal["off", "first-use", "full", "always"]
 ALIGN_BYTES = 4096  # O_DIRECT buffer alignment: the largest logical block size in common use
 _NP_DTYPES = {"uint32": np.uint32, "uint8": np.uint8, "bfloat16": np.uint16, "float16": np.float16,
               "float32": np.float32}
@@ -78,8 +80,8 @@ class Container:
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, verify: Verify = "first-use",
              io: ExpertIO | None = None, o_direct: bool = False) -> Container:
-        if verify not in ("off", "first-use", "full"):
-            raise ValueError(f"verify must be off, first-use or full, not {verify!r}")
+        if verify not in ("off", "first-use", "full", "always"):
+            raise ValueError(f"verify must be off, first-use, full or always, not {verify!r}")
         root = Path(path)
         if not root.exists():
             raise QpackError(root, "no such container")
@@ -165,7 +167,9 @@ class Container:
         if got < nbytes:
             raise QpackError(self._paths[layer_index],
                              f"layer {layer_index} expert {expert}: short read ({got} of {nbytes} bytes at {offset}); file truncated?")
-        if self.verify == "first-use" and not self._checked[layer_index][expert]:
+        if self.verify == "always" or (
+            self.verify == "first-use" and not self._checked[layer_index][expert]
+        ):
             crc = zlib.crc32(view[:nbytes])
             if crc != entry.checksums[expert]:
                 raise ExpertCorrupt(self._paths[layer_index],

@@ -25,7 +25,7 @@ from pipeline.config import config_from_dict
 from pipeline.engine import Engine, open_engine
 from pipeline.events import Done
 from qpack import spec
-from qpack.reader import Container, verify_container
+from qpack.reader import Container, ExpertCorrupt, verify_container
 from qpack.writer import pack
 from tests.faultio import FaultIO
 
@@ -235,3 +235,19 @@ async def test_disk_fault_under_the_http_server_fails_one_request_then_serves(ti
             resp = await http.post("/v1/completions", json=request)
             assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("verify, caught", [("first-use", False), ("always", True)])
+def test_a_flip_on_a_re_read_is_caught_only_with_verify_always(tiny_qpack, verify, caught):
+    """first-use trusts an expert once it passed; always checks every read (the known gap)."""
+    io = FaultIO(tiny_qpack)
+    with Container.open(tiny_qpack, verify=verify, io=io) as container:
+        entry = container.manifest.layers[0]
+        buf = bytearray(entry.stride)
+        container.read_expert(entry.index, 0, buf)  # clean first read: passes its check
+        io.inject("flip", layer=entry.index, expert=0, times=1)
+        if caught:
+            with pytest.raises(ExpertCorrupt, match=f"layer {entry.index} expert 0: crc32"):
+                container.read_expert(entry.index, 0, buf)
+        else:
+            container.read_expert(entry.index, 0, buf)  # the flipped bytes go through
