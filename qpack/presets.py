@@ -156,13 +156,9 @@ for _fam in FAMILIES:
         family=_fam, name="cpu-bench", vocab_size=_vocab, **_CPU_BENCH
     )
 
-PRESETS[("qwen3_next", "qwen3-next-80b-a3b")] = ModelDims(
-    family="qwen3_next",
-    name="qwen3-next-80b-a3b",
+# What the two real A3B models share: the attention, Gated DeltaNet and expert shapes.
+_A3B = dict(
     hidden_size=2048,
-    num_hidden_layers=48,
-    num_experts=512,
-    num_experts_per_tok=10,
     moe_intermediate_size=512,
     shared_expert_intermediate_size=512,
     num_attention_heads=16,
@@ -173,27 +169,25 @@ PRESETS[("qwen3_next", "qwen3-next-80b-a3b")] = ModelDims(
     linear_num_value_heads=32,
     linear_value_head_dim=128,
     linear_conv_kernel_dim=4,
+)
+PRESETS[("qwen3_next", "qwen3-next-80b-a3b")] = ModelDims(
+    family="qwen3_next",
+    name="qwen3-next-80b-a3b",
+    num_hidden_layers=48,
+    num_experts=512,
+    num_experts_per_tok=10,
     vocab_size=151936,
     intermediate_size=5120,
+    **_A3B,  # type: ignore[arg-type]
 )
 PRESETS[("qwen3_5_moe", "qwen3.6-35b-a3b")] = ModelDims(
     family="qwen3_5_moe",
     name="qwen3.6-35b-a3b",
-    hidden_size=2048,
     num_hidden_layers=40,
     num_experts=256,
     num_experts_per_tok=8,
-    moe_intermediate_size=512,
-    shared_expert_intermediate_size=512,
-    num_attention_heads=16,
-    num_key_value_heads=2,
-    head_dim=256,
-    linear_num_key_heads=16,
-    linear_key_head_dim=128,
-    linear_num_value_heads=32,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
     vocab_size=248320,
+    **_A3B,  # type: ignore[arg-type]
 )
 # Named presets that imply their family.
 FULL_SIZE: dict[str, str] = {"qwen3-next-80b-a3b": "qwen3_next", "qwen3.6-35b-a3b": "qwen3_5_moe"}
