@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
+from actors.device_staging import to_device
 from qpack.spec import ExpertFormat, QpackError
 
 _MX_DTYPES = {
@@ -66,8 +67,8 @@ class PoolStorage:
         return sum(a.nbytes for a in self.arrays.values())
 
     def stage(self, blob: np.ndarray) -> mx.array:
-        """An expert blob as an MLX array, made in a reader's thread (see `stage_threads_ok`)."""
-        return mx.array(blob[: self.fmt.nbytes])
+        """An expert blob in device memory, copied in a reader's thread (see `device_staging`)."""
+        return to_device(blob[: self.fmt.nbytes])
 
     def write(self, items: Sequence[tuple[int, np.ndarray]]) -> None:
         """CPU installs: copy blobs straight into the slots' memory, from any thread.

@@ -1,8 +1,10 @@
 """Micro-benchmark: where should an expert blob become an MLX array?
 
 (a) on the MLX thread, one batched install per layer (`PoolStorage.install` of numpy blobs);
-(b) in the readers' threads (`PoolStorage.stage`, 4 threads at once), then the batched
-    scatter on the MLX thread. Also checks (b) puts the same bytes in the pool.
+(b) in the readers' threads as `mx.array(blob)` (managed memory), 4 threads at once, then
+    the batched scatter on the MLX thread;
+(c) in the readers' threads by `PoolStorage.stage` (`mx.load` of an npy view: device
+    memory, one DMA), then the batched scatter. Also checks (c) puts the same bytes in the pool.
 
     python benchmarks/stage_micro.py [preset] [pool_mb] [batch]
 """
@@ -21,14 +23,15 @@ import numpy as np  # noqa: E402
 
 from actors.pool_storage import PoolStorage  # noqa: E402
 from qpack.bench_container import expert_layout  # noqa: E402
-from qpack.presets import get_preset  # noqa: E402
+from qpack.presets import FULL_SIZE, get_preset  # noqa: E402
 
 
 def main() -> None:
     preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3.6-35b-a3b"
     pool_mb = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
     batch = int(sys.argv[3]) if len(sys.argv) > 3 else 8
-    fmt, stride = expert_layout(get_preset(None, preset), 4, 64)
+    family = None if preset in FULL_SIZE else "qwen3_5_moe"
+    fmt, stride = expert_layout(get_preset(family, preset), 4, 64)
     slot = sum(t.nbytes for t in fmt.tensors)
     storage = PoolStorage(fmt, pool_mb * 2**20 // slot)
     rng = np.random.default_rng(0)
@@ -36,13 +39,14 @@ def main() -> None:
     print(f"device {mx.default_device()} slots {storage.num_slots} expert {slot / 2**20:.2f} MiB")
     reps = 12
     with ThreadPoolExecutor(4) as pool:
-        for name in ("mlx-thread", "reader-threads", "mlx-thread", "reader-threads"):
+        stagers = {"reader-array": lambda b: mx.array(b[: fmt.nbytes]), "reader-load": storage.stage}
+        for name in ("mlx-thread", "reader-array", "reader-load") * 2:
             t0 = time.perf_counter()
             for r in range(reps):
                 chosen = rng.choice(storage.num_slots, batch, replace=False)
                 items = [(int(s), blobs[(r * batch + i) % len(blobs)]) for i, s in enumerate(chosen)]
-                if name == "reader-threads":
-                    staged = list(pool.map(storage.stage, [b for _, b in items]))
+                if name in stagers:
+                    staged = list(pool.map(stagers[name], [b for _, b in items]))
                     storage.install([(s, a) for (s, _), a in zip(items, staged, strict=True)])
                 else:
                     storage.install(items)

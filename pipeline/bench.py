@@ -55,6 +55,8 @@ class Result(msgspec.Struct, kw_only=True):
     ttft_s: float = 0.0
     peak_rss_mb: float = 0.0
     peak_device_mb: float = 0.0
+    decode_rss_mb: float = 0.0
+    decode_device_mb: float = 0.0
     pool_mb: float = 0.0
     slots: int = 0
     readers: int = 0
@@ -147,7 +149,8 @@ async def measure_engine(case: Case) -> Result:
             name=case.name, kind=case.kind, prompt_tokens=s.prompt_tokens, max_tokens=case.max_tokens,
             completion_tokens=s.completion_tokens, decode_tok_s=s.decode_tok_s,
             prefill_tok_s=s.prefill_tok_s, ttft_s=s.ttft_s, peak_rss_mb=s.peak_rss_mb,
-            peak_device_mb=s.peak_device_mb, pool_mb=engine.pool_bytes / 2**20,
+            peak_device_mb=s.peak_device_mb, decode_rss_mb=s.decode_rss_mb,
+            decode_device_mb=s.decode_device_mb, pool_mb=engine.pool_bytes / 2**20,
             slots=engine.storage.num_slots, readers=router.reader.concurrency,
             strategy=cfg.prefetch.strategy if cfg.compute.overlap else "none",
             overlap=cfg.compute.overlap, o_direct=engine.container.o_direct, hit_rate=s.hit_rate,
@@ -238,13 +241,18 @@ class Report:
             out["default_over_ceiling"] = default.decode_tok_s / min(ceilings)
         if default is not None:
             budget = self.container["dense_mb"] + default.pool_mb + 256
-            total = default.peak_rss_mb + (default.peak_device_mb if "gpu" in default.backend else 0.0)
-            # MLX's CUDA memory is unified: the host RSS already counts some of it, so the
-            # sum over-counts and max(RSS, device) under-counts; report both.
+            gpu = "gpu" in default.backend
+            total = default.peak_rss_mb + (default.peak_device_mb if gpu else 0.0)
+            # On the CPU MLX's memory is the process's: RSS alone is the total. On CUDA,
+            # device memory (cudaMallocAsync) is outside the RSS; managed memory is in it
+            # while its pages are on the host, so the sum may over-count a little.
             out["memory_total_mb"] = total
             out["memory_max_mb"] = max(default.peak_rss_mb, default.peak_device_mb)
+            decoding = default.decode_rss_mb + (default.decode_device_mb if gpu else 0.0)
+            out["memory_decode_mb"] = decoding
             out["memory_budget_mb"] = budget
             out["memory_over_budget_mb"] = total - budget
+            out["memory_decode_over_budget_mb"] = decoding - budget
         return out
 
     def to_json(self) -> dict[str, Any]:

@@ -19,13 +19,19 @@ def _f(x: float | None, fmt: str = "{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def _peak_dec(r: dict[str, Any], what: str) -> str:
+    """Process peak / peak while decoding (the latter only where the case measured it)."""
+    peak, dec = r.get(f"peak_{what}_mb", 0.0), r.get(f"decode_{what}_mb", 0.0)
+    return f"{peak:.0f}/{dec:.0f}" if dec else f"{peak:.0f}"
+
+
 def results_table(report: dict[str, Any]):  # -> rich.table.Table
     from rich.table import Table
 
     c = report["container"]
     table = Table(title=f"moestream bench: {c.get('source', c['path'])} ({report['machine'].get('device', '?')})")
     cols = ("case", "decode tok/s", "prefill tok/s", "TTFT s", "pool MB", "readers", "strategy",
-            "hit", "hit (decode)", "MB read/tok", "prefetch P/R", "stall", "RSS MB", "device MB")
+            "hit", "hit (decode)", "MB read/tok", "prefetch P/R", "stall", "RSS MB peak/dec", "device MB peak/dec")
     for col in cols:
         table.add_column(col, justify="left" if col in ("case", "strategy") else "right")
     for r in report["results"]:
@@ -47,7 +53,7 @@ def results_table(report: dict[str, Any]):  # -> rich.table.Table
             _f(r["decode_bytes_per_token"] / 2**20) if stream else "-",
             f"{r['prefetch_precision']:.2f}/{r['prefetch_recall']:.2f}" if stream else "-",
             _f(r["stall_fraction"], "{:.0%}") if stream else "-",
-            _f(r["peak_rss_mb"], "{:.0f}"), _f(r["peak_device_mb"], "{:.0f}"),
+            _peak_dec(r, "rss"), _peak_dec(r, "device"),
         )
     d = report.get("derived", {})
     table.caption = "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items())

@@ -35,9 +35,12 @@ class GenerationStats(msgspec.Struct, kw_only=True):
     prefetch_used: int
     # Estimate: demanded experts a prefetch had already loaded x the mean read time.
     prefetch_saved_s: float
-    peak_rss_mb: float
+    peak_rss_mb: float  # the process's high-water mark, loading included
     peak_device_mb: float
     seed: int
+    # While decoding: the largest RSS after a decode step, and MLX's device peak.
+    decode_rss_mb: float = 0.0
+    decode_device_mb: float = 0.0
 
 
 class Done(msgspec.Struct, frozen=True, tag="done"):

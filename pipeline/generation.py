@@ -8,6 +8,7 @@ from a clean pool; the pool's contents stay valid and keep serving as a cache.
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger("moestream.generation")
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 class PromptTooLong(ValueError):
     pass
 
@@ -35,6 +39,17 @@ class PromptTooLong(ValueError):
 def peak_rss_mb() -> float:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 1024
+
+
+def current_rss_mb() -> float:
+    """Resident set size now; the process peak includes loading (MLX stages every
+    dense tensor through host memory at once), which is not what decoding needs."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE / 2**20
+    except OSError:
+        return peak_rss_mb()
+
 
 
 class Generation:
@@ -112,6 +127,9 @@ class Generation:
             logits = await self._prefill(cache, cached)
             t_first = time.perf_counter()
             stall_prefill = router.stats.stall_seconds
+            prefill_device = await worker.run(mx.get_peak_memory)
+            await worker.run(mx.reset_peak_memory)
+            decode_rss = current_rss_mb()
             while len(generated) < max_tokens:
                 with timeline.span("sampler", "sample"):
                     token = await worker.run(sampler.sample, logits)
@@ -131,6 +149,7 @@ class Generation:
                     break
                 with timeline.span("compute", "decode-step", index=len(generated)):
                     logits = await engine.compute.forward([token], cache, "decode")
+                decode_rss = max(decode_rss, current_rss_mb())
             if not stop_string:
                 detok.finalize()
                 tail = stops.feed(detok.last_segment)[0] + stops.flush()
@@ -158,7 +177,7 @@ class Generation:
         decode_s = t_end - t_first
         decoded = max(len(generated) - 1, 0)
         stall_decode = router.stats.stall_seconds - stall_prefill
-        peak_device = await worker.run(mx.get_peak_memory)
+        decode_device = await worker.run(mx.get_peak_memory)
         stats = GenerationStats(
             prompt_tokens=len(self.tokens),
             cached_tokens=cached,
@@ -181,7 +200,9 @@ class Generation:
             prefetch_saved_s=(table.prefetch_used - table0.prefetch_used)
             * (rstats.read_seconds - reader0[2]) / max(reads, 1),
             peak_rss_mb=peak_rss_mb(),
-            peak_device_mb=peak_device / 2**20,
+            peak_device_mb=max(prefill_device, decode_device) / 2**20,
+            decode_rss_mb=decode_rss,
+            decode_device_mb=decode_device / 2**20,
             seed=sampler.seed,
         )
         log.info(
