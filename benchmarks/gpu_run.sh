@@ -9,6 +9,8 @@ DATA=${DATA:-$PWD/bench-data}
 OUT=${OUT:-$PWD/bench-out}
 mkdir -p "$DATA" "$OUT"
 export PYTHONUNBUFFERED=1
+# MLX compiles its CUDA kernels on first use; cases share the cache on this machine.
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$DATA/ptx-cache}
 B="python3 benchmarks/moestream_bench.py"
 mode=$1; shift
 if [ "$mode" = write ]; then
