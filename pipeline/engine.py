@@ -33,7 +33,6 @@ from actors.router import ExpertRouter
 from actors.routing_trace import TraceModel, TracePool, TraceRecorder
 from actors.sampler import SamplingParams
 from actors.slots import SlotTable
-from pipeline import host_memory
 from pipeline.config import PipelineConfig
 from pipeline.events import Event
 from pipeline.generation import Generation
@@ -217,11 +216,7 @@ async def open_engine(
             f"tokens: the smallest workable pool is {need} slots = "
             f"{need * storage_probe / 2**20:.1f} MiB (or lower compute.prefill_chunk)"
         )
-    import mlx.core as mx
-
     worker = MlxWorker.shared()
-    if await worker.run(lambda: mx.default_device() != mx.cpu):
-        host_memory.pin_mmap_threshold()
     try:
         # Loaded before the actors' nursery opens, so a bad container surfaces as one
         # QpackError naming the file rather than inside an exception group.
@@ -231,7 +226,6 @@ async def open_engine(
         tokenizer = await trio.to_thread.run_sync(
             _guarded, container.root / "tokenizer.json", cached_tokenizer, container.root
         )
-        host_memory.trim()
         storage = await worker.run(PoolStorage, fmt, slots)
         stage_in_threads = await _stage_in_threads(config.reader.stage_in_threads, worker)
         dtype = await worker.run(activation_dtype, config.compute.dtype)
