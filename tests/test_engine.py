@@ -34,7 +34,7 @@ MAX_TOKENS = 16
 CHUNK = 2  # engine_config's prefill chunk: smallest workable pool is 8 slots
 
 # One engine per case; together they cover every prefetch strategy, eviction policy,
-# reader concurrency 1 and 4, overlap on and off, and pools from the smallest workable
+# reader concurrency 1 and 4, staging in reader threads, overlap on and off, and pools from the smallest workable
 # (8) to every expert (64).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "serial-lru-64": ("qwen3_next", {
@@ -51,9 +51,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "reader": {"concurrency": 1},
         "prefetch": {"strategy": "lookahead", "depth": 2},
     }),
-    "history-lru-16-r4": ("qwen3_next", {
+    "history-lru-16-r4-staged": ("qwen3_next", {
         "pool": {"slots": 16, "eviction": "lru"},
-        "reader": {"concurrency": 4},
+        # Blobs become MLX arrays in the readers' threads (the GPU path's device_staging).
+        "reader": {"concurrency": 4, "stage_in_threads": "on"},
         "prefetch": {"strategy": "history"},
     }),
     "transition-slru-24-r4": ("qwen3_5_moe", {
