@@ -6,9 +6,15 @@ an engine — loading the dense core, pool installs, the forward pass — runs o
 single thread. trio code awaits it like `trio.to_thread.run_sync`.
 
 There is one such thread per process (`MlxWorker.shared()`), started on first use and
-never stopped: each new thread that touches MLX gets streams of its own, and a thread
-that exits tears its streams down, which at times aborted the process ("terminate
-called without an active exception"). Engines opened one after another reuse it.
+never stopped: each new thread that touches MLX gets streams of its own (on CUDA a
+stream, its worker thread and its caches, never freed), and a thread that exits tears
+its streams down, which at times aborted the process ("terminate called without an
+active exception"). Engines opened one after another reuse it.
+
+The readers' device staging (`device_staging`) also touches MLX, off the MLX thread:
+it runs on `MlxWorker.staging(i)`, a fixed set of threads that are likewise never
+stopped, so the process's MLX streams stay bounded however long it serves. Never from
+trio's worker threads, which come and go.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ T = TypeVar("T")
 
 class MlxWorker:
     _shared: MlxWorker | None = None
+    _staging: dict[int, MlxWorker] = {}
     _shared_lock = threading.Lock()
 
     @classmethod
@@ -36,6 +43,16 @@ class MlxWorker:
                 cls._shared = cls()
                 cls._shared.start()
             return cls._shared
+
+    @classmethod
+    def staging(cls, index: int) -> MlxWorker:
+        """The process's staging thread number `index`, started on first use."""
+        with cls._shared_lock:
+            worker = cls._staging.get(index)
+            if worker is None:
+                worker = cls._staging[index] = cls(f"moestream-stage-{index}")
+                worker.start()
+            return worker
 
     def __init__(self, name: str = "moestream-mlx") -> None:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()

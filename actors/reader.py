@@ -20,6 +20,7 @@ import structlog
 import trio
 
 from actors.eviction import ExpertKey
+from actors.mlx_worker import MlxWorker
 from pipeline import timeline
 from qpack.reader import Container, aligned_empty
 
@@ -36,7 +37,7 @@ class Load:
     demand: bool
     done: trio.Event = field(default_factory=trio.Event)
     buffer: np.ndarray | None = None
-    staged: Any = None  # what `stage` made of the buffer, in the read's worker thread
+    staged: Any = None  # what `stage` made of the buffer, on the worker's staging thread
     error: BaseException | None = None
     started: bool = False
     seconds: float = 0.0
@@ -64,8 +65,9 @@ class ExpertReader:
         buffers: int | None = None,
         stage: Callable[[np.ndarray], Any] | None = None,
     ) -> None:
-        # Run on each finished read in its worker thread, off the MLX thread: e.g. the
-        # host->device copy of the blob, which on a GPU is slower than the disk.
+        # Run on each finished read off the MLX thread: the host->device copy of the blob,
+        # which on a GPU costs a third of the read. Worker i stages on
+        # `MlxWorker.staging(i)`: threads that touch MLX must live as long as the process.
         self.stage = stage
         self.container = container
         self.concurrency = concurrency
@@ -137,7 +139,9 @@ class ExpertReader:
             try:
                 with timeline.span(f"reader-{index}", "read" if load.demand else "prefetch",
                                    layer=load.key[0], expert=load.key[1]):
-                    load.staged = await trio.to_thread.run_sync(self._read, load.key, buffer)
+                    await trio.to_thread.run_sync(self._read, load.key, buffer)
+                    if self.stage is not None:
+                        load.staged = await MlxWorker.staging(index).run(self.stage, buffer)
             except Exception as exc:  # noqa: BLE001 - reported to whoever waits on the load
                 self.give_back(buffer)
                 load.error = exc
@@ -158,13 +162,13 @@ class ExpertReader:
             self._any_done.set()
             self._any_done = trio.Event()
 
-    def _read(self, key: ExpertKey, buffer: np.ndarray) -> Any:
+    def _read(self, key: ExpertKey, buffer: np.ndarray) -> None:
         """Blocking, in a worker thread: one read, retried on failure with a short backoff."""
         layer, expert = key
         for attempt in range(self.retries + 1):
             try:
                 self.container.read_expert(layer, expert, buffer)
-                return None if self.stage is None else self.stage(buffer)
+                return
             except Exception as exc:
                 if attempt == self.retries:
                     raise ExpertReadError(

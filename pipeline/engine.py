@@ -256,9 +256,11 @@ def _installer(worker: MlxWorker, storage: PoolStorage) -> Callable[[list[Any]],
 
 
 async def _stage_in_threads(setting: str, worker: MlxWorker) -> bool:
-    """Whether readers may make MLX arrays in their own threads (a probe decides "auto")."""
+    """Whether readers may stage blobs on their staging threads (a probe decides "auto")."""
     import mlx.core as mx
     import numpy as np
+
+    from actors.device_staging import to_device
 
     if setting == "off":
         return False
@@ -266,7 +268,7 @@ async def _stage_in_threads(setting: str, worker: MlxWorker) -> bool:
     if setting == "auto" and not on_gpu:
         return False
     try:
-        probe = await trio.to_thread.run_sync(lambda: mx.array(np.arange(64, dtype=np.uint8)))
+        probe = await MlxWorker.staging(0).run(to_device, np.arange(64, dtype=np.uint8))
         ok = await worker.run(lambda: int((probe.astype(mx.int32) + 1).sum().item()) == 2080)
     except Exception as exc:  # noqa: BLE001 - any failure means "not here"
         log.warning("engine.stage_in_threads_unavailable", error=str(exc))

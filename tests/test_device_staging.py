@@ -1,14 +1,21 @@
-"""`device_staging`: an expert blob reaches MLX through `mx.load` of an npy view, byte-exact."""
+"""`device_staging`: an expert blob reaches MLX through `mx.load` of an npy view, byte-exact,
+on the readers' long-lived staging threads."""
 
 from __future__ import annotations
 
 import io
+import threading
 
 import mlx.core as mx
 import numpy as np
 import pytest
+import trio
 
 from actors.device_staging import NpyView, to_device
+from actors.reader import ExpertReader
+from qpack import spec
+from qpack.reader import Container
+from qpack.writer import pack
 
 
 @pytest.mark.parametrize("nbytes", [1, 127, 128, 129, 4096, 1_769_472])
@@ -37,3 +44,38 @@ def test_reads_that_straddle_the_header_see_one_continuous_file():
     assert bytes(whole[header_len:]) == blob.tobytes()
     assert np.array_equal(np.load(io.BytesIO(bytes(whole))), blob)
     assert view.readinto(bytearray(8)) == 0  # past the end: nothing, as a file would
+
+
+@pytest.fixture
+def container(synth_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.getbasetemp() / "staging.qpack"
+    if not (out / spec.MANIFEST).exists():
+        pack(synth_checkpoint("qwen3_next", dtype="bfloat16"), out, bits=4, progress=False)
+    return out
+
+
+async def test_readers_stage_on_fixed_threads_that_outlive_them(container):
+    """Threads that touch MLX get streams that are never freed: staging must not run on
+    trio's worker threads (they come and go), only on the same few threads every time."""
+    def stage(buffer: np.ndarray) -> tuple[str, mx.array]:
+        return threading.current_thread().name, to_device(buffer[:nbytes])
+
+    seen: set[str] = set()
+    with Container.open(container, verify="off") as c:
+        nbytes = c.manifest.layer(0).format.nbytes
+        for _ in range(2):  # a second reader, as a second engine would, reuses the threads
+            reader = ExpertReader(c, concurrency=3, stage=stage)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(reader.run)
+                loads = [reader.submit((0, e), demand=e % 2 == 0) for e in range(12)]
+                for load in loads:
+                    await load.done.wait()
+                    assert load.error is None
+                    name, blob = load.staged
+                    seen.add(name)
+                    want = np.empty(c.manifest.max_stride, dtype=np.uint8)
+                    c.read_expert(*load.key, want)
+                    assert np.array_equal(np.array(blob), want[:nbytes])
+                    reader.give_back(load.buffer)
+                nursery.cancel_scope.cancel()
+    assert seen and seen <= {f"moestream-stage-{i}" for i in range(3)}
