@@ -67,6 +67,12 @@ def test_bench_end_to_end_writes_json_and_trace(tiny_bench: Path, tmp_path: Path
     assert serial["readers"] == 1 and not serial["overlap"]
     assert by_name["io"]["read_gb_s"] > 0
     assert report["derived"]["default_over_serial"] > 0
+    # Memory while decoding is measured on its own: never above the process peaks, and
+    # the CPU's MLX memory holds at least the pool.
+    for r in (default, serial):
+        assert 0 < r["decode_rss_mb"] <= r["peak_rss_mb"] + 1
+        assert r["pool_mb"] <= r["decode_device_mb"] <= r["peak_device_mb"]
+    assert report["derived"]["memory_decode_mb"] == default["decode_rss_mb"]
 
     data = timeline.load(trace)
     tracks = set(timeline.track_names(data).values())
