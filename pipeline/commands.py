@@ -102,15 +102,15 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> Pipelin
 def stats_table(rows: list[tuple[str, GenerationStats]]) -> Table:
     table = Table(title="moestream run")
     for col in ("prompt", "tokens in/out", "TTFT s", "prefill tok/s", "decode tok/s", "hit rate",
-                "MB read/tok", "stall", "prefetch P/R", "peak RSS MB", "peak dev MB"):
+                "MB read/tok", "stall", "prefetch P/R", "RSS MB peak/dec", "dev MB peak/dec"):
         table.add_column(col, justify="right" if col != "prompt" else "left")
     for name, s in rows:
         table.add_row(
             name[:28], f"{s.prompt_tokens}/{s.completion_tokens}", f"{s.ttft_s:.2f}",
             f"{s.prefill_tok_s:.1f}", f"{s.decode_tok_s:.2f}", f"{s.hit_rate:.1%}",
             f"{s.bytes_read_per_token / 2**20:.2f}", f"{s.stall_fraction:.0%}",
-            f"{s.prefetch_precision:.2f}/{s.prefetch_recall:.2f}", f"{s.peak_rss_mb:.0f}",
-            f"{s.peak_device_mb:.0f}",
+            f"{s.prefetch_precision:.2f}/{s.prefetch_recall:.2f}",
+            f"{s.peak_rss_mb:.0f}/{s.decode_rss_mb:.0f}", f"{s.peak_device_mb:.0f}/{s.decode_device_mb:.0f}",
         )
     return table
 
