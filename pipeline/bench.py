@@ -71,6 +71,11 @@ class Result(msgspec.Struct, kw_only=True):
     prefetch_recall: float = 0.0
     stall_fraction: float = 0.0
     read_gb_s: float = 0.0  # "io" only
+    # OS threads after the generation: each thread that ever touched MLX leaves a stream
+    # (and on Linux a thread) behind, so growth here means something leaks them.
+    os_threads: int = 0
+    open_s: float = 0.0  # engine open (dense core, pool), then the warm-up generation:
+    warmup_s: float = 0.0  # where a case's time goes besides the measured generation
     backend: str = ""
     seconds: float = 0.0
     error: str | None = None
@@ -106,7 +111,9 @@ async def measure_engine(case: Case) -> Result:
 
     cfg = config_from_dict(engine_dict(case), source=f"<bench {case.name}>")
     started = time.perf_counter()
+    phases: dict[str, float] = {}
     async with open_engine(cfg) as engine:
+        phases["open_s"] = time.perf_counter() - started
         vocab = engine.model.parts.args.vocab_size
         # Warm-up with the measured prompt's length: MLX's CUDA backend JIT-compiles a
         # kernel per new shape (tens of seconds the first time), which is not TTFT.
@@ -115,6 +122,7 @@ async def measure_engine(case: Case) -> Result:
         async with aclosing(engine.generate(warm_prompt, warm)) as it:
             async for _ in it:
                 pass
+        phases["warmup_s"] = time.perf_counter() - started - phases["open_s"]
         if case.cold:
             drop_page_cache(case.model)
         router, compute = engine.router, engine.compute
@@ -159,8 +167,15 @@ async def measure_engine(case: Case) -> Result:
             decode_bytes_per_token=d_bytes / decoded if decoded else 0.0,
             prefetch_precision=s.prefetch_precision, prefetch_recall=s.prefetch_recall,
             stall_fraction=s.stall_fraction, backend=_backend(),
-            seconds=time.perf_counter() - started,
+            os_threads=_os_threads(), seconds=time.perf_counter() - started, **phases,
         )
+
+
+def _os_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 def measure(case: Case) -> Result:

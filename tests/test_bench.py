@@ -73,6 +73,9 @@ def test_bench_end_to_end_writes_json_and_trace(tiny_bench: Path, tmp_path: Path
         assert 0 < r["decode_rss_mb"] <= r["peak_rss_mb"] + 1
         assert r["pool_mb"] <= r["decode_device_mb"] <= r["peak_device_mb"]
     assert report["derived"]["memory_decode_mb"] == default["decode_rss_mb"]
+    assert 0 < default["open_s"] and 0 < default["warmup_s"]
+    assert default["open_s"] + default["warmup_s"] < default["seconds"]
+    assert default["os_threads"] > 1 if sys.platform.startswith("linux") else True
 
     data = timeline.load(trace)
     tracks = set(timeline.track_names(data).values())
