@@ -160,7 +160,7 @@ async def measure_engine(case: Case) -> Result:
             peak_device_mb=s.peak_device_mb, decode_rss_mb=s.decode_rss_mb,
             decode_device_mb=s.decode_device_mb, pool_mb=engine.pool_bytes / 2**20,
             slots=engine.storage.num_slots, readers=router.reader.concurrency,
-            strategy=cfg.prefetch.strategy if cfg.compute.overlap else "none",
+            strategy=_strategy_label(cfg.prefetch) if cfg.compute.overlap else "none",
             overlap=cfg.compute.overlap, o_direct=engine.container.o_direct, hit_rate=s.hit_rate,
             decode_hit_rate=d_hits / (d_hits + d_misses) if d_hits + d_misses else 0.0,
             bytes_read_per_token=s.bytes_read_per_token,
@@ -169,6 +169,11 @@ async def measure_engine(case: Case) -> Result:
             stall_fraction=s.stall_fraction, backend=_backend(),
             os_threads=_os_threads(), seconds=time.perf_counter() - started, **phases,
         )
+
+
+def _strategy_label(prefetch: Any) -> str:
+    parts = "+".join(prefetch.combine) if prefetch.strategy == "combined" else prefetch.strategy
+    return f"{parts} depth {prefetch.depth}" if prefetch.depth > 1 else parts
 
 
 def _os_threads() -> int:

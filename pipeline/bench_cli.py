@@ -18,7 +18,7 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
     base: dict[str, Any] = {
         "pool": {"slots": args.slots} if args.slots else {"budget_mb": args.pool_mb},
         "reader": {"concurrency": args.readers, "o_direct": args.o_direct},
-        "prefetch": {"strategy": args.strategy},
+        "prefetch": {"strategy": args.strategy, "depth": args.depth},
         "compute": {"prefill_chunk": args.prefill_chunk},
     }
     common = dict(model=str(args.model), prompt_tokens=args.prompt_tokens,
@@ -100,6 +100,8 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots", type=int, default=None, help="expert pool size in experts (instead of --pool-mb)")
     p.add_argument("--readers", type=int, default=4, help="expert reads in flight (default 4)")
     p.add_argument("--strategy", default="next-gate", help="prefetch strategy of the default case")
+    p.add_argument("--depth", type=int, default=1,
+                   help="layers ahead the strategy predicts (lookahead, history; default 1)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill step")
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (default 16)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
