@@ -9,7 +9,8 @@ the buffer as a `.npy` file (a 128-byte header, then the blob's bytes, never cop
 here), so the only copies are MLX's own host buffer and the DMA.
 
 `mx.load` on a Python file object evaluates at once, in the calling thread, on that
-thread's stream: a reader's worker thread pays for the copy, the MLX thread does not.
+thread's stream: a reader's staging thread (`MlxWorker.staging`) pays for the copy, the
+MLX thread does not.
 """
 
 from __future__ import annotations

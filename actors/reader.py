@@ -65,8 +65,8 @@ class ExpertReader:
         buffers: int | None = None,
         stage: Callable[[np.ndarray], Any] | None = None,
     ) -> None:
-        # Run on each finished read off the MLX thread: the host->device copy of the blob,
-        # which on a GPU costs a third of the read. Worker i stages on
+        # Run on each finished read off the MLX thread: the host->device copy of the blob
+        # (0.6 ms per 1.7 MiB expert on the H200). Worker i stages on
         # `MlxWorker.staging(i)`: threads that touch MLX must live as long as the process.
         self.stage = stage
         self.container = container
