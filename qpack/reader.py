@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import math
 import os
 import threading
@@ -217,10 +216,7 @@ def load_manifest(root: Path) -> spec.Manifest:
     if not path.is_file():
         raise QpackError(root, "incomplete container (no manifest.json); re-run pack to resume")
     data = path.read_bytes()
-    try:
-        raw = json.loads(data)
-    except ValueError as exc:
-        raise QpackError(path, f"manifest is not valid JSON: {exc}") from None
+    raw = spec.parse_json(data, path, "manifest")
     if not isinstance(raw, dict) or raw.get("magic") != spec.MAGIC:
         magic = raw.get("magic") if isinstance(raw, dict) else None
         raise QpackError(path, f"not a qpack container (magic {magic!r}, expected {spec.MAGIC!r})")
@@ -236,10 +232,7 @@ def _load_config(root: Path, manifest: spec.Manifest) -> dict:
     path = root / spec.CONFIG
     if not path.is_file():
         raise QpackError(path, "config.json is missing")
-    try:
-        config = json.loads(path.read_bytes())
-    except ValueError as exc:
-        raise QpackError(path, f"config.json is not valid JSON: {exc}") from None
+    config = spec.parse_json(path.read_bytes(), path, "config.json")
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if MODEL_TYPE_ALIASES.get(model_type, model_type) != manifest.model_type:
         raise QpackError(path, f"config.json model_type {model_type!r} does not match the manifest's {manifest.model_type!r}")

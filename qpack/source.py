@@ -11,7 +11,6 @@ would, tensor by tensor, so the whole checkpoint is never in memory at once.
 from __future__ import annotations
 
 import copy
-import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ import mlx.core as mx
 import msgspec
 
 from qpack.safetensors_io import SafetensorsFile, TensorInfo, bytes_to_mx, open_index
-from qpack.spec import PROJECTIONS, QpackError
+from qpack.spec import PROJECTIONS, QpackError, parse_json
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe")
 MODEL_TYPE_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
@@ -187,10 +186,7 @@ def _load_config(root: Path) -> dict:
     path = root / "config.json"
     if not path.is_file():
         raise QpackError(root, "not a checkpoint directory (no config.json)")
-    try:
-        cfg = json.loads(path.read_text())
-    except ValueError as exc:
-        raise QpackError(path, f"config.json is not valid JSON: {exc}") from None
+    cfg = parse_json(path.read_bytes(), path, "config.json")
     if not isinstance(cfg, dict) or "model_type" not in cfg:
         raise QpackError(path, "config.json has no model_type")
     return cfg

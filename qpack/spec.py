@@ -18,9 +18,10 @@ expert is one aligned read and O_DIRECT is possible.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -51,6 +52,14 @@ class QpackError(Exception):
         self.path = str(path)
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
+
+
+def parse_json(data: bytes, path: Path, what: str) -> Any:
+    """JSON from a file's bytes; what is not JSON is a QpackError naming the file and `what`."""
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise QpackError(path, f"{what} is not valid JSON: {exc}") from None
 
 
 class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
