@@ -74,6 +74,9 @@ class Result(msgspec.Struct, kw_only=True):
     # OS threads after the generation: each thread that ever touched MLX leaves a stream
     # (and on Linux a thread) behind, so growth here means something leaks them.
     os_threads: int = 0
+    # After the generation: the kernel's split of RSS, and the largest mappings by RSS.
+    rss_kinds: dict[str, float] = {}
+    rss_by_mapping: dict[str, float] = {}
     open_s: float = 0.0  # engine open (dense core, pool), then the warm-up generation:
     warmup_s: float = 0.0  # where a case's time goes besides the measured generation
     backend: str = ""
@@ -108,6 +111,7 @@ async def measure_engine(case: Case) -> Result:
     from pipeline.config import config_from_dict
     from pipeline.engine import open_engine
     from pipeline.events import Done
+    from pipeline.resident_map import resident_by_mapping, resident_kinds
 
     cfg = config_from_dict(engine_dict(case), source=f"<bench {case.name}>")
     started = time.perf_counter()
@@ -167,7 +171,8 @@ async def measure_engine(case: Case) -> Result:
             decode_bytes_per_token=d_bytes / decoded if decoded else 0.0,
             prefetch_precision=s.prefetch_precision, prefetch_recall=s.prefetch_recall,
             stall_fraction=s.stall_fraction, backend=_backend(),
-            os_threads=_os_threads(), seconds=time.perf_counter() - started, **phases,
+            os_threads=_os_threads(), rss_kinds=resident_kinds(), rss_by_mapping=resident_by_mapping(),
+            seconds=time.perf_counter() - started, **phases,
         )
 
 

@@ -1,0 +1,70 @@
+"""Probe: does device staging cost host memory, and whose?
+
+Stages random expert blobs the way readers do (`PoolStorage.stage` on
+`MlxWorker.staging(i)` threads) and installs them in batches on the MLX thread, with
+1, 4 and 8 staging threads in turn, printing RSS (the kernel's anon/file/shmem split and
+the largest mappings) and MLX's active/cache memory after each phase. No engine, no disk:
+what grows here is staging's own.
+
+    python benchmarks/rss_probe.py [preset] [experts per phase]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from actors.mlx_worker import MlxWorker  # noqa: E402
+from actors.pool_storage import PoolStorage  # noqa: E402
+from pipeline.generation import current_rss_mb  # noqa: E402
+from pipeline.resident_map import resident_by_mapping, resident_kinds  # noqa: E402
+from qpack.bench_container import expert_layout  # noqa: E402
+from qpack.presets import FULL_SIZE, get_preset  # noqa: E402
+
+
+def report(phase: str, t0: float) -> None:
+    mib = 2**20
+    print(f"{phase:28s} {time.perf_counter() - t0:6.1f}s rss {current_rss_mb():7.0f} MiB "
+          f"{resident_kinds()} mlx active {mx.get_active_memory() / mib:.0f} "
+          f"cache {mx.get_cache_memory() / mib:.0f} | {resident_by_mapping(6)}", flush=True)
+
+
+def main() -> None:
+    preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3.6-35b-a3b"
+    per_phase = int(sys.argv[2]) if len(sys.argv) > 2 else 3000
+    family = None if preset in FULL_SIZE else "qwen3_5_moe"
+    fmt, stride = expert_layout(get_preset(family, preset), 4, 64)
+    mlx_thread = MlxWorker.shared()
+    t0 = time.perf_counter()
+    report("start", t0)
+    storage = mlx_thread.call(lambda: PoolStorage(fmt, 2**30 // sum(t.nbytes for t in fmt.tensors)))
+    report("pool 1 GiB", t0)
+    rng = np.random.default_rng(0)
+    blobs = [np.frombuffer(rng.bytes(stride), dtype=np.uint8).copy() for _ in range(32)]
+    batch = 16
+
+    def stage(i: int, threads: int) -> mx.array:
+        return MlxWorker.staging(i % threads).call(lambda: storage.stage(blobs[i % len(blobs)]))
+
+    for threads in (1, 4, 8, 4):
+        with ThreadPoolExecutor(threads) as pool:
+            for first in range(0, per_phase, batch):
+                staged = list(pool.map(stage, range(first, first + batch), [threads] * batch))
+                items = list(zip(map(int, rng.choice(storage.num_slots, batch, replace=False)), staged,
+                                 strict=True))
+                mlx_thread.call(lambda items=items: storage.install(items))
+                del staged, items
+        report(f"{per_phase} staged, {threads} threads", t0)
+    mlx_thread.call(mx.clear_cache)
+    report("after mx.clear_cache", t0)
+
+
+if __name__ == "__main__":
+    main()
