@@ -6,7 +6,10 @@ Stages random expert blobs the way readers do (`PoolStorage.stage` on
 the largest mappings) and MLX's active/cache memory after each phase. No engine, no disk:
 what grows here is staging's own.
 
-    python benchmarks/rss_probe.py [preset] [experts per phase]
+    python benchmarks/rss_probe.py [preset] [experts per phase] [container]
+
+With a container, its dense core is loaded first (`load_dense`, as an engine does): the
+RSS it adds says whether the weights also stay in host memory.
 """
 
 from __future__ import annotations
@@ -20,13 +23,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
 
 from actors.mlx_worker import MlxWorker  # noqa: E402
 from actors.pool_storage import PoolStorage  # noqa: E402
-from pipeline.generation import current_rss_mb  # noqa: E402
-from pipeline.resident_map import resident_by_mapping, resident_kinds  # noqa: E402
+from pipeline.models.dense import load_dense  # noqa: E402
+from pipeline.resident_map import (  # noqa: E402
+    current_rss_mb,  # noqa: E402
+    resident_by_mapping,
+    resident_kinds,
+)
 from qpack.bench_container import expert_layout  # noqa: E402
 from qpack.presets import FULL_SIZE, get_preset  # noqa: E402
+from qpack.reader import Container  # noqa: E402
 
 
 def report(phase: str, t0: float) -> None:
@@ -43,7 +52,15 @@ def main() -> None:
     fmt, stride = expert_layout(get_preset(family, preset), 4, 64)
     mlx_thread = MlxWorker.shared()
     t0 = time.perf_counter()
+    mlx_thread.call(lambda: mx.eval(mx.zeros(1)))
     report("start", t0)
+    if len(sys.argv) > 3:
+        with Container.open(sys.argv[3], verify="off") as c:
+            dense = mlx_thread.call(lambda: load_dense(c.config, c.dense_path))
+        size = sum(v.nbytes for _, v in tree_flatten(dense.parameters())) / 2**20
+        report(f"dense core ({size:.0f} MiB)", t0)
+        mlx_thread.call(mx.clear_cache)
+        report("after mx.clear_cache", t0)
     storage = mlx_thread.call(lambda: PoolStorage(fmt, 2**30 // sum(t.nbytes for t in fmt.tensors)))
     report("pool 1 GiB", t0)
     rng = np.random.default_rng(0)

@@ -204,7 +204,7 @@ def measure(case: Case) -> Result:
             vocab = int(c.config.get("text_config", c.config)["vocab_size"])
         r = resident_decode(case.model, prompt_ids(case.prompt_tokens, vocab, case.seed),
                             case.max_tokens, case.seed)
-        from pipeline.generation import peak_rss_mb
+        from pipeline.resident_map import peak_rss_mb
 
         return Result(name=case.name, kind="resident", prompt_tokens=case.prompt_tokens,
                       max_tokens=case.max_tokens, completion_tokens=r.tokens,

@@ -36,6 +36,7 @@ from actors.slots import SlotTable
 from pipeline.config import PipelineConfig
 from pipeline.events import Event
 from pipeline.generation import Generation
+from pipeline.heap_trim import HeapTrimmer
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_cache import PrefixCache
@@ -75,6 +76,7 @@ class Engine:
         self.compute = compute
         self.tokenizer = tokenizer
         self.prefix_cache = PrefixCache()
+        self.heap_trimmer = HeapTrimmer()
         self.lock = trio.Lock()  # trio's Lock is FIFO-fair: callers are served in order
         self.context_limit = config.server.context_limit or int(
             _text_config(container.config).get("max_position_embeddings", 1 << 20)

@@ -8,9 +8,6 @@ from a clean pool; the pool's contents stay valid and keep serving as a cache.
 
 from __future__ import annotations
 
-import os
-import resource
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -22,6 +19,7 @@ import trio
 from actors.sampler import Sampler, SamplingParams, StopMatcher
 from pipeline import timeline
 from pipeline.events import Done, Event, GenerationStats, TextDelta
+from pipeline.resident_map import current_rss_mb, peak_rss_mb
 
 if TYPE_CHECKING:
     from pipeline.engine import Engine
@@ -29,27 +27,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger("moestream.generation")
 
 
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class PromptTooLong(ValueError):
     pass
-
-
-def peak_rss_mb() -> float:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if sys.platform == "darwin" else rss / 1024
-
-
-def current_rss_mb() -> float:
-    """Resident set size now; the process peak includes loading (MLX stages every
-    dense tensor through host memory at once), which is not what decoding needs."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE / 2**20
-    except OSError:
-        return peak_rss_mb()
-
 
 
 class Generation:
@@ -214,4 +195,6 @@ class Generation:
             decode_tok_s=round(stats.decode_tok_s, 2),
             hit_rate=round(stats.hit_rate, 3),
         )
+        # Between generations, not in anyone's latency: see `heap_trim`.
+        await worker.run(engine.heap_trimmer.maybe_trim)
         yield Done(finish, "".join(text_parts), tuple(generated), stats)  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
-"""Where a process's resident memory lives, by mapping (Linux `/proc/self/smaps`).
+"""A process's resident memory: how much (now, at its peak) and where it lives.
 
-The RSS total says how much; this says whose: the heap, anonymous mappings (glibc
+The RSS total says how much; `/proc/self/smaps` says whose: the heap, anonymous mappings (glibc
 arenas, MLX's host buffers), the CUDA driver's device files (`/dev/nvidia-uvm` for
 managed memory), shared libraries. `moestream bench` records it per case so a memory
 regression names its owner instead of only its size.
@@ -8,7 +8,27 @@ regression names its owner instead of only its size.
 
 from __future__ import annotations
 
+import os
+import resource
+import sys
 from collections import Counter
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def peak_rss_mb() -> float:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024
+
+
+def current_rss_mb() -> float:
+    """Resident set size now; the process peak includes loading (MLX stages every
+    dense tensor through host memory at once), which is not what decoding needs."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE / 2**20
+    except OSError:
+        return peak_rss_mb()
 
 
 def _label(fields: list[str]) -> str:

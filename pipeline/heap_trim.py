@@ -1,0 +1,55 @@
+"""Give freed host memory back to the OS after a generation (glibc's `malloc_trim`).
+
+MLX's CUDA backend compiles a kernel the first time it meets a shape; on a machine
+whose kernel cache is empty that is minutes of NVRTC work, and the memory it frees stays
+in glibc's arenas: on the H200, a 35B-dim engine's RSS while decoding was 5.5 GB after
+compiling and 2.5 GB in the next process, which loaded the same kernels from the cache.
+A long-lived server would hold those gigabytes for its whole life. `malloc_trim(0)`
+returns free arena pages; it walks every arena, so it runs only when RSS has grown.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+from collections.abc import Callable
+
+import structlog
+
+from pipeline.resident_map import current_rss_mb
+
+log = structlog.get_logger(__name__)
+
+GROWTH_MB = 256.0  # trim once RSS is this far above what the last trim left
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.malloc_trim
+    except (OSError, AttributeError):  # musl and others have no malloc_trim
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+class HeapTrimmer:
+    def __init__(self) -> None:
+        self._trim = _malloc_trim()
+        self._floor = current_rss_mb()
+
+    def maybe_trim(self) -> float:
+        """Trim if RSS grew by GROWTH_MB since the last trim; MiB given back (0 if none)."""
+        if self._trim is None:
+            return 0.0
+        before = current_rss_mb()
+        if before < self._floor + GROWTH_MB:
+            return 0.0
+        self._trim(0)
+        after = current_rss_mb()
+        self._floor = after
+        log.info("heap.trimmed", rss_before_mb=round(before), rss_after_mb=round(after))
+        return max(before - after, 0.0)
