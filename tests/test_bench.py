@@ -76,6 +76,8 @@ def test_bench_end_to_end_writes_json_and_trace(tiny_bench: Path, tmp_path: Path
     assert 0 < default["open_s"] and 0 < default["warmup_s"]
     assert default["open_s"] + default["warmup_s"] < default["seconds"]
     assert default["os_threads"] > 1 if sys.platform.startswith("linux") else True
+    if sys.platform.startswith("linux"):
+        assert sum(default["rss_kinds"].values()) > 0 and default["rss_by_mapping"]
 
     data = timeline.load(trace)
     tracks = set(timeline.track_names(data).values())
