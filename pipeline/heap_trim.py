@@ -40,6 +40,7 @@ class HeapTrimmer:
     def __init__(self) -> None:
         self._trim = _malloc_trim()
         self._floor = current_rss_mb()
+        self.trimmed_mb = 0.0  # given back so far
 
     def maybe_trim(self) -> float:
         """Trim if RSS grew by GROWTH_MB since the last trim; MiB given back (0 if none)."""
@@ -52,4 +53,6 @@ class HeapTrimmer:
         after = current_rss_mb()
         self._floor = after
         log.info("heap.trimmed", rss_before_mb=round(before), rss_after_mb=round(after))
-        return max(before - after, 0.0)
+        given = max(before - after, 0.0)
+        self.trimmed_mb += given
+        return given

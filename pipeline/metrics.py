@@ -1,7 +1,7 @@
 """Server metrics in the Prometheus text exposition format (no client library needed).
 
 Counters live here and are bumped by the server; gauges that belong to the engine
-(queue depth, pool bytes, pool hit rate) are read from it when scraped.
+(queue depth, pool bytes, pool hit rate, memory) are read from it when scraped.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from pipeline.events import GenerationStats
+from pipeline.resident_map import current_rss_mb
 
 if TYPE_CHECKING:
     from pipeline.engine import Engine
@@ -24,6 +25,8 @@ class Metrics:
         self.cached_tokens = 0
         self.last_decode_tok_s = 0.0
         self.last_ttft_s = 0.0
+        self.last_decode_rss_mb = 0.0
+        self.last_decode_device_mb = 0.0
         self.requests: Counter[tuple[str, int]] = Counter()
 
     def record_request(self, path: str, status: int) -> None:
@@ -35,6 +38,8 @@ class Metrics:
         self.cached_tokens += stats.cached_tokens
         self.last_decode_tok_s = stats.decode_tok_s
         self.last_ttft_s = stats.ttft_s
+        self.last_decode_rss_mb = stats.decode_rss_mb
+        self.last_decode_device_mb = stats.decode_device_mb
 
     def render(self, engine: Engine) -> str:
         pool = engine.pool_snapshot()
@@ -75,6 +80,18 @@ class Metrics:
                "Demanded experts whose prefetch was still loading.", [("", pool["prefetch_hits_waited"])])
         metric("mlx_seconds_total", "counter", "Time spent in MLX calls (forward, sampling).",
                [("", pool["mlx_seconds"])])
+        mib = 2**20
+        metric("resident_memory_bytes", "gauge", "Host RSS of the server process now.",
+               [("", round(current_rss_mb() * mib))])
+        metric("decode_resident_memory_bytes", "gauge",
+               "Host RSS while the last finished request decoded (its peak).",
+               [("", round(self.last_decode_rss_mb * mib))])
+        metric("decode_device_memory_bytes", "gauge",
+               "MLX memory while the last finished request decoded (its peak).",
+               [("", round(self.last_decode_device_mb * mib))])
+        metric("heap_trimmed_bytes_total", "counter",
+               "Freed host memory handed back to the OS after generations (malloc_trim).",
+               [("", round(engine.heap_trimmer.trimmed_mb * mib))])
         metric("requests_total", "counter", "HTTP requests by path and status.",
                [(f'{{path="{_escape(p)}",status="{s}"}}', n)
                 for (p, s), n in sorted(self.requests.items())])

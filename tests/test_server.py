@@ -113,6 +113,11 @@ async def test_chat_completions_models_and_metrics(container: Path) -> None:
         assert int(values["moestream_pool_bytes"]) == engine.pool_bytes
         assert int(values['moestream_requests_total{path="/v1/chat/completions",status="200"}']) == 7
         assert "moestream_queue_depth 0" in metrics and "moestream_pool_hit_rate" in metrics
+        rss = int(values["moestream_resident_memory_bytes"])
+        assert 50 * 2**20 < rss < 64 * 2**30
+        assert 0 < int(values["moestream_decode_resident_memory_bytes"]) < 2 * rss
+        assert int(values["moestream_decode_device_memory_bytes"]) >= engine.pool_bytes
+        assert int(values["moestream_heap_trimmed_bytes_total"]) >= 0
 
 
 async def test_tool_round_trip(container: Path) -> None:
