@@ -25,14 +25,6 @@ _MX_DTYPES = {
     "float16": mx.float16,
     "float32": mx.float32,
 }
-# numpy has no bfloat16: its bytes travel as uint16 and are reinterpreted by MLX.
-_NP_DTYPES = {
-    "uint32": np.uint32,
-    "uint8": np.uint8,
-    "bfloat16": np.uint16,
-    "float16": np.float16,
-    "float32": np.float32,
-}
 
 
 def slot_bytes(fmt: ExpertFormat) -> int:

@@ -26,15 +26,14 @@ import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from actors.mlx_worker import MlxWorker  # noqa: E402
-from actors.pool_storage import PoolStorage  # noqa: E402
+from actors.pool_storage import PoolStorage, slots_for_budget  # noqa: E402
+from benchmarks.expert_fixture import random_experts  # noqa: E402
 from pipeline.models.dense import load_dense  # noqa: E402
 from pipeline.resident_map import (  # noqa: E402
     current_rss_mb,  # noqa: E402
     resident_by_mapping,
     resident_kinds,
 )
-from qpack.bench_container import expert_layout  # noqa: E402
-from qpack.presets import FULL_SIZE, get_preset  # noqa: E402
 from qpack.reader import Container  # noqa: E402
 
 
@@ -48,8 +47,7 @@ def report(phase: str, t0: float) -> None:
 def main() -> None:
     preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3.6-35b-a3b"
     per_phase = int(sys.argv[2]) if len(sys.argv) > 2 else 3000
-    family = None if preset in FULL_SIZE else "qwen3_5_moe"
-    fmt, stride = expert_layout(get_preset(family, preset), 4, 64)
+    fmt, blobs = random_experts(preset, 32)
     mlx_thread = MlxWorker.shared()
     t0 = time.perf_counter()
     mlx_thread.call(lambda: mx.eval(mx.zeros(1)))
@@ -61,10 +59,9 @@ def main() -> None:
         report(f"dense core ({size:.0f} MiB)", t0)
         mlx_thread.call(mx.clear_cache)
         report("after mx.clear_cache", t0)
-    storage = mlx_thread.call(lambda: PoolStorage(fmt, 2**30 // sum(t.nbytes for t in fmt.tensors)))
+    storage = mlx_thread.call(lambda: PoolStorage(fmt, slots_for_budget(fmt, 2**30)))
     report("pool 1 GiB", t0)
     rng = np.random.default_rng(0)
-    blobs = [np.frombuffer(rng.bytes(stride), dtype=np.uint8).copy() for _ in range(32)]
     batch = 16
 
     def stage(i: int, threads: int) -> mx.array:

@@ -21,21 +21,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from actors.pool_storage import PoolStorage  # noqa: E402
-from qpack.bench_container import expert_layout  # noqa: E402
-from qpack.presets import FULL_SIZE, get_preset  # noqa: E402
+from actors.pool_storage import PoolStorage, slot_bytes, slots_for_budget  # noqa: E402
+from benchmarks.expert_fixture import random_experts  # noqa: E402
 
 
 def main() -> None:
     preset = sys.argv[1] if len(sys.argv) > 1 else "qwen3.6-35b-a3b"
     pool_mb = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
     batch = int(sys.argv[3]) if len(sys.argv) > 3 else 8
-    family = None if preset in FULL_SIZE else "qwen3_5_moe"
-    fmt, stride = expert_layout(get_preset(family, preset), 4, 64)
-    slot = sum(t.nbytes for t in fmt.tensors)
-    storage = PoolStorage(fmt, pool_mb * 2**20 // slot)
+    fmt, blobs = random_experts(preset, 64)
+    slot = slot_bytes(fmt)
+    storage = PoolStorage(fmt, slots_for_budget(fmt, pool_mb * 2**20))
     rng = np.random.default_rng(0)
-    blobs = [np.frombuffer(rng.bytes(stride), dtype=np.uint8).copy() for _ in range(64)]
     print(f"device {mx.default_device()} slots {storage.num_slots} expert {slot / 2**20:.2f} MiB")
     reps = 12
     with ThreadPoolExecutor(4) as pool:
