@@ -115,7 +115,19 @@ class Reply:
     async def complete(self, tokens: list[int], params: SamplingParams) -> Response:
         raise NotImplementedError
 
-    def stream(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
+    async def stream(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
+        """The SSE body: the reply's chunks, then `[DONE]`; a failure mid-stream ends it with
+        one error event instead (the status line has long been sent)."""
+        try:
+            async with aclosing(self.chunks(tokens, params)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except Exception as exc:
+            yield _sse_error(exc)
+            return
+        yield b"data: [DONE]\n\n"
+
+    def chunks(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
         raise NotImplementedError
 
 
@@ -170,26 +182,21 @@ class ChatReply(Reply):
         call = s.DeltaToolCall(part.index, part.id, "function", s.OutFunction(part.name, part.arguments))
         return s.Delta(tool_calls=[call])
 
-    async def stream(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
+    async def chunks(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
         parser = OutputParser(tools=self.tools, in_reasoning=self.in_reasoning)
         yield self.chunk(s.Delta(role="assistant", content=""))
-        try:
-            async with aclosing(self.run(tokens, params)) as events:
-                async for event in events:
-                    parts = parser.feed(event.text) if isinstance(event, TextDelta) else parser.finish()
-                    for part in parts:
-                        delta = self.delta(part)
-                        if delta is not None:
-                            yield self.chunk(delta)
-                    if isinstance(event, Done):
-                        yield self.chunk(s.Delta(), self.finish_reason(event, parser))
-                        if self.include_usage():
-                            yield _sse(s.ChatChunk(self.id, self.created, self.model, [],
-                                                   usage=_usage(event)))
-        except Exception as exc:
-            yield _sse_error(exc)
-            return
-        yield b"data: [DONE]\n\n"
+        async with aclosing(self.run(tokens, params)) as events:
+            async for event in events:
+                parts = parser.feed(event.text) if isinstance(event, TextDelta) else parser.finish()
+                for part in parts:
+                    delta = self.delta(part)
+                    if delta is not None:
+                        yield self.chunk(delta)
+                if isinstance(event, Done):
+                    yield self.chunk(s.Delta(), self.finish_reason(event, parser))
+                    if self.include_usage():
+                        yield _sse(s.ChatChunk(self.id, self.created, self.model, [],
+                                               usage=_usage(event)))
 
 
 class TextReply(Reply):
@@ -207,24 +214,19 @@ class TextReply(Reply):
         return json_response(s.Completion(self.id, self.created, self.model, [choice],
                                           _usage(done)))
 
-    async def stream(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
-        try:
-            async with aclosing(self.run(tokens, params)) as events:
-                async for event in events:
-                    if isinstance(event, TextDelta):
-                        if event.text:
-                            yield _sse(s.Completion(self.id, self.created, self.model,
-                                                    [s.TextChoice(0, event.text)]))
-                        continue
-                    yield _sse(s.Completion(self.id, self.created, self.model,
-                                            [s.TextChoice(0, "", event.finish_reason)]))
-                    if self.include_usage():
-                        yield _sse(s.Completion(self.id, self.created, self.model, [],
-                                                usage=_usage(event)))
-        except Exception as exc:
-            yield _sse_error(exc)
-            return
-        yield b"data: [DONE]\n\n"
+    async def chunks(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
+        async with aclosing(self.run(tokens, params)) as events:
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    if event.text:
+                        yield _sse(s.Completion(self.id, self.created, self.model,
+                                                [s.TextChoice(0, event.text)]))
+                    continue
+                yield _sse(s.Completion(self.id, self.created, self.model,
+                                        [s.TextChoice(0, "", event.finish_reason)]))
+                if self.include_usage():
+                    yield _sse(s.Completion(self.id, self.created, self.model, [],
+                                            usage=_usage(event)))
 
 
 async def respond(request: Request, reply: Reply, tokens: list[int],
