@@ -83,22 +83,19 @@ def plot_sweep(results: Sequence[dict[str, Any]], path: str | Path, title: str =
     plt = _pyplot()
     if plt is None:
         return None
-    lines: dict[str, list[tuple[float, float]]] = {}
+    # Per strategy: (pool MiB, decode tok/s, MiB read per decode token).
+    lines: dict[str, list[tuple[float, float, float]]] = {}
     for r in results:
         if r.get("error") or r["kind"] != "moestream":
             continue
-        lines.setdefault(r["strategy"] or "none", []).append((r["pool_mb"], r["decode_tok_s"]))
-    mb: dict[str, list[tuple[float, float]]] = {}
-    for r in results:
-        if not r.get("error") and r["kind"] == "moestream":
-            mb.setdefault(r["strategy"] or "none", []).append(
-                (r["pool_mb"], r["decode_bytes_per_token"] / 2**20))
+        lines.setdefault(r["strategy"] or "none", []).append(
+            (r["pool_mb"], r["decode_tok_s"], r["decode_bytes_per_token"] / 2**20))
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     for name, pts in sorted(lines.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        more = sorted(mb[name])
-        ax2.plot([p[0] for p in more], [p[1] for p in more], marker="o", label=name)
+        pool = [p[0] for p in pts]
+        ax.plot(pool, [p[1] for p in pts], marker="o", label=name)
+        ax2.plot(pool, [p[2] for p in pts], marker="o", label=name)
     for r in results:
         if r["kind"] == "resident" and not r.get("error"):
             ax.axhline(r["decode_tok_s"], color="k", linestyle="--", label="resident (mlx-lm)")

@@ -27,8 +27,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("moestream.generation")
 
 
-
-
 class PromptTooLong(ValueError):
     pass
 
