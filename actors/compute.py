@@ -18,12 +18,12 @@ from typing import Any, Literal
 import mlx.core as mx
 import numpy as np
 
+from actors import timeline
+from actors.forward import ForwardStepper, Presync, Routing, SteppedModel
 from actors.mlx_worker import MlxWorker
 from actors.prefetch import PrefetchScorer, PrefetchStrategy
 from actors.router import ExpertRouter
 from actors.routing_trace import TraceRecorder
-from pipeline import timeline
-from pipeline.models.streamed import ForwardStep, Presync, Routing, StreamedModel
 
 Phase = Literal["prefill", "decode"]
 Predictions = list[tuple[int, list[int]]]
@@ -43,7 +43,7 @@ class Compute:
     def __init__(
         self,
         worker: MlxWorker,
-        model: StreamedModel,
+        model: SteppedModel,
         router: ExpertRouter,
         strategy: PrefetchStrategy,
         scorer: PrefetchScorer,
@@ -76,13 +76,13 @@ class Compute:
 
     def _start(
         self, tokens: Sequence[int], cache: list[Any], phase: Phase
-    ) -> tuple[ForwardStep, Routing | None, Predictions]:
-        step = ForwardStep(self.model, list(tokens), cache)
+    ) -> tuple[ForwardStepper, Routing | None, Predictions]:
+        step = self.model.step(list(tokens), cache)
         routing = step.run_to_routing(self._presync(phase))
         return step, routing, self._learn(routing, phase)
 
     def _advance(
-        self, step: ForwardStep, slot_of: np.ndarray, phase: Phase
+        self, step: ForwardStepper, slot_of: np.ndarray, phase: Phase
     ) -> tuple[Routing | None, Predictions]:
         routing = step.advance(slot_of, self._presync(phase))
         return routing, self._learn(routing, phase)

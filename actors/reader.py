@@ -19,9 +19,9 @@ import numpy as np
 import structlog
 import trio
 
-from actors.eviction import ExpertKey
+from actors import timeline
 from actors.mlx_worker import MlxWorker
-from pipeline import timeline
+from actors.pool.eviction import ExpertKey
 from qpack.reader import Container, aligned_empty
 
 log = structlog.get_logger("moestream.reader")

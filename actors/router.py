@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import structlog
 
-from actors.eviction import ExpertKey
-from actors.pool_driver import PoolDriver
+from actors import timeline
+from actors.pool.driver import PoolDriver
+from actors.pool.eviction import ExpertKey
+from actors.pool.slots import SlotTable
 from actors.reader import ExpertReader, ExpertReadError, Load
-from actors.slots import SlotTable
-from pipeline import timeline
 
 log = structlog.get_logger("moestream.router")
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from qpack.bench_container import expert_layout
-from qpack.presets import FULL_SIZE, get_preset
 from qpack.spec import ExpertFormat
+from qpack.synth.bench_container import expert_layout
+from qpack.synth.presets import FULL_SIZE, get_preset
 
 
 def random_experts(preset: str, count: int, family: str = "qwen3_5_moe",

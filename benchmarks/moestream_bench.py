@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline import bench_cli  # noqa: E402
+from pipeline.cli import bench as bench_cli  # noqa: E402
 from pipeline.logging_setup import configure_logging  # noqa: E402
 
 

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from actors.mlx_worker import MlxWorker  # noqa: E402
-from actors.pool_storage import PoolStorage, slots_for_budget  # noqa: E402
+from actors.pool.storage import PoolStorage, slots_for_budget  # noqa: E402
 from benchmarks.expert_fixture import random_experts  # noqa: E402
 from pipeline.models.dense import load_dense  # noqa: E402
 from pipeline.resident_map import (  # noqa: E402

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from actors.pool_storage import PoolStorage, slot_bytes, slots_for_budget  # noqa: E402
+from actors.pool.storage import PoolStorage, slot_bytes, slots_for_budget  # noqa: E402
 from benchmarks.expert_fixture import random_experts  # noqa: E402
 
 

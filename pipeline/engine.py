@@ -24,16 +24,16 @@ import structlog
 import trio
 
 from actors.compute import Compute
-from actors.eviction import make_policy
 from actors.mlx_worker import MlxWorker
-from actors.pool_storage import PoolStorage, uniform_format
+from actors.pool.eviction import make_policy
+from actors.pool.slots import SlotTable
+from actors.pool.storage import PoolStorage, uniform_format
 from actors.prefetch import PrefetchScorer, make_strategy
 from actors.reader import ExpertReader
 from actors.router import ExpertRouter
 from actors.routing_trace import TraceModel, TracePool, TraceRecorder
-from actors.sampler import SamplingParams
-from actors.slots import SlotTable
-from pipeline.config import PipelineConfig
+from actors.sampling_params import SamplingParams
+from pipeline.config.schema import PipelineConfig
 from pipeline.events import Event
 from pipeline.generation import Generation
 from pipeline.heap_trim import HeapTrimmer

@@ -16,8 +16,10 @@ import mlx.core as mx
 import structlog
 import trio
 
-from actors.sampler import Sampler, SamplingParams, StopMatcher
-from pipeline import timeline
+from actors import timeline
+from actors.sampler import Sampler
+from actors.sampling_params import SamplingParams
+from actors.text_stream import StopMatcher
 from pipeline.events import Done, Event, GenerationStats, TextDelta
 from pipeline.resident_map import current_rss_mb, peak_rss_mb
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import structlog
 
-from pipeline.config import SYNTH_PREFIX, ModelConfig
+from pipeline.config.schema import SYNTH_PREFIX, ModelConfig
 from qpack.spec import MANIFEST
 
 log = structlog.get_logger("moestream.prepare")
@@ -27,8 +27,8 @@ def parse_synth(source: str) -> tuple[str | None, str]:
 
 
 def ensure_container(model: ModelConfig, *, bits: int = 4, progress: bool = True) -> Path:
-    from qpack.presets import FULL_SIZE
-    from qpack.synth import synthesize
+    from qpack.synth.checkpoint import synthesize
+    from qpack.synth.presets import FULL_SIZE
     from qpack.writer import pack
 
     path = Path(model.path)

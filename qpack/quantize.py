@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchLinear
-from mlx_lm.utils import _get_classes
 
+from qpack.mlx_model import model_classes
 from qpack.spec import QpackError
 
 MODES = ("affine",)
@@ -61,7 +61,7 @@ class QuantPlan:
 def skeleton(config: dict) -> nn.Module:
     """The mlx-lm model for a config; parameters stay lazy, so this is cheap at any size."""
     try:
-        model_class, args_class = _get_classes(config=config)
+        model_class, args_class = model_classes(config)
         return model_class(args_class.from_dict(config))
     except (ValueError, TypeError, KeyError) as exc:
         raise QpackError("config.json", f"mlx-lm cannot build model_type {config.get('model_type')!r}: {exc}") from None

@@ -56,16 +56,8 @@ def tag_of(dtype: mx.Dtype) -> str:
     return _MX_TO_TAG[dtype]
 
 
-def tag_of_name(name: str) -> str:
-    return _NAME_TO_TAG[name]
-
-
 def spec_dtype(tag: str) -> str:
     return _DTYPES[tag][2]
-
-
-def mx_dtype(tag: str) -> mx.Dtype:
-    return _DTYPES[tag][1]
 
 
 def pread_exact(fd: int, length: int, offset: int, path: Path) -> bytearray:
@@ -235,40 +227,6 @@ def data_offsets(plan: list[PlannedTensor]) -> tuple[bytes, dict[str, int], int]
     return header, offsets, offset
 
 
-class SafetensorsWriter:
-    """Writes tensors in a fixed, pre-declared order so the header can go first.
-
-    The caller hands over one tensor at a time; `sink` receives every byte written
-    (used for hashing while streaming)."""
-
-    def __init__(self, fileobj, plan: list[PlannedTensor], sink=None) -> None:  # noqa: ANN001
-        self.f = fileobj
-        self.plan = plan
-        self.sink = sink
-        self.next = 0
-        self._emit(header_bytes(plan, MLX_METADATA))
-
-    def _emit(self, data: bytes | memoryview) -> None:
-        self.f.write(data)
-        if self.sink is not None:
-            self.sink(data)
-
-    def write(self, name: str, arr: mx.array) -> None:
-        t = self.plan[self.next]
-        if name != t.name or tag_of(arr.dtype) != t.dtype or tuple(arr.shape) != t.shape:
-            raise ValueError(
-                f"tensor {name} {arr.dtype}{list(arr.shape)} does not match the planned "
-                f"{t.name} {t.dtype}{list(t.shape)}"
-            )
-        self._emit(mx_to_bytes(arr))
-        self.next += 1
-
-    def finish(self) -> None:
-        if self.next != len(self.plan):
-            missing = [t.name for t in self.plan[self.next :]][:5]
-            raise ValueError(f"safetensors writer finished early; missing {missing}")
-
-
 def open_index(root: Path) -> dict[str, Path]:
     """Tensor name -> shard path for a checkpoint directory (index file or lone shards)."""
     index = root / "model.safetensors.index.json"
@@ -288,15 +246,3 @@ def open_index(root: Path) -> dict[str, Path]:
     return out
 
 
-def write_file(path: Path, tensors: dict[str, mx.array]) -> None:
-    """Write small tensors in one go (tests, configs); sorted by name."""
-    plan = [PlannedTensor(n, tag_of(a.dtype), tuple(a.shape)) for n, a in sorted(tensors.items())]
-    with open(path, "wb") as f:
-        w = SafetensorsWriter(f, plan)
-        for t in plan:
-            w.write(t.name, tensors[t.name])
-        w.finish()
-
-
-def shard_path_set(index: dict[str, Path]) -> list[Path]:
-    return sorted(set(index.values()), key=os.fspath)

@@ -11,7 +11,7 @@ import pytest
 # The package is used from the checkout (not installed) when tests run as `.venv/bin/pytest`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qpack.synth import synthesize  # noqa: E402
+from qpack.synth.checkpoint import synthesize  # noqa: E402
 
 
 @pytest.fixture(scope="session")

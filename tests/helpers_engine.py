@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from actors.sampler import SamplingParams
-from pipeline.config import PipelineConfig, config_from_dict
+from actors.sampling_params import SamplingParams
+from pipeline.config.schema import PipelineConfig, config_from_dict
 from pipeline.events import Done, Event, TextDelta
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
-from actors.pool_storage import PoolStorage, uniform_format
+from actors.pool.storage import PoolStorage, uniform_format
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import ForwardStep, StreamedModel
 from qpack.reader import Container

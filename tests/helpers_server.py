@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import trio
 
-from pipeline.config import config_from_dict
+from pipeline.config.schema import config_from_dict
 from pipeline.engine import Engine, open_engine
-from pipeline.server import serve_engine
+from pipeline.server.app import serve_engine
 from qpack.writer import pack
 
 

@@ -12,9 +12,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from pipeline import timeline
-from qpack.bench_container import write_bench_container
+from actors import timeline
 from qpack.reader import Container, aligned_empty, verify_container
+from qpack.synth.bench_container import write_bench_container
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 

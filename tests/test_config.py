@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import (
+from pipeline.cli.config import register
+from pipeline.config.schema import (
     EVICTION_POLICIES,
     PREFETCH_STRATEGIES,
     ConfigError,
     PipelineConfig,
     load_config,
-    register,
 )
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"

@@ -20,8 +20,8 @@ import pytest
 import trio
 
 from actors.reader import ExpertReadError
-from actors.sampler import SamplingParams
-from pipeline.config import config_from_dict
+from actors.sampling_params import SamplingParams
+from pipeline.config.schema import config_from_dict
 from pipeline.engine import Engine, open_engine
 from pipeline.events import Done
 from qpack import spec
@@ -188,7 +188,7 @@ async def test_flipped_byte_on_disk_is_caught_before_use(tiny_qpack, tmp_path):
 def _verify_cli(path: Path) -> subprocess.CompletedProcess[str]:
     """`moestream verify PATH`, through the subcommand's own register()."""
     script = ("import argparse, sys\n"
-              "from qpack.pack_cli import register\n"
+              "from pipeline.cli.pack import register\n"
               "p = argparse.ArgumentParser(); register(p.add_subparsers())\n"
               "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n")
     return subprocess.run([sys.executable, "-c", script, "verify", str(path)], cwd=REPO,
@@ -215,7 +215,7 @@ async def test_disk_fault_under_the_http_server_fails_one_request_then_serves(ti
     4xx), in a JSON body or, once a stream has started, as an in-stream error event."""
     import httpx2
 
-    from pipeline.server import serve_engine
+    from pipeline.server.app import serve_engine
 
     io = FaultIO(tiny_qpack)
     async with open_engine(_config(tiny_qpack), io=io) as engine, trio.open_nursery() as nursery:

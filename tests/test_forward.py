@@ -22,7 +22,7 @@ from helpers_forward import (
     tiny_pair,
 )
 
-from actors.sampler import SamplingParams
+from actors.sampling_params import SamplingParams
 from pipeline.engine import PoolTooSmall, open_engine
 from pipeline.events import Done
 

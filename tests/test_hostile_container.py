@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import ConfigError, PipelineConfig, config_from_dict, load_config
+from pipeline.config.schema import ConfigError, PipelineConfig, config_from_dict, load_config
 from qpack import spec
 from qpack.reader import Container
 from qpack.spec import QpackError
@@ -350,7 +350,7 @@ def _edit_config(root: Path, **changes: Any) -> None:
 
 
 async def _open_engine_and_generate(root: Path) -> None:
-    from actors.sampler import SamplingParams
+    from actors.sampling_params import SamplingParams
     from pipeline.engine import open_engine
 
     config = config_from_dict({"model": {"path": str(root)}, "pool": {"slots": 16},

@@ -29,10 +29,10 @@ from helpers_server import pack_tiny, serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline import server as server_module
-from pipeline.config import ServerConfig
+from pipeline.config.schema import ServerConfig
 from pipeline.engine import Engine
-from pipeline.server import serve_engine
+from pipeline.server import app as server_module
+from pipeline.server.app import serve_engine
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -287,7 +287,7 @@ def free_port() -> int:
 
 def test_binding_elsewhere_without_a_key_warns(container):
     """`moestream serve --host 0.0.0.0` without --api-key logs server.open_without_key."""
-    cmd = [sys.executable, "-m", "pipeline.cli", "--log-level", "info", "serve", str(container),
+    cmd = [sys.executable, "-m", "pipeline", "--log-level", "info", "serve", str(container),
            "--host", "0.0.0.0", "--port", str(free_port()), "--slots", "16", "--prefill-chunk", "4"]
     proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, text=True)

@@ -18,9 +18,9 @@ import psutil
 import pytest
 import trio
 
-from pipeline.config import config_from_dict
+from pipeline.config.schema import config_from_dict
 from pipeline.engine import Engine, open_engine
-from pipeline.server import serve_engine
+from pipeline.server.app import serve_engine
 from qpack.writer import pack
 
 CLIENTS, REQUESTS, MAX_TOKENS, MAX_QUEUE = 8, 20, 4, 4

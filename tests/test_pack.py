@@ -19,9 +19,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map_with_path
-from mlx_lm.utils import _get_classes, load_model, quantize_model
+from mlx_lm.utils import load_model, quantize_model
 
 from qpack import spec
+from qpack.mlx_model import model_classes
 from qpack.reader import Container
 from qpack.spec import QpackError
 from qpack.writer import JOURNAL, TEST_DELAY_ENV, pack
@@ -66,7 +67,7 @@ def _stacked_experts(src: Path) -> dict[int, dict[str, mx.array]]:
                 for p in spec.PROJECTIONS
             }
         return out
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     if "quantization" not in config:
         weights = model.sanitize(weights)
@@ -165,7 +166,7 @@ def _convert_reference(src: Path, bits: int | None):
 
 def _load_container_dense(root: Path):
     config = json.loads((root / spec.CONFIG).read_text())
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     weights = mx.load(str(root / spec.DENSE))
     if q := config.get("quantization"):
@@ -212,7 +213,7 @@ def test_text_only_layout_packs_like_the_hub_layout(synth_checkpoint, packed):
 
 _CLI = (
     "import argparse, sys\n"
-    "from qpack.pack_cli import register\n"
+    "from pipeline.cli.pack import register\n"
     "p = argparse.ArgumentParser(); register(p.add_subparsers())\n"
     "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n"
 )
@@ -313,7 +314,7 @@ def test_full_disk_stops_naming_the_file_and_resumes_when_space_is_back(synth_ch
 def test_pack_subcommand_with_verify_after(synth_checkpoint, tmp_path, capsys):
     import argparse
 
-    from qpack.pack_cli import register
+    from pipeline.cli.pack import register
 
     parser = argparse.ArgumentParser(prog="moestream")
     register(parser.add_subparsers())

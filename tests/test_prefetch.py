@@ -9,14 +9,14 @@ import pytest
 from actors.prefetch import (
     Combined,
     History,
-    LayerOrder,
     NoPrefetch,
     PrefetchScorer,
     PrefetchStrategy,
     Transition,
     make_strategy,
 )
-from actors.prefetch_gate import NextGate
+from actors.prefetch.gate import NextGate
+from actors.prefetch.strategies import LayerOrder
 
 MOE = [0, 2, 3, 5]  # not every layer is MoE: strategies must skip the gaps
 

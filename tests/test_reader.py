@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from pipeline.cli.pack import register
 from qpack import spec
-from qpack.pack_cli import register
 from qpack.reader import Container, ExpertCorrupt, PosixIO, verify_container
 from qpack.spec import QpackError
 from qpack.writer import pack

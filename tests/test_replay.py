@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from actors.eviction import make_policy
-from actors.pool_driver import PoolDriver
+from actors.pool.driver import PoolDriver
+from actors.pool.eviction import make_policy
+from actors.pool.slots import SlotTable
 from actors.prefetch import Transition
 from actors.routing_trace import (
     RoutingTrace,
@@ -21,8 +22,8 @@ from actors.routing_trace import (
     load_trace,
     save_trace,
 )
-from actors.slots import SlotTable
-from pipeline.replay import register, simulate
+from pipeline.cli.replay import register
+from pipeline.replay import simulate
 
 LAYERS = 6
 EXPERTS = 16

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from actors.sampler import Sampler, SamplingParams, StopMatcher, TextStream
+from actors.sampler import Sampler
+from actors.sampling_params import SamplingParams
+from actors.text_stream import StopMatcher, TextStream
 
 VOCAB = 64
 

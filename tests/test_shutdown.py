@@ -44,7 +44,7 @@ class Server:
 
     def __init__(self, container: Path, *flags: str) -> None:
         self.port = free_port()
-        cmd = [sys.executable, "-m", "pipeline.cli", "--log-level", "info", "serve",
+        cmd = [sys.executable, "-m", "pipeline", "--log-level", "info", "serve",
                str(container), "--port", str(self.port), "--slots", "16", "--prefill-chunk", "4",
                *flags]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,

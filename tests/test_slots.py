@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.eviction import LRU, SLRU, LFUDecay, make_policy
-from actors.pool_driver import PoolDriver
-from actors.slots import PoolExhausted, SlotTable
+from actors.pool.driver import PoolDriver
+from actors.pool.eviction import LRU, SLRU, LFUDecay, make_policy
+from actors.pool.slots import PoolExhausted, SlotTable
 
 
 def always(_key: tuple[int, int]) -> bool:

@@ -11,10 +11,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from qpack.presets import get_preset
-from qpack.st_write import TensorEntry, write_safetensors
-from qpack.synth import synthesize
-from qpack.synth_init import WeightSource, f32_to_bf16_bits
+from qpack.synth.checkpoint import synthesize
+from qpack.synth.init_weights import WeightSource, f32_to_bf16_bits
+from qpack.synth.presets import get_preset
+from qpack.synth.st_write import TensorEntry, write_safetensors
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe")
 
@@ -195,7 +195,7 @@ def test_bad_preset_and_family_are_named():
 def test_cli_writes_and_names_bad_input(tmp_path, capsys):
     import argparse
 
-    from qpack import synth_cli
+    from pipeline.cli import synth as synth_cli
 
     parser = argparse.ArgumentParser(prog="moestream")
     synth_cli.register(parser.add_subparsers(dest="command", required=True))

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from qpack.presets import get_preset, hf_config
-from qpack.tokenizer import TokenizerSpec, tokenizer_json, write_tokenizer
+from qpack.synth.presets import get_preset, hf_config
+from qpack.synth.tokenizer import TokenizerSpec, tokenizer_json, write_tokenizer
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe")
 REFERENCE = {"qwen3_next": "qwen-plus", "qwen3_5_moe": "qwen3.6-35b-a3b"}

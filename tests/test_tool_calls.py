@@ -8,8 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.sampler import TextStream
-from pipeline.tool_calls import Call, Content, OutputParser, Reasoning, parse_call, parse_output
+from actors.text_stream import TextStream
+from pipeline.server.tool_calls import (
+    Call,
+    Content,
+    OutputParser,
+    Reasoning,
+    parse_call,
+    parse_output,
+)
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 TAGS = ("<tool_call>", "</tool_call>", "<think>", "</think>")

@@ -14,8 +14,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.utils import _get_classes, infer_quant_config
+from mlx_lm.utils import infer_quant_config
 
+from qpack.mlx_model import model_classes
 from qpack.spec import QpackError
 
 ROUTED = "switch_mlp"
@@ -23,7 +24,7 @@ ROUTED = "switch_mlp"
 
 def build_model(config: dict[str, Any]) -> nn.Module:
     """Instantiate the mlx-lm model for `config` with the routed experts removed."""
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     for layer in model.layers:
         if ROUTED in layer.mlp:

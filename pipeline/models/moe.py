@@ -11,7 +11,6 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.switch_layers import _gather_sort, _scatter_unsort
 
 from qpack.spec import ExpertFormat
 
@@ -30,8 +29,17 @@ def route(mlp: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
     return inds, scores
 
 
-def router_logits(mlp: nn.Module, x: mx.array) -> mx.array:
-    return mlp.gate(x)
+def _gather_sort(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Rows sorted by expert (mlx-lm's switch_layers does the same, privately)."""
+    *_, k = indices.shape
+    flat = indices.flatten()
+    order = mx.argsort(flat)
+    inv_order = mx.argsort(order)
+    return x.flatten(0, -3)[order // k], flat[order], inv_order
+
+
+def _scatter_unsort(x: mx.array, inv_order: mx.array, shape: tuple[int, ...]) -> mx.array:
+    return mx.unflatten(x[inv_order], 0, shape)
 
 
 def _project(

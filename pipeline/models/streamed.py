@@ -9,8 +9,6 @@ next routing. Everything else stays lazy, so MLX fuses it into that single sync.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -18,20 +16,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
+from actors.forward import Presync, Routing
 from pipeline.models.moe import moe_output, route, routed_experts
 from pipeline.models.text_parts import TextParts, moe_layers, text_parts
 from qpack.spec import ExpertFormat
-
-Presync = Callable[[int, mx.array], Sequence[mx.array]]
-
-
-@dataclass
-class Routing:
-    """A MoE layer's true routing, as the host sees it."""
-
-    layer: int
-    ids: np.ndarray  # [tokens, top_k] expert ids
-    hidden: mx.array  # residual stream after this layer's attention block, [tokens, H]
 
 
 class StreamedModel:
@@ -53,6 +41,9 @@ class StreamedModel:
         self.num_layers = len(self.parts.layers)
         self.num_experts = self.parts.layers[self.moe_layers[0]].mlp.num_experts
         self.top_k = self.parts.layers[self.moe_layers[0]].mlp.top_k
+
+    def step(self, tokens: list[int], cache: list[Any]) -> ForwardStep:
+        return ForwardStep(self, tokens, cache)
 
     def make_cache(self) -> list[Any]:
         return self.parts.make_cache()

@@ -8,60 +8,22 @@ then the engine closes and the command exits 0.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
-import signal
 from typing import Any
 
-import structlog
-import trio
-
-from pipeline.commands import add_engine_flags, engine_config, err
-from pipeline.config import ConfigError, PipelineConfig
-from pipeline.engine import open_engine
-from pipeline.prepare import ensure_container
-from pipeline.server import serve_engine
-
-log = structlog.get_logger("moestream.server")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-async def _wait_for_signal() -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            log.info("server.shutdown", signal=signal.Signals(signum).name)
-            return
-
-
-async def serve_config(cfg: PipelineConfig, *, hide_reasoning: bool = False,
-                       aliases: tuple[str, ...] = ()) -> int:
-    server = cfg.server
-    if not is_loopback(server.host) and server.api_key is None:
-        log.warning("server.open_without_key", host=server.host,
-                    hint="anyone who can reach this host can use the model; pass --api-key")
-    async with open_engine(cfg) as engine:
-        await serve_engine(
-            engine, server.host, server.port, api_key=server.api_key,
-            max_queue=server.max_queue, max_body_bytes=server.max_body_bytes,
-            hide_reasoning=hide_reasoning, aliases=aliases, defaults=cfg.sampling,
-            shutdown_trigger=_wait_for_signal,
-        )
-    log.info("server.stopped")
-    return 0
-
+from pipeline.cli.commands import add_engine_flags, engine_config
+from pipeline.cli.term import err
 
 _SERVER_FLAGS = ("host", "port", "api_key", "max_queue", "max_body_bytes", "context_limit")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from pipeline.config.schema import ConfigError
+    from pipeline.prepare import ensure_container
+    from pipeline.server.serve import serve_config
+
     overrides: list[str] = []
     for flag in _SERVER_FLAGS:
         value: Any = getattr(args, flag)

@@ -33,9 +33,9 @@ import msgspec
 import numpy as np
 import structlog
 
-from qpack.presets import ModelDims, generation_config, get_preset, hf_config
-from qpack.st_write import ST_DTYPES, TensorEntry, write_sharded
-from qpack.synth_init import NORM_STD, Init, WeightSource, to_storage
+from qpack.synth.init_weights import NORM_STD, Init, WeightSource, to_storage
+from qpack.synth.presets import ModelDims, generation_config, get_preset, hf_config
+from qpack.synth.st_write import ST_DTYPES, TensorEntry, write_sharded
 
 log = structlog.get_logger(__name__)
 
@@ -345,7 +345,7 @@ def synthesize(
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(generation_config(dims), indent=2) + "\n")
     if tokenizer:
-        from qpack.tokenizer import write_tokenizer
+        from qpack.synth.tokenizer import write_tokenizer
 
         write_tokenizer(out, dims.family)
     log.info("synth.done", out=str(out), shards=len(set(index["weight_map"].values())),  # type: ignore[arg-type]

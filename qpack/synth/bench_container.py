@@ -37,13 +37,13 @@ import numpy as np
 import structlog
 
 from qpack import spec
-from qpack.presets import ModelDims, get_preset, hf_config
 from qpack.quantize import Rule, quantized_shapes
-from qpack.st_write import TensorEntry, write_safetensors
-from qpack.synth import _Writer, dense_inits
-from qpack.synth_init import NORM_STD, Init, WeightSource, f32_to_bf16_bits, rng_for
+from qpack.synth.checkpoint import _Writer, dense_inits
+from qpack.synth.init_weights import NORM_STD, Init, WeightSource, f32_to_bf16_bits, rng_for
+from qpack.synth.presets import ModelDims, get_preset, hf_config
+from qpack.synth.st_write import TensorEntry, write_safetensors
 
-log = structlog.get_logger("qpack.bench_container")
+log = structlog.get_logger("qpack.synth.bench_container")
 NIBBLE_MEAN = 7.5
 NIBBLE_STD = math.sqrt((16 * 16 - 1) / 12)  # discrete uniform on 0..15
 KEY_WORDS = 64  # uint64 words of a per-expert XOR key (512 bytes)
@@ -192,7 +192,7 @@ def write_bench_container(
     config["quantization"] = quant
     config["quantization_config"] = quant
     (root / spec.CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    from qpack.tokenizer import write_tokenizer
+    from qpack.synth.tokenizer import write_tokenizer
 
     small = [root / spec.CONFIG, *write_tokenizer(root, dims.family)]
     for p in small:

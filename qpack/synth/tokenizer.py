@@ -144,7 +144,7 @@ def tokenizer_json(family: str) -> str:
 
 
 def chat_template(family: str) -> str:
-    return (resources.files("qpack") / "templates" / f"{family}.jinja").read_text()
+    return (resources.files("qpack.synth") / "templates" / f"{family}.jinja").read_text()
 
 
 def tokenizer_config(family: str) -> dict[str, Any]:

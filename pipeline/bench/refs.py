@@ -111,12 +111,12 @@ def stacked_experts(container: Container) -> dict[str, mx.array]:
 
 def load_resident(container: Container) -> nn.Module:
     """The full mlx-lm model with every expert resident, loaded as mlx_lm.utils.load_model does."""
-    from mlx_lm.utils import _get_classes
+    from qpack.mlx_model import model_classes
 
     config = container.config
     weights = dict(mx.load(str(container.dense_path)))
     weights.update(stacked_experts(container))
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     quantization = config.get("quantization")
     if quantization is not None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from actors.prefetch import LayerOrder, Prediction
+from actors.prefetch.strategies import LayerOrder, Prediction
 
 RouterFn = Callable[[int, mx.array], mx.array]
 

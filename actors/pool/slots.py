@@ -18,7 +18,7 @@ from typing import Literal
 
 import msgspec
 
-from actors.eviction import EvictionPolicy, ExpertKey
+from actors.pool.eviction import EvictionPolicy, ExpertKey
 
 SlotState = Literal["loading", "ready"]
 

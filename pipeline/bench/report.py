@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline import timeline
+from actors import timeline
 
 
 def _f(x: float | None, fmt: str = "{:.2f}") -> str:
@@ -160,33 +160,3 @@ def plot_timeline(trace_path: str | Path, path: str | Path, title: str = "") -> 
     return Path(path)
 
 
-def plot_summary(reports: Sequence[tuple[str, dict[str, Any]]], path: str | Path) -> Path | None:
-    """Decode tok/s per model: moestream default, serial, I/O ceiling, resident (log scale)."""
-    plt = _pyplot()
-    if plt is None:
-        return None
-    bars = ("default", "serial", "I/O ceiling", "resident")
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    width = 0.8 / len(bars)
-    for j, bar in enumerate(bars):
-        values = []
-        for _label, rep in reports:
-            by = {r["name"]: r for r in rep["results"] if not r.get("error")}
-            if bar == "I/O ceiling":
-                values.append(rep["derived"].get("io_ceiling_tok_s") or 0.0)
-            else:
-                values.append(by[bar]["decode_tok_s"] if bar in by else 0.0)
-        xs = [i + (j - (len(bars) - 1) / 2) * width for i in range(len(reports))]
-        ax.bar(xs, values, width, label=bar)
-        for x, v in zip(xs, values, strict=True):
-            ax.annotate(f"{v:.2f}", (x, v), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(reports)))
-    ax.set_xticklabels([label for label, _ in reports])
-    ax.set_yscale("log")
-    ax.set_ylabel("decode tok/s (log)")
-    ax.set_title("decode speed: streamer vs its ceilings")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)

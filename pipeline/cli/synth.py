@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from qpack.presets import FAMILIES, FULL_SIZE, get_preset, preset_names
+from qpack.synth.presets import FAMILIES, FULL_SIZE, get_preset, preset_names
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qpack.synth import synthesize
+    from qpack.synth.checkpoint import synthesize
 
     try:
         dims = get_preset(args.family, args.preset)

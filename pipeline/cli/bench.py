@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench import Case, Report, machine_info, run_case
+from pipeline.bench.cases import Case, Report, machine_info, run_case
 
 CASES = ("default", "serial", "resident", "io")
 
@@ -40,7 +40,7 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
 def run_bench(args: argparse.Namespace, command: str) -> dict[str, Any]:
     from rich.console import Console
 
-    from pipeline.bench_refs import container_summary
+    from pipeline.bench.refs import container_summary
 
     err = Console(stderr=True)
     report = Report(machine_info(), container_summary(args.model), command)
@@ -56,7 +56,7 @@ def run_bench(args: argparse.Namespace, command: str) -> dict[str, Any]:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from pipeline.bench_report import plot_timeline, results_table, write_json
+    from pipeline.bench.report import plot_timeline, results_table, write_json
 
     unknown = [c for c in args.cases if c not in CASES]
     if unknown:
@@ -78,9 +78,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_container(args: argparse.Namespace) -> int:
-    from qpack.bench_container import write_bench_container
-    from qpack.presets import get_preset
     from qpack.spec import QpackError
+    from qpack.synth.bench_container import write_bench_container
+    from qpack.synth.presets import get_preset
 
     try:
         dims = get_preset(args.family, args.preset)

@@ -3,26 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from contextlib import aclosing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import msgspec
-import trio
-from rich.console import Console
-from rich.progress import Progress
-from rich.table import Table
+from pipeline.cli.term import err
 
-from actors.sampler import SamplingParams
-from pipeline import timeline
-from pipeline.config import ConfigError, PipelineConfig, config_from_dict, load_config
-from pipeline.engine import Engine, open_engine
-from pipeline.events import Done, GenerationStats, TextDelta
-from pipeline.prepare import ensure_container
+if TYPE_CHECKING:
+    from pipeline.config.schema import PipelineConfig
 
-# Wide enough for the stats table even when stderr is not a terminal.
-err = Console(stderr=True, width=160)
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -73,6 +61,8 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> Pipelin
     """The config file (if any), then the flags, validated as one config."""
     import tomllib
 
+    from pipeline.config.schema import ConfigError, config_from_dict
+
     raw: dict[str, Any] = {}
     text = ""
     if args.config is not None:
@@ -99,93 +89,15 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> Pipelin
                             overrides=args.overrides)
 
 
-def stats_table(rows: list[tuple[str, GenerationStats]]) -> Table:
-    table = Table(title="moestream run")
-    for col in ("prompt", "tokens in/out", "TTFT s", "prefill tok/s", "decode tok/s", "hit rate",
-                "MB read/tok", "stall", "prefetch P/R", "RSS MB peak/dec", "dev MB peak/dec"):
-        table.add_column(col, justify="right" if col != "prompt" else "left")
-    for name, s in rows:
-        table.add_row(
-            name[:28], f"{s.prompt_tokens}/{s.completion_tokens}", f"{s.ttft_s:.2f}",
-            f"{s.prefill_tok_s:.1f}", f"{s.decode_tok_s:.2f}", f"{s.hit_rate:.1%}",
-            f"{s.bytes_read_per_token / 2**20:.2f}", f"{s.stall_fraction:.0%}",
-            f"{s.prefetch_precision:.2f}/{s.prefetch_recall:.2f}",
-            f"{s.peak_rss_mb:.0f}/{s.decode_rss_mb:.0f}", f"{s.peak_device_mb:.0f}/{s.decode_device_mb:.0f}",
-        )
-    return table
-
-
-PROGRESS_MIN_TOKENS = 512  # prompts shorter than this prefill too fast for a bar to help
-
-
-async def stream(engine: Engine, prompt: Any, params: SamplingParams, echo: bool) -> Done:
-    progress: Progress | None = None
-
-    def on_prefill(done: int, total: int) -> None:
-        nonlocal progress
-        if total < PROGRESS_MIN_TOKENS:
-            return
-        if progress is None:
-            progress = Progress(transient=True, console=err)
-            progress.start()
-            progress.add_task("prefill", total=total)
-        progress.update(progress.task_ids[0], completed=done)
-        if done >= total:
-            progress.stop()
-
-    if isinstance(prompt, list):
-        events = engine.chat(prompt, params, on_prefill=on_prefill)
-    else:
-        events = engine.generate(prompt, params, on_prefill)
-    try:
-        return await _consume(events, echo)
-    finally:
-        if progress is not None:
-            progress.stop()
-
-
-async def _consume(events: Any, echo: bool) -> Done:
-    async with aclosing(events) as it:
-        async for event in it:
-            if isinstance(event, TextDelta):
-                if echo:
-                    sys.stdout.write(event.text)
-                    sys.stdout.flush()
-            else:
-                if echo:
-                    sys.stdout.write("\n")
-                return event
-    raise RuntimeError("generation ended without a Done event")
-
-
-def _messages(prompt: Any) -> Any:
-    if isinstance(prompt, str):
-        return prompt
-    return [{"role": m.role, "content": m.content} for m in prompt]
-
-
-async def _run(cfg: PipelineConfig, trace_path: str | None) -> int:
-    params = msgspec.structs.replace(cfg.sampling, max_tokens=cfg.sampling.max_tokens or cfg.run.max_tokens)
-    rows: list[tuple[str, GenerationStats]] = []
-    async with open_engine(cfg, record_routing=cfg.run.record_routing is not None) as engine:
-        for prompt in cfg.run.prompts:
-            label = prompt if isinstance(prompt, str) else prompt[-1].content
-            err.print(f"[bold]> {label}[/bold]  [dim](random weights: the text is gibberish)[/dim]")
-            done = await stream(engine, _messages(prompt), params, echo=True)
-            rows.append((label, done.stats))
-        if engine.compute.recorder is not None and cfg.run.record_routing:
-            engine.compute.recorder.save(cfg.run.record_routing)
-    err.print(stats_table(rows))
-    if cfg.run.stats:
-        Path(cfg.run.stats).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.run.stats).write_bytes(msgspec.json.format(msgspec.json.encode(
-            {"config": cfg.to_toml_dict(), "runs": [{"prompt": n, **msgspec.to_builtins(s)} for n, s in rows]}
-        )))
-        err.print(f"stats written to {cfg.run.stats}")
-    return 0
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
+    import msgspec
+    import trio
+
+    from actors import timeline
+    from pipeline.cli.console import run_pipeline
+    from pipeline.config.schema import ConfigError, load_config
+    from pipeline.prepare import ensure_container
+
     try:
         cfg = load_config(args.config_file, args.overrides, check_paths=False)
         ensure_container(cfg.model)
@@ -195,10 +107,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.record_routing:
         cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, record_routing=args.record_routing))
     with timeline.recording(args.trace or cfg.run.trace):
-        return trio.run(_run, cfg, args.trace)
+        return trio.run(run_pipeline, cfg, args.trace)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    import msgspec
+    import trio
+
+    from pipeline.cli.console import run_pipeline
+    from pipeline.config.schema import ConfigError
+
     try:
         cfg = engine_config(args, args.model)
     except (ConfigError, ValueError) as exc:
@@ -207,43 +125,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompts = tuple(args.prompt or ["Hello"])
     cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(
         cfg.run, prompts=prompts, stats=args.stats, record_routing=args.record_routing))
-    return trio.run(_run, cfg, None)
-
-
-async def _chat(cfg: PipelineConfig, turns: list[str]) -> int:
-    params = msgspec.structs.replace(cfg.sampling, max_tokens=cfg.sampling.max_tokens or cfg.run.max_tokens)
-    messages: list[dict[str, str]] = []
-    async with open_engine(cfg) as engine:
-        interactive = not turns
-        while True:
-            if interactive:
-                try:
-                    line = await trio.to_thread.run_sync(input, ">>> ")
-                except EOFError:
-                    return 0
-                if line.strip() in ("/exit", "/quit"):
-                    return 0
-            else:
-                if not turns:
-                    return 0
-                line = turns.pop(0)
-                print(f">>> {line}")
-            messages.append({"role": "user", "content": line})
-            done = await stream(engine, messages, params, echo=True)
-            messages.append({"role": "assistant", "content": done.text})
-            s = done.stats
-            err.print(f"[dim]{s.completion_tokens} tokens, {s.decode_tok_s:.2f} tok/s, "
-                      f"cached {s.cached_tokens}/{s.prompt_tokens} prompt tokens, "
-                      f"hit rate {s.hit_rate:.1%}[/dim]")
+    return trio.run(run_pipeline, cfg, None)
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    import trio
+
+    from pipeline.cli.console import chat
+    from pipeline.config.schema import ConfigError
+
     try:
         cfg = engine_config(args, args.model)
     except (ConfigError, ValueError) as exc:
         err.print(f"[red]error:[/red] {exc}")
         return 2
-    return trio.run(_chat, cfg, list(args.turns))
+    return trio.run(chat, cfg, list(args.turns))
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,27 +1,24 @@
-"""`moestream`: one parser, one subcommand per face of the product."""
+"""`moestream`: one parser, one subcommand per face of the product.
+
+Every module here only declares its arguments; what a subcommand runs is imported when
+it runs, so `moestream --help` and argument errors never load MLX or the engine.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from pipeline.cli import bench, commands, config, pack, replay, serve, synth
 from pipeline.logging_setup import configure_logging
 
-# Each module adds its own subcommands (see its `register`).
-COMMAND_MODULES = (
-    "pipeline.commands",
-    "pipeline.server_cli",
-    "pipeline.bench_cli",
-    "pipeline.replay",
-    "qpack.pack_cli",
-    "qpack.synth_cli",
-    "pipeline.config",
-)
+__all__ = ["build_parser", "main"]
+
+# The order of `moestream --help`.
+COMMAND_MODULES = (commands, serve, bench, replay, pack, synth, config)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import importlib
-
     parser = argparse.ArgumentParser(
         prog="moestream",
         description="Run huge sparse Mixture-of-Experts models with the experts streamed "
@@ -31,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-json", action="store_true", help="structured logs as JSON lines")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in COMMAND_MODULES:
-        importlib.import_module(module).register(sub)
+        module.register(sub)
     return parser
 
 

@@ -21,12 +21,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Send
 
-from actors.sampler import SamplingParams
-from pipeline import openai_schema as s
+from actors.sampling_params import SamplingParams
 from pipeline.engine import Engine
 from pipeline.events import Done, TextDelta
-from pipeline.metrics import Metrics
-from pipeline.tool_calls import Call, Content, OutputParser, Part, Reasoning
+from pipeline.server import schema as s
+from pipeline.server.metrics import Metrics
+from pipeline.server.tool_calls import Call, Content, OutputParser, Part, Reasoning
 
 # The server's logger: these events are the server's, wherever the code lives.
 log = structlog.get_logger("moestream.server")

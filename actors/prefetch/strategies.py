@@ -7,17 +7,16 @@ new prompt. A wrong prediction costs bandwidth only: compute always uses the tru
 
 Statistics-based strategies (`History`, `Transition`) are deterministic functions of the
 routing they observed, so `moestream replay` reruns them exactly. Gate-based ones
-(`NextGate` in actors/prefetch_gate.py) need the model; replay uses their recorded
+(`NextGate` in actors/prefetch/gate.py) need the model; replay uses their recorded
 predictions. Ties between equal scores go to the lower expert id.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import msgspec
 import numpy as np
 
 if TYPE_CHECKING:
@@ -206,124 +205,3 @@ class Combined:
             "max_per_layer": self.max_per_layer,
             "combine": [s.name for s in self.strategies],
         }
-
-
-STRATEGY_NAMES = ("none", "next-gate", "lookahead", "history", "transition", "combined")
-
-
-def make_strategy(
-    name: str,
-    *,
-    moe_layers: Sequence[int],
-    num_experts: int,
-    top_k: int,
-    routers: Callable[[int, mx.array], mx.array] | None = None,
-    depth: int = 1,
-    max_per_layer: int | None = None,
-    combine: Sequence[str] = (),
-    extra: int = 0,
-    history_decay: float = 0.95,
-) -> PrefetchStrategy:
-    """Build a strategy by registry name (see STRATEGY_NAMES)."""
-    if name == "none":
-        return NoPrefetch()
-    if name in ("next-gate", "lookahead"):
-        if routers is None:
-            raise ValueError(f"prefetch strategy {name!r} needs routers (the model's gates)")
-        # Deferred: prefetch_gate imports this module, and only gate strategies need MLX.
-        from actors.prefetch_gate import NextGate
-
-        return NextGate(
-            routers,
-            moe_layers=moe_layers,
-            num_experts=num_experts,
-            top_k=top_k,
-            depth=1 if name == "next-gate" else depth,
-            extra=extra,
-        )
-    if name == "history":
-        return History(
-            moe_layers=moe_layers,
-            num_experts=num_experts,
-            top_k=top_k,
-            decay=history_decay,
-            depth=depth,
-        )
-    if name == "transition":
-        return Transition(moe_layers=moe_layers, num_experts=num_experts, top_k=top_k)
-    if name == "combined":
-        if not combine or "combined" in combine:
-            raise ValueError(
-                f"prefetch strategy 'combined' needs combine=[names of other strategies], "
-                f"got {list(combine)!r}"
-            )
-        parts = [
-            make_strategy(
-                n,
-                moe_layers=moe_layers,
-                num_experts=num_experts,
-                top_k=top_k,
-                routers=routers,
-                depth=depth,
-                extra=extra,
-                history_decay=history_decay,
-            )
-            for n in combine
-        ]
-        return Combined(parts, max_per_layer or top_k + extra)
-    raise ValueError(
-        f"unknown prefetch strategy {name!r}; valid names: {', '.join(STRATEGY_NAMES)}"
-    )
-
-
-class PrefetchStats(msgspec.Struct):
-    predicted: int = 0  # predicted (token, layer, expert) triples, unique per (token, layer)
-    correct: int = 0  # predicted and then actually chosen
-    actual: int = 0  # chosen (token, layer, expert) triples, predicted or not
-    precision: float = 0.0
-    recall: float = 0.0
-    bytes_wasted: int = 0  # wrong predictions x expert stride: the reads they would cost
-    stall_saved_s: float = 0.0  # filled in by the live engine from measured waits
-
-
-class PrefetchScorer:
-    """Scores predictions per (token, layer) when that layer's true routing arrives.
-
-    Several predictions for one layer (lookahead predicts it from several earlier layers)
-    are scored as their union: that union is what the prefetcher would have read.
-    """
-
-    def __init__(self, stride: int) -> None:
-        self.stride = stride
-        self._pending: dict[int, set[int]] = {}
-        self._predicted = self._correct = self._actual = 0
-
-    def begin_token(self) -> None:
-        # Predictions for layers the token never reached are wrong predictions too.
-        for ids in self._pending.values():
-            self._predicted += len(ids)
-        self._pending.clear()
-
-    def record(self, predictions: Sequence[tuple[int, Sequence[int]]]) -> None:
-        for layer, ids in predictions:
-            self._pending.setdefault(int(layer), set()).update(int(e) for e in ids)
-
-    def score(self, layer: int, actual: Sequence[int]) -> tuple[int, int]:
-        """Score `layer` against its true routing; returns (predicted, correct) for it."""
-        predicted = self._pending.pop(layer, set())
-        correct = len(predicted.intersection(int(e) for e in actual))
-        self._predicted += len(predicted)
-        self._correct += correct
-        self._actual += len(set(actual))
-        return len(predicted), correct
-
-    def stats(self) -> PrefetchStats:
-        p, c, a = self._predicted, self._correct, self._actual
-        return PrefetchStats(
-            predicted=p,
-            correct=c,
-            actual=a,
-            precision=c / p if p else 0.0,
-            recall=c / a if a else 0.0,
-            bytes_wasted=(p - c) * self.stride,
-        )

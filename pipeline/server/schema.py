@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from actors.sampler import SamplingParams
+from actors.sampling_params import SamplingParams
 
 
 class APIError(Exception):

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from pipeline.config_toml import dumps_value
+from pipeline.config.toml import dumps_value
 
 
 class ConfigError(ValueError):

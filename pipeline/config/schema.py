@@ -14,9 +14,7 @@ The error wording lives in pipeline.config_errors, the TOML writer in pipeline.c
 
 from __future__ import annotations
 
-import argparse
 import copy
-import sys
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,24 +22,15 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from actors.sampler import SamplingParams
-from pipeline.config_errors import ConfigError, Locator, one_of, unknown_keys
-from pipeline.config_toml import drop_none, dumps_toml
+from actors.pool.eviction import POLICY_NAMES
+from actors.prefetch import STRATEGY_NAMES
+from actors.sampling_params import SamplingParams
+from pipeline.config.errors import ConfigError, Locator, one_of, unknown_keys
+from pipeline.config.toml import drop_none, dumps_toml
 
-# Eviction policies the expert pool knows. Extend here (and in the pool's policy registry)
-# to add one: "lfu" = frequency with decay and recency tie-break (default), "lru" = least
-# recently used, "slru" = segmented LRU (probation + protected segments, scan-resistant).
-EVICTION_POLICIES: tuple[str, ...] = ("lfu", "lru", "slru")
-
-# Prefetch strategies (see DESIGN.md). "combined" unions the strategies in `combine`.
-PREFETCH_STRATEGIES: tuple[str, ...] = (
-    "none",
-    "next-gate",
-    "lookahead",
-    "history",
-    "transition",
-    "combined",
-)
+# The names the pool and the prefetcher know, from their own registries.
+EVICTION_POLICIES: tuple[str, ...] = POLICY_NAMES
+PREFETCH_STRATEGIES: tuple[str, ...] = STRATEGY_NAMES
 
 LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error")
 SYNTH_PREFIX = "synth:"
@@ -266,38 +255,3 @@ def _check_model_path(cfg: PipelineConfig, where: Locator) -> None:
         f"{where.source}: model.path: {m.path!r} does not exist{where.at(('model', 'path'))}"
         " and model.source is not set to build it"
     )
-
-
-# --- CLI -------------------------------------------------------------------------------
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "config",
-        help="validate a pipeline config and print the effective settings",
-        description="Load a TOML pipeline config, apply --set overrides, validate every key, "
-        "and print the effective config (all defaults filled in) as TOML.",
-    )
-    p.add_argument("path", type=Path, help="the TOML config file, e.g. config/demo.toml")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one key (TOML value syntax; bare words are strings); repeatable",
-    )
-    p.add_argument(
-        "--no-check-paths", action="store_true", help="do not require model.path to exist"
-    )
-    p.set_defaults(func=_cmd_config)
-
-
-def _cmd_config(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(args.path, args.overrides, check_paths=not args.no_check_paths)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(cfg.to_toml(), end="")
-    return 0

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from actors.eviction import ExpertKey
-from actors.slots import SlotTable
+from actors.pool.eviction import ExpertKey
+from actors.pool.slots import SlotTable
 
 Predictions = Sequence[tuple[int, Sequence[int]]]
 

@@ -34,12 +34,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from actors.sampler import SamplingParams
-from pipeline import openai_schema as s
+from actors.sampling_params import SamplingParams
 from pipeline.engine import Engine
 from pipeline.generation import Generation, PromptTooLong
-from pipeline.metrics import Metrics
-from pipeline.server_responses import ChatReply, TextReply, json_response, respond
+from pipeline.server import schema as s
+from pipeline.server.metrics import Metrics
+from pipeline.server.responses import ChatReply, TextReply, json_response, respond
 
 log = structlog.get_logger("moestream.server")
 

@@ -105,10 +105,10 @@ def engine_dict(case: Case) -> dict[str, Any]:
 
 async def measure_engine(case: Case) -> Result:
     """One case in this process: open the engine, warm up, (cold) measure one generation."""
-    from actors.sampler import SamplingParams
-    from pipeline import timeline
-    from pipeline.bench_refs import drop_page_cache
-    from pipeline.config import config_from_dict
+    from actors import timeline
+    from actors.sampling_params import SamplingParams
+    from pipeline.bench.refs import drop_page_cache
+    from pipeline.config.schema import config_from_dict
     from pipeline.engine import open_engine
     from pipeline.events import Done
     from pipeline.resident_map import resident_by_mapping, resident_kinds
@@ -192,7 +192,7 @@ def measure(case: Case) -> Result:
     """Run one case in this process (the worker side)."""
     import trio
 
-    from pipeline.bench_refs import read_bandwidth, resident_decode
+    from pipeline.bench.refs import read_bandwidth, resident_decode
 
     started = time.perf_counter()
     if case.kind == "moestream":
@@ -226,7 +226,7 @@ def run_case(case: Case, timeout_s: float | None = None) -> Result:
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
-    cmd = [sys.executable, "-m", "pipeline.bench", msgspec.json.encode(case).decode()]
+    cmd = [sys.executable, "-m", "pipeline.bench.cases", msgspec.json.encode(case).decode()]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -1,0 +1,40 @@
+"""What the compute actor needs from a model: a forward pass it can step layer by layer.
+
+The pipeline's streamed model implements these protocols; actors depend only on them,
+so the layers point one way (qpack <- actors <- pipeline).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import mlx.core as mx
+import numpy as np
+
+# presync(layer, hidden) -> more lazy arrays to evaluate with a layer's routing.
+Presync = Callable[[int, mx.array], Sequence[mx.array]]
+
+
+@dataclass
+class Routing:
+    """A MoE layer's true routing, as the host sees it."""
+
+    layer: int
+    ids: np.ndarray  # [tokens, top_k] expert ids
+    hidden: mx.array  # residual stream after this layer's attention block, [tokens, H]
+
+
+class ForwardStepper(Protocol):
+    """One forward call over some tokens, stopped at each MoE layer's routing."""
+
+    def run_to_routing(self, presync: Presync | None = None) -> Routing | None: ...
+
+    def advance(self, slot_of: np.ndarray, presync: Presync | None = None) -> Routing | None: ...
+
+    def logits(self, all_positions: bool = False) -> mx.array: ...
+
+
+class SteppedModel(Protocol):
+    def step(self, tokens: list[int], cache: list[Any]) -> ForwardStepper: ...

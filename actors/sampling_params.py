@@ -1,0 +1,61 @@
+"""`SamplingParams`: how to pick tokens, as the `[sampling]` config section and the OpenAI
+body both say it. Plain data with its range checks; no MLX, so configs and the CLI load fast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How to pick tokens; defaults and ranges follow the OpenAI API.
+
+    temperature 0 means greedy (argmax). top_k 0 means off. stop strings are cut from
+    the output (never emitted); stop_token_ids end generation like EOS does.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_range("temperature", self.temperature, 0.0, 2.0)
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k!r}")
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}"
+            )
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or unset, got {self.max_tokens!r}")
+        for s in self.stop:
+            if not s:
+                raise ValueError("stop must not contain an empty string")
+        for t in self.stop_token_ids:
+            if t < 0:
+                raise ValueError(f"stop_token_ids must be >= 0, got {t!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_range(name: str, value: float, lo: float, hi: float) -> None:
+    # `not (lo <= v <= hi)` also rejects NaN.
+    if not (lo <= value <= hi):
+        raise ValueError(f"{name} must be in [{lo:g}, {hi:g}], got {value!r}")
