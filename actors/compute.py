@@ -24,6 +24,7 @@ from actors.mlx_worker import MlxWorker
 from actors.prefetch import PrefetchScorer, PrefetchStrategy
 from actors.router import ExpertRouter
 from actors.routing_trace import TraceRecorder
+from actors.run_ahead import RunAheadPolicy
 
 Phase = Literal["prefill", "decode"]
 Predictions = list[tuple[int, list[int]]]
@@ -32,6 +33,8 @@ Predictions = list[tuple[int, list[int]]]
 @dataclass
 class ComputeStats:
     mlx_seconds: float = 0.0
+    run_ahead_tokens: int = 0  # decode tokens that tried the one-sync path
+    run_ahead_misses: int = 0  # ... and fell back at their first missing layer
 
 
 def unique_in_order(ids: np.ndarray) -> list[int]:
@@ -48,6 +51,9 @@ class Compute:
         strategy: PrefetchStrategy,
         scorer: PrefetchScorer,
         recorder: TraceRecorder | None = None,
+        *,
+        moe_layers: Sequence[int] = (),
+        run_ahead: RunAheadPolicy | None = None,
     ) -> None:
         self.worker = worker
         self.model = model
@@ -57,6 +63,11 @@ class Compute:
         self.recorder = recorder
         self.tick = 0
         self.stats = ComputeStats()
+        self.run_ahead = run_ahead or RunAheadPolicy("off")
+        self.run_ahead.stats = self.stats
+        self._row_of = {layer: i for i, layer in enumerate(moe_layers)}
+        self._map: mx.array | None = None
+        self._map_version = -1
 
     def _learn(self, routing: Routing | None, phase: Phase) -> Predictions:
         """On the MLX thread, straight after a routing sync: observe, then predict."""
@@ -95,13 +106,72 @@ class Compute:
         finally:
             self.stats.mlx_seconds += time.perf_counter() - start
 
+    def _slot_map(self) -> mx.array:
+        """The device-side expert -> slot map of the ready experts (rebuilt on change)."""
+        table = self.router.table
+        if self._map is None or self._map_version != table.version:
+            host = np.full((len(self._row_of), self.router.num_experts), -1, dtype=np.int32)
+            for (layer, expert), slot in table.ready_items():
+                row = self._row_of.get(layer)
+                if row is not None:
+                    host[row, expert] = slot
+            self._map, self._map_version = mx.array(host), table.version
+        return self._map
+
+    def _run_ahead(self, tokens: Sequence[int], cache: list[Any]) -> tuple[ForwardStepper, Any]:
+        step = self.model.step(list(tokens), cache)
+        return step, step.run_ahead(self._slot_map(), self._row_of)
+
+    def _resume(
+        self, step: ForwardStepper, layer: int, phase: Phase
+    ) -> tuple[Routing | None, Predictions]:
+        routing = step.resume(layer, self._presync(phase))
+        return routing, self._learn(routing, phase)
+
+    async def _hits(self, layer: int, rows: np.ndarray, phase: Phase) -> None:
+        """Host bookkeeping for a layer that ran ahead with every expert present.
+
+        The pool sees the same demand as on the per-layer path (hits, recency); nothing
+        is predicted or prefetched: every expert was there, and a prefetch now could
+        evict an expert that a later layer of this very token has already used.
+        """
+        self.tick += 1
+        ids = unique_in_order(rows)
+        for row in rows:
+            self.strategy.observe(layer, [int(e) for e in row])
+        if phase == "decode":
+            self.scorer.score(layer, ids)
+        await self.router.demand(layer, ids, self.tick)
+        if self.recorder is not None:
+            self.recorder.record(layer, ids, [])
+
     async def forward(self, tokens: Sequence[int], cache: list[Any], phase: Phase) -> mx.array:
-        """Run `tokens` through the model (updating `cache`); the last position's logits."""
+        """Run `tokens` through the model (updating `cache`); the last position's logits.
+
+        Decode tokens run ahead (one host sync for the whole token) when the policy
+        expects every expert to be in the pool, and fall back to one sync per MoE layer
+        from the first layer that missed; prefill always steps layer by layer.
+        """
         if self.recorder is not None:
             self.recorder.begin_token(phase)
         if phase == "decode":
             self.scorer.begin_token()
-        step, routing, preds = await self._mlx(self._start, tokens, cache, phase)
+        misses0 = self.router.table.misses
+        ahead = phase == "decode" and self.run_ahead.wanted()
+        if ahead:
+            step, result = await self._mlx(self._run_ahead, tokens, cache)
+            miss = result.first_miss()
+            for layer, rows, ok in zip(result.layers, result.ids, result.present, strict=True):
+                if not ok:
+                    break
+                await self._hits(layer, rows, phase)
+            self.run_ahead.after_run_ahead(hit=miss is None)
+            if miss is None:
+                return result.logits
+            self.stats.run_ahead_misses += 1
+            routing, preds = await self._mlx(self._resume, step, miss, phase)
+        else:
+            step, routing, preds = await self._mlx(self._start, tokens, cache, phase)
         while routing is not None:
             self.tick += 1
             ids = unique_in_order(routing.ids)
@@ -113,4 +183,7 @@ class Compute:
             if self.recorder is not None:
                 self.recorder.record(routing.layer, ids, preds)
             routing, preds = await self._mlx(self._advance, step, slot_of, phase)
-        return await self._mlx(step.logits)
+        logits = await self._mlx(step.logits)
+        if phase == "decode" and not ahead:
+            self.run_ahead.after_layered(hit=self.router.table.misses == misses0)
+        return logits

@@ -32,6 +32,7 @@ from actors.prefetch import PrefetchScorer, make_strategy
 from actors.reader import ExpertReader
 from actors.router import ExpertRouter
 from actors.routing_trace import TraceModel, TracePool, TraceRecorder
+from actors.run_ahead import RunAheadPolicy
 from actors.sampling_params import SamplingParams
 from pipeline.config.schema import PipelineConfig
 from pipeline.events import Event
@@ -51,8 +52,27 @@ class PoolTooSmall(ValueError):
 
 
 def smallest_workable_slots(num_experts: int, top_k: int, prefill_chunk: int) -> int:
-    """A prefill chunk's layer may touch chunk * top_k distinct experts, all pinned at once."""
-    return min(num_experts, prefill_chunk * top_k)
+    """A prefill chunk's layer may touch chunk * top_k distinct experts, all pinned at once.
+
+    `prefill_chunk` 0 (follow the pool) needs only one token's experts.
+    """
+    return min(num_experts, max(prefill_chunk, 1) * top_k)
+
+
+def prefill_chunk_for(config_chunk: int, max_tokens: int, slots: int, num_experts: int,
+                      top_k: int) -> int:
+    """Prompt tokens per prefill forward: the config's, or the most the pool allows.
+
+    Each chunk reads every expert its tokens need once per layer, so fewer, larger
+    chunks read the disk fewer times: with room for a whole layer's experts, one chunk
+    of up to `max_tokens` (one pass of the disk per prompt); else slots // top_k tokens,
+    whose experts are guaranteed to fit pinned at once.
+    """
+    if config_chunk:
+        return config_chunk
+    if slots >= num_experts:
+        return max_tokens
+    return max(1, min(max_tokens, slots // top_k))
 
 
 class Engine:
@@ -83,6 +103,11 @@ class Engine:
         )
         self.waiting = 0
         self.generations = 0
+        manifest = container.manifest
+        self.prefill_chunk = prefill_chunk_for(
+            config.compute.prefill_chunk, config.compute.prefill_max_tokens,
+            router.table.num_slots, manifest.num_experts, manifest.top_k,
+        )
 
     @property
     def name(self) -> str:
@@ -141,6 +166,30 @@ class Engine:
             async for event in events:
                 yield event
 
+    async def warm(self) -> int:
+        """Read every expert into the pool (it must hold them all); returns how many were read.
+
+        For users with memory to spare (and the `warm-all` benchmark): decode then never
+        waits for the disk and runs ahead, one host sync per token.
+        """
+        manifest = self.container.manifest
+        total = manifest.num_experts * len(self.model.moe_layers)
+        if self.router.table.num_slots < total:
+            raise PoolTooSmall(
+                f"warming needs a slot for every expert ({total}); the pool has "
+                f"{self.router.table.num_slots}"
+            )
+        misses = self.router.table.misses
+        async with self.lock:
+            try:
+                for layer in self.model.moe_layers:
+                    self.compute.tick += 1
+                    await self.router.demand(layer, range(manifest.num_experts), self.compute.tick)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self.router.drain()
+        return self.router.table.misses - misses
+
     def pool_snapshot(self) -> dict[str, Any]:
         counters = self.router.table.snapshot()
         return {
@@ -156,6 +205,8 @@ class Engine:
             "stall_seconds": self.router.stats.stall_seconds,
             "prefetch_hits_waited": self.router.stats.prefetch_hits_waited,
             "mlx_seconds": self.compute.stats.mlx_seconds,
+            "run_ahead_tokens": self.compute.stats.run_ahead_tokens,
+            "run_ahead_misses": self.compute.stats.run_ahead_misses,
         }
 
 
@@ -345,7 +396,10 @@ def _start_actors(
             ),
         )
     compute = Compute(
-        worker, model, router, strategy, PrefetchScorer(manifest.max_stride), recorder
+        worker, model, router, strategy, PrefetchScorer(manifest.max_stride), recorder,
+        moe_layers=model.moe_layers,
+        # The serial streamer baseline keeps one sync per layer, as it always had.
+        run_ahead=RunAheadPolicy(config.compute.run_ahead if overlap else "off"),
     )
     engine = Engine(config, container, worker, model, storage, router, compute, tokenizer)
     log.info(

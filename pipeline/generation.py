@@ -69,7 +69,7 @@ class Generation:
 
     async def _prefill(self, cache: list[Any], start: int) -> mx.array:
         compute = self.engine.compute
-        chunk = self.engine.config.compute.prefill_chunk
+        chunk = self.engine.prefill_chunk
         logits = None
         for i in range(start, len(self.tokens), chunk):
             with timeline.span("compute", "prefill-chunk", tokens=len(self.tokens[i : i + chunk])):

@@ -62,6 +62,18 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "reader": {"concurrency": 4},
         "prefetch": {"strategy": "transition"},
     }),
+    # Run-ahead tried on every decode token with a pool of 8: misses at every layer
+    # position, each resumed layer by layer from the first missing one.
+    "run-ahead-on-next-gate-lfu-8-r4": ("qwen3_next", {
+        "pool": {"slots": 8, "eviction": "lfu"},
+        "reader": {"concurrency": 4},
+        "compute": {"run_ahead": "on"},
+    }),
+    "run-ahead-on-history-lru-40": ("qwen3_5_moe", {
+        "pool": {"slots": 40, "eviction": "lru"},
+        "prefetch": {"strategy": "history"},
+        "compute": {"run_ahead": "on"},
+    }),
     "next-gate+transition-lfu-8-r1": ("qwen3_5_moe", {
         "pool": {"slots": 8, "eviction": "lfu"},
         "reader": {"concurrency": 1},
@@ -178,3 +190,42 @@ async def test_cancelled_generations_leave_a_clean_pool_and_concurrent_ones_agre
         assert engine.waiting == 0
         pool_within_slots(engine)
         assert engine.pool_snapshot()["loads_in_flight"] == 0
+
+
+async def test_run_ahead_with_every_expert_pooled_is_one_sync_per_token_and_exact(pair):
+    """Every expert pooled: after the first token, decode runs ahead and never falls back;
+    logits equal the per-layer path's bit for bit."""
+    _src, qpack = pair("qwen3_next")
+    config = engine_config(qpack, pool={"slots": 64})
+    async with open_engine(config) as engine:
+        _a, _b, want_logits = expected(pair, "qwen3_next", set(engine.tokenizer.eos_token_ids))
+        assert await engine.warm() == 64  # every expert read once
+        assert await engine.warm() == 0
+        stats = engine.compute.stats
+        before = (stats.run_ahead_tokens, stats.run_ahead_misses)
+        got = await forward_logits(engine, PROMPT, DECODE)
+        for i, (a, b) in enumerate(zip(got, want_logits, strict=True)):
+            assert np.array_equal(a, b), f"forward {i}"
+        tried = stats.run_ahead_tokens - before[0]
+        assert tried == len(DECODE), (tried, stats)
+        assert stats.run_ahead_misses == before[1]
+
+
+async def test_an_abandoned_generation_stops_within_one_step_with_every_expert_pooled(pair):
+    """A consumer that never awaits anything itself (like a non-streaming reply) is
+    cancelled by a deadline: decoding stops at the next step, the engine is free."""
+    _src, qpack = pair("qwen3_next")
+    config = engine_config(qpack, pool={"slots": 64})
+    async with open_engine(config) as engine:
+        await generate(engine, PROMPT, 4)
+        stamps: list[float] = []
+        deadline = trio.current_time() + 0.3
+        with trio.move_on_at(deadline):
+            async for event in engine.generate(PROMPT_B, greedy(300)):
+                if isinstance(event, TextDelta):
+                    stamps.append(trio.current_time())
+        late = [s for s in stamps if s > deadline]
+        assert len(late) <= 1, f"{len(late)} tokens decoded after the cancel"
+        assert not engine.lock.locked()
+        pool_is_clean(engine)
+        assert len((await generate(engine, PROMPT, 3)).token_ids) == 3

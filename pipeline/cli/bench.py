@@ -10,7 +10,10 @@ from typing import Any
 
 from pipeline.bench.cases import Case, Report, machine_info, run_case
 
+# The default run; warm-all (every expert pooled, vs mlx-lm resident in the same
+# process) and the long-prompt pair are asked for by name.
 CASES = ("default", "serial", "resident", "io")
+ALL_CASES = (*CASES, "warm-all", "long-prompt", "long-prompt-c256")
 
 
 def plan_cases(args: argparse.Namespace) -> list[Case]:
@@ -34,6 +37,18 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
             cases.append(Case(name="resident", kind="resident", **common))
         elif name == "io":
             cases.append(Case(name="io", kind="io", config=base, **common))
+        elif name == "warm-all":
+            cases.append(Case(name="warm-all", config=base, warm_all=True,
+                              **{**common, "cold": False}))
+        elif name == "long-prompt":
+            # One pass of the disk per prompt (the chunk follows the pool) ...
+            cases.append(Case(name="long-prompt", config=base,
+                              **{**common, "prompt_tokens": args.long_prompt, "max_tokens": 8}))
+        elif name == "long-prompt-c256":
+            # ... against fixed 256-token chunks (the earlier default).
+            fixed = {**base, "compute": {**base["compute"], "prefill_chunk": 256}}
+            cases.append(Case(name="long-prompt-c256", config=fixed,
+                              **{**common, "prompt_tokens": args.long_prompt, "max_tokens": 8}))
     return cases
 
 
@@ -58,9 +73,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     from pipeline.bench.report import plot_timeline, results_table, write_json
 
-    unknown = [c for c in args.cases if c not in CASES]
+    unknown = [c for c in args.cases if c not in ALL_CASES]
     if unknown:
-        print(f"moestream bench: unknown case(s) {unknown}; choose from {list(CASES)}", file=sys.stderr)
+        print(f"moestream bench: unknown case(s) {unknown}; choose from {list(ALL_CASES)}", file=sys.stderr)
         return 2
     if not (Path(args.model) / "manifest.json").is_file():
         print(f"moestream bench: {args.model}: not a .qpack container (no manifest.json)", file=sys.stderr)
@@ -102,7 +117,10 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="next-gate", help="prefetch strategy of the default case")
     p.add_argument("--depth", type=int, default=1,
                    help="layers ahead the strategy predicts (lookahead, history; default 1)")
-    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill step")
+    p.add_argument("--prefill-chunk", type=int, default=0,
+                   help="prompt tokens per prefill step (default 0: follow the pool)")
+    p.add_argument("--long-prompt", type=int, default=1024,
+                   help="prompt length of the long-prompt cases (default 1024)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (default 16)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument("--o-direct", action="store_true", help="read experts with O_DIRECT")
@@ -121,7 +139,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "table, writes JSON, and with --trace and --plots a timeline of one decode step.")
     p.add_argument("model", type=Path, help="path of a .qpack container")
     p.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES),
-                   help=f"comma-separated subset of {','.join(CASES)}")
+                   help=f"comma-separated cases (default {','.join(CASES)}; "
+                   f"all: {','.join(ALL_CASES)})")
     add_bench_flags(p)
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--trace", help="write the default case's Chrome/Perfetto timeline here")

@@ -104,7 +104,15 @@ class PrefetchConfig(_Section):
 
 
 class ComputeConfig(_Section):
-    prefill_chunk: PositiveInt = 256  # prompt tokens per forward during prefill
+    # Prompt tokens per prefill forward. 0 = follow the pool: the whole prompt (up to
+    # prefill_max_tokens) in one layer-major pass when a layer's experts all fit in the
+    # pool, so a prompt reads each expert it needs once; else as many tokens as the pool
+    # can pin one layer's experts for (slots // top_k).
+    prefill_chunk: NonNegInt = 0
+    prefill_max_tokens: PositiveInt = 2048  # activation memory grows with the chunk
+    # One host sync per decode token when the experts are expected to be resident:
+    # "auto" (after a token that read nothing), "on" (always try first), "off".
+    run_ahead: Literal["auto", "on", "off"] = "auto"
     overlap: bool = True  # false = the serial streamer baseline (no read/compute overlap)
     # Activation dtype. "auto": float32 on MLX's CPU backend (its bfloat16 kernels are ~10x
     # slower than float32 there), the model's own dtype on GPUs; "model": always the model's.
