@@ -145,6 +145,13 @@ class Compute:
         if self.recorder is not None:
             self.recorder.record(layer, ids, [])
 
+    def begin_token(self, phase: Phase) -> None:
+        """Before a forward's bookkeeping: the recorder and the scorer start a token."""
+        if self.recorder is not None:
+            self.recorder.begin_token(phase)
+        if phase == "decode":
+            self.scorer.begin_token()
+
     async def forward(self, tokens: Sequence[int], cache: list[Any], phase: Phase) -> mx.array:
         """Run `tokens` through the model (updating `cache`); the last position's logits.
 
@@ -152,26 +159,41 @@ class Compute:
         expects every expert to be in the pool, and fall back to one sync per MoE layer
         from the first layer that missed; prefill always steps layer by layer.
         """
-        if self.recorder is not None:
-            self.recorder.begin_token(phase)
-        if phase == "decode":
-            self.scorer.begin_token()
+        self.begin_token(phase)
         misses0 = self.router.table.misses
         ahead = phase == "decode" and self.run_ahead.wanted()
         if ahead:
             step, result = await self._mlx(self._run_ahead, tokens, cache)
-            miss = result.first_miss()
-            for layer, rows, ok in zip(result.layers, result.ids, result.present, strict=True):
-                if not ok:
-                    break
-                await self._hits(layer, rows, phase)
+            miss = await self.account(result, phase)
             self.run_ahead.after_run_ahead(hit=miss is None)
             if miss is None:
                 return result.logits
-            self.stats.run_ahead_misses += 1
-            routing, preds = await self._mlx(self._resume, step, miss, phase)
-        else:
-            step, routing, preds = await self._mlx(self._start, tokens, cache, phase)
+            return await self.finish_from(step, miss, phase)
+        step, routing, preds = await self._mlx(self._start, tokens, cache, phase)
+        logits = await self.layered(step, routing, preds, phase)
+        if phase == "decode":
+            self.run_ahead.after_layered(hit=self.router.table.misses == misses0)
+        return logits
+
+    async def account(self, result: Any, phase: Phase) -> int | None:
+        """Bookkeeping for a run-ahead's layers up to its first miss; that layer or None."""
+        miss = result.first_miss()
+        for layer, rows, ok in zip(result.layers, result.ids, result.present, strict=True):
+            if not ok:
+                break
+            await self._hits(layer, rows, phase)
+        return miss
+
+    async def finish_from(self, step: ForwardStepper, miss: int, phase: Phase) -> mx.array:
+        """A run-ahead missed at layer `miss`: redo it from there, one sync per layer."""
+        self.stats.run_ahead_misses += 1
+        routing, preds = await self._mlx(self._resume, step, miss, phase)
+        return await self.layered(step, routing, preds, phase)
+
+    async def layered(
+        self, step: ForwardStepper, routing: Routing | None, preds: Predictions, phase: Phase
+    ) -> mx.array:
+        """Step the forward on, one MoE layer at a time: demand, prefetch, advance."""
         while routing is not None:
             self.tick += 1
             ids = unique_in_order(routing.ids)
@@ -183,7 +205,4 @@ class Compute:
             if self.recorder is not None:
                 self.recorder.record(routing.layer, ids, preds)
             routing, preds = await self._mlx(self._advance, step, slot_of, phase)
-        logits = await self._mlx(step.logits)
-        if phase == "decode" and not ahead:
-            self.run_ahead.after_layered(hit=self.router.table.misses == misses0)
-        return logits
+        return await self._mlx(step.logits)

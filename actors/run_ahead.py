@@ -35,6 +35,10 @@ class RunAheadPolicy:
             self.stats.run_ahead_tokens += 1
         return want
 
+    def ready(self) -> bool:
+        """Whether the next token should run ahead (no side effect; `wanted` counts it)."""
+        return self.mode == "on" or (self.mode == "auto" and self._last_hit and self._wait == 0)
+
     def after_run_ahead(self, hit: bool) -> None:
         self._last_hit = hit
         if not hit:

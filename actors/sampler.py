@@ -70,8 +70,34 @@ class Sampler:
     def is_stop_token(self, token: int) -> bool:
         return token in self._stop_ids
 
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return self._stop_ids
+
     def sample(self, logits: mx.array) -> int:
         """One token id from `logits` of shape [vocab] (or [1, vocab]); records it."""
+        token = int(self.draw(logits).item())
+        self.record(token)
+        return token
+
+    @property
+    def lazy_ok(self) -> bool:
+        """Whether `draw` may run before the previous token is known on the host.
+
+        Penalties read the generated tokens' counts on the host, so with penalties each
+        draw needs the last token first; without them a draw depends only on the logits
+        and the RNG stream, and decode can be pipelined.
+        """
+        p = self.params
+        return (p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+                and p.presence_penalty == 0.0)
+
+    def draw(self, logits: mx.array) -> mx.array:
+        """The next token as a lazy [] array (not recorded: see `record`).
+
+        Splits the RNG key once, as `sample` does; `key` / `restore_key` let a caller that
+        throws a draw away redraw it identically.
+        """
         if logits.ndim == 2 and logits.shape[0] == 1:
             logits = logits[0]
         if logits.ndim != 1 or logits.shape[0] != self.vocab_size:
@@ -81,11 +107,15 @@ class Sampler:
         self._key, step_key = mx.random.split(self._key)
         x = self.process(logits.astype(mx.float32))
         if self.params.greedy:
-            token = int(mx.argmax(x).item())
-        else:
-            token = int(mx.random.categorical(x, key=step_key).item())
-        self.record(token)
-        return token
+            return mx.argmax(x)
+        return mx.random.categorical(x, key=step_key)
+
+    @property
+    def key(self) -> mx.array:
+        return self._key
+
+    def restore_key(self, key: mx.array) -> None:
+        self._key = key
 
     def process(self, logits: mx.array) -> mx.array:
         """Penalties, temperature and filters; returns float32 logits (-inf = excluded).

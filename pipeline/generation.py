@@ -17,9 +17,10 @@ import structlog
 import trio
 
 from actors import timeline
+from actors.decode import Decoder
 from actors.sampler import Sampler
 from actors.sampling_params import SamplingParams
-from actors.text_stream import StopMatcher
+from actors.text_stream import TextStream
 from pipeline.events import Done, Event, GenerationStats, TextDelta
 from pipeline.resident_map import current_rss_mb, peak_rss_mb
 
@@ -90,9 +91,9 @@ class Generation:
         vocab = engine.model.parts.args.vocab_size
         eos = set(engine.tokenizer.eos_token_ids)
         sampler = Sampler(self.params, vocab, self.tokens)
-        stops = StopMatcher(self.params.stop)
         detok = engine.tokenizer.detokenizer
         detok.reset()
+        stream = TextStream(detok, self.params.stop, stop_token_ids=eos | sampler.stop_ids)
         max_tokens = self._max_tokens()
         cache, cached = engine.prefix_cache.take(self.tokens)
         if cache is None:
@@ -102,7 +103,6 @@ class Generation:
         generated: list[int] = []
         text_parts: list[str] = []
         finish = "length"
-        stop_string = False
         ok = False
         try:
             logits = await self._prefill(cache, cached)
@@ -111,32 +111,26 @@ class Generation:
             prefill_device = await worker.run(mx.get_peak_memory)
             await worker.run(mx.reset_peak_memory)
             decode_rss = current_rss_mb()
+            decoder = Decoder(engine.compute, cache, sampler, logits)
             while len(generated) < max_tokens:
-                with timeline.span("sampler", "sample"):
-                    token = await worker.run(sampler.sample, logits)
+                with timeline.span("compute", "decode-step", index=len(generated)):
+                    token = await decoder.next(more=len(generated) + 1 < max_tokens)
                 generated.append(token)
-                if token in eos or sampler.is_stop_token(token):
-                    finish = "stop"
-                    break
-                detok.add_token(token)
-                text, stopped = stops.feed(detok.last_segment)
+                text, reason = stream.add(token)
                 if text:
                     text_parts.append(text)
                     yield TextDelta(text, (token,))
-                if stopped:
-                    finish, stop_string = "stop", True
+                if reason is not None:
+                    finish = reason
                     break
-                if len(generated) >= max_tokens:
-                    break
-                with timeline.span("compute", "decode-step", index=len(generated)):
-                    logits = await engine.compute.forward([token], cache, "decode")
                 decode_rss = max(decode_rss, current_rss_mb())
-            if not stop_string:
-                detok.finalize()
-                tail = stops.feed(detok.last_segment)[0] + stops.flush()
-                if tail:
-                    text_parts.append(tail)
-                    yield TextDelta(tail, ())
+            tail = stream.finish("length")
+            if tail:
+                text_parts.append(tail)
+                yield TextDelta(tail, ())
+            # A step queued on the last token is undone: the caches hold prompt +
+            # generated[:-1], as the prefix cache below expects.
+            await decoder.close()
             # Nothing runs until the next request: let the last layer's experts go.
             router.driver.end_layer()
             ok = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import trio
@@ -23,6 +24,7 @@ from helpers_engine import (
 )
 from helpers_forward import DirectForward, greedy_reference, reference_for, tiny_pair
 
+from actors.sampling_params import SamplingParams
 from pipeline.engine import open_engine
 from pipeline.events import TextDelta
 from pipeline.replay import simulate
@@ -229,3 +231,35 @@ async def test_an_abandoned_generation_stops_within_one_step_with_every_expert_p
         assert not engine.lock.locked()
         pool_is_clean(engine)
         assert len((await generate(engine, PROMPT, 3)).token_ids) == 3
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+async def test_pipelined_decode_draws_the_same_sampled_tokens_as_one_step_at_a_time(pair, family):
+    """Seeded sampling (temperature 1): decode queued one token ahead, with misses forcing
+    roll-backs and redraws, gives the tokens of the unpipelined loop. A run cut by a stop
+    token leaves a queued step behind, which is undone: a follow-up request resuming from
+    the prefix cache gets the same tokens too."""
+    _src, qpack = pair(family)
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=12)
+    results: dict[str, list[list[int]]] = {}
+    for mode in ("off", "on"):
+        config = engine_config(qpack, pool={"slots": 12}, compute={"run_ahead": mode})
+        async with open_engine(config) as engine:
+            runs = [list((await _last(engine.generate(p, params))).token_ids)
+                    for p in (PROMPT, PROMPT_B)]
+            stop = runs[0][4]
+            cut = msgspec.structs.replace(params, stop_token_ids=(stop,))
+            runs.append(list((await _last(engine.generate(PROMPT, cut))).token_ids))
+            assert runs[-1][-1] == stop and len(runs[-1]) < 12
+            done = await _last(engine.generate(PROMPT + runs[-1][:-1] + [5], params))
+            assert done.stats.cached_tokens == len(PROMPT) + len(runs[-1]) - 1
+            runs.append(list(done.token_ids))
+            if mode == "on":
+                assert engine.compute.stats.run_ahead_misses > 0  # roll-backs happened
+            pool_is_clean(engine)
+        results[mode] = runs
+    assert results["on"] == results["off"]
+
+
+async def _last(events: Any) -> Any:
+    return [e async for e in events][-1]

@@ -37,6 +37,23 @@ class RunAhead:
         return self.layers[int(missing[0])] if missing.size else None
 
 
+@dataclass
+class LazyRunAhead:
+    """A launched run-ahead: still lazy, so the host can queue the next step first."""
+
+    layers: list[int]
+    ids: mx.array
+    present: mx.array
+    logits: mx.array
+    keep: list[mx.array]  # evaluated with it: residual streams for `resume`, cache states
+
+    def arrays(self) -> list[mx.array]:
+        return [self.logits, self.ids, self.present, *self.keep]
+
+    def result(self) -> RunAhead:
+        return RunAhead(self.layers, np.asarray(self.ids), np.asarray(self.present), self.logits)
+
+
 def _snapshot(cache: Any) -> dict[str, Any]:
     # mlx-lm's caches: KVCache (keys/values buffers written at `offset`, so restoring the
     # offset is enough) and ArraysCache (a list whose entries are replaced, never written
@@ -69,7 +86,7 @@ class StreamedModel:
         self.num_experts = self.parts.layers[self.moe_layers[0]].mlp.num_experts
         self.top_k = self.parts.layers[self.moe_layers[0]].mlp.top_k
 
-    def step(self, tokens: list[int], cache: list[Any]) -> ForwardStep:
+    def step(self, tokens: list[int] | mx.array, cache: list[Any]) -> ForwardStep:
         return ForwardStep(self, tokens, cache)
 
     def make_cache(self) -> list[Any]:
@@ -93,10 +110,12 @@ def activation_dtype(setting: str) -> mx.Dtype | None:
 class ForwardStep:
     """One forward call over `tokens` (a prefill chunk or one decode token)."""
 
-    def __init__(self, model: StreamedModel, tokens: list[int], cache: list[Any]):
+    def __init__(self, model: StreamedModel, tokens: list[int] | mx.array, cache: list[Any]):
+        """`tokens`: ids, or a lazy [1] array (a token not yet read back: pipelined decode)."""
         self.m = model
         self.cache = cache
-        h = model.parts.embed_tokens(mx.array([tokens]))
+        ids = tokens.reshape(1, -1) if isinstance(tokens, mx.array) else mx.array([tokens])
+        h = model.parts.embed_tokens(ids)
         if model.activation_dtype is not None:
             h = h.astype(model.activation_dtype)
         first_fa = next((i for i, b in enumerate(model.parts.layers) if not b.is_linear), None)
@@ -151,6 +170,12 @@ class ForwardStep:
         return self.run_to_routing(presync)
 
     def run_ahead(self, slot_map: mx.array, row_of: dict[int, int]) -> RunAhead:
+        """`launch` then evaluate at once (see `launch`)."""
+        lazy = self.launch(slot_map, row_of)
+        mx.eval(lazy.arrays())
+        return lazy.result()
+
+    def launch(self, slot_map: mx.array, row_of: dict[int, int]) -> LazyRunAhead:
         """The whole token in one evaluation, experts looked up on the device.
 
         `slot_map[row_of[layer], e]` is expert e's pool slot, or -1 when it is not ready.
@@ -186,9 +211,18 @@ class ForwardStep:
             self.layer += 1
         out = self.m.parts.head(self.m.parts.norm(self.h[:, -1:, :]))[0]
         states = [a for c in self.cache for a in c.state if a is not None]
-        all_ids, flags = mx.stack(ids), mx.stack(present)
-        mx.eval(out, all_ids, flags, list(self._h_in.values()), states)
-        return RunAhead(layers, np.asarray(all_ids), np.asarray(flags), out[0])
+        return LazyRunAhead(layers, mx.stack(ids), mx.stack(present), out[0],
+                            [*self._h_in.values(), *states])
+
+    def restore(self, snapshot: list[dict[str, Any]], layers: range) -> None:
+        """Put `layers`' caches back as `snapshot` (a `snapshot()`) had them."""
+        for i in layers:
+            _restore(self.cache[i], snapshot[i])
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The caches as they are before this step (taken by `launch`)."""
+        assert self._snapshot is not None
+        return self._snapshot
 
     def resume(self, layer: int, presync: Presync | None = None) -> Routing | None:
         """After a run-ahead that missed at `layer`: undo it from there, step on as usual.
