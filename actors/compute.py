@@ -68,6 +68,7 @@ class Compute:
         self._row_of = {layer: i for i, layer in enumerate(moe_layers)}
         self._map: mx.array | None = None
         self._map_version = -1
+        self._gate = getattr(strategy, "prepare", None) is not None
 
     def _learn(self, routing: Routing | None, phase: Phase) -> Predictions:
         """On the MLX thread, straight after a routing sync: observe, then predict."""
@@ -75,7 +76,10 @@ class Compute:
             return []
         for row in routing.ids:
             self.strategy.observe(routing.layer, [int(e) for e in row])
-        if phase != "decode":
+        # In prefill only gate strategies predict: from every token of the chunk, the
+        # next layer's union (its reads then overlap this layer's compute); statistics
+        # strategies only learn there.
+        if phase != "decode" and not self._gate:
             return []
         chosen = [int(e) for e in routing.ids[0]]
         preds = self.strategy.predict(routing.layer, chosen, routing.hidden)

@@ -148,16 +148,17 @@ async def measure_engine(case: Case) -> Result:
             drop_page_cache(case.model)
         router, compute = engine.router, engine.compute
         mark: dict[str, float] = {}
-        original = compute.forward
+        original = compute.begin_token
 
-        async def forward(tokens: Any, cache: Any, phase: Any) -> Any:
-            # The first decode forward: snapshot counters to split prefill from decode.
+        def begin_token(phase: Any) -> None:
+            # The first decode token's bookkeeping: snapshot counters to split prefill
+            # from decode (pipelined or not, every forward starts its bookkeeping here).
             if phase == "decode" and not mark:
                 snap = router.table.snapshot()
                 mark.update(bytes=router.reader.stats.bytes_read, hits=snap.hits, misses=snap.misses)
-            return await original(tokens, cache, phase)
+            original(phase)
 
-        compute.forward = forward  # type: ignore[method-assign]
+        compute.begin_token = begin_token  # type: ignore[method-assign]
         bytes0 = router.reader.stats.bytes_read
         ahead0 = (compute.stats.run_ahead_tokens, compute.stats.run_ahead_misses)
         params = SamplingParams(temperature=1.0, seed=case.seed, max_tokens=case.max_tokens)
@@ -168,7 +169,7 @@ async def measure_engine(case: Case) -> Result:
                 async for event in it:
                     if isinstance(event, Done):
                         done = event
-        compute.forward = original  # type: ignore[method-assign]
+        compute.begin_token = original  # type: ignore[method-assign]
         assert done is not None
         s = done.stats
         snap = router.table.snapshot()
