@@ -108,7 +108,7 @@ class Decoder:
     async def _consume(self, current: _Launched, more: bool) -> int:
         c = self.compute
         result, nxt = await c._mlx(self._step, current, more)
-        c.begin_token("decode")
+        await c.begin_token("decode")
         miss = await c.account(result, "decode")
         c.run_ahead.after_run_ahead(hit=miss is None)
         if miss is None:

@@ -24,6 +24,7 @@ import structlog
 import trio
 
 from actors.compute import Compute
+from actors.compute_task import ComputeTask
 from actors.mlx_worker import MlxWorker
 from actors.pool.eviction import make_policy
 from actors.pool.slots import SlotTable
@@ -34,6 +35,7 @@ from actors.router import ExpertRouter
 from actors.routing_trace import TraceModel, TracePool, TraceRecorder
 from actors.run_ahead import RunAheadPolicy
 from actors.sampling_params import SamplingParams
+from actors.sampling_task import SamplingTask
 from pipeline.config.schema import PipelineConfig
 from pipeline.events import Event
 from pipeline.generation import Generation
@@ -97,7 +99,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.prefix_cache = PrefixCache()
         self.heap_trimmer = HeapTrimmer()
-        self.lock = trio.Lock()  # trio's Lock is FIFO-fair: callers are served in order
+        # Held by the compute task while a generation runs (and by direct users of the
+        # compute actor): generations run one at a time, in the order they were asked for.
+        self.lock = trio.Lock()
+        self.compute_task = ComputeTask(self.lock)
+        self.sampling = SamplingTask()
         self.context_limit = config.server.context_limit or int(
             _text_config(container.config).get("max_position_embeddings", 1 << 20)
         )
@@ -145,9 +151,8 @@ class Engine:
         generation.check()
         self.waiting += 1
         try:
-            async with self.lock:
-                self.waiting -= 1
-                async for event in generation.run():
+            async with aclosing(generation.run()) as events:
+                async for event in events:
                     yield event
         finally:
             if not generation.started:
@@ -366,6 +371,7 @@ def _start_actors(
     )
     nursery.start_soon(reader.run)
     router = ExpertRouter(table, reader, model.num_experts, _installer(worker, storage))
+    nursery.start_soon(router.run)
     strategy_name = config.prefetch.strategy if overlap else "none"
     strategy = make_strategy(
         strategy_name,
@@ -401,7 +407,10 @@ def _start_actors(
         # The serial streamer baseline keeps one sync per layer, as it always had.
         run_ahead=RunAheadPolicy(config.compute.run_ahead if overlap else "off"),
     )
+    nursery.start_soon(compute.prefetcher.run)
     engine = Engine(config, container, worker, model, storage, router, compute, tokenizer)
+    nursery.start_soon(engine.compute_task.run)
+    nursery.start_soon(engine.sampling.run)
     log.info(
         "engine.open",
         container=str(container.root),

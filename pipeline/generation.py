@@ -1,4 +1,7 @@
-"""One generation: chunked prefill, then decode token by token, streaming text.
+"""One generation: prefill, then decode token by token, streaming text.
+
+Its body runs as a job of the engine's compute task; the caller's task only reads the
+events (`run`).
 
 Owns the request's sampler, detokenizer, stop matcher and model state. If it is
 cancelled or fails mid-way, its model state is discarded (a half-updated recurrent
@@ -17,6 +20,7 @@ import structlog
 import trio
 
 from actors import timeline
+from actors.compute_task import ComputeTask, Job
 from actors.decode import Decoder
 from actors.sampler import Sampler
 from actors.sampling_params import SamplingParams
@@ -79,7 +83,33 @@ class Generation:
         return logits
 
     async def run(self) -> AsyncIterator[Event]:
+        """Submit this generation to the compute task and stream what it produces.
+
+        Leaving early (a break, a cancel, a client gone) cancels the job and waits for it
+        to clean up, so the engine is free for the next request within one step.
+        """
+        engine = self.engine
+        send, receive = trio.open_memory_channel[Event](16)
+        job = Job(body=lambda: self._body(send))
+        await engine.compute_task.submit(job)
+        try:
+            async with receive:
+                async for event in receive:
+                    yield event
+            await job.finished.wait()
+            if job.error is not None:
+                raise job.error
+        finally:
+            if not job.finished.is_set():
+                await ComputeTask.abandon(job)
+
+    async def _body(self, events: trio.MemorySendChannel[Event]) -> None:
         self.started = True
+        self.engine.waiting -= 1
+        async with events:
+            await self._generate(events)
+
+    async def _generate(self, events: trio.MemorySendChannel[Event]) -> None:
         engine = self.engine
         worker = engine.worker
         router = engine.router
@@ -87,6 +117,7 @@ class Generation:
         rstats = engine.router.reader.stats
         reader0 = (rstats.reads, rstats.bytes_read, rstats.read_seconds)
         stall0 = router.stats.stall_seconds
+        await engine.compute.prefetcher.caught_up()
         scorer0 = engine.compute.scorer.stats()
         vocab = engine.model.parts.args.vocab_size
         eos = set(engine.tokenizer.eos_token_ids)
@@ -103,6 +134,11 @@ class Generation:
         generated: list[int] = []
         text_parts: list[str] = []
         finish = "length"
+
+        async def emit(text: str, token: int | None) -> None:
+            text_parts.append(text)
+            await events.send(TextDelta(text, () if token is None else (token,)))
+
         ok = False
         try:
             logits = await self._prefill(cache, cached)
@@ -116,23 +152,18 @@ class Generation:
                 with timeline.span("compute", "decode-step", index=len(generated)):
                     token = await decoder.next(more=len(generated) + 1 < max_tokens)
                 generated.append(token)
-                text, reason = stream.add(token)
-                if text:
-                    text_parts.append(text)
-                    yield TextDelta(text, (token,))
+                reason = await engine.sampling.add(stream, token, emit)
                 if reason is not None:
                     finish = reason
                     break
                 decode_rss = max(decode_rss, current_rss_mb())
-            tail = stream.finish("length")
-            if tail:
-                text_parts.append(tail)
-                yield TextDelta(tail, ())
+            await engine.sampling.finish(stream, emit)
             # A step queued on the last token is undone: the caches hold prompt +
             # generated[:-1], as the prefix cache below expects.
             await decoder.close()
             # Nothing runs until the next request: let the last layer's experts go.
-            router.driver.end_layer()
+            await router.end_layer()
+            await engine.compute.prefetcher.caught_up()
             ok = True
         finally:
             if not ok:
@@ -191,4 +222,4 @@ class Generation:
         )
         # Between generations, not in anyone's latency: see `heap_trim`.
         await worker.run(engine.heap_trimmer.maybe_trim)
-        yield Done(finish, "".join(text_parts), tuple(generated), stats)  # type: ignore[arg-type]
+        await events.send(Done(finish, "".join(text_parts), tuple(generated), stats))  # type: ignore[arg-type]

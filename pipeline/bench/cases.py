@@ -150,13 +150,13 @@ async def measure_engine(case: Case) -> Result:
         mark: dict[str, float] = {}
         original = compute.begin_token
 
-        def begin_token(phase: Any) -> None:
+        async def begin_token(phase: Any) -> None:
             # The first decode token's bookkeeping: snapshot counters to split prefill
             # from decode (pipelined or not, every forward starts its bookkeeping here).
             if phase == "decode" and not mark:
                 snap = router.table.snapshot()
                 mark.update(bytes=router.reader.stats.bytes_read, hits=snap.hits, misses=snap.misses)
-            original(phase)
+            await original(phase)
 
         compute.begin_token = begin_token  # type: ignore[method-assign]
         bytes0 = router.reader.stats.bytes_read
