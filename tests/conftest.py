@@ -1,17 +1,26 @@
-"""Shared fixtures. `synth_checkpoint` writes tiny synthetic checkpoints once per session."""
+"""Shared fixtures, each made once per session: tiny synthetic checkpoints
+(`synth_checkpoint`), containers packed from them (`packed`), and the fork server that
+kill tests start packs from (`pack_server`)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
 from collections.abc import Callable
+from multiprocessing import forkserver
+from multiprocessing.context import BaseContext
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 # The package is used from the checkout (not installed) when tests run as `.venv/bin/pytest`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from packjob import PRELOAD  # noqa: E402
+
 from qpack.synth.checkpoint import synthesize  # noqa: E402
+from qpack.writer import pack  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +44,30 @@ def synth_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., 
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: `packed(source, **pack_options) -> Path`, the container `tiny.qpack`
+    packed from `source` once per option set per session. Read-only: a test that damages
+    a container damages a copy."""
+    made: dict[tuple[str, tuple[tuple[str, Any], ...]], Path] = {}
+
+    def make(source: Path, **options: Any) -> Path:
+        key = (str(source), tuple(sorted(options.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp("packed") / "tiny.qpack"
+            pack(source, out, progress=False, **options)
+            made[key] = out
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def pack_server() -> BaseContext:
+    """The fork server for `packjob.PackJob`: started on first use, the packer preloaded."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()  # its start-up is this fixture's, not the first kill's
+    return ctx
