@@ -152,8 +152,9 @@ def test_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_0(container):
 
 
 def test_sigterm_during_a_long_generation_cuts_it_at_an_event_boundary(container):
-    """Longer than the graceful period: cancelled, but only whole events reach the client."""
-    server = Server(container)
+    """Longer than the graceful period (`server.shutdown_grace_s`, 1 s here): cancelled,
+    but only whole events reach the client."""
+    server = Server(container, "--set", "server.shutdown_grace_s=1")
     try:
         server.wait_for("server.listening")
         conn, resp = stream(server.port, 3000)
@@ -165,6 +166,7 @@ def test_sigterm_during_a_long_generation_cuts_it_at_an_event_boundary(container
             pytest.fail(f"stream cut inside a chunk: {exc!r}")
         conn.close()
         check_events(first + rest)
+        assert "[DONE]" not in rest, "3000 tokens finished within the grace period: not cut"
         assert server.proc.wait(60) == 0, "".join(server.log)[-3000:]
         # Refused once down: nothing lingers on the port.
         with pytest.raises(OSError):
