@@ -73,9 +73,9 @@ _EXPECTED: dict[str, tuple[list[int], list[int], list[np.ndarray]]] = {}
 
 
 @pytest.fixture
-def pair(synth_checkpoint, tmp_path_factory):
+def pair(synth_checkpoint, packed):
     def get(family: str) -> tuple[Path, Path]:
-        return tiny_pair(synth_checkpoint, tmp_path_factory, family, None)
+        return tiny_pair(synth_checkpoint, packed, family, None)
 
     return get
 

@@ -31,9 +31,9 @@ TOLERANCE = {None: 1e-4, 4: 2e-3, 8: 2e-3}
 
 
 @pytest.fixture
-def pair(synth_checkpoint, tmp_path_factory):
+def pair(synth_checkpoint, packed):
     def get(family: str, bits: int | None = None) -> tuple[Path, Path]:
-        return tiny_pair(synth_checkpoint, tmp_path_factory, family, bits)
+        return tiny_pair(synth_checkpoint, packed, family, bits)
 
     return get
 

@@ -21,16 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from qpack.writer import pack
-
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("shutdown") / "tiny.qpack"
-    pack(synth_checkpoint("qwen3_next"), out, bits=None, progress=False)
-    return out
+def container(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next"), bits=None)
 
 
 def free_port() -> int:
