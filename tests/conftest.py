@@ -1,6 +1,6 @@
 """Shared fixtures, each made once per session: tiny synthetic checkpoints
 (`synth_checkpoint`), containers packed from them (`packed`), and the fork server that
-kill tests start packs from (`pack_server`)."""
+kill tests start packs from (`fork_server`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import pytest
 # The package is used from the checkout (not installed) when tests run as `.venv/bin/pytest`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from packjob import PRELOAD  # noqa: E402
+import forked_cli  # noqa: E402
+import packjob  # noqa: E402
 
 from qpack.synth.checkpoint import synthesize  # noqa: E402
 from qpack.writer import pack  # noqa: E402
@@ -64,10 +65,22 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     return make
 
 
-@pytest.fixture(scope="session")
-def pack_server() -> BaseContext:
-    """The fork server for `packjob.PackJob`: started on first use, the packer preloaded."""
+def _start_fork_server() -> BaseContext:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    forkserver.ensure_running()  # its start-up is this fixture's, not the first kill's
+    ctx.set_forkserver_preload(packjob.PRELOAD + forked_cli.PRELOAD)
+    forkserver.ensure_running()  # returns at once; the server imports PRELOAD on its own
     return ctx
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Started now, the fork server imports the packer and the engine on the other core
+    # while the tests before the first that needs it run.
+    if any("fork_server" in getattr(item, "fixturenames", ()) for item in session.items):
+        _start_fork_server()
+
+
+@pytest.fixture(scope="session")
+def fork_server() -> BaseContext:
+    """The fork server for `packjob.PackJob` and `forked_cli.ForkedCLI`: packer, CLI and
+    engine preloaded, so a forked pack or `moestream serve` starts at once."""
+    return _start_fork_server()

@@ -40,9 +40,9 @@ def reference(source, packed) -> Path:
 
 
 @pytest.fixture(scope="module")
-def milestones(source, pack_server, tmp_path_factory) -> list[str]:
+def milestones(source, fork_server, tmp_path_factory) -> list[str]:
     """Every milestone an uninterrupted pack passes, in order."""
-    job = PackJob(pack_server, source, tmp_path_factory.mktemp("trace") / "x.qpack")
+    job = PackJob(fork_server, source, tmp_path_factory.mktemp("trace") / "x.qpack")
     assert job.join() == 0
     assert job.passed[:2] == ["journal-tmp start", "journal start"]
     assert job.passed[-1] == f"renamed {spec.MANIFEST}"
@@ -62,32 +62,32 @@ def _kill_at(ctx, source: Path, out: Path, milestone: str, sig: signal.Signals) 
 
 @pytest.mark.parametrize("seed", [1, pytest.param(2, marks=pytest.mark.slow),
                                   pytest.param(3, marks=pytest.mark.slow)])
-def test_pack_killed_at_random_moments_resumes_byte_identical(pack_server, source, reference,
+def test_pack_killed_at_random_moments_resumes_byte_identical(fork_server, source, reference,
                                                                milestones, tmp_path, seed):
     rng = random.Random(seed)
     out = tmp_path / "killed.qpack"
     # Later kills land later: each resumed pack passes every milestone after its last commit.
     for index in sorted(rng.sample(range(len(milestones)), 5)):
-        _kill_at(pack_server, source, out, milestones[index], rng.choice(SIGNALS))
+        _kill_at(fork_server, source, out, milestones[index], rng.choice(SIGNALS))
     pack(source, out, bits=4, progress=False)
     assert not (out / JOURNAL).exists()
     assert files(out) == files(reference)
     Container.open(out, verify="full").close()
 
 
-def test_unreadable_journal_restarts_the_pack_byte_identical(pack_server, source, reference,
+def test_unreadable_journal_restarts_the_pack_byte_identical(fork_server, source, reference,
                                                              tmp_path):
     out = tmp_path / "journal.qpack"
-    _kill_at(pack_server, source, out, "wrote experts/layer_001.bin 5", signal.SIGKILL)
+    _kill_at(fork_server, source, out, "wrote experts/layer_001.bin 5", signal.SIGKILL)
     (out / JOURNAL).write_bytes(b'{"options": {"source": ')  # torn by a dying disk
     pack(source, out, bits=4, progress=False)
     assert files(out) == files(reference)
 
 
-def test_missing_journal_in_a_half_written_directory_is_refused(pack_server, source, tmp_path):
+def test_missing_journal_in_a_half_written_directory_is_refused(fork_server, source, tmp_path):
     """Without its journal a directory of pack leftovers is not silently mixed into a pack."""
     out = tmp_path / "nojournal.qpack"
-    _kill_at(pack_server, source, out, "wrote experts/layer_001.bin 5", signal.SIGTERM)
+    _kill_at(fork_server, source, out, "wrote experts/layer_001.bin 5", signal.SIGTERM)
     (out / JOURNAL).unlink()
     with pytest.raises(QpackError, match="exists, is not empty and is not a partial container"):
         pack(source, out, bits=4, progress=False)

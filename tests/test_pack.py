@@ -204,13 +204,13 @@ KILL_POINTS = [
 EXIT_CODES = {signal.SIGKILL: -9, signal.SIGTERM: -15, signal.SIGINT: 128 + signal.SIGINT}
 
 
-def test_pack_killed_at_several_points_resumes_byte_identical(synth_checkpoint, packed, pack_server,
+def test_pack_killed_at_several_points_resumes_byte_identical(synth_checkpoint, packed, fork_server,
                                                                tmp_path):
     src = synth_checkpoint("qwen3_next", dtype="bfloat16")
     reference = packed(src, bits=4)
     out = tmp_path / "killed.qpack"
     for milestone, sig in KILL_POINTS:
-        job = PackJob(pack_server, src, out, stop_at=milestone)
+        job = PackJob(fork_server, src, out, stop_at=milestone)
         job.wait_paused()
         assert job.kill(sig) == EXIT_CODES[sig]
         assert not (out / spec.MANIFEST).exists()
@@ -220,10 +220,10 @@ def test_pack_killed_at_several_points_resumes_byte_identical(synth_checkpoint, 
     assert files(out) == files(reference)
 
 
-def test_resume_with_other_options_is_refused(synth_checkpoint, pack_server, tmp_path):
+def test_resume_with_other_options_is_refused(synth_checkpoint, fork_server, tmp_path):
     src = synth_checkpoint("qwen3_next", dtype="bfloat16")
     out = tmp_path / "x.qpack"
-    job = PackJob(pack_server, src, out, stop_at="begin experts/layer_000.bin")
+    job = PackJob(fork_server, src, out, stop_at="begin experts/layer_000.bin")
     job.wait_paused()
     job.kill(signal.SIGKILL)
     with pytest.raises(QpackError, match="other options"):
@@ -231,11 +231,11 @@ def test_resume_with_other_options_is_refused(synth_checkpoint, pack_server, tmp
 
 
 def test_full_disk_stops_naming_the_file_and_resumes_when_space_is_back(synth_checkpoint, packed,
-                                                                        pack_server, tmp_path):
+                                                                        fork_server, tmp_path):
     """A real ENOSPC: a 3 MiB tmpfs in a private mount namespace, grown after the failure."""
     src = synth_checkpoint("qwen3_next", dtype="bfloat16")
     reference = packed(src, bits=4)
-    result, (code1, err1), (code2, err2) = pack_on_a_full_disk(pack_server, src, tmp_path)
+    result, (code1, err1), (code2, err2) = pack_on_a_full_disk(fork_server, src, tmp_path)
     assert (code1, code2) == (2, 0), (err1, err2)
     assert re.search(r"error: \S+\.partial: disk full \(ENOSPC\) while writing; free space and re-run", err1)
     assert files(result) == files(reference)
