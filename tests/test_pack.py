@@ -192,12 +192,14 @@ def test_text_only_layout_packs_like_the_hub_layout(synth_checkpoint, packed):
 # Packs run in the shared fork server and stop at named milestones (tests/packjob.py);
 # tests/test_faults_pack.py kills at seeded random milestones, this file at chosen ones.
 
-# (milestone, signal): each kill lands exactly there, with nothing racing on.
+# (milestone, signal): each kill lands exactly there, with nothing racing on. Every kind
+# of milestone (begin, wrote, renamed, journal-tmp, journal) is among them.
 KILL_POINTS = [
     ("journal start", signal.SIGKILL),  # as early as possible: nothing but the journal
     (f"wrote {spec.DENSE} 3", signal.SIGTERM),  # a dense .partial with some tensors written
     ("wrote experts/layer_001.bin 7", signal.SIGINT),  # a layer .partial half full
     ("renamed experts/layer_002.bin", signal.SIGKILL),  # just renamed, not yet in the journal
+    ("journal experts/layer_002.bin", signal.SIGINT),  # ... and now in it
     ("journal-tmp experts/layer_003.bin", signal.SIGKILL),  # journal written, not yet renamed
     (f"begin {spec.MANIFEST}", signal.SIGTERM),  # everything but the manifest
 ]
