@@ -4,7 +4,8 @@
 starts a pack in a fraction of one. The packer writes the name of every milestone it
 passes to a pipe (`qpack.writer.PAUSE_ENV`) and stops at the one asked for, so a test
 sends its signal at an exact step of the pack: no polling of files, no race with a pack
-that runs on.
+that runs on. `pack_on_a_full_disk` runs `moestream pack` against a real ENOSPC, on a
+tmpfs that only its forked child sees (tests/private_tmpfs.py).
 """
 
 from __future__ import annotations
