@@ -11,6 +11,7 @@ tmpfs that only its forked child sees (tests/private_tmpfs.py).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import structlog
 
 from qpack.reader import Container, verify_container
 from qpack.spec import QpackError
@@ -30,10 +32,17 @@ from qpack.writer import JOURNAL, PAUSE_ENV, Journal, pack
 PRELOAD = ["qpack.writer", "qpack.hub", "qpack.source", "qpack.quantize", "packjob"]
 
 
+def _quiet() -> None:
+    """Warnings and errors only: the fork server's output is the terminal, not pytest's
+    capture, and a pack's info lines would land in the middle of the test report."""
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
 def _child(w: connection.Connection, source: str, out: str, bits: int | None,
            stop_at: str) -> None:
     # The fork server's children inherit *its* environment: the hook is set here.
     os.environ[PAUSE_ENV] = f"{w.fileno()}:{stop_at}"
+    _quiet()
     try:
         pack(source, out, bits=bits, progress=False)
     except KeyboardInterrupt:  # what Ctrl-C does, less the traceback in the test log
@@ -52,7 +61,7 @@ def _cli(argv: list[str]) -> tuple[int, str]:
     register(parser.add_subparsers())
     args = parser.parse_args(argv)
     err = io.StringIO()
-    with contextlib.redirect_stderr(err):
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         code = args.func(args)
     return code, err.getvalue()
 
@@ -60,6 +69,7 @@ def _cli(argv: list[str]) -> tuple[int, str]:
 def _full_disk_child(w: connection.Connection, source: str, mnt: str, result: str) -> None:
     from private_tmpfs import enter_private_namespace, mount_tmpfs
 
+    _quiet()
     try:
         enter_private_namespace()
         mount_tmpfs(Path(mnt), "3m")
