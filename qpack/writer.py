@@ -15,6 +15,7 @@ import errno
 import hashlib
 import json
 import os
+import signal
 import time
 import zlib
 from collections.abc import Callable
@@ -34,7 +35,10 @@ from qpack.spec import QpackError
 log = structlog.get_logger("qpack.pack")
 JOURNAL = ".qpack-journal.json"
 DENSE_CHUNK = 32 * 1024 * 1024  # bytes of source rows converted at once
-TEST_DELAY_ENV = "QPACK_TEST_DELAY_S"  # tests: sleep after each expert/file so a kill lands mid-pack
+# Tests: "FD:NAME". The packer writes the name of every milestone it passes (one line each)
+# to file descriptor FD and, at milestone NAME, stops until a signal ends it; so a test
+# kills a pack at an exact step instead of racing a running one.
+PAUSE_ENV = "QPACK_TEST_PAUSE"
 
 
 class Done(msgspec.Struct):
@@ -60,9 +64,15 @@ class PackResult:
         return self.bytes_written / 1e6 / max(self.seconds, 1e-9)
 
 
-def _delay() -> None:
-    if d := os.environ.get(TEST_DELAY_ENV):
-        time.sleep(float(d))
+def _milestone(name: str) -> None:
+    """A step of the pack is on disk: "<step> <file>" (begin, wrote N, renamed, journal-tmp,
+    journal). Free unless PAUSE_ENV is set."""
+    if not (hook := os.environ.get(PAUSE_ENV)):
+        return
+    fd, _, stop_at = hook.partition(":")
+    os.write(int(fd), name.encode() + b"\n")
+    while name == stop_at:  # SIGINT raises KeyboardInterrupt here, as it would mid-write
+        signal.pause()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -77,6 +87,7 @@ class _Out:
     """One output file written as .partial then renamed; hashes while writing."""
 
     def __init__(self, root: Path, rel: str) -> None:
+        self.rel = rel
         self.path = root / rel
         self.partial = self.path.with_name(self.path.name + ".partial")
         self.sha = hashlib.sha256()
@@ -86,6 +97,7 @@ class _Out:
     def __enter__(self) -> _Out:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.f = _guard(self.partial, lambda: open(self.partial, "wb"))  # noqa: SIM115
+        _milestone(f"begin {self.rel}")
         return self
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -106,6 +118,7 @@ class _Out:
             os.replace(self.partial, self.path)
             _fsync_dir(self.path.parent)
         _guard(self.partial, finish)
+        _milestone(f"renamed {self.rel}")
 
     def done(self) -> Done:
         return Done(self.size, self.sha.hexdigest())
@@ -156,19 +169,20 @@ class Packer:
         # The journal goes first, so that whatever a kill leaves behind is a resumable pack.
         self.out.mkdir(parents=True, exist_ok=True)
         journal = Journal(self.options)
-        self._save(journal)
+        self._save(journal, "start")
         return journal
 
-    def _save(self, journal: Journal) -> None:
+    def _save(self, journal: Journal, step: str) -> None:
         tmp = self.out / (JOURNAL + ".tmp")
         data = msgspec.json.encode(journal)
         _guard(tmp, lambda: tmp.write_bytes(data))
+        _milestone(f"journal-tmp {step}")
         os.replace(tmp, self.out / JOURNAL)
+        _milestone(f"journal {step}")
 
     def _commit(self, rel: str, done: Done) -> None:
         self.journal.done[rel] = done
-        self._save(self.journal)
-        _delay()
+        self._save(self.journal, rel)
 
     def _finished(self, rel: str) -> bool:
         d = self.journal.done.get(rel)
@@ -207,8 +221,9 @@ class Packer:
         partial = path.with_name(path.name + ".partial")
         fd = _guard(partial, lambda: os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
         try:
+            _milestone(f"begin {spec.DENSE}")
             _pwrite(fd, header, 0, partial)
-            for item in self.plan.dense:
+            for i, item in enumerate(self.plan.dense):
                 info = self.src.info(item.ref.source)
                 rows = info.shape[0] if info.shape else 1
                 step = max(1, DENSE_CHUNK // max(info.row_bytes(), 1))
@@ -221,7 +236,7 @@ class Packer:
                         data = mx_to_bytes(a)
                         _pwrite(fd, data, offsets[t.name] + start * row_bytes, partial)
                         bar(len(data))
-                _delay()
+                _milestone(f"wrote {spec.DENSE} {i}")
             _guard(partial, lambda: os.fsync(fd))
         except QpackError:
             os.close(fd)
@@ -234,6 +249,7 @@ class Packer:
                 sha.update(chunk)
         os.replace(partial, path)
         _fsync_dir(path.parent)
+        _milestone(f"renamed {spec.DENSE}")
         self.bytes_written += size
         self._commit(spec.DENSE, Done(size, sha.hexdigest()))
 
@@ -250,7 +266,7 @@ class Packer:
                 crcs.append(zlib.crc32(memoryview(blob)[: lp.format.nbytes]))
                 o.write(blob)
                 bar(lp.stride)
-                _delay()
+                _milestone(f"wrote {rel} {e}")
         self.bytes_written += o.size
         done = o.done()
         done.checksums = crcs

@@ -18,15 +18,11 @@ from pipeline.cli.pack import register
 from qpack import spec
 from qpack.reader import Container, ExpertCorrupt, PosixIO, verify_container
 from qpack.spec import QpackError
-from qpack.writer import pack
 
 
 @pytest.fixture
-def container(synth_checkpoint, tmp_path_factory) -> Path:
-    out = tmp_path_factory.getbasetemp() / "reader.qpack"
-    if not (out / spec.MANIFEST).exists():
-        pack(synth_checkpoint("qwen3_next", dtype="bfloat16"), out, bits=4, progress=False)
-    return out
+def container(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next", dtype="bfloat16"), bits=4)
 
 
 class CountingIO(PosixIO):

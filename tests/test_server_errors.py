@@ -15,7 +15,7 @@ from typing import Any
 import httpx2
 import pytest
 import trio
-from helpers_server import pack_tiny, serving
+from helpers_server import serving
 
 from pipeline.engine import Engine
 
@@ -25,8 +25,8 @@ CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return pack_tiny(synth_checkpoint, tmp_path_factory, "server-errors")
+def container(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next"), bits=None)
 
 
 @asynccontextmanager

@@ -140,6 +140,8 @@ class ServerConfig(_Section):
     max_queue: PositiveInt = 16  # requests waiting beyond this get 429
     max_body_bytes: PositiveInt = 1 << 20
     context_limit: PositiveInt | None = None  # None = the model's max_position_embeddings
+    # On SIGINT/SIGTERM, requests in flight get this long to finish before they are cut.
+    shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
 
 
 class LogConfig(_Section):

@@ -304,11 +304,13 @@ async def serve_engine(
     aliases: tuple[str, ...] = (),
     defaults: SamplingParams | None = None,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    shutdown_grace_s: float = 5.0,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `engine` until `shutdown_trigger` returns (or forever); reports the bound port.
 
     Port 0 binds a free port: `port = await nursery.start(serve_engine, engine, host, 0)`.
+    Once `shutdown_trigger` returns, requests in flight get `shutdown_grace_s` to finish.
     """
     settings = ServerSettings(api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes,
                               hide_reasoning=hide_reasoning, aliases=aliases,
@@ -316,7 +318,7 @@ async def serve_engine(
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
-    config.graceful_timeout = 5.0
+    config.graceful_timeout = shutdown_grace_s
 
     async def started(binds: list[str]) -> None:
         bound = int(binds[0].rsplit(":", 1)[1])

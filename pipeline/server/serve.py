@@ -1,7 +1,7 @@
 """Serve an engine until SIGINT/SIGTERM.
 
 The engine is opened once for the server's life; a signal starts hypercorn's graceful
-shutdown (in-flight requests get `graceful_timeout` to finish, then are cancelled),
+shutdown (in-flight requests get `server.shutdown_grace_s` to finish, then are cancelled),
 then the engine closes.
 """
 
@@ -47,7 +47,7 @@ async def serve_config(cfg: PipelineConfig, *, hide_reasoning: bool = False,
             engine, server.host, server.port, api_key=server.api_key,
             max_queue=server.max_queue, max_body_bytes=server.max_body_bytes,
             hide_reasoning=hide_reasoning, aliases=aliases, defaults=cfg.sampling,
-            shutdown_trigger=_wait_for_signal,
+            shutdown_trigger=_wait_for_signal, shutdown_grace_s=server.shutdown_grace_s,
         )
     log.info("server.stopped")
     return 0
