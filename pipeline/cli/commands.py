@@ -63,6 +63,9 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> Pipelin
 
     from pipeline.config.schema import ConfigError, config_from_dict
 
+    if getattr(args, "pool_mb", None) is not None and getattr(args, "slots", None) is not None:
+        raise ConfigError("--pool-mb and --slots are exclusive: give one (or neither to size "
+                          "the pool from available memory)")
     raw: dict[str, Any] = {}
     text = ""
     if args.config is not None:

@@ -132,6 +132,10 @@ class ServerConfig(_Section):
     max_queue: PositiveInt = 16  # requests waiting beyond this get 429
     max_body_bytes: PositiveInt = 1 << 20
     context_limit: PositiveInt | None = None  # None = the model's max_position_embeddings
+    # Most tokens one request may generate; a request asking for more gets a 400 (as
+    # OpenAI's API does), one asking for none gets this many at most. It bounds how long
+    # one request can hold the engine while the others queue.
+    max_tokens_limit: PositiveInt = 8192
 
 
 class LogConfig(_Section):

@@ -50,6 +50,7 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     api_key: str | None = None
     max_queue: int = 16
     max_body_bytes: int = 1 << 20
+    max_tokens_limit: int = 8192
     hide_reasoning: bool = False
     aliases: tuple[str, ...] = ()  # more names the model answers to (e.g. the CLI's path)
     defaults: SamplingParams = SamplingParams()
@@ -129,6 +130,17 @@ class Api:
             raise s.APIError(404, f"the model {model!r} does not exist; this server serves "
                              f"{self.engine.name!r}", param="model", code="model_not_found")
 
+    def limit_tokens(self, req: s.ChatRequest | s.CompletionRequest, params: SamplingParams) -> SamplingParams:
+        """Refuse a completion longer than the server allows; cap one that names no length."""
+        limit = self.settings.max_tokens_limit
+        if (getattr(req, "max_completion_tokens", None) or req.max_tokens) is None:
+            return msgspec.structs.replace(params, max_tokens=min(params.max_tokens or limit, limit))
+        if params.max_tokens is not None and params.max_tokens > limit:
+            param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            raise s.APIError(400, f"{param} is {params.max_tokens}, over this server's limit of {limit} "
+                             "tokens per request (server.max_tokens_limit)", param=param)
+        return params
+
     def check_prompt(self, tokens: list[int], params: SamplingParams, param: str) -> None:
         try:
             Generation(self.engine, tokens, params).check()
@@ -163,7 +175,7 @@ class Api:
         req: s.ChatRequest = s.decode_request(await self.read_body(request), s.ChatRequest)
         s.check_unsupported(req)
         self.check_model(req.model)
-        params = s.sampling_params(req, self.settings.defaults)
+        params = self.limit_tokens(req, s.sampling_params(req, self.settings.defaults))
         messages = template_messages(req.messages)
         tools = [msgspec.to_builtins(t) for t in req.tools or []]
         if isinstance(req.tool_choice, s.NamedToolChoice):
@@ -193,7 +205,7 @@ class Api:
                                                     s.CompletionRequest)
         s.check_unsupported(req)
         self.check_model(req.model)
-        params = s.sampling_params(req, self.settings.defaults)
+        params = self.limit_tokens(req, s.sampling_params(req, self.settings.defaults))
         prompt = req.prompt
         if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
@@ -300,6 +312,7 @@ async def serve_engine(
     api_key: str | None = None,
     max_queue: int = 16,
     max_body_bytes: int = 1 << 20,
+    max_tokens_limit: int = 8192,
     hide_reasoning: bool = False,
     aliases: tuple[str, ...] = (),
     defaults: SamplingParams | None = None,
@@ -311,6 +324,7 @@ async def serve_engine(
     Port 0 binds a free port: `port = await nursery.start(serve_engine, engine, host, 0)`.
     """
     settings = ServerSettings(api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes,
+                              max_tokens_limit=max_tokens_limit,
                               hide_reasoning=hide_reasoning, aliases=aliases,
                               defaults=defaults or engine.config.sampling)
     config = HypercornConfig()

@@ -33,6 +33,7 @@ import msgspec
 import numpy as np
 import structlog
 
+from qpack.output_guard import bytes_under, require_free_space
 from qpack.synth.init_weights import NORM_STD, Init, WeightSource, to_storage
 from qpack.synth.presets import ModelDims, generation_config, get_preset, hf_config
 from qpack.synth.st_write import ST_DTYPES, TensorEntry, write_sharded
@@ -320,14 +321,16 @@ def synthesize(
     if shard_bytes is None:
         shard_bytes = TINY_SHARD_BYTES if dims.name == "tiny" else DEFAULT_SHARD_BYTES
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("model*.safetensors*"):
-        stale.unlink()
-
     src = WeightSource(seed, dims.num_experts, dims.hidden_size)
     writer = _Writer(dims, dtype, layout, bits, group_size, src)
     entries = checkpoint_entries(writer, dims)
     total = sum(e.nbytes for e in entries)
+    # Shards of an earlier run are rewritten, so their bytes count as room.
+    require_free_space(out, total, f"synth {dims.name}", already=bytes_under(out, "model*.safetensors*"))
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("model*.safetensors*"):
+        stale.unlink()
+
     log.info("synth.start", family=dims.family, preset=dims.name, dtype=dtype, bits=bits,
              layout=layout, layers=dims.num_hidden_layers, gb=round(total / 1e9, 3), out=str(out))
     metadata = {"format": "mlx" if bits else "pt"}
