@@ -14,6 +14,7 @@ import math
 import os
 import threading
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -342,10 +343,12 @@ class VerifyReport(msgspec.Struct):
         return not self.problems
 
 
-def verify_container(path: str | os.PathLike[str]) -> VerifyReport:
+def verify_container(path: str | os.PathLike[str],
+                     progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Full check: structure, every file's sha256 and every expert's crc32.
 
-    Collects every problem instead of stopping at the first."""
+    Collects every problem instead of stopping at the first. `progress(done, total)` is
+    called with bytes checked so far (the container is read about twice)."""
     root = Path(path)
     report = VerifyReport(str(root))
     try:
@@ -355,11 +358,21 @@ def verify_container(path: str | os.PathLike[str]) -> VerifyReport:
         return report
     with container:
         m = container.manifest
+        total = sum(f.size for f in m.files) + m.expert_bytes
+        done = 0
+
+        def advance(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress is not None:
+                progress(done, total)
+
         for f in m.files:
             h = hashlib.sha256()
             with open(root / f.path, "rb") as fh:
                 while chunk := fh.read(1 << 22):
                     h.update(chunk)
+                    advance(len(chunk))
             report.files_checked += 1
             if h.hexdigest() != f.sha256:
                 report.problems.append(f"{root / f.path}: sha256 {h.hexdigest()[:16]}... != manifest {f.sha256[:16]}...")
@@ -367,6 +380,7 @@ def verify_container(path: str | os.PathLike[str]) -> VerifyReport:
             buf = bytearray(entry.stride)
             for e in range(entry.num_experts):
                 container.read_expert(entry.index, e, buf)
+                advance(entry.stride)
                 report.experts_checked += 1
                 crc = zlib.crc32(memoryview(buf)[: entry.format.nbytes])
                 if crc != entry.checksums[e]:
