@@ -38,8 +38,10 @@ from actors.sampling_params import SamplingParams
 from pipeline.engine import Engine
 from pipeline.generation import Generation, PromptTooLong
 from pipeline.server import schema as s
+from pipeline.server.drain import Drain
 from pipeline.server.metrics import Metrics
 from pipeline.server.responses import ChatReply, TextReply, json_response, respond
+from qpack.checked_files import unreadable_files
 
 log = structlog.get_logger("moestream.server")
 
@@ -84,10 +86,12 @@ class _StatusCounter:
 
 
 class Api:
-    def __init__(self, engine: Engine, settings: ServerSettings, metrics: Metrics) -> None:
+    def __init__(self, engine: Engine, settings: ServerSettings, metrics: Metrics,
+                 drain: Drain | None = None) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
+        self.drain = drain or Drain()
         self.created = int(time.time())
 
     # --- checks ------------------------------------------------------------------------
@@ -148,6 +152,7 @@ class Api:
             raise s.APIError(400, str(exc), param=param, code="context_length_exceeded") from None
         except ValueError as exc:
             raise s.APIError(400, str(exc), param=param) from None
+        self.drain.check_open()
         if self.engine.waiting >= self.settings.max_queue:
             raise s.APIError(429, f"the server is busy: {self.engine.waiting} requests are "
                              "waiting; retry later", type="rate_limit_error", code="queue_full")
@@ -155,6 +160,16 @@ class Api:
     # --- routes ------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
+        """503 while shutting down or when a container file is gone, truncated or unreadable:
+        a load balancer then stops sending requests that could only fail."""
+        if self.drain.stopping:
+            return json_response({"status": "shutting_down", "model": self.engine.name}, 503)
+        c = self.engine.container
+        problems = await trio.to_thread.run_sync(unreadable_files, c.root, c.manifest)
+        if problems:
+            log.warning("server.unhealthy", problems=problems[:5])
+            return json_response({"status": "error", "model": self.engine.name,
+                                  "problems": problems}, 503)
         return json_response({"status": "ok", "model": self.engine.name})
 
     async def metrics_text(self, request: Request) -> Response:
@@ -197,6 +212,7 @@ class Api:
         reply = ChatReply(self.engine, self.metrics, req, tools=bool(tools),
                           in_reasoning=text.rstrip().endswith("<think>"),
                           hide_reasoning=self.settings.hide_reasoning)
+        reply.drain = self.drain
         return await respond(request, reply, tokens, params)
 
     async def completions(self, request: Request) -> Response:
@@ -218,6 +234,7 @@ class Api:
             tokens = [int(t) for t in prompt]
         self.check_prompt(tokens, params, "prompt")
         reply = TextReply(self.engine, self.metrics, req)
+        reply.drain = self.drain
         return await respond(request, reply, tokens, params)
 
 
@@ -290,8 +307,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None,
-               metrics: Metrics | None = None) -> ASGIApp:
-    api = Api(engine, settings or ServerSettings(), metrics or Metrics())
+               metrics: Metrics | None = None, drain: Drain | None = None) -> ASGIApp:
+    api = Api(engine, settings or ServerSettings(), metrics or Metrics(), drain)
     routes = [
         Route("/health", _guarded(api.health), methods=["GET"]),
         Route("/metrics", _guarded(api.metrics_text), methods=["GET"]),
@@ -337,9 +354,19 @@ async def serve_engine(
         log.info("server.listening", host=host, port=bound, model=engine.name)
         task_status.started(bound)
 
+    drain = Drain()
+
+    async def shut_down() -> None:
+        if shutdown_trigger is None:
+            await trio.sleep_forever()
+        else:
+            await shutdown_trigger()
+        # Replies still producing tokens get most of hypercorn's graceful period.
+        await drain.shut_down(grace_s=max(0.0, config.graceful_timeout - 1.5))
+
     async def run(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-        await serve(create_app(engine, settings), config,  # type: ignore[arg-type]
-                    shutdown_trigger=shutdown_trigger, task_status=task_status)
+        await serve(create_app(engine, settings, drain=drain), config,  # type: ignore[arg-type]
+                    shutdown_trigger=shut_down, task_status=task_status)
 
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(run)
