@@ -178,5 +178,5 @@ def cmd_info(args: argparse.Namespace) -> int:
     ]
     for k, v in rows:
         table.add_row(k, v)
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)  # no wrapping in pipes and logs
     return 0

@@ -47,6 +47,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from qpack.synth.checkpoint import synthesize
 
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        # Synthesis replaces shards and configs: never over something already there.
+        print(f"error: {args.out}: exists and is not empty; remove it or choose another -o",
+              file=sys.stderr)
+        return 2
     try:
         dims = get_preset(args.family, args.preset)
         synthesize(
@@ -63,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress and sys.stderr.isatty(),
         )
     except ValueError as exc:
-        print(f"moestream synth: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     print(args.out)
     return 0
