@@ -5,6 +5,7 @@ Imported only when one of those commands runs (it pulls in the engine and MLX).
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from contextlib import aclosing
@@ -137,6 +138,7 @@ async def _interactive(engine: Engine, params: SamplingParams) -> int:
     far is kept); at the prompt it ends the session quietly, as EOF (Ctrl-D) and /exit do."""
     messages: list[dict[str, str]] = []
     current = trio.CancelScope()
+    stdin = StdinLines()
 
     async def on_sigint(signals: Any) -> None:
         async for _ in signals:
@@ -147,11 +149,13 @@ async def _interactive(engine: Engine, params: SamplingParams) -> int:
             nursery.start_soon(on_sigint, signals)
             try:
                 while True:
+                    sys.stdout.write(">>> ")
+                    sys.stdout.flush()
                     with trio.CancelScope() as current:
                         try:
-                            # input() cannot be interrupted; on Ctrl-C its thread is left
-                            # to finish on its own and the session ends without it.
-                            line = await trio.to_thread.run_sync(input, ">>> ", abandon_on_cancel=True)
+                            # A blocking read cannot be interrupted; on Ctrl-C its thread is
+                            # left behind and the session ends without it.
+                            line = await trio.to_thread.run_sync(stdin.read_line, abandon_on_cancel=True)
                         except EOFError:
                             return 0
                     if current.cancelled_caught or line.strip() in ("/exit", "/quit"):
@@ -168,3 +172,23 @@ async def _interactive(engine: Engine, params: SamplingParams) -> int:
                         err.print("[dim](reply interrupted)[/dim]")
             finally:
                 nursery.cancel_scope.cancel()
+
+
+class StdinLines:
+    """Lines from fd 0 through os.read, not input(): a thread left blocked in input() holds
+    stdin's buffer lock, and the interpreter then aborts at exit instead of leaving."""
+
+    def __init__(self) -> None:
+        self.pending = b""
+
+    def read_line(self) -> str:
+        while b"\n" not in self.pending:
+            chunk = os.read(0, 4096)
+            if not chunk:
+                if not self.pending:
+                    raise EOFError
+                line, self.pending = self.pending, b""
+                return line.decode(errors="replace")
+            self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
+        return line.decode(errors="replace").rstrip("\r")
