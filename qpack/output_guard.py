@@ -48,9 +48,9 @@ def require_free_space(out: Path, need_bytes: int, what: str, *, already: int = 
     left = max(0, need_bytes - already)
     free = shutil.disk_usage(_existing(out)).free
     if left + SPACE_MARGIN_BYTES > free:
-        done = f" ({_gb(already)} of it already there)" if already else ""
-        raise DiskSpaceError(out, f"{what} needs {_gb(need_bytes)}{done}: {_gb(left)} more, but only "
-                             f"{_gb(free)} is free on that disk; free space or write elsewhere")
+        more = f" ({_gb(already)} of it already written, {_gb(left)} to go)" if already else ""
+        raise DiskSpaceError(out, f"{what} needs {_gb(need_bytes)}{more}, but only {_gb(free)} is free "
+                             "on that disk; free space or write elsewhere")
 
 
 @contextmanager

@@ -340,7 +340,8 @@ def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: i
             plan_bits = None if bits == 16 else (bits or (None if src.quantization is not None else 4))
             plan = make_plan(src, plan_bits, group_size, dtype)
             total = sum(t.nbytes for t in plan.dense_plan()) + sum(lp.stride * src.num_experts for lp in plan.layers)
-            require_free_space(out, total, "packing", already=bytes_under(out))
+            small = sum(f.stat().st_size for f in src.tokenizer_files())  # copied as they are
+            require_free_space(out, total + small, "packing", already=bytes_under(out))
             packer = Packer(src, plan, out, str(source), options, progress)
             manifest = _with_progress(packer, total, progress, out)
         finally:

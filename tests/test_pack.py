@@ -281,7 +281,8 @@ def test_resume_with_other_options_is_refused(synth_checkpoint, tmp_path):
 
 
 def test_full_disk_stops_naming_the_file_and_resumes_when_space_is_back(synth_checkpoint, tmp_path):
-    """A real ENOSPC: a 3 MiB tmpfs in a private mount namespace, grown after the failure."""
+    """A real ENOSPC: a tmpfs in a private mount namespace, with room for the pack when it
+    starts (so the free-space check passes), filled by another process mid-pack."""
     import shutil
 
     if shutil.which("unshare") is None:
@@ -293,9 +294,13 @@ def test_full_disk_stops_naming_the_file_and_resumes_when_space_is_back(synth_ch
     mnt.mkdir()
     run = f'{sys.executable} -c "$CLI" pack {src} -o {mnt}/x.qpack --bits 4 --no-progress'
     script = (
-        f"mount -t tmpfs -o size=3m tmpfs {mnt} || exit 77\n"
-        f"{run}; echo first=$? >&2\n"
-        f"mount -o remount,size=256m tmpfs {mnt}\n"
+        f"mount -t tmpfs -o size=96m tmpfs {mnt} || exit 77\n"
+        f"{TEST_DELAY_ENV}=0.03 {run} & pid=$!\n"
+        f"while [ ! -e {mnt}/x.qpack/{JOURNAL} ]; do sleep 0.01; done\n"
+        f"dd if=/dev/zero of={mnt}/fill bs=64k 2>/dev/null\n"  # the disk fills up meanwhile
+        f"wait $pid; echo first=$? >&2\n"
+        f"test -e {mnt}/x.qpack/{JOURNAL}.tmp && echo journal-tmp-left >&2\n"
+        f"rm {mnt}/fill\n"
         f"{run}; echo second=$? >&2\n"
         f"cp -r {mnt}/x.qpack {result}\n"
     )
@@ -305,7 +310,8 @@ def test_full_disk_stops_naming_the_file_and_resumes_when_space_is_back(synth_ch
     if proc.returncode == 77 or "unshare failed" in proc.stderr or "Operation not permitted" in proc.stderr:
         pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr[-300:]}")
     assert "first=2" in proc.stderr and "second=0" in proc.stderr, proc.stderr[-3000:]
-    assert re.search(r"error: \S+\.partial: disk full \(ENOSPC\) while writing; free space and re-run", proc.stderr)
+    assert re.search(r"error: \S+: disk full \(ENOSPC\) while writing; free space and re-run", proc.stderr)
+    assert "journal-tmp-left" not in proc.stderr
     for rel, data in _files(reference).items():
         if rel != spec.MANIFEST:
             assert _files(result)[rel] == data, rel

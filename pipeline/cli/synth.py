@@ -45,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qpack.spec import QpackError
     from qpack.synth.checkpoint import synthesize
 
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
             max_layers=args.max_layers,
             progress=not args.no_progress and sys.stderr.isatty(),
         )
-    except ValueError as exc:
+    except (ValueError, QpackError) as exc:  # bad arguments, or no room: refused before writing
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(args.out)

@@ -1,0 +1,60 @@
+"""Commands that write big outputs check the free space first and refuse with the numbers.
+
+The disk is a real 3 MiB tmpfs in a private mount namespace (unshare); each command runs
+for real against it and must stop before writing anything that would not fit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qpack.writer import pack
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_synth_pack_bench_container_and_run_refuse_when_the_disk_is_too_small(synth_checkpoint, tmp_path):
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) for a private tmpfs")
+    src = synth_checkpoint("qwen3_next", dtype="bfloat16")
+    reference = tmp_path / "ref.qpack"
+    pack(src, reference, bits=4, progress=False)
+    packed = sum(p.stat().st_size for p in reference.rglob("*") if p.is_file())
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    (tmp_path / "run.toml").write_text(f'[model]\npath = "{mnt}/demo.qpack"\nsource = "synth:demo"\n')
+    cli = f"{sys.executable} -m pipeline"
+    script = (
+        f"mount -t tmpfs -o size=3m tmpfs {mnt} || exit 77\n"
+        f"{cli} pack {src} -o {mnt}/x.qpack --bits 4 --no-progress; echo pack=$? >&2\n"
+        f"{cli} synth --family qwen3_next --preset demo -o {mnt}/s --no-progress; echo synth=$? >&2\n"
+        f"{cli} bench-container --family qwen3_next --preset demo -o {mnt}/b.qpack; echo bench=$? >&2\n"
+        f"{cli} run {tmp_path}/run.toml; echo run=$? >&2\n"
+        f"echo used=$(du -sk {mnt} | cut -f1) >&2\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode == 77 or "Operation not permitted" in proc.stderr:
+        pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr[-300:]}")
+    err = proc.stderr
+    assert "pack=2" in err and "synth=2" in err and "bench=2" in err, err[-3000:]
+    assert re.search(r"run=[12]\b", err), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    # The estimate is the real size: pack's number matches what a pack writes, within 5%.
+    needed = re.search(r"x\.qpack: packing needs ([\d.]+) MiB, but only ([\d.]+) MiB is free", err)
+    assert needed, err[-3000:]
+    assert abs(float(needed[1]) * 2**20 - packed) < 0.05 * packed, (needed[1], packed)
+    assert float(needed[2]) <= 3.0
+    assert re.search(r"synth demo needs 1\.\d\d GB, but only [\d.]+ MiB is free", err), err[-3000:]
+    assert re.search(r"bench-container demo needs 0\.\d\d GB", err), err[-3000:]
+    assert err.count("synth demo needs") == 2  # `run` refused at its synth step too
+    used_kb = int(re.search(r"used=(\d+)", err)[1])
+    assert used_kb < 64, f"{used_kb} KiB written before refusing"
