@@ -250,3 +250,14 @@ def test_make_bench_runs_real_flags():
     assert any(line.split()[0] == "bench" for line in lines)
     for line in lines:
         build_parser().parse_args(shlex.split(line))
+
+
+def test_verify_reports_progress_up_to_the_whole_container(tiny):
+    from qpack.reader import verify_container
+
+    seen: list[tuple[int, int]] = []
+    assert verify_container(tiny, progress=lambda done, total: seen.append((done, total))).ok
+    m = Container.open(tiny).manifest
+    total = sum(f.size for f in m.files) + m.expert_bytes
+    assert len(seen) > 4 and all(t == total for _, t in seen)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == total

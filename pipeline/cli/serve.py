@@ -44,6 +44,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         err.print(f"[red]error:[/red] {exc}")
         return 2
+    err.print(f"loading {cfg.model.path}, then serving on http://{cfg.server.host}:{cfg.server.port} ...")
     return trio.run(lambda: serve_config(cfg, hide_reasoning=args.hide_reasoning,
                                          aliases=(args.model,)))
 
