@@ -108,12 +108,30 @@ def tokenizer_dir(root: Path, manifest: spec.Manifest, verify: bool) -> Path:
     return out
 
 
+_PREFIX = "moestream-tokenizer-"
+
+
 def _private_root() -> Path:
     global _private
     if _private is None:
-        _private = Path(tempfile.mkdtemp(prefix="moestream-tokenizer-"))
+        _remove_orphans()
+        _private = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-"))
         atexit.register(shutil.rmtree, _private, True)
     return _private
+
+
+def _remove_orphans() -> None:
+    """Copies left by processes that died without running atexit (kill -9), ours only."""
+    for old in Path(tempfile.gettempdir()).glob(f"{_PREFIX}*-*"):
+        pid = old.name.removeprefix(_PREFIX).split("-", 1)[0]
+        try:
+            if not pid.isdigit() or old.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def unreadable_files(root: Path, manifest: spec.Manifest) -> list[str]:

@@ -145,6 +145,14 @@ def test_serve_on_a_busy_port_fails_before_loading_the_model(tiny, capsys):
     assert elapsed < 5, elapsed
 
 
+def test_run_without_a_source_is_one_line(tmp_path, capsys):
+    config = tmp_path / "c.toml"
+    config.write_text(f'[model]\npath = "{tmp_path}/m.qpack"\n')
+    assert main(["run", str(config)]) == 2
+    line = one_error(capsys.readouterr().err)
+    assert "model.source is not set" in line or "does not exist" in line, line
+
+
 def test_run_with_a_source_that_does_not_exist_is_one_line(tmp_path, capsys):
     config = tmp_path / "c.toml"
     config.write_text(f'[model]\npath = "{tmp_path}/m.qpack"\nsource = "{tmp_path}/no-such-checkpoint"\n')

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.cli.term import err
+from pipeline.cli.failures import refused
 
 if TYPE_CHECKING:
     from pipeline.config.schema import PipelineConfig
@@ -111,8 +111,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         cfg = engine_config(args, check_paths=False)
         ensure_container(cfg.model)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        return 2
+        return refused(exc)
     if args.record_routing:
         cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, record_routing=args.record_routing))
     with timeline.recording(args.trace or cfg.run.trace):
@@ -129,8 +128,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     try:
         cfg = engine_config(args, args.model)
     except (ConfigError, ValueError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        return 2
+        return refused(exc)
     prompts = tuple(args.prompt or ["Hello"])
     cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(
         cfg.run, prompts=prompts, stats=args.stats, record_routing=args.record_routing))
@@ -146,8 +144,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     try:
         cfg = engine_config(args, args.model)
     except (ConfigError, ValueError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        return 2
+        return refused(exc)
     return trio.run(chat, cfg, list(args.turns))
 
 

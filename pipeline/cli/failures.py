@@ -12,6 +12,7 @@ import sys
 import traceback
 
 EXIT_FAILED = 1
+EXIT_REFUSED = 2  # arguments or config refused before any work, as argparse does
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports when the reader went away
 
@@ -72,3 +73,10 @@ def interrupted_by(exc: BaseException, kind: type[BaseException]) -> bool:
     leaves = leaf_errors(exc)
     return bool(leaves) and any(isinstance(e, kind) for e in leaves) and all(
         isinstance(e, kind) or type(e).__name__ == "Cancelled" for e in leaves)
+
+
+def refused(exc: BaseException) -> int:
+    """A command refused before any work (bad config, arguments): one line, exit 2. Plain
+    print, not rich: rich wraps long lines at the console width."""
+    print(f"error: {one_line(exc)}", file=sys.stderr, flush=True)
+    return EXIT_REFUSED

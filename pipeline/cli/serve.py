@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from pipeline.cli.commands import add_engine_flags, engine_config
+from pipeline.cli.failures import refused
 from pipeline.cli.term import err
 
 _SERVER_FLAGS = ("host", "port", "api_key", "max_queue", "max_body_bytes", "context_limit",
@@ -36,14 +37,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         cfg = engine_config(args, args.model)
     except (ConfigError, ValueError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        return 2
+        return refused(exc)
     check_bindable(cfg.server.host, cfg.server.port)  # before minutes of packing or loading
     try:
         ensure_container(cfg.model)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        return 2
+        return refused(exc)
     err.print(f"loading {cfg.model.path}, then serving on http://{cfg.server.host}:{cfg.server.port} ...")
     return trio.run(lambda: serve_config(cfg, hide_reasoning=args.hide_reasoning,
                                          aliases=(args.model,)))
