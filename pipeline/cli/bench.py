@@ -78,6 +78,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if plot_timeline(args.trace, Path(args.plots) / "timeline.png") is None:
             print("bench: timeline plot skipped (matplotlib missing or no decode step)", file=sys.stderr)
     failed = [r for r in report["results"] if r.get("error")]
+    if failed:
+        print(f"error: {len(failed)} of {len(report['results'])} bench cases failed: "
+              + "; ".join(f"{r.get('name')}: {' '.join(str(r['error']).split())[:300]}" for r in failed),
+              file=sys.stderr)
     return 1 if failed else 0
 
 
