@@ -13,10 +13,10 @@ from typing import Any
 import structlog
 
 
-def _stderr_logger(*_args: Any) -> structlog.PrintLogger:
+def stderr_logger(*_args: Any) -> structlog.PrintLogger:
     return structlog.PrintLogger(sys.stderr)  # looked up per logger: follows redirections
 
 
 def log_to_stderr_by_default() -> None:
     if not structlog.is_configured():
-        structlog.configure(logger_factory=_stderr_logger)
+        structlog.configure(logger_factory=stderr_logger)
