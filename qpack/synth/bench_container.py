@@ -235,3 +235,18 @@ def write_bench_container(
     log.info("bench_container.done", path=str(root), gb=round(written / 1e9, 2), seconds=round(seconds, 1),
              mb_s=round(result.mb_s, 1), experts_mb_s=round(result.experts_mb_s, 1), threads=threads)
     return result
+
+
+def estimated_sizes(family: str | None, preset: str, bits: int = 4, group_size: int = 64) -> tuple[int, int]:
+    """(bytes `synthesize` writes in bf16, bytes `pack --bits <bits>` makes of it), without
+    writing or generating anything: what `run` needs free before its first step."""
+    from qpack.synth.checkpoint import checkpoint_entries
+    from qpack.synth.init_weights import WeightSource
+
+    dims = get_preset(family, preset)
+    writer = _Writer(dims, "bfloat16", "hub", None, group_size, WeightSource(0, dims.num_experts, dims.hidden_size))
+    synth = sum(e.nbytes for e in checkpoint_entries(writer, dims))
+    entries, _ = dense_entries(dims, bits, group_size, 0)
+    _, stride = expert_layout(dims, bits, group_size)
+    packed = sum(e.nbytes for e in entries) + dims.num_hidden_layers * dims.num_experts * stride
+    return synth, packed
