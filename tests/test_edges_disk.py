@@ -67,3 +67,31 @@ def test_synth_pack_bench_container_and_run_refuse_when_the_disk_is_too_small(sy
     assert re.search(r"demo\.qpack: synth demo \+ pack needs 1\.4\d GB, but only", err), err[-3000:]
     used_kb = int(re.search(r"used=(\d+)", err)[1])
     assert used_kb < 64, f"{used_kb} KiB written before refusing"
+
+
+def test_a_disk_filled_during_synth_is_one_line_and_leaves_no_shards(tmp_path):
+    """Room at the check, then another process fills the disk while synth writes."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) for a private tmpfs")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    script = (
+        f"mount -t tmpfs -o size=160m tmpfs {mnt} || exit 77\n"
+        f"{sys.executable} -m pipeline synth --family qwen3_next --preset tiny --dtype float32 "
+        f"-o {mnt}/s --no-progress & pid=$!\n"
+        f"while ! ls {mnt}/s/model* >/dev/null 2>&1; do sleep 0.005; done\n"
+        f"dd if=/dev/zero of={mnt}/fill bs=64k 2>/dev/null\n"
+        f"wait $pid; echo synth=$? >&2\n"
+        f"ls {mnt}/s >&2\n"
+    )
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if proc.returncode == 77 or "Operation not permitted" in proc.stderr:
+        pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr[-300:]}")
+    err = proc.stderr
+    if "synth=0" in err:
+        pytest.skip("synth finished before the disk filled up")  # a very fast disk and CPU
+    assert "synth=2" in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "disk full (ENOSPC) while writing the checkpoint" in lines[0], err[-3000:]
+    assert "Traceback" not in err and "model-" not in err.split("synth=2", 1)[1], err[-3000:]
