@@ -2,6 +2,8 @@
 
 Every module here only declares its arguments; what a subcommand runs is imported when
 it runs, so `moestream --help` and argument errors never load MLX or the engine.
+`main` turns whatever a command raises into one `error: <message>` line and exit 1
+(pipeline.cli.failures); Ctrl-C exits 130 and a closed stdout pipe 141, both quietly.
 """
 
 from __future__ import annotations
