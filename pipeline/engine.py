@@ -40,6 +40,7 @@ from pipeline.config.schema import PipelineConfig
 from pipeline.events import Event
 from pipeline.generation import Generation
 from pipeline.heap_trim import HeapTrimmer
+from pipeline.memory_budget import check_pool_fits
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_cache import PrefixCache
@@ -266,6 +267,7 @@ async def open_engine(
     fmt = uniform_format([layer.format for layer in manifest.layers], str(container.root))
     storage_probe = sum(t.nbytes for t in fmt.tensors)
     slots = min(_num_slots(config, container, storage_probe), manifest.num_experts * len(manifest.layers))
+    check_pool_fits(slots * storage_probe, manifest.dense_bytes, config.pool.slots is not None or config.pool.budget_mb is not None)
     need = smallest_workable_slots(manifest.num_experts, manifest.top_k, config.compute.prefill_chunk)
     if slots < need:
         raise PoolTooSmall(
@@ -282,7 +284,7 @@ async def open_engine(
             _guarded, container.dense_path, load_dense, container.config, container.dense_path
         )
         tokenizer = await trio.to_thread.run_sync(
-            _guarded, container.root / "tokenizer.json", cached_tokenizer, container.root
+            _guarded, container.root / "tokenizer.json", lambda: cached_tokenizer(container.tokenizer_dir())
         )
         storage = await worker.run(PoolStorage, fmt, slots)
         stage_in_threads = await _stage_in_threads(config.reader.stage_in_threads, worker)

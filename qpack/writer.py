@@ -27,6 +27,7 @@ import structlog
 
 from qpack import spec
 from qpack.layout import ContainerPlan, LayerPlan, make_plan
+from qpack.output_guard import bytes_under, exclusive_output, require_free_space
 from qpack.quantize import cast, quantize
 from qpack.safetensors_io import data_offsets, mx_to_bytes
 from qpack.source import SourceCheckpoint, open_source
@@ -71,7 +72,9 @@ def _milestone(name: str) -> None:
         return
     fd, _, stop_at = hook.partition(":")
     os.write(int(fd), name.encode() + b"\n")
-    while name == stop_at:  # SIGINT raises KeyboardInterrupt here, as it would mid-write
+    # SIGINT raises KeyboardInterrupt here, as it would mid-write. A test that lets the
+    # pack go on (after filling the disk under it) clears the hook from a signal handler.
+    while name == stop_at and os.environ.get(PAUSE_ENV) == hook:
         signal.pause()
 
 
@@ -175,7 +178,11 @@ class Packer:
     def _save(self, journal: Journal, step: str) -> None:
         tmp = self.out / (JOURNAL + ".tmp")
         data = msgspec.json.encode(journal)
-        _guard(tmp, lambda: tmp.write_bytes(data))
+        try:
+            _guard(tmp, lambda: tmp.write_bytes(data))
+        except QpackError:  # disk full: leave the last whole journal, not a torn copy
+            tmp.unlink(missing_ok=True)
+            raise
         _milestone(f"journal-tmp {step}")
         os.replace(tmp, self.out / JOURNAL)
         _milestone(f"journal {step}")
@@ -337,23 +344,26 @@ def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: i
     if bits not in (None, 4, 8, 16):
         raise QpackError("--bits", f"{bits} is not one of 4, 8, 16")
     options = {"source": str(source), "bits": bits, "group_size": group_size, "dtype": dtype, "revision": revision}
-    if (out / spec.MANIFEST).exists():
-        manifest = spec.decode_manifest((out / spec.MANIFEST).read_bytes(), out / spec.MANIFEST)
-        (out / JOURNAL).unlink(missing_ok=True)
-        log.info("pack.already_complete", path=str(out))
-        return PackResult(manifest, out, 0, 0.0)
-    t0 = time.perf_counter()
-    src = open_source(resolve_source(str(source), revision=revision, progress=progress))
-    try:
-        if src.quantization is not None and bits == 16:
-            raise QpackError(src.root, "source is MLX-quantized; --bits 16 would need dequantizing, which pack does not do")
-        plan_bits = None if bits == 16 else (bits or (None if src.quantization is not None else 4))
-        plan = make_plan(src, plan_bits, group_size, dtype)
-        packer = Packer(src, plan, out, str(source), options, progress)
-        total = sum(t.nbytes for t in plan.dense_plan()) + sum(lp.stride * src.num_experts for lp in plan.layers)
-        manifest = _with_progress(packer, total, progress, out)
-    finally:
-        src.close()
+    with exclusive_output(out, "pack"):
+        if (out / spec.MANIFEST).exists():
+            manifest = spec.decode_manifest((out / spec.MANIFEST).read_bytes(), out / spec.MANIFEST)
+            (out / JOURNAL).unlink(missing_ok=True)
+            log.info("pack.already_complete", path=str(out))
+            return PackResult(manifest, out, 0, 0.0)
+        t0 = time.perf_counter()
+        src = open_source(resolve_source(str(source), revision=revision, progress=progress))
+        try:
+            if src.quantization is not None and bits == 16:
+                raise QpackError(src.root, "source is MLX-quantized; --bits 16 would need dequantizing, which pack does not do")
+            plan_bits = None if bits == 16 else (bits or (None if src.quantization is not None else 4))
+            plan = make_plan(src, plan_bits, group_size, dtype)
+            total = sum(t.nbytes for t in plan.dense_plan()) + sum(lp.stride * src.num_experts for lp in plan.layers)
+            small = sum(f.stat().st_size for f in src.tokenizer_files())  # copied as they are
+            require_free_space(out, total + small, "packing", already=bytes_under(out))
+            packer = Packer(src, plan, out, str(source), options, progress)
+            manifest = _with_progress(packer, total, progress, out)
+        finally:
+            src.close()
     result = PackResult(manifest, out, packer.bytes_written, time.perf_counter() - t0)
     log.info("pack.done", path=str(out), mb=round(result.bytes_written / 1e6, 2), seconds=round(result.seconds, 2),
              mb_s=round(result.mb_s, 1))

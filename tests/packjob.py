@@ -66,28 +66,65 @@ def _cli(argv: list[str]) -> tuple[int, str]:
     return code, err.getvalue()
 
 
+def _fill(mnt: str) -> None:
+    """Write a file at `mnt` until the disk is full."""
+    block = b"\0" * (1 << 16)
+    with open(f"{mnt}/fill", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(block)
+        except OSError:
+            pass
+
+
 def _full_disk_child(w: connection.Connection, source: str, mnt: str, result: str) -> None:
+    import threading
+
     from private_tmpfs import enter_private_namespace, mount_tmpfs
 
     _quiet()
     try:
         enter_private_namespace()
-        mount_tmpfs(Path(mnt), "3m")
+        mount_tmpfs(Path(mnt), "256m")
     except OSError as exc:
         w.send(("no tmpfs", str(exc)))
         return
+    # The pack starts with room (its free-space check passes), stops at its first expert
+    # file, the disk is filled under it, and it goes on into a real ENOSPC.
+    r_fd, w_fd = os.pipe()
+    hook = f"{w_fd}:begin experts/layer_000.bin"
+    os.environ[PAUSE_ENV] = hook
+
+    def go_on(*_: object) -> None:
+        os.environ[PAUSE_ENV] = f"{w_fd}:"
+
+    signal.signal(signal.SIGUSR1, go_on)
+
+    def filler() -> None:
+        seen = b""
+        while b"begin experts/layer_000.bin" not in seen:
+            seen += os.read(r_fd, 1 << 16)
+        _fill(mnt)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        while os.read(r_fd, 1 << 16):  # drain: the pack must never block on the pipe
+            pass
+
+    threading.Thread(target=filler, daemon=True).start()
     argv = ["pack", source, "-o", f"{mnt}/x.qpack", "--bits", "4", "--no-progress"]
     first = _cli(argv)
-    mount_tmpfs(Path(mnt), "256m", remount=True)
+    del os.environ[PAUSE_ENV]
+    journal_tmp_left = Path(f"{mnt}/x.qpack/{JOURNAL}.tmp").exists()
+    os.unlink(f"{mnt}/fill")
     second = _cli(argv)
+    first = (*first, journal_tmp_left)
     shutil.copytree(f"{mnt}/x.qpack", result)
     w.send((first, second))
 
 
 def pack_on_a_full_disk(ctx: BaseContext, source: Path, tmp: Path) -> tuple[Path, tuple, tuple]:
-    """`moestream pack` onto a private 3 MiB tmpfs, then again once it is grown to 256 MiB:
-    (the container copied out, (exit, stderr) of the first run, of the second). Skips
-    where no private tmpfs can be mounted."""
+    """`moestream pack` onto a private tmpfs that fills up mid-pack, then again once the
+    filler is gone: (the container copied out, (exit, stderr, journal .tmp left) of the
+    first run, (exit, stderr) of the second). Skips where no private tmpfs can be mounted."""
     mnt, result = tmp / "mnt", tmp / "result.qpack"
     mnt.mkdir()
     r, w = ctx.Pipe(duplex=False)

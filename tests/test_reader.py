@@ -200,7 +200,7 @@ def test_verify_and_info_subcommands(container, capsys, tmp_path):
     missing = tmp_path / "nothing.qpack"
     args = _parser().parse_args(["verify", str(missing)])
     assert args.func(args) == 1
-    assert "no such container" in capsys.readouterr().out
+    assert "no such container" in capsys.readouterr().err  # problems are diagnostics: stderr
     os.makedirs(missing)
     args = _parser().parse_args(["info", str(missing)])
     assert args.func(args) == 2

@@ -99,9 +99,13 @@ def read_events(resp: http.client.HTTPResponse, count: int | None = None) -> lis
 
 
 def check_events(events: list[str]) -> None:
-    for event in events:
+    """Whole JSON chunks; the last may be the error event a shutdown ends a reply with."""
+    for i, event in enumerate(events):
         if event != "[DONE]":
             chunk = json.loads(event)  # whole JSON, never cut
+            if "error" in chunk and i == len(events) - 1:
+                assert chunk["error"]["code"] == "server_shutting_down", chunk
+                continue
             assert chunk["object"] == "chat.completion.chunk", chunk
 
 
@@ -160,6 +164,8 @@ def test_sigterm_during_a_long_generation_cuts_it_at_an_event_boundary(fork_serv
         conn.close()
         check_events(first + rest)
         assert "[DONE]" not in rest, "3000 tokens finished within the grace period: not cut"
+        # Cut after the grace period, and told so: the stream ends with one error event.
+        assert json.loads(rest[-1])["error"]["code"] == "server_shutting_down", rest[-3:]
         assert server.proc.wait(60) == 0, "".join(server.log)[-3000:]
         # Refused once down: nothing lingers on the port.
         with pytest.raises(OSError):

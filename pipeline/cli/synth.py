@@ -45,8 +45,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qpack.spec import QpackError
     from qpack.synth.checkpoint import synthesize
 
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        # Synthesis replaces shards and configs: never over something already there.
+        print(f"error: {args.out}: exists and is not empty; remove it or choose another -o",
+              file=sys.stderr)
+        return 2
     try:
         dims = get_preset(args.family, args.preset)
         synthesize(
@@ -62,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
             max_layers=args.max_layers,
             progress=not args.no_progress and sys.stderr.isatty(),
         )
-    except ValueError as exc:
-        print(f"moestream synth: {exc}", file=sys.stderr)
+    except (ValueError, QpackError) as exc:  # bad arguments, or no room: refused before writing
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     print(args.out)
     return 0

@@ -142,6 +142,10 @@ class ServerConfig(_Section):
     context_limit: PositiveInt | None = None  # None = the model's max_position_embeddings
     # On SIGINT/SIGTERM, requests in flight get this long to finish before they are cut.
     shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    # Most tokens one request may generate; a request asking for more gets a 400 (as
+    # OpenAI's API does), one asking for none gets this many at most. It bounds how long
+    # one request can hold the engine while the others queue.
+    max_tokens_limit: PositiveInt = 8192
 
 
 class LogConfig(_Section):

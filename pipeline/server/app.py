@@ -38,8 +38,10 @@ from actors.sampling_params import SamplingParams
 from pipeline.engine import Engine
 from pipeline.generation import Generation, PromptTooLong
 from pipeline.server import schema as s
+from pipeline.server.drain import Drain
 from pipeline.server.metrics import Metrics
 from pipeline.server.responses import ChatReply, TextReply, json_response, respond
+from qpack.checked_files import unreadable_files
 
 log = structlog.get_logger("moestream.server")
 
@@ -50,6 +52,7 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     api_key: str | None = None
     max_queue: int = 16
     max_body_bytes: int = 1 << 20
+    max_tokens_limit: int = 8192
     hide_reasoning: bool = False
     aliases: tuple[str, ...] = ()  # more names the model answers to (e.g. the CLI's path)
     defaults: SamplingParams = SamplingParams()
@@ -83,10 +86,12 @@ class _StatusCounter:
 
 
 class Api:
-    def __init__(self, engine: Engine, settings: ServerSettings, metrics: Metrics) -> None:
+    def __init__(self, engine: Engine, settings: ServerSettings, metrics: Metrics,
+                 drain: Drain | None = None) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
+        self.drain = drain or Drain()
         self.created = int(time.time())
 
     # --- checks ------------------------------------------------------------------------
@@ -129,6 +134,17 @@ class Api:
             raise s.APIError(404, f"the model {model!r} does not exist; this server serves "
                              f"{self.engine.name!r}", param="model", code="model_not_found")
 
+    def limit_tokens(self, req: s.ChatRequest | s.CompletionRequest, params: SamplingParams) -> SamplingParams:
+        """Refuse a completion longer than the server allows; cap one that names no length."""
+        limit = self.settings.max_tokens_limit
+        if (getattr(req, "max_completion_tokens", None) or req.max_tokens) is None:
+            return msgspec.structs.replace(params, max_tokens=min(params.max_tokens or limit, limit))
+        if params.max_tokens is not None and params.max_tokens > limit:
+            param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            raise s.APIError(400, f"{param} is {params.max_tokens}, over this server's limit of {limit} "
+                             "tokens per request (server.max_tokens_limit)", param=param)
+        return params
+
     def check_prompt(self, tokens: list[int], params: SamplingParams, param: str) -> None:
         try:
             Generation(self.engine, tokens, params).check()
@@ -136,6 +152,7 @@ class Api:
             raise s.APIError(400, str(exc), param=param, code="context_length_exceeded") from None
         except ValueError as exc:
             raise s.APIError(400, str(exc), param=param) from None
+        self.drain.check_open()
         if self.engine.waiting >= self.settings.max_queue:
             raise s.APIError(429, f"the server is busy: {self.engine.waiting} requests are "
                              "waiting; retry later", type="rate_limit_error", code="queue_full")
@@ -143,6 +160,16 @@ class Api:
     # --- routes ------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
+        """503 while shutting down or when a container file is gone, truncated or unreadable:
+        a load balancer then stops sending requests that could only fail."""
+        if self.drain.stopping:
+            return json_response({"status": "shutting_down", "model": self.engine.name}, 503)
+        c = self.engine.container
+        problems = await trio.to_thread.run_sync(unreadable_files, c.root, c.manifest)
+        if problems:
+            log.warning("server.unhealthy", problems=problems[:5])
+            return json_response({"status": "error", "model": self.engine.name,
+                                  "problems": problems}, 503)
         return json_response({"status": "ok", "model": self.engine.name})
 
     async def metrics_text(self, request: Request) -> Response:
@@ -163,7 +190,7 @@ class Api:
         req: s.ChatRequest = s.decode_request(await self.read_body(request), s.ChatRequest)
         s.check_unsupported(req)
         self.check_model(req.model)
-        params = s.sampling_params(req, self.settings.defaults)
+        params = self.limit_tokens(req, s.sampling_params(req, self.settings.defaults))
         messages = template_messages(req.messages)
         tools = [msgspec.to_builtins(t) for t in req.tools or []]
         if isinstance(req.tool_choice, s.NamedToolChoice):
@@ -185,6 +212,7 @@ class Api:
         reply = ChatReply(self.engine, self.metrics, req, tools=bool(tools),
                           in_reasoning=text.rstrip().endswith("<think>"),
                           hide_reasoning=self.settings.hide_reasoning)
+        reply.drain = self.drain
         return await respond(request, reply, tokens, params)
 
     async def completions(self, request: Request) -> Response:
@@ -193,7 +221,7 @@ class Api:
                                                     s.CompletionRequest)
         s.check_unsupported(req)
         self.check_model(req.model)
-        params = s.sampling_params(req, self.settings.defaults)
+        params = self.limit_tokens(req, s.sampling_params(req, self.settings.defaults))
         prompt = req.prompt
         if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
@@ -206,6 +234,7 @@ class Api:
             tokens = [int(t) for t in prompt]
         self.check_prompt(tokens, params, "prompt")
         reply = TextReply(self.engine, self.metrics, req)
+        reply.drain = self.drain
         return await respond(request, reply, tokens, params)
 
 
@@ -278,8 +307,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None,
-               metrics: Metrics | None = None) -> ASGIApp:
-    api = Api(engine, settings or ServerSettings(), metrics or Metrics())
+               metrics: Metrics | None = None, drain: Drain | None = None) -> ASGIApp:
+    api = Api(engine, settings or ServerSettings(), metrics or Metrics(), drain)
     routes = [
         Route("/health", _guarded(api.health), methods=["GET"]),
         Route("/metrics", _guarded(api.metrics_text), methods=["GET"]),
@@ -300,6 +329,7 @@ async def serve_engine(
     api_key: str | None = None,
     max_queue: int = 16,
     max_body_bytes: int = 1 << 20,
+    max_tokens_limit: int = 8192,
     hide_reasoning: bool = False,
     aliases: tuple[str, ...] = (),
     defaults: SamplingParams | None = None,
@@ -313,6 +343,7 @@ async def serve_engine(
     Once `shutdown_trigger` returns, requests in flight get `shutdown_grace_s` to finish.
     """
     settings = ServerSettings(api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes,
+                              max_tokens_limit=max_tokens_limit,
                               hide_reasoning=hide_reasoning, aliases=aliases,
                               defaults=defaults or engine.config.sampling)
     config = HypercornConfig()
@@ -325,9 +356,19 @@ async def serve_engine(
         log.info("server.listening", host=host, port=bound, model=engine.name)
         task_status.started(bound)
 
+    drain = Drain()
+
+    async def shut_down() -> None:
+        if shutdown_trigger is None:
+            await trio.sleep_forever()
+        else:
+            await shutdown_trigger()
+        # Replies still producing tokens get most of hypercorn's graceful period.
+        await drain.shut_down(grace_s=max(0.0, config.graceful_timeout - 1.5))
+
     async def run(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-        await serve(create_app(engine, settings), config,  # type: ignore[arg-type]
-                    shutdown_trigger=shutdown_trigger, task_status=task_status)
+        await serve(create_app(engine, settings, drain=drain), config,  # type: ignore[arg-type]
+                    shutdown_trigger=shut_down, task_status=task_status)
 
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(run)

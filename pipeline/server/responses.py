@@ -25,6 +25,7 @@ from actors.sampling_params import SamplingParams
 from pipeline.engine import Engine
 from pipeline.events import Done, TextDelta
 from pipeline.server import schema as s
+from pipeline.server.drain import Drain, shutting_down
 from pipeline.server.metrics import Metrics
 from pipeline.server.tool_calls import Call, Content, OutputParser, Part, Reasoning
 
@@ -60,6 +61,9 @@ def _sse(obj: Any) -> bytes:
 
 
 def _sse_error(exc: BaseException) -> bytes:
+    if isinstance(exc, s.APIError):  # a refusal with its own body (e.g. shutting down)
+        log.info("server.stream_ended", status=exc.status, reason=exc.message)
+        return _sse(exc.body())
     log.error("server.stream_failed", exc_info=exc)
     body = s.APIError(500, "internal error while generating", type="server_error").body()
     return _sse(body)
@@ -92,6 +96,7 @@ async def unless_disconnected(request: Request, run: Callable[[], Awaitable[Resp
 
 class Reply:
     prefix = "cmpl"
+    drain: Drain | None = None  # the server's shutdown state, set by the app
 
     def __init__(self, engine: Engine, metrics: Metrics,
                  req: s.ChatRequest | s.CompletionRequest) -> None:
@@ -103,11 +108,30 @@ class Reply:
         self.model = req.model
 
     async def run(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[TextDelta | Done]:
-        async with aclosing(self.engine.generate(tokens, params)) as events:
-            async for event in events:
-                if isinstance(event, Done):
-                    self.metrics.record_generation(event.stats)
-                yield event
+        drain = self.drain or Drain()
+        drain.started()
+        try:
+            async with aclosing(self.engine.generate(tokens, params)) as events:
+                producing = False
+                while True:
+                    # Each wait for the next event is cancellable by a shutdown; the yield
+                    # stays outside the scope, so a cancel never lands in the consumer.
+                    with trio.CancelScope() as scope:
+                        drain.watch(scope, producing)
+                        try:
+                            event = await anext(events)
+                        except StopAsyncIteration:
+                            return
+                        finally:
+                            drain.unwatch(scope)
+                    if scope.cancelled_caught:
+                        raise shutting_down()
+                    producing = True
+                    if isinstance(event, Done):
+                        self.metrics.record_generation(event.stats)
+                    yield event
+        finally:
+            drain.finished()
 
     def include_usage(self) -> bool:
         return bool(self.req.stream_options and self.req.stream_options.include_usage)

@@ -24,6 +24,7 @@ of one tensor (<= 4M values) is in memory at a time: the 80B preset writes with 
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -33,6 +34,7 @@ import msgspec
 import numpy as np
 import structlog
 
+from qpack.output_guard import DiskSpaceError, bytes_under, require_free_space
 from qpack.synth.init_weights import NORM_STD, Init, WeightSource, to_storage
 from qpack.synth.presets import ModelDims, generation_config, get_preset, hf_config
 from qpack.synth.st_write import ST_DTYPES, TensorEntry, write_sharded
@@ -320,20 +322,31 @@ def synthesize(
     if shard_bytes is None:
         shard_bytes = TINY_SHARD_BYTES if dims.name == "tiny" else DEFAULT_SHARD_BYTES
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("model*.safetensors*"):
-        stale.unlink()
-
     src = WeightSource(seed, dims.num_experts, dims.hidden_size)
     writer = _Writer(dims, dtype, layout, bits, group_size, src)
     entries = checkpoint_entries(writer, dims)
     total = sum(e.nbytes for e in entries)
+    # Shards of an earlier run are rewritten, so their bytes count as room.
+    require_free_space(out, total, f"synth {dims.name}", already=bytes_under(out, "model*.safetensors*"))
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("model*.safetensors*"):
+        stale.unlink()
+
     log.info("synth.start", family=dims.family, preset=dims.name, dtype=dtype, bits=bits,
              layout=layout, layers=dims.num_hidden_layers, gb=round(total / 1e9, 3), out=str(out))
     metadata = {"format": "mlx" if bits else "pt"}
     with _progress(progress, total, f"synth {dims.family}/{dims.name}") as advance:
         tracked = [_tracked(e, advance) for e in entries]
-        index = write_sharded(out, tracked, shard_bytes, metadata)
+        try:
+            index = write_sharded(out, tracked, shard_bytes, metadata)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # Another writer took the room the check saw: say where, and free what we wrote.
+            for partial in out.glob("model*.safetensors*"):
+                partial.unlink(missing_ok=True)
+            raise DiskSpaceError(out, "disk full (ENOSPC) while writing the checkpoint; its shards "
+                                 "were removed: free space and re-run") from None
 
     config = hf_config(dims, dtype, layout)
     if bits is not None:
