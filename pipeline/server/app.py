@@ -182,7 +182,8 @@ class Api:
                              param="messages") from None
         tokens = self.engine.encode(text)
         self.check_prompt(tokens, params, "messages")
-        reply = ChatReply(self.engine, self.metrics, req, tools=bool(tools),
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+        reply = ChatReply(self.engine, self.metrics, req, tools=bool(tools), schemas=schemas,
                           in_reasoning=text.rstrip().endswith("<think>"),
                           hide_reasoning=self.settings.hide_reasoning)
         return await respond(request, reply, tokens, params)
