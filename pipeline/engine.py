@@ -33,9 +33,11 @@ from actors.reader import ExpertReader
 from actors.router import ExpertRouter
 from actors.routing_trace import TraceModel, TracePool, TraceRecorder
 from actors.sampling_params import SamplingParams
+from pipeline.chat_template import template_kwargs
 from pipeline.config.schema import PipelineConfig
 from pipeline.events import Event
 from pipeline.generation import Generation
+from pipeline.generation_config import default_params, eos_token_ids
 from pipeline.heap_trim import HeapTrimmer
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
@@ -96,9 +98,11 @@ class Engine:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def chat_tokens(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+        enable_thinking: bool | None = None,
     ) -> list[int]:
-        kwargs: dict[str, Any] = {"add_generation_prompt": True}
+        kwargs: dict[str, Any] = {"add_generation_prompt": True,
+                                  **template_kwargs(self.config.chat, enable_thinking)}
         if tools:
             kwargs["tools"] = list(tools)
         text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, **kwargs)
@@ -116,7 +120,7 @@ class Engine:
         back at once rather than when the generator is collected.
         """
         tokens = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        generation = Generation(self, tokens, params or SamplingParams(), on_prefill)
+        generation = Generation(self, tokens, params or default_params(self), on_prefill)
         generation.check()
         self.waiting += 1
         try:
@@ -135,9 +139,11 @@ class Engine:
         params: SamplingParams | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
         on_prefill: Callable[[int, int], None] | None = None,
+        enable_thinking: bool | None = None,
     ) -> AsyncIterator[Event]:
         # Close the inner generator here, in this task: it holds the engine's lock.
-        async with aclosing(self.generate(self.chat_tokens(messages, tools), params, on_prefill)) as events:
+        tokens = self.chat_tokens(messages, tools, enable_thinking)
+        async with aclosing(self.generate(tokens, params, on_prefill)) as events:
             async for event in events:
                 yield event
 
@@ -175,7 +181,7 @@ def cached_tokenizer(root: Path) -> Any:
 def _load_tokenizer(root: str, stamp: int) -> Any:
     from mlx_lm.utils import load_tokenizer
 
-    return load_tokenizer(Path(root))
+    return load_tokenizer(Path(root), eos_token_ids=eos_token_ids(Path(root)))
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from qpack.synth.presets import FAMILIES, FULL_SIZE, get_preset, preset_names
+from qpack.synth.presets import FAMILIES, FULL_SIZE, VARIANTS, get_preset, preset_names
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", choices=("hub", "per-expert"), default="hub",
                    help="hub: as the hub ships it; per-expert: transformers' text-only "
                    "Qwen3.5 MoE layout (only qwen3_5_moe differs; default hub)")
+    p.add_argument("--variant", choices=sorted({v for vs in VARIANTS.values() for v in vs}),
+                   default=None, help="chat variant: qwen3_next instruct (default) or thinking "
+                   "(template opens <think>, sampling 0.6/0.95/20); qwen3_5_moe hybrid")
     p.add_argument("--seed", type=int, default=0, help="random seed: same seed, same bytes (default 0)")
     p.add_argument("--shard-mb", type=int, default=None,
                    help="maximum shard size in MiB (default: 8 for tiny, 2048 otherwise)")
@@ -58,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
             group_size=args.group_size,
             seed=args.seed,
             layout=args.layout,
+            variant=args.variant,
             shard_bytes=args.shard_mb * 1024 * 1024 if args.shard_mb else None,
             max_layers=args.max_layers,
             progress=not args.no_progress and sys.stderr.isatty(),

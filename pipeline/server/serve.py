@@ -46,7 +46,7 @@ async def serve_config(cfg: PipelineConfig, *, hide_reasoning: bool = False,
         await serve_engine(
             engine, server.host, server.port, api_key=server.api_key,
             max_queue=server.max_queue, max_body_bytes=server.max_body_bytes,
-            hide_reasoning=hide_reasoning, aliases=aliases, defaults=cfg.sampling,
+            hide_reasoning=hide_reasoning, aliases=aliases,
             shutdown_trigger=_wait_for_signal,
         )
     log.info("server.stopped")

@@ -34,7 +34,7 @@ import numpy as np
 import structlog
 
 from qpack.synth.init_weights import NORM_STD, Init, WeightSource, to_storage
-from qpack.synth.presets import ModelDims, generation_config, get_preset, hf_config
+from qpack.synth.presets import ModelDims, check_variant, generation_config, get_preset, hf_config
 from qpack.synth.st_write import ST_DTYPES, TensorEntry, write_sharded
 
 log = structlog.get_logger(__name__)
@@ -297,14 +297,18 @@ def synthesize(
     max_layers: int | None = None,
     tokenizer: bool = True,
     progress: bool = True,
+    variant: str | None = None,
 ) -> Path:
     """Write a synthetic checkpoint of `family`/`preset` into directory `out`; returns `out`.
 
     `max_layers` truncates the model (config included) to its first layers: a smaller valid
     checkpoint, used to measure the full-size presets without writing all of them (mlx-lm
-    needs at least `full_attention_interval` layers to run it).
+    needs at least `full_attention_interval` layers to run it). `variant` picks the chat
+    template and generation_config.json (presets.VARIANTS: qwen3_next "instruct" or
+    "thinking"); the weights do not depend on it.
     """
     dims = get_preset(family, preset)
+    variant = check_variant(dims.family, variant)
     if dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"dtype {dtype!r}: expected bfloat16, float16 or float32")
     if bits not in (None, 4, 8):
@@ -343,11 +347,11 @@ def synthesize(
         config["quantization"] = quant
         config["quantization_config"] = quant
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(generation_config(dims), indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(generation_config(dims, variant), indent=2) + "\n")
     if tokenizer:
         from qpack.synth.tokenizer import write_tokenizer
 
-        write_tokenizer(out, dims.family)
+        write_tokenizer(out, dims.family, variant)
     log.info("synth.done", out=str(out), shards=len(set(index["weight_map"].values())),  # type: ignore[arg-type]
              gb=round(total / 1e9, 3))
     return out
