@@ -19,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import msgspec
 
+from qpack.checkpoint_kind import check_config, check_files
 from qpack.safetensors_io import SafetensorsFile, TensorInfo, bytes_to_mx, open_index
 from qpack.spec import PROJECTIONS, QpackError, parse_json
 
@@ -103,6 +104,8 @@ class SourceCheckpoint:
         cfg = copy.deepcopy(self.config)
         if cfg.get("model_type") in MODEL_TYPE_ALIASES:
             cfg["model_type"] = MODEL_TYPE_ALIASES[cfg["model_type"]]
+        if self.model_type == "qwen3_next":
+            flatten_rope_parameters(cfg)
         return cfg
 
     def tokenizer_files(self) -> list[Path]:
@@ -184,6 +187,8 @@ class SourceCheckpoint:
 
 def _load_config(root: Path) -> dict:
     path = root / "config.json"
+    if root.is_dir():
+        check_files([p.name for p in root.iterdir()], root)
     if not path.is_file():
         raise QpackError(root, "not a checkpoint directory (no config.json)")
     cfg = parse_json(path.read_bytes(), path, "config.json")
@@ -192,19 +197,46 @@ def _load_config(root: Path) -> dict:
     return cfg
 
 
+def flatten_rope_parameters(cfg: dict) -> None:
+    """transformers 5 re-saves Qwen3-Next configs with `rope_theta` and
+    `partial_rotary_factor` only inside `rope_parameters`; mlx-lm's qwen3_next ModelArgs
+    wants them at the top level (and a non-default rope type as `rope_scaling`)."""
+    rope = cfg.get("rope_parameters")
+    if not isinstance(rope, dict):
+        return
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key not in cfg and key in rope:
+            cfg[key] = rope[key]
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if cfg.get("rope_scaling") is None and kind != "default":
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor", "rope_type")}
+        cfg["rope_scaling"] = {"type": kind, **scaling}
+
+
 def _target_name(model_type: str, name: str) -> str | None:
-    """mlx-lm's key renames (qwen3_5_moe.Model.sanitize); None drops the tensor."""
+    """mlx-lm's key renames (qwen3_5_moe.Model.sanitize); None drops the tensor.
+
+    Only the text model's tensors are kept: besides MTP heads and the hub's
+    `model.visual.*`, that drops community MLX layouts' `language_model.vision_tower.*`
+    (and any other tower), which mlx-lm's text model would refuse at load."""
     if "mtp." in name:
         return None
     if model_type == "qwen3_next":
-        return name
+        return name if name.startswith(("model.", "lm_head.")) else None
     if name.startswith(("vision_tower", "model.visual")):
         return None
     if name.startswith("model.language_model"):
-        return name.replace("model.language_model", "language_model.model", 1)
-    if name.startswith("language_model."):
-        return name
-    return "language_model." + name
+        target = name.replace("model.language_model", "language_model.model", 1)
+    elif name.startswith("language_model."):
+        target = name
+    else:
+        target = "language_model." + name
+    return target if target.startswith(("language_model.model.", "language_model.lm_head.")) else None
+
+
+def is_text_tensor(model_type: str, name: str) -> bool:
+    """Whether a source tensor is part of the text model (the rest is never read)."""
+    return _target_name(model_type, name) is not None
 
 
 def _experts(names: list[str], num_experts: int, root: Path) -> dict[int, dict[str, ExpertRef]]:
@@ -250,6 +282,7 @@ def open_source(root: str | Path) -> SourceCheckpoint:
     for key in ("num_experts", "num_experts_per_tok", "num_hidden_layers"):
         if key not in text:
             raise QpackError(root / "config.json", f"config has no {key!r}")
+    check_config(config, root / "config.json")
     quantization = config.get("quantization")
     index = open_index(root)
     names = sorted(index)
