@@ -26,8 +26,9 @@ import trio
 from actors.compute import Compute
 from actors.mlx_worker import MlxWorker
 from actors.pool.eviction import make_policy
+from actors.pool.layout import PoolLayout
 from actors.pool.slots import SlotTable
-from actors.pool.storage import PoolStorage, uniform_format
+from actors.pool.storage import PoolStorage
 from actors.prefetch import PrefetchScorer, make_strategy
 from actors.reader import ExpertReader
 from actors.router import ExpertRouter
@@ -213,8 +214,9 @@ async def open_engine(
     container = Container.open(Path(config.model.path), verify=config.model.verify, io=io,
                                o_direct=config.reader.o_direct)
     manifest = container.manifest
-    fmt = uniform_format([layer.format for layer in manifest.layers], str(container.root))
-    storage_probe = sum(t.nbytes for t in fmt.tensors)
+    layout = PoolLayout.of(manifest.layers)  # one format, or one per layer (mixed precision)
+    fmt = layout.formats[next(iter(layout.formats))]
+    storage_probe = layout.slot_nbytes
     slots = min(_num_slots(config, container, storage_probe), manifest.num_experts * len(manifest.layers))
     need = smallest_workable_slots(manifest.num_experts, manifest.top_k, config.compute.prefill_chunk)
     if slots < need:
@@ -234,10 +236,10 @@ async def open_engine(
         tokenizer = await trio.to_thread.run_sync(
             _guarded, container.root / "tokenizer.json", cached_tokenizer, container.root
         )
-        storage = await worker.run(PoolStorage, fmt, slots)
+        storage = await worker.run(PoolStorage, layout, slots)
         stage_in_threads = await _stage_in_threads(config.reader.stage_in_threads, worker)
         dtype = await worker.run(activation_dtype, config.compute.dtype)
-        model = StreamedModel(dense, fmt, storage.arrays, dtype)
+        model = StreamedModel(dense, fmt, storage.arrays, dtype, views=storage.view)
         async with trio.open_nursery() as nursery:
             yield _start_actors(
                 config, container, worker, nursery, model, storage, tokenizer, slots,
@@ -312,6 +314,7 @@ def _start_actors(
     policy_params = {"decay": config.pool.lfu_decay, "period": config.pool.lfu_period}
     policy = make_policy(config.pool.eviction, **(policy_params if config.pool.eviction == "lfu" else {}))
     table = SlotTable(slots, policy)
+    storage.layer_of = lambda slot: (table.key_at(slot) or (None,))[0]  # mixed-format installs
     reader = ExpertReader(
         container,
         concurrency=config.reader.concurrency if overlap else 1,

@@ -9,6 +9,7 @@ next routing. Everything else stays lazy, so MLX fuses it into that single sync.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -31,12 +32,14 @@ class StreamedModel:
         fmt: ExpertFormat,
         slot_arrays: dict[str, mx.array],
         activation_dtype: mx.Dtype | None = None,
+        views: Callable[[int], tuple[dict[str, mx.array], ExpertFormat]] | None = None,
     ):
         self.model = model
         self.activation_dtype = activation_dtype  # None: whatever the embedding yields
         self.parts: TextParts = text_parts(model)
         self.fmt = fmt
         self.slot_arrays = slot_arrays  # owned by the pool, updated in place on install
+        self.views = views  # layer -> (its slot arrays, its format) when layers differ
         self.moe_layers = moe_layers(self.parts)
         self.num_layers = len(self.parts.layers)
         self.num_experts = self.parts.layers[self.moe_layers[0]].mlp.num_experts
@@ -116,7 +119,8 @@ class ForwardStep:
         self._pending = None
         slots = mx.array(slot_of.astype(np.int32))[inds]
         block = self.m.parts.layers[self.layer]
-        routed = routed_experts(self.m.slot_arrays, self.m.fmt, x, slots)
+        arrays, fmt = self.m.views(self.layer) if self.m.views else (self.m.slot_arrays, self.m.fmt)
+        routed = routed_experts(arrays, fmt, x, slots)
         self.h = h_mid + moe_output(block.mlp, x, routed, scores)
         self.layer += 1
         return self.run_to_routing(presync)

@@ -48,6 +48,10 @@ ZERO_CENTRED = (
     ".k_norm.weight",
 )
 ROUTER_SUFFIXES = ("mlp.gate", "shared_expert_gate")
+# mlx_lm.convert --quant-predicate recipes: (low bits, high bits) as its mixed_quant_predicate.
+MIXED_RECIPES = {"mixed_2_6": (2, 6), "mixed_3_4": (3, 4), "mixed_3_6": (3, 6), "mixed_4_6": (4, 6)}
+# mlx_lm.convert --q-mode: default (group size, bits) per mode.
+MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
 Blocks = Callable[[], Iterator[np.ndarray]]
 
 
@@ -123,8 +127,10 @@ class _Writer:
     """Turns logical tensors into safetensors entries for one layout."""
 
     def __init__(self, dims: ModelDims, dtype: str, layout: str, bits: int | None,
-                 group_size: int, src: WeightSource) -> None:
+                 group_size: int, src: WeightSource, mode: str = "affine",
+                 recipe: str | None = None) -> None:
         self.dims, self.dtype, self.layout, self.bits, self.gs = dims, dtype, layout, bits, group_size
+        self.mode, self.recipe = mode, recipe
         self.src = src
         self.mlx = bits is not None
         qwen35 = dims.family == "qwen3_5_moe"
@@ -165,10 +171,7 @@ class _Writer:
     def _quantized(self, name: str, shape: tuple[int, ...], blocks: Blocks) -> list[TensorEntry]:
         """weight/scales/biases of a (possibly expert-stacked) Linear, sharing one pass."""
         base = name.removesuffix(".weight")
-        bits, gs = self.bits or 4, self.gs
-        if base.endswith(ROUTER_SUFFIXES):
-            bits, gs = 8, 64  # the model's quant_predicate
-            self.overrides[base] = {"group_size": 64, "bits": 8}
+        bits, gs, mode = self._rule(base)
         *lead, in_dim = shape
         if in_dim % gs:
             raise ValueError(f"tensor {name!r}: input dim {in_dim} is not a multiple of group size {gs}")
@@ -178,7 +181,7 @@ class _Writer:
             stash.clear()
             scales, biases = [], []
             for b in blocks():
-                q, s, z = _mlx_quantize(b, self.dtype, bits, gs)
+                q, s, z = _mlx_quantize(b, self.dtype, bits, gs, mode)
                 scales.append(s)
                 biases.append(z)
                 yield q
@@ -190,16 +193,35 @@ class _Writer:
                     yield from stash.pop(which)
                     return
                 for b in blocks():
-                    yield _mlx_quantize(b, self.dtype, bits, gs)[1 if which == "scales" else 2]
+                    yield _mlx_quantize(b, self.dtype, bits, gs, mode)[1 if which == "scales" else 2]
 
             return chunks
 
-        st = ST_DTYPES[self.dtype]
-        return [
+        st = ST_DTYPES[self.dtype] if mode == "affine" else "U8"  # fp modes: uint8 scales
+        entries = [
             TensorEntry(f"{base}.weight", "U32", (*lead, in_dim * bits // 32), weight),
             TensorEntry(f"{base}.scales", st, (*lead, in_dim // gs), part("scales")),
-            TensorEntry(f"{base}.biases", st, (*lead, in_dim // gs), part("biases")),
         ]
+        if mode == "affine":
+            entries.append(TensorEntry(f"{base}.biases", st, (*lead, in_dim // gs), part("biases")))
+        return entries
+
+    def _rule(self, base: str) -> tuple[int, int, str]:
+        """(bits, group size, mode) of one module, as mlx_lm.convert decides it (the model's
+        quant_predicate: routers at 8 bits; or a `--quant-predicate mixed_*` recipe)."""
+        if self.recipe in MIXED_RECIPES:
+            low, high = MIXED_RECIPES[self.recipe]
+            parts = base.split(".")
+            index = next((int(p) for p in parts if p.isdigit()), 0)
+            n = self.dims.num_hidden_layers
+            more = index < n // 8 or index >= 7 * n // 8 or (index - n // 8) % 3 == 2
+            bits = high if ("down_proj" in base and more) or "lm_head" in base else low
+            self.overrides[base] = {"group_size": self.gs, "bits": bits, "mode": "affine"}
+            return bits, self.gs, "affine"
+        if base.endswith(ROUTER_SUFFIXES):
+            self.overrides[base] = {"group_size": 64, "bits": 8}
+            return 8, 64, "affine"  # the model's quant_predicate (affine: to_quantized's default)
+        return self.bits or 4, self.gs, self.mode
 
     def expert_entries(self, layer: int) -> list[TensorEntry]:
         d, p = self.dims, f"layers.{layer}.mlp."
@@ -223,8 +245,14 @@ class _Writer:
             out: list[TensorEntry] = []
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 shape = (e_n, h, i) if proj == "down_proj" else (e_n, i, h)
-                out += self._quantized(self.prefix + p + f"switch_mlp.{proj}.weight", shape,
-                                       stacked(proj))
+                name = self.prefix + p + f"switch_mlp.{proj}.weight"
+                if self.recipe == "float_experts":
+                    # A predicate that leaves the routed experts unquantized: mlx-lm
+                    # records `false` for them and saves their float weights.
+                    self.overrides[name.removesuffix(".weight")] = False  # type: ignore[assignment]
+                    out.append(self._plain(name, shape, stacked(proj), self.dtype))
+                    continue
+                out += self._quantized(name, shape, stacked(proj))
             return out
         if d.family == "qwen3_5_moe" and self.layout == "hub":
             st = ST_DTYPES[self.dtype]
@@ -261,11 +289,13 @@ def _mlx_plus_one(block: np.ndarray, dtype: str) -> np.ndarray:
     return _np_storage(_mx_array(block, dtype) + 1.0)
 
 
-def _mlx_quantize(block: np.ndarray, dtype: str, bits: int, gs: int):
+def _mlx_quantize(block: np.ndarray, dtype: str, bits: int, gs: int, mode: str = "affine"):
     import mlx.core as mx
 
-    q, s, b = mx.quantize(_mx_array(block, dtype), group_size=gs, bits=bits)
-    return _np_storage(q), _np_storage(s), _np_storage(b)
+    out = mx.quantize(_mx_array(block, dtype), group_size=gs, bits=bits, mode=mode)
+    q, s = out[0], out[1]
+    b = out[2] if len(out) > 2 else None
+    return _np_storage(q), _np_storage(s), (_np_storage(b) if b is not None else None)
 
 
 def checkpoint_entries(writer: _Writer, dims: ModelDims) -> list[TensorEntry]:
@@ -298,6 +328,8 @@ def synthesize(
     tokenizer: bool = True,
     progress: bool = True,
     variant: str | None = None,
+    mode: str = "affine",
+    recipe: str | None = None,
 ) -> Path:
     """Write a synthetic checkpoint of `family`/`preset` into directory `out`; returns `out`.
 
@@ -305,14 +337,28 @@ def synthesize(
     checkpoint, used to measure the full-size presets without writing all of them (mlx-lm
     needs at least `full_attention_interval` layers to run it). `variant` picks the chat
     template and generation_config.json (presets.VARIANTS: qwen3_next "instruct" or
-    "thinking"); the weights do not depend on it.
+    "thinking"); the weights do not depend on it. With `bits`, `mode` is mlx_lm.convert's
+    --q-mode (affine, mxfp4, nvfp4, mxfp8: group size and bits then default to the mode's
+    unless given) and `recipe` its --quant-predicate (mixed_3_6 etc.: down_proj and lm_head
+    at the high bits in some layers, every module listed in the config; "float_experts":
+    everything quantized but the routed experts).
     """
     dims = get_preset(family, preset)
     variant = check_variant(dims.family, variant)
     if dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"dtype {dtype!r}: expected bfloat16, float16 or float32")
-    if bits not in (None, 4, 8):
-        raise ValueError(f"bits {bits!r}: expected 4 or 8 (or None for unquantized)")
+    if mode not in MODE_DEFAULTS:
+        raise ValueError(f"mode {mode!r}: expected one of {list(MODE_DEFAULTS)}")
+    if recipe is not None and (recipe not in (*MIXED_RECIPES, "float_experts") or mode != "affine"):
+        raise ValueError(f"recipe {recipe!r}: expected one of {[*MIXED_RECIPES, 'float_experts']} (affine only)")
+    if mode != "affine" and bits is None:
+        bits = MODE_DEFAULTS[mode][1]
+    if mode != "affine" and group_size == 64:
+        group_size = MODE_DEFAULTS[mode][0]
+    if recipe is not None and bits is None:
+        bits = MIXED_RECIPES[recipe][0] if recipe in MIXED_RECIPES else 4
+    if bits not in (None, 2, 3, 4, 5, 6, 8):
+        raise ValueError(f"bits {bits!r}: expected 2, 3, 4, 5, 6 or 8 (or None for unquantized)")
     if layout not in ("hub", "per-expert"):
         raise ValueError(f"layout {layout!r}: expected 'hub' or 'per-expert'")
     if bits is not None and layout != "hub":
@@ -329,7 +375,7 @@ def synthesize(
         stale.unlink()
 
     src = WeightSource(seed, dims.num_experts, dims.hidden_size)
-    writer = _Writer(dims, dtype, layout, bits, group_size, src)
+    writer = _Writer(dims, dtype, layout, bits, group_size, src, mode, recipe)
     entries = checkpoint_entries(writer, dims)
     total = sum(e.nbytes for e in entries)
     log.info("synth.start", family=dims.family, preset=dims.name, dtype=dtype, bits=bits,
@@ -341,7 +387,7 @@ def synthesize(
 
     config = hf_config(dims, dtype, layout)
     if bits is not None:
-        quant: dict[str, object] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+        quant: dict[str, object] = {"group_size": group_size, "bits": bits, "mode": mode}
         quant.update(dict(sorted(writer.overrides.items())))
         config.pop("vision_config", None)  # mlx_lm's save_config drops it too
         config["quantization"] = quant

@@ -12,6 +12,8 @@ upload saves it; unchanged shards are symlinked, so a variant costs only what di
 - `gptq`, `awq`, `fp8-per-tensor`: config.json with that `quantization_config`
   (the weights are left as they are: these kinds are refused before any is read).
 - `gguf`: a GGUF-only repo (a `.gguf` file, a README, no config.json).
+- `nvfp4-global-scale` (MLX nvfp4): what `mlx_lm.convert --q-mode nvfp4 --global-scale`
+  records in the config (one tensor scale per expert; only the config is changed).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import numpy as np
 
 from qpack.synth.st_write import TensorEntry, write_safetensors
 
-KINDS = ("tf5-rope", "mlx-vision-tower", "extra-shards", "gptq", "awq", "fp8-per-tensor", "gguf")
+KINDS = ("tf5-rope", "mlx-vision-tower", "extra-shards", "gptq", "awq", "fp8-per-tensor", "gguf",
+         "nvfp4-global-scale")
 INDEX = "model.safetensors.index.json"
 _QUANT = {
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
@@ -76,6 +79,15 @@ def derive(src: Path, out: Path, kind: str) -> Path:
         config["transformers_version"] = "5.0.0"
     elif kind in _QUANT:
         config["quantization_config"] = dict(_QUANT[kind])
+    elif kind == "nvfp4-global-scale":
+        quant = config["quantization"]
+        prefix = "language_model.model" if "text_config" in config else "model"
+        text = config.get("text_config", config)
+        for layer in range(text["num_hidden_layers"]):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                quant[f"{prefix}.layers.{layer}.mlp.switch_mlp.{proj}"] = {
+                    "group_size": 16, "bits": 4, "mode": "nvfp4", "global_scale": True}
+        config["quantization_config"] = quant
     elif kind == "mlx-vision-tower":
         if "quantization" not in config:
             raise ValueError("mlx-vision-tower derives from an MLX-quantized qwen3_5_moe checkpoint")
