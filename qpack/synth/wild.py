@@ -12,6 +12,9 @@ upload saves it; unchanged shards are symlinked, so a variant costs only what di
 - `gptq`, `awq`, `fp8-per-tensor`: config.json with that `quantization_config`
   (the weights are left as they are: these kinds are refused before any is read).
 - `gguf`: a GGUF-only repo (a `.gguf` file, a README, no config.json).
+- `fp8-block`: an official "-FP8" repo: Linear weights (routed experts included) as
+  float8 e4m3 with a float32 `weight_scale_inv` per FP8_BLOCK block, embeddings, head,
+  routers and norms left in bf16 (`modules_to_not_convert`); the shards are rewritten.
 - `nvfp4-global-scale` (MLX nvfp4): what `mlx_lm.convert --q-mode nvfp4 --global-scale`
   records in the config (one tensor scale per expert; only the config is changed).
 """
@@ -26,7 +29,11 @@ import numpy as np
 from qpack.synth.st_write import TensorEntry, write_safetensors
 
 KINDS = ("tf5-rope", "mlx-vision-tower", "extra-shards", "gptq", "awq", "fp8-per-tensor", "gguf",
-         "nvfp4-global-scale")
+         "nvfp4-global-scale", "fp8-block")
+# Smaller than the hub's 128 x 128 and not dividing the tiny dims: partial edge blocks and
+# rows vs columns both get exercised.
+FP8_BLOCK = (32, 48)
+_NOT_CONVERTED = ("embed_tokens", "lm_head", "mlp.gate.", "shared_expert_gate", "conv1d", "norm")
 INDEX = "model.safetensors.index.json"
 _QUANT = {
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
@@ -77,6 +84,11 @@ def derive(src: Path, out: Path, kind: str) -> Path:
                                      "partial_rotary_factor": config.pop("partial_rotary_factor")}
         config.pop("rope_scaling", None)
         config["transformers_version"] = "5.0.0"
+    elif kind == "fp8-block":
+        _to_fp8(src, out)
+        config["quantization_config"] = {
+            "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+            "weight_block_size": list(FP8_BLOCK), "modules_to_not_convert": ["lm_head", "embed_tokens", "mlp.gate"]}
     elif kind in _QUANT:
         config["quantization_config"] = dict(_QUANT[kind])
     elif kind == "nvfp4-global-scale":
@@ -104,3 +116,51 @@ def derive(src: Path, out: Path, kind: str) -> Path:
                                                      "model.visual.merger.linear_fc1.weight": (16, 16)})
     _rewrite_json(out / "config.json", config)
     return out
+
+
+def _fp8_block(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """e4m3 bytes and float32 scale_inv per FP8_BLOCK block of the last two axes."""
+    import mlx.core as mx
+
+    b0, b1 = FP8_BLOCK
+    *lead, rows, cols = w.shape
+    nr, nc = -(-rows // b0), -(-cols // b1)
+    pad = np.zeros((*lead, nr * b0, nc * b1), dtype=np.float32)
+    pad[..., :rows, :cols] = w
+    blocks = pad.reshape(*lead, nr, b0, nc, b1)
+    scale = np.abs(blocks).max(axis=(-3, -1)) / 448.0
+    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+    scaled = (blocks / scale[..., :, None, :, None]).reshape(pad.shape)[..., :rows, :cols]
+    q = np.array(mx.to_fp8(mx.array(np.ascontiguousarray(scaled))))
+    return q, scale
+
+
+def _to_fp8(src: Path, out: Path) -> None:
+    """Rewrite every shard: eligible Linear weights become e4m3 + weight_scale_inv."""
+    from qpack.safetensors_io import SafetensorsFile, bytes_to_mx
+
+    index = json.loads((src / INDEX).read_text())
+    weight_map: dict[str, str] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        entries: list[TensorEntry] = []
+        with SafetensorsFile(src / shard) as f:
+            for name, info in f.tensors.items():
+                data = f.read_bytes(name)
+                convert = (info.dtype in ("BF16", "F16", "F32") and len(info.shape) in (2, 3)
+                           and (name.endswith(".weight") or ".experts." in name)
+                           and not any(k in name for k in _NOT_CONVERTED))
+                if not convert:
+                    entries.append(TensorEntry(name, info.dtype, info.shape, lambda d=data: [bytes(d)]))
+                    weight_map[name] = shard
+                    continue
+                import mlx.core as mx
+
+                w = np.array(bytes_to_mx(data, info.dtype, info.shape).astype(mx.float32))
+                q, scale = _fp8_block(w)
+                entries.append(TensorEntry(name, "F8_E4M3", info.shape, lambda q=q: [q]))
+                entries.append(TensorEntry(name + "_scale_inv", "F32", scale.shape, lambda s=scale: [s]))
+                weight_map[name] = weight_map[name + "_scale_inv"] = shard
+        (out / shard).unlink()
+        write_safetensors(out / shard, entries, {"format": "pt"})
+    index["weight_map"] = weight_map
+    _rewrite_json(out / INDEX, index)
