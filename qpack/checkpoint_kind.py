@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from qpack.names import MODEL_TYPE_ALIASES, is_text_tensor
 from qpack.spec import QpackError
 
 SUPPORTED = ("bf16/f16/f32 safetensors (quantized at pack time), MLX-quantized safetensors "
@@ -72,7 +73,5 @@ def check_config(config: Mapping, where: str | Path) -> None:
 
 def needed_shards(weight_map: Mapping[str, str], model_type: str) -> set[str]:
     """Shards holding at least one text-model tensor (MTP- or vision-only ones are skipped)."""
-    from qpack.source import MODEL_TYPE_ALIASES, is_text_tensor
-
     family = MODEL_TYPE_ALIASES.get(model_type, model_type)
     return {shard for name, shard in weight_map.items() if is_text_tensor(family, name)}

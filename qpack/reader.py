@@ -185,11 +185,11 @@ class Container:
     @property
     def smallest_pool_bytes(self) -> int:
         """Smallest workable pool for decode: one layer's top-k experts resident at once."""
-        return self.manifest.top_k * self.manifest.max_stride
+        return self.manifest.top_k * self.manifest.pool_slot_bytes
 
     def prefill_pool_bytes(self, chunk_tokens: int) -> int:
         """Smallest pool for a prefill chunk: every expert the chunk can route to in one layer."""
-        return min(self.manifest.num_experts, chunk_tokens * self.manifest.top_k) * self.manifest.max_stride
+        return min(self.manifest.num_experts, chunk_tokens * self.manifest.top_k) * self.manifest.pool_slot_bytes
 
     def close(self) -> None:
         with self._lock:

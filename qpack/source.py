@@ -21,11 +21,11 @@ import msgspec
 
 from qpack.checkpoint_kind import check_config, check_files, hf_quantization, is_fp8_block
 from qpack.fp8 import FP8_TAG, SCALE_SUFFIX, dequantize_rows, scale_rows
+from qpack.names import MODEL_TYPE_ALIASES, target_name
 from qpack.safetensors_io import SafetensorsFile, TensorInfo, bytes_to_mx, mx_to_bytes, open_index
 from qpack.spec import PROJECTIONS, QpackError, parse_json
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe")
-MODEL_TYPE_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -248,32 +248,6 @@ def flatten_rope_parameters(cfg: dict) -> None:
         cfg["rope_scaling"] = {"type": kind, **scaling}
 
 
-def _target_name(model_type: str, name: str) -> str | None:
-    """mlx-lm's key renames (qwen3_5_moe.Model.sanitize); None drops the tensor.
-
-    Only the text model's tensors are kept: besides MTP heads and the hub's
-    `model.visual.*`, that drops community MLX layouts' `language_model.vision_tower.*`
-    (and any other tower), which mlx-lm's text model would refuse at load."""
-    if "mtp." in name:
-        return None
-    if model_type == "qwen3_next":
-        return name if name.startswith(("model.", "lm_head.")) else None
-    if name.startswith(("vision_tower", "model.visual")):
-        return None
-    if name.startswith("model.language_model"):
-        target = name.replace("model.language_model", "language_model.model", 1)
-    elif name.startswith("language_model."):
-        target = name
-    else:
-        target = "language_model." + name
-    return target if target.startswith(("language_model.model.", "language_model.lm_head.")) else None
-
-
-def is_text_tensor(model_type: str, name: str) -> bool:
-    """Whether a source tensor is part of the text model (the rest is never read)."""
-    return _target_name(model_type, name) is not None
-
-
 def _experts(names: list[str], num_experts: int, root: Path) -> dict[int, dict[str, ExpertRef]]:
     layers: dict[int, dict[str, ExpertRef]] = {}
     seen: dict[tuple[int, str], set[int]] = {}
@@ -356,7 +330,7 @@ def _dense_refs(src: SourceCheckpoint, names: list[str]) -> list[DenseRef]:
     tied = bool(src.text.get("tie_word_embeddings", src.config.get("tie_word_embeddings", False)))
     refs = []
     for name in names:
-        target = _target_name(src.model_type, name)
+        target = target_name(src.model_type, name)
         if target is None or (tied and target.endswith("lm_head.weight")):
             continue
         info = src.info(name)

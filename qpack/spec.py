@@ -152,6 +152,14 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def max_stride(self) -> int:
         return max((layer.stride for layer in self.layers), default=0)
 
+    @property
+    def pool_slot_bytes(self) -> int:
+        """What one pool slot costs at most: the largest stride, or, when layers differ in
+        format (mixed precision), every distinct tensor variant (actors.pool.layout)."""
+        variants = {(t.name, t.dtype, tuple(t.shape)): t.nbytes
+                    for layer in self.layers for t in layer.format.tensors}
+        return max(self.max_stride, sum(variants.values()))
+
     def layer(self, index: int) -> LayerEntry:
         for entry in self.layers:
             if entry.index == index:

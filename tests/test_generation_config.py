@@ -154,6 +154,15 @@ async def test_enable_thinking_per_request_call_and_config(hybrid: Path) -> None
         with pytest.raises(openai.BadRequestError, match="enable_thinking: must be true or false"):
             await client.chat.completions.create(
                 **kw, extra_body={"chat_template_kwargs": {"enable_thinking": "no"}})
+        # Fields a request leaves out take generation_config.json's (hybrid: 1.0 / 0.95 / 20).
+        base = {"model": "hybrid", "messages": USER, "max_tokens": 5, "seed": 11}
+        silent = await client.chat.completions.create(**base)
+        same = await client.chat.completions.create(**base, temperature=1.0, top_p=0.95,
+                                                    extra_body={"top_k": 20})
+        api = await client.chat.completions.create(**base, temperature=1.0, top_p=1.0,
+                                                   extra_body={"top_k": 0})
+        texts = [m.choices[0].message.reasoning_content for m in (silent, same, api)]  # type: ignore[attr-defined]
+        assert texts[0] == texts[1] != texts[2]
         # The library call's switch.
         text = engine.tokenizer.decode(engine.chat_tokens(USER, enable_thinking=False))
         assert text.endswith("<think>\n\n</think>\n\n")
