@@ -65,7 +65,7 @@ def check_config(config: Mapping, where: str | Path) -> None:
     method = str(block.get("quant_method"))
     name = _REFUSED.get(method.lower(), method)
     if method == "fp8":
-        raise QpackError(where, f"FP8 checkpoint without a 2-D weight_block_size ({block.get('weight_block_size')!r}) "
+        raise QpackError(where, "FP8 checkpoint with per-tensor scales (no 2-D weight_block_size) "
                          f"is not supported; moestream packs {SUPPORTED}")
     raise QpackError(where, f"{name} checkpoints (quantization_config.quant_method {method!r}) "
                      f"are not supported; moestream packs {SUPPORTED}. Use the model's bf16 repo")

@@ -65,7 +65,7 @@ def test_hub_skips_mtp_and_vision_only_shards(synth_checkpoint, tmp_path: Path,
     ("gptq", "GPTQ checkpoints \\(quantization_config.quant_method 'gptq'\\) are not supported; "
              "moestream packs bf16/f16/f32 safetensors"),
     ("awq", "AWQ checkpoints \\(quantization_config.quant_method 'awq'\\) are not supported"),
-    ("fp8-per-tensor", "FP8 checkpoint without a 2-D weight_block_size"),
+    ("fp8-per-tensor", "FP8 checkpoint with per-tensor scales \\(no 2-D weight_block_size\\) is not supported"),
     ("gguf", "holds GGUF files, which moestream does not pack"),
 ])
 def test_refused_before_any_weight_is_downloaded(synth_checkpoint, tmp_path: Path,
