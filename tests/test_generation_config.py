@@ -41,19 +41,20 @@ def _pack_with(src: Path, tmp: Path, gen: dict) -> Path:
     (copy / "generation_config.json").unlink()
     (copy / "generation_config.json").write_text(json.dumps(gen))
     out = tmp / "c.qpack"
-    pack(copy, out, bits=16, progress=False)
+    pack(copy, out, bits=4, progress=False)
     return out
 
 
 @pytest.fixture(scope="module")
 def thinking(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("thinking") / "thinking.qpack"
-    pack(synth_checkpoint("qwen3_next", variant="thinking"), out, bits=16, progress=False)
+    pack(synth_checkpoint("qwen3_next", dtype="bfloat16", variant="thinking"), out, bits=4,
+         progress=False)
     return out
 
 
 def test_thinking_preset_files(synth_checkpoint) -> None:
-    src = synth_checkpoint("qwen3_next", variant="thinking")
+    src = synth_checkpoint("qwen3_next", dtype="bfloat16", variant="thinking")
     gen = json.loads((src / "generation_config.json").read_text())
     assert (gen["temperature"], gen["top_p"], gen["top_k"]) == (0.6, 0.95, 20)
     assert gen["eos_token_id"] == [QWEN3_NEXT_EOS, QWEN3_NEXT_BOS]  # <|im_end|>, <|endoftext|>
@@ -81,7 +82,7 @@ async def test_kept_in_container_eos_and_sampling_defaults(thinking: Path) -> No
 async def test_generation_config_eos_ends_generation(synth_checkpoint, tmp_path: Path) -> None:
     """A token that greedy decoding emits, listed only in generation_config.json's
     eos_token_id, stops the generation there (finish "stop")."""
-    src = synth_checkpoint("qwen3_next")
+    src = synth_checkpoint("qwen3_next", dtype="bfloat16")
     plain = _pack_with(src, tmp_path / "a", {"eos_token_id": [QWEN3_NEXT_EOS]})
     greedy = SamplingParams(temperature=0.0, max_tokens=6)
     async with open_engine(_config(plain)) as engine:
@@ -131,7 +132,7 @@ def test_template_kwargs_layers() -> None:
 @pytest.fixture(scope="module")
 def hybrid(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("hybrid") / "hybrid.qpack"
-    pack(synth_checkpoint("qwen3_5_moe"), out, bits=16, progress=False)
+    pack(synth_checkpoint("qwen3_5_moe", dtype="bfloat16"), out, bits=4, progress=False)
     return out
 
 

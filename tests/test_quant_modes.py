@@ -49,8 +49,8 @@ async def test_streams_to_mlx_lm_greedy_tokens(packed, kind: str) -> None:
     ref = Reference(src)
     # Activations in the model's dtype (bf16), as mlx-lm runs it: then the tokens agree exactly.
     async with open_engine(engine_config(container, compute={"dtype": "model"})) as engine:
-        want = greedy_reference(ref, PROMPT, 12, set(engine.tokenizer.eos_token_ids), chunk=2)
-        events = [e async for e in engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12))]
+        want = greedy_reference(ref, PROMPT, 8, set(engine.tokenizer.eos_token_ids), chunk=2)
+        events = [e async for e in engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8))]
         done = events[-1]
         assert isinstance(done, Done) and list(done.token_ids) == want
         layout = PoolLayout.of(manifest.layers)

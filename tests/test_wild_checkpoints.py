@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers_forward import tiny_pair
 from helpers_hub import REPO_ID, FakeHub, use_hub
 
 from qpack import spec
@@ -22,13 +23,13 @@ def _payload(container: Path) -> dict[str, str]:
     return {f["path"]: f["sha256"] for f in manifest["files"] if f["path"] != spec.CONFIG}
 
 
-def test_transformers5_rope_parameters_config(synth_checkpoint, tmp_path: Path) -> None:
-    src = synth_checkpoint("qwen3_next")
+def test_transformers5_rope_parameters_config(synth_checkpoint, tmp_path_factory,
+                                              tmp_path: Path) -> None:
+    src, plain = tiny_pair(synth_checkpoint, tmp_path_factory, "qwen3_next")  # fp32, bits 16
     wild = derive(src, tmp_path / "tf5", "tf5-rope")
     assert "rope_theta" not in json.loads((wild / "config.json").read_text())
     # Before: mlx-lm's ModelArgs raised "missing rope_theta" while planning the pack.
     out = pack(wild, tmp_path / "tf5.qpack", bits=16, progress=False).path
-    plain = pack(src, tmp_path / "plain.qpack", bits=16, progress=False).path
     assert _payload(out) == _payload(plain)
     config = json.loads((out / spec.CONFIG).read_text())
     source = json.loads((src / "config.json").read_text())
@@ -36,11 +37,11 @@ def test_transformers5_rope_parameters_config(synth_checkpoint, tmp_path: Path) 
         source["rope_theta"], source["partial_rotary_factor"])
 
 
-def test_mlx_layout_with_language_model_vision_tower(synth_checkpoint, tmp_path: Path) -> None:
-    src = synth_checkpoint("qwen3_5_moe", dtype="bfloat16", bits=4)
+def test_mlx_layout_with_language_model_vision_tower(synth_checkpoint, tmp_path_factory,
+                                                    tmp_path: Path) -> None:
+    src, plain = tiny_pair(synth_checkpoint, tmp_path_factory, "qwen3_5_moe", 4)  # MLX 4-bit
     wild = derive(src, tmp_path / "vt", "mlx-vision-tower")
     out = pack(wild, tmp_path / "vt.qpack", progress=False).path
-    plain = pack(src, tmp_path / "plain.qpack", progress=False).path
     # The tower is dropped: dense.safetensors is the text model's, byte for byte.
     assert _payload(out) == _payload(plain)
 

@@ -30,7 +30,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="weight dtype, also of scales/biases when quantized (default bfloat16)")
     p.add_argument("--bits", type=int, choices=(4, 8), default=None,
                    help="write mlx-lm's quantized layout at this many bits (routers at 8)")
-    p.add_argument("--group-size", type=int, default=64, help="quantization group size (default 64)")
+    p.add_argument("--group-size", type=int, default=64, help="quantization group size (default 64; "
+                   "the mode's own with --mode)")
+    p.add_argument("--mode", choices=("affine", "mxfp4", "nvfp4", "mxfp8"), default="affine",
+                   help="with --bits (or alone): mlx_lm.convert --q-mode (default affine)")
+    p.add_argument("--recipe", choices=("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6", "float_experts"),
+                   default=None, help="mlx_lm.convert --quant-predicate recipe (MLX layout), or "
+                   "float_experts: everything quantized but the routed experts")
     p.add_argument("--layout", choices=("hub", "per-expert"), default="hub",
                    help="hub: as the hub ships it; per-expert: transformers' text-only "
                    "Qwen3.5 MoE layout (only qwen3_5_moe differs; default hub)")
@@ -62,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             layout=args.layout,
             variant=args.variant,
+            mode=args.mode,
+            recipe=args.recipe,
             shard_bytes=args.shard_mb * 1024 * 1024 if args.shard_mb else None,
             max_layers=args.max_layers,
             progress=not args.no_progress and sys.stderr.isatty(),
