@@ -20,7 +20,8 @@ from pipeline.events import Done
 from pipeline.generation_config import default_params, eos_token_ids, model_defaults
 from qpack import spec
 from qpack.spec import QpackError
-from qpack.synth.presets import QWEN3_NEXT_BOS, QWEN3_NEXT_EOS, generation_config, get_preset
+from qpack.synth.presets import QWEN3_NEXT_BOS, QWEN3_NEXT_EOS, get_preset
+from qpack.synth.variants import generation_config
 from qpack.writer import pack
 
 USER = [{"role": "user", "content": "Name three primes."}]

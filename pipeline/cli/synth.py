@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from qpack.synth.presets import FAMILIES, FULL_SIZE, VARIANTS, get_preset, preset_names
+from qpack.synth.presets import FAMILIES, FULL_SIZE, get_preset, preset_names
+from qpack.synth.variants import VARIANTS
 
 
 def register(sub: argparse._SubParsersAction) -> None:

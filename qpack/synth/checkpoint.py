@@ -34,8 +34,16 @@ import numpy as np
 import structlog
 
 from qpack.synth.init_weights import NORM_STD, Init, WeightSource, to_storage
-from qpack.synth.presets import ModelDims, check_variant, generation_config, get_preset, hf_config
+from qpack.synth.mlx_quant import (
+    MIXED_RECIPES,
+    MODE_DEFAULTS,
+    mlx_plus_one,
+    mlx_quantize,
+    module_rule,
+)
+from qpack.synth.presets import ModelDims, get_preset, hf_config
 from qpack.synth.st_write import ST_DTYPES, TensorEntry, write_sharded
+from qpack.synth.variants import check_variant, generation_config
 
 log = structlog.get_logger(__name__)
 
@@ -47,11 +55,6 @@ ZERO_CENTRED = (
     ".q_norm.weight",
     ".k_norm.weight",
 )
-ROUTER_SUFFIXES = ("mlp.gate", "shared_expert_gate")
-# mlx_lm.convert --quant-predicate recipes: (low bits, high bits) as its mixed_quant_predicate.
-MIXED_RECIPES = {"mixed_2_6": (2, 6), "mixed_3_4": (3, 4), "mixed_3_6": (3, 6), "mixed_4_6": (4, 6)}
-# mlx_lm.convert --q-mode: default (group size, bits) per mode.
-MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
 Blocks = Callable[[], Iterator[np.ndarray]]
 
 
@@ -164,7 +167,7 @@ class _Writer:
                plus_one: bool = False) -> TensorEntry:
         def chunks() -> Iterator[np.ndarray]:
             for b in blocks():
-                yield _mlx_plus_one(b, store) if plus_one else to_storage(b, store)
+                yield mlx_plus_one(b, store) if plus_one else to_storage(b, store)
 
         return TensorEntry(name, ST_DTYPES[store], tuple(shape), chunks)
 
@@ -181,7 +184,7 @@ class _Writer:
             stash.clear()
             scales, biases = [], []
             for b in blocks():
-                q, s, z = _mlx_quantize(b, self.dtype, bits, gs, mode)
+                q, s, z = mlx_quantize(b, self.dtype, bits, gs, mode)
                 scales.append(s)
                 biases.append(z)
                 yield q
@@ -193,7 +196,7 @@ class _Writer:
                     yield from stash.pop(which)
                     return
                 for b in blocks():
-                    yield _mlx_quantize(b, self.dtype, bits, gs, mode)[1 if which == "scales" else 2]
+                    yield mlx_quantize(b, self.dtype, bits, gs, mode)[1 if which == "scales" else 2]
 
             return chunks
 
@@ -207,21 +210,11 @@ class _Writer:
         return entries
 
     def _rule(self, base: str) -> tuple[int, int, str]:
-        """(bits, group size, mode) of one module, as mlx_lm.convert decides it (the model's
-        quant_predicate: routers at 8 bits; or a `--quant-predicate mixed_*` recipe)."""
-        if self.recipe in MIXED_RECIPES:
-            low, high = MIXED_RECIPES[self.recipe]
-            parts = base.split(".")
-            index = next((int(p) for p in parts if p.isdigit()), 0)
-            n = self.dims.num_hidden_layers
-            more = index < n // 8 or index >= 7 * n // 8 or (index - n // 8) % 3 == 2
-            bits = high if ("down_proj" in base and more) or "lm_head" in base else low
-            self.overrides[base] = {"group_size": self.gs, "bits": bits, "mode": "affine"}
-            return bits, self.gs, "affine"
-        if base.endswith(ROUTER_SUFFIXES):
-            self.overrides[base] = {"group_size": 64, "bits": 8}
-            return 8, 64, "affine"  # the model's quant_predicate (affine: to_quantized's default)
-        return self.bits or 4, self.gs, self.mode
+        bits, gs, mode, override = module_rule(base, self.bits or 4, self.gs, self.mode,
+                                               self.recipe, self.dims.num_hidden_layers)
+        if override is not None:
+            self.overrides[base] = override
+        return bits, gs, mode
 
     def expert_entries(self, layer: int) -> list[TensorEntry]:
         d, p = self.dims, f"layers.{layer}.mlp."
@@ -268,34 +261,6 @@ class _Writer:
                 init = expert_init(d, layer, e, proj)
                 out += self.entries(f"layers.{layer}.mlp.experts.{e}.{proj}.weight", init)
         return out
-
-
-def _mx_array(block: np.ndarray, dtype: str):  # -> mx.array
-    import mlx.core as mx
-
-    arr = mx.array(to_storage(block, dtype))
-    return arr.view(mx.bfloat16) if dtype == "bfloat16" else arr
-
-
-def _np_storage(arr) -> np.ndarray:  # mx.array -> numpy bytes-compatible array
-    import mlx.core as mx
-
-    return np.array(arr.view(mx.uint16) if arr.dtype == mx.bfloat16 else arr)
-
-
-def _mlx_plus_one(block: np.ndarray, dtype: str) -> np.ndarray:
-    # mlx-lm's sanitize adds 1.0 to zero-centred norms in the checkpoint's dtype: do the same
-    # operation so the result is bit-identical to converting our HF output.
-    return _np_storage(_mx_array(block, dtype) + 1.0)
-
-
-def _mlx_quantize(block: np.ndarray, dtype: str, bits: int, gs: int, mode: str = "affine"):
-    import mlx.core as mx
-
-    out = mx.quantize(_mx_array(block, dtype), group_size=gs, bits=bits, mode=mode)
-    q, s = out[0], out[1]
-    b = out[2] if len(out) > 2 else None
-    return _np_storage(q), _np_storage(s), (_np_storage(b) if b is not None else None)
 
 
 def checkpoint_entries(writer: _Writer, dims: ModelDims) -> list[TensorEntry]:
