@@ -21,9 +21,10 @@ from mlx_lm.models.switch_layers import SwitchLinear
 from qpack.mlx_model import model_classes
 from qpack.spec import QpackError
 
-# MLX's quantization modes that mx.gather_qmm runs (checked on MLX 0.32.4, CPU and CUDA),
-# each with the (bits, group sizes) it takes. The fp modes keep one uint8 scale per group
-# and no biases.
+# MLX's quantization modes that mx.gather_qmm runs, each with the (bits, group sizes) it
+# takes (checked on MLX 0.32.4's CPU backend, every case, by benchmarks/quant_modes_check.py,
+# which is the check to run on a GPU). The fp modes keep one uint8 scale per group and no
+# biases.
 MODES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "affine": ((2, 3, 4, 5, 6, 8), (32, 64, 128)),
     "mxfp4": ((4,), (32,)),
