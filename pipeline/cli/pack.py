@@ -152,7 +152,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("experts", _mb(info["expert_bytes"])),
         ("total", _mb(info["total_bytes"])),
         ("quantization", quant),
-        ("smallest pool (decode)", f"{_mb(info['smallest_pool_bytes'])} = top-k x stride"),
+        ("smallest pool (decode)", f"{_mb(info['smallest_pool_bytes'])} = top-k x slot (largest stride; every variant when layers differ)"),
     ]
     for k, v in rows:
         table.add_row(k, v)
