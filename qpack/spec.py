@@ -34,6 +34,7 @@ CONFIG = "config.json"
 DENSE = "dense.safetensors"
 EXPERTS_DIR = "experts"
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+QUANT_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")  # MLX modes; affine alone has biases
 
 DType = Literal["uint32", "uint8", "bfloat16", "float16", "float32"]
 DTYPE_SIZES: dict[str, int] = {

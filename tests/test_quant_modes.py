@@ -6,6 +6,7 @@ packed as it is and streamed to the same greedy tokens as mlx-lm running it resi
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,16 @@ def test_unsupported_quantizations_are_refused(synth_checkpoint, tmp_path) -> No
     wild = derive(mlx, tmp_path / "gs", "nvfp4-global-scale")
     with pytest.raises(QpackError, match="nvfp4 with a per-expert global_scale is not supported"):
         pack(wild, tmp_path / "c.qpack", progress=False)
+
+
+def test_a_format_that_lies_about_its_quantization_is_refused_at_open(packed, tmp_path) -> None:
+    from qpack.reader import Container
+
+    _src, container = packed("mixed_3_6")
+    copy = shutil.copytree(container, tmp_path / "lie.qpack")  # symlinks out are refused
+    manifest = json.loads((container / spec.MANIFEST).read_text())
+    layer = next(e for e in manifest["layers"] if e["format"]["projections"])
+    layer["format"]["projections"][0]["bits"] = 5  # the 6-bit down_proj claimed as 5-bit
+    (copy / spec.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(QpackError, match=r"down_proj: tensors do not fit 5-bit affine in groups of 64"):
+        Container.open(copy)
