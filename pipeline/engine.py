@@ -27,8 +27,9 @@ from actors.compute import Compute
 from actors.compute_task import ComputeTask
 from actors.mlx_worker import MlxWorker
 from actors.pool.eviction import make_policy
+from actors.pool.layout import PoolLayout
 from actors.pool.slots import SlotTable
-from actors.pool.storage import PoolStorage, uniform_format
+from actors.pool.storage import PoolStorage
 from actors.prefetch import PrefetchScorer, make_strategy
 from actors.reader import ExpertReader
 from actors.router import ExpertRouter
@@ -36,9 +37,11 @@ from actors.routing_trace import TraceModel, TracePool, TraceRecorder
 from actors.run_ahead import RunAheadPolicy
 from actors.sampling_params import SamplingParams
 from actors.sampling_task import SamplingTask
+from pipeline.chat_template import template_kwargs
 from pipeline.config.schema import PipelineConfig
 from pipeline.events import Event
 from pipeline.generation import Generation
+from pipeline.generation_config import default_params, eos_token_ids
 from pipeline.heap_trim import HeapTrimmer
 from pipeline.memory_budget import check_pool_fits
 from pipeline.models.dense import load_dense
@@ -128,9 +131,11 @@ class Engine:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def chat_tokens(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+        enable_thinking: bool | None = None,
     ) -> list[int]:
-        kwargs: dict[str, Any] = {"add_generation_prompt": True}
+        kwargs: dict[str, Any] = {"add_generation_prompt": True,
+                                  **template_kwargs(self.config.chat, enable_thinking)}
         if tools:
             kwargs["tools"] = list(tools)
         text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, **kwargs)
@@ -148,7 +153,7 @@ class Engine:
         back at once rather than when the generator is collected.
         """
         tokens = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        generation = Generation(self, tokens, params or SamplingParams(), on_prefill)
+        generation = Generation(self, tokens, params or default_params(self), on_prefill)
         generation.check()
         self.waiting += 1
         try:
@@ -166,9 +171,11 @@ class Engine:
         params: SamplingParams | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
         on_prefill: Callable[[int, int], None] | None = None,
+        enable_thinking: bool | None = None,
     ) -> AsyncIterator[Event]:
         # Close the inner generator here, in this task: it holds the engine's lock.
-        async with aclosing(self.generate(self.chat_tokens(messages, tools), params, on_prefill)) as events:
+        tokens = self.chat_tokens(messages, tools, enable_thinking)
+        async with aclosing(self.generate(tokens, params, on_prefill)) as events:
             async for event in events:
                 yield event
 
@@ -232,7 +239,7 @@ def cached_tokenizer(root: Path) -> Any:
 def _load_tokenizer(root: str, stamp: int) -> Any:
     from mlx_lm.utils import load_tokenizer
 
-    return load_tokenizer(Path(root))
+    return load_tokenizer(Path(root), eos_token_ids=eos_token_ids(Path(root)))
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -264,8 +271,9 @@ async def open_engine(
     container = Container.open(Path(config.model.path), verify=config.model.verify, io=io,
                                o_direct=config.reader.o_direct)
     manifest = container.manifest
-    fmt = uniform_format([layer.format for layer in manifest.layers], str(container.root))
-    storage_probe = sum(t.nbytes for t in fmt.tensors)
+    layout = PoolLayout.of(manifest.layers)  # one format, or one per layer (mixed precision)
+    fmt = layout.formats[next(iter(layout.formats))]
+    storage_probe = layout.slot_nbytes
     slots = min(_num_slots(config, container, storage_probe), manifest.num_experts * len(manifest.layers))
     check_pool_fits(slots * storage_probe, manifest.dense_bytes, config.pool.slots is not None or config.pool.budget_mb is not None)
     need = smallest_workable_slots(manifest.num_experts, manifest.top_k, config.compute.prefill_chunk)
@@ -286,10 +294,10 @@ async def open_engine(
         tokenizer = await trio.to_thread.run_sync(
             _guarded, container.root / "tokenizer.json", lambda: cached_tokenizer(container.tokenizer_dir())
         )
-        storage = await worker.run(PoolStorage, fmt, slots)
+        storage = await worker.run(PoolStorage, layout, slots)
         stage_in_threads = await _stage_in_threads(config.reader.stage_in_threads, worker)
         dtype = await worker.run(activation_dtype, config.compute.dtype)
-        model = StreamedModel(dense, fmt, storage.arrays, dtype)
+        model = StreamedModel(dense, fmt, storage.arrays, dtype, views=storage.view)
         async with trio.open_nursery() as nursery:
             yield _start_actors(
                 config, container, worker, nursery, model, storage, tokenizer, slots,
@@ -364,6 +372,7 @@ def _start_actors(
     policy_params = {"decay": config.pool.lfu_decay, "period": config.pool.lfu_period}
     policy = make_policy(config.pool.eviction, **(policy_params if config.pool.eviction == "lfu" else {}))
     table = SlotTable(slots, policy)
+    storage.layer_of = lambda slot: (table.key_at(slot) or (None,))[0]  # mixed-format installs
     reader = ExpertReader(
         container,
         concurrency=config.reader.concurrency if overlap else 1,

@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 
 import structlog
 
+from qpack.checkpoint_kind import check_config, check_files, needed_shards
 from qpack.source import TOKENIZER_FILES
-from qpack.spec import QpackError
+from qpack.spec import QpackError, parse_json
 
 log = structlog.get_logger("qpack.hub")
 T = TypeVar("T")
@@ -141,21 +142,33 @@ def download(repo_id: str, *, revision: str | None = None, progress: bool = True
             print(f"hub: asking {where} for its file list", file=sys.stderr, flush=True)
         info = _with_retries("model_info", lambda: HfApi(endpoint=endpoint).model_info(
             repo_id, revision=revision, timeout=timeout), **retry)
-        files = sorted(s.rfilename for s in (info.siblings or []) if wanted(s.rfilename))
+        listed = [s.rfilename for s in (info.siblings or [])]
+        check_files(listed, where)
+        files = sorted(f for f in listed if wanted(f))
         if "config.json" not in files:
             raise QpackError(where, f"repo has no config.json (files: {files[:10]})")
         commit = info.sha or revision
+
+        def fetch(name: str) -> Path:
+            return Path(_with_retries(name, lambda: hf_hub_download(
+                repo_id, name, revision=commit, cache_dir=cache_dir, endpoint=endpoint,
+                etag_timeout=timeout), **retry))
+
+        # config.json (and the index) first: what cannot be packed is refused, and what
+        # the text model does not need is skipped, before any weight is downloaded.
+        config_path = fetch("config.json")
+        config = parse_json(config_path.read_bytes(), config_path, "config.json")
+        if not isinstance(config, dict):
+            raise QpackError(where, "config.json is not a JSON object")
+        check_config(config, where)
+        files = _text_shards(files, fetch, config, where)
         log.info("hub.download", repo=repo_id, revision=commit, files=len(files))
-        local = None
         for i, name in enumerate(files):
             log.debug("hub.file", file=name, n=i + 1, of=len(files))
             if progress:
                 print(f"hub: file {i + 1}/{len(files)} {name}", file=sys.stderr, flush=True)
-            local = _with_retries(name, lambda name=name: hf_hub_download(
-                repo_id, name, revision=commit, cache_dir=cache_dir, endpoint=endpoint,
-                etag_timeout=timeout), **retry)
-        assert local is not None
-        return Path(local).parent
+            fetch(name)
+        return config_path.parent
     except RepositoryNotFoundError:
         raise QpackError(where, "repository not found (or private: set HF_TOKEN)") from None
     except RevisionNotFoundError:
@@ -176,3 +189,20 @@ def download(repo_id: str, *, revision: str | None = None, progress: bool = True
         constants.HF_HUB_DOWNLOAD_TIMEOUT = saved_timeout
         if not progress:
             enable_progress_bars()
+
+
+def _text_shards(files: list[str], fetch: Callable[[str], Path], config: dict, where: str) -> list[str]:
+    """`files` without the shards that hold no text-model tensor (per the index)."""
+    index_name = "model.safetensors.index.json"
+    if index_name not in files:
+        return files
+    index_path = fetch(index_name)
+    index = parse_json(index_path.read_bytes(), index_path, index_name)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise QpackError(where, f"{index_name} has no weight_map")
+    needed = needed_shards(weight_map, str(config.get("model_type", "")))
+    skipped = sorted({str(s) for s in weight_map.values()} - needed)
+    if skipped:
+        log.info("hub.skip_shards", shards=skipped, reason="no text-model tensor")
+    return [f for f in files if not f.endswith(".safetensors") or f in needed]

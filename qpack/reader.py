@@ -199,11 +199,11 @@ class Container:
     @property
     def smallest_pool_bytes(self) -> int:
         """Smallest workable pool for decode: one layer's top-k experts resident at once."""
-        return self.manifest.top_k * self.manifest.max_stride
+        return self.manifest.top_k * self.manifest.pool_slot_bytes
 
     def prefill_pool_bytes(self, chunk_tokens: int) -> int:
         """Smallest pool for a prefill chunk: every expert the chunk can route to in one layer."""
-        return min(self.manifest.num_experts, chunk_tokens * self.manifest.top_k) * self.manifest.max_stride
+        return min(self.manifest.num_experts, chunk_tokens * self.manifest.top_k) * self.manifest.pool_slot_bytes
 
     def close(self) -> None:
         with self._lock:
@@ -330,6 +330,30 @@ def _check_format(where: Path, name: str, fmt: spec.ExpertFormat) -> None:
     for proj in spec.PROJECTIONS:
         if f"{proj}.weight" not in names:
             raise QpackError(where, f"{name}: expert format has no {proj}.weight")
+        _check_quant(where, f"{name} {proj}", fmt, proj)
+
+
+def _check_quant(where: Path, name: str, fmt: spec.ExpertFormat, proj: str) -> None:
+    """A projection's tensors fit its quantization, so compute never meets a lie."""
+    by_name = {t.name: t for t in fmt.tensors}
+    w, scales, biases = (by_name.get(f"{proj}.{p}") for p in ("weight", "scales", "biases"))
+    bits, group_size, mode = fmt.quant(proj)
+    if bits is None:
+        if scales is not None or biases is not None:
+            raise QpackError(where, f"{name}: has scales/biases but its format is not quantized")
+        return
+    if mode not in spec.QUANT_MODES or not group_size or group_size <= 0 or not 0 < bits <= 8:
+        raise QpackError(where, f"{name}: quantization {bits}-bit {mode!r} in groups of {group_size} "
+                         f"is not one of {spec.QUANT_MODES} at 1-8 bits")
+    fits = (
+        w is not None and scales is not None and w.dtype == "uint32" and len(w.shape) == 2
+        and scales.shape[:-1] == w.shape[:-1]
+        and w.shape[-1] * 32 == scales.shape[-1] * group_size * bits
+        and (biases is not None) == (mode == "affine")
+        and (biases is None or biases.shape == scales.shape)
+    )
+    if not fits:
+        raise QpackError(where, f"{name}: tensors do not fit {bits}-bit {mode} in groups of {group_size}")
 
 
 class VerifyReport(msgspec.Struct):

@@ -28,7 +28,7 @@ import structlog
 from qpack import spec
 from qpack.layout import ContainerPlan, LayerPlan, make_plan
 from qpack.output_guard import bytes_under, exclusive_output, require_free_space
-from qpack.quantize import cast, quantize
+from qpack.quantize import MODE_DEFAULTS, cast, quantize
 from qpack.safetensors_io import data_offsets, mx_to_bytes
 from qpack.source import SourceCheckpoint, open_source
 from qpack.spec import QpackError
@@ -288,11 +288,11 @@ class Packer:
         else:
             for proj in spec.PROJECTIONS:
                 w = cast(raw[f"{proj}.weight"].to_mx(), lp.cast)
-                if lp.rule is None:
+                rule = lp.rules.get(proj, lp.rule)
+                if rule is None:
                     parts[f"{proj}.weight"] = mx_to_bytes(w)
                     continue
-                wq, scales, biases = quantize(w, lp.rule)
-                for part, arr in (("weight", wq), ("scales", scales), ("biases", biases)):
+                for part, arr in zip(("weight", "scales", "biases"), quantize(w, rule), strict=False):
                     parts[f"{proj}.{part}"] = mx_to_bytes(arr)
         blob = bytearray(lp.stride)
         for t in lp.format.tensors:
@@ -332,18 +332,25 @@ class Packer:
 
 
 def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: int | None = None,
-         group_size: int = 64, dtype: str | None = None, revision: str | None = None,
-         progress: bool = True) -> PackResult:
+         group_size: int | None = None, dtype: str | None = None, revision: str | None = None,
+         progress: bool = True, mode: str = "affine") -> PackResult:
     """Pack `source` (a checkpoint dir or a hub repo id) into the container `out`.
 
-    bits: 4 or 8 quantize a float source, 16 keeps it float, None means 4 for a float
-    source and "as it is" for an MLX-quantized one (which is copied, never re-quantized)."""
+    bits: quantize a float source at that many bits in MLX quantization `mode` (affine,
+    mxfp4, nvfp4, mxfp8), 16 keeps it float, None means the mode's default (4) for a float
+    source and "as it is" for an MLX-quantized one (copied, never re-quantized).
+    group_size None: the mode's default (64 affine, 32 mxfp4/mxfp8, 16 nvfp4)."""
     from qpack.hub import resolve_source
 
     out = Path(out)
-    if bits not in (None, 4, 8, 16):
-        raise QpackError("--bits", f"{bits} is not one of 4, 8, 16")
+    if bits not in (None, 2, 3, 4, 5, 6, 8, 16):
+        raise QpackError("--bits", f"{bits} is not one of 2, 3, 4, 5, 6, 8, 16")
+    if mode not in MODE_DEFAULTS:
+        raise QpackError("--mode", f"quantization mode {mode!r} is not one of {', '.join(MODE_DEFAULTS)}")
+    group_size = group_size or MODE_DEFAULTS[mode][1]
     options = {"source": str(source), "bits": bits, "group_size": group_size, "dtype": dtype, "revision": revision}
+    if mode != "affine":  # absent for affine, so journals of earlier packs still match
+        options["mode"] = mode
     with exclusive_output(out, "pack"):
         if (out / spec.MANIFEST).exists():
             manifest = spec.decode_manifest((out / spec.MANIFEST).read_bytes(), out / spec.MANIFEST)
@@ -355,8 +362,9 @@ def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: i
         try:
             if src.quantization is not None and bits == 16:
                 raise QpackError(src.root, "source is MLX-quantized; --bits 16 would need dequantizing, which pack does not do")
-            plan_bits = None if bits == 16 else (bits or (None if src.quantization is not None else 4))
-            plan = make_plan(src, plan_bits, group_size, dtype)
+            default_bits = None if src.quantization is not None else MODE_DEFAULTS[mode][0]
+            plan_bits = None if bits == 16 else (bits or default_bits)
+            plan = make_plan(src, plan_bits, group_size, dtype, mode)
             total = sum(t.nbytes for t in plan.dense_plan()) + sum(lp.stride * src.num_experts for lp in plan.layers)
             small = sum(f.stat().st_size for f in src.tokenizer_files())  # copied as they are
             require_free_space(out, total + small, "packing", already=bytes_under(out))

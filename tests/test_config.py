@@ -62,7 +62,8 @@ def test_minimal_file_gets_defaults(tmp_path: Path) -> None:
     assert cfg.server.host == "127.0.0.1" and cfg.server.port == 8000
     assert cfg.server.shutdown_grace_s == 5.0
     assert cfg.compute.overlap is True
-    assert cfg.sampling.temperature == 1.0
+    assert cfg.sampling.temperature is None  # unset: the model's generation_config, then 1.0
+    assert cfg.sampling.params().temperature == 1.0
     assert "server" in cfg.to_toml_dict() and "api_key" not in cfg.to_toml_dict()["server"]
 
 

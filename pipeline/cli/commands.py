@@ -38,6 +38,8 @@ def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) ->
     s.add_argument("--seed", type=int)
     s.add_argument("--max-tokens", type=int)
     s.add_argument("--stop", action="append", help="a stop string; repeatable")
+    s.add_argument("--thinking", dest="enable_thinking", action=argparse.BooleanOptionalAction,
+                   default=None, help="the chat template's thinking switch (chat.enable_thinking)")
 
 
 _FLAG_KEYS = {
@@ -55,6 +57,7 @@ _FLAG_KEYS = {
     "min_p": ("sampling", "min_p"),
     "seed": ("sampling", "seed"),
     "max_tokens": ("sampling", "max_tokens"),
+    "enable_thinking": ("chat", "enable_thinking"),
 }
 
 

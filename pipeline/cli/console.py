@@ -23,6 +23,7 @@ from pipeline.cli.term import err
 from pipeline.config.schema import PipelineConfig
 from pipeline.engine import Engine
 from pipeline.events import Done, GenerationStats, TextDelta
+from pipeline.generation_config import default_params
 
 
 def stats_table(rows: list[tuple[str, GenerationStats]], title: str = "moestream run") -> Table:
@@ -91,9 +92,9 @@ def _messages(prompt: Any) -> Any:
 
 
 async def run_pipeline(cfg: PipelineConfig, trace_path: str | None, command: str = "run") -> int:
-    params = msgspec.structs.replace(cfg.sampling, max_tokens=cfg.sampling.max_tokens or cfg.run.max_tokens)
     rows: list[tuple[str, GenerationStats]] = []
     async with loaded_engine(cfg, record_routing=cfg.run.record_routing is not None) as engine:
+        params = _params(engine, cfg)
         for prompt in cfg.run.prompts:
             label = prompt if isinstance(prompt, str) else prompt[-1].content
             err.print(f"[bold]> {label}[/bold]  [dim](random weights: the text is gibberish)[/dim]")
@@ -111,9 +112,16 @@ async def run_pipeline(cfg: PipelineConfig, trace_path: str | None, command: str
     return 0
 
 
+def _params(engine: Engine, cfg: PipelineConfig) -> SamplingParams:
+    """The config's [sampling] over the model's generation_config.json; run.max_tokens
+    when neither caps the length."""
+    params = default_params(engine)
+    return msgspec.structs.replace(params, max_tokens=params.max_tokens or cfg.run.max_tokens)
+
+
 async def chat(cfg: PipelineConfig, turns: list[str]) -> int:
-    params = msgspec.structs.replace(cfg.sampling, max_tokens=cfg.sampling.max_tokens or cfg.run.max_tokens)
     async with loaded_engine(cfg) as engine:
+        params = _params(engine, cfg)
         if not turns:
             return await _interactive(engine, params)
         messages: list[dict[str, str]] = []

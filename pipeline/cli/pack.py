@@ -27,10 +27,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=PACK_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="checkpoint directory or hub repo id (owner/name)")
     p.add_argument("-o", "--output", required=True, type=Path, help="container directory to write (X.qpack)")
-    p.add_argument("--bits", type=int, choices=(4, 8, 16), default=None,
-                   help="4 or 8: quantize float experts and dense weights (affine); 16: keep float. "
-                        "Default: 4 for float sources, unchanged for MLX-quantized sources")
-    p.add_argument("--group-size", type=int, default=64, help="quantization group size (default 64)")
+    p.add_argument("--bits", type=int, choices=(2, 3, 4, 5, 6, 8, 16), default=None,
+                   help="quantize float experts and dense weights at this many bits; 16: keep float. "
+                        "Default: the mode's (4 affine), unchanged for MLX-quantized sources")
+    p.add_argument("--mode", choices=("affine", "mxfp4", "nvfp4", "mxfp8"), default="affine",
+                   help="MLX quantization mode for float sources (default affine)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="quantization group size (default: the mode's: 64 affine, 32 mxfp4/mxfp8, 16 nvfp4)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="cast float weights first (default: the config's dtype when quantizing, "
                         "else the source dtype)")
@@ -67,7 +70,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
     try:
         result = pack(args.source, args.output, bits=args.bits, group_size=args.group_size, dtype=args.dtype,
-                      revision=args.revision, progress=not args.no_progress)
+                      revision=args.revision, progress=not args.no_progress, mode=args.mode)
     except QpackError as exc:
         return _error(exc)
     print(f"packed {args.output}: {result.bytes_written / 1e6:.1f} MB in {result.seconds:.1f} s "
@@ -173,8 +176,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("quantization", quant),
         ("smallest pool", f"--pool-mb {info['smallest_workable_pool_mb']} ({info['smallest_workable_slots']} "
                           f"experts) with prefill chunks of {info['prefill_chunk']} tokens"),
-        ("smallest pool (decode only)", f"{_mb(info['smallest_pool_bytes'])} = top-k x stride; "
-                                        "lower --prefill-chunk to get closer"),
+        ("smallest pool (decode)", f"{_mb(info['smallest_pool_bytes'])} = top-k x slot (largest stride; every variant when layers differ)"),
     ]
     for k, v in rows:
         table.add_row(k, v)

@@ -24,8 +24,8 @@ import msgspec
 
 from actors.pool.eviction import POLICY_NAMES
 from actors.prefetch import STRATEGY_NAMES
-from actors.sampling_params import SamplingParams
 from pipeline.config.errors import ConfigError, Locator, one_of, unknown_keys
+from pipeline.config.sampling import ChatConfig, SamplingConfig
 from pipeline.config.toml import drop_none, dumps_toml
 
 # The names the pool and the prefetcher know, from their own registries.
@@ -162,7 +162,8 @@ class PipelineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     reader: ReaderConfig = ReaderConfig()
     prefetch: PrefetchConfig = PrefetchConfig()
     compute: ComputeConfig = ComputeConfig()
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingConfig = SamplingConfig()  # unset keys: the model's, then the API's
+    chat: ChatConfig = ChatConfig()
     run: RunConfig = RunConfig()
     server: ServerConfig = ServerConfig()
     log: LogConfig = LogConfig()

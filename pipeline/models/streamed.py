@@ -9,6 +9,7 @@ next routing. Everything else stays lazy, so MLX fuses it into that single sync.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,12 +76,14 @@ class StreamedModel:
         fmt: ExpertFormat,
         slot_arrays: dict[str, mx.array],
         activation_dtype: mx.Dtype | None = None,
+        views: Callable[[int], tuple[dict[str, mx.array], ExpertFormat]] | None = None,
     ):
         self.model = model
         self.activation_dtype = activation_dtype  # None: whatever the embedding yields
         self.parts: TextParts = text_parts(model)
         self.fmt = fmt
         self.slot_arrays = slot_arrays  # owned by the pool, updated in place on install
+        self.views = views  # layer -> (its slot arrays, its format) when layers differ
         self.moe_layers = moe_layers(self.parts)
         self.num_layers = len(self.parts.layers)
         self.num_experts = self.parts.layers[self.moe_layers[0]].mlp.num_experts
@@ -164,7 +167,8 @@ class ForwardStep:
         self._pending = None
         slots = mx.array(slot_of.astype(np.int32))[inds]
         block = self.m.parts.layers[self.layer]
-        routed = routed_experts(self.m.slot_arrays, self.m.fmt, x, slots)
+        arrays, fmt = self.m.views(self.layer) if self.m.views else (self.m.slot_arrays, self.m.fmt)
+        routed = routed_experts(arrays, fmt, x, slots)
         self.h = h_mid + moe_output(block.mlp, x, routed, scores)
         self.layer += 1
         return self.run_to_routing(presync)
@@ -203,7 +207,8 @@ class ForwardStep:
             x = block.post_attention_layernorm(h_mid)
             inds, scores = route(block.mlp, x)
             found = slot_map[row_of[self.layer]][inds]
-            routed = routed_experts(self.m.slot_arrays, self.m.fmt, x, mx.maximum(found, 0))
+            arrays, fmt = self.m.views(self.layer) if self.m.views else (self.m.slot_arrays, self.m.fmt)
+            routed = routed_experts(arrays, fmt, x, mx.maximum(found, 0))
             self.h = h_mid + moe_output(block.mlp, x, routed, scores)
             ids.append(inds.reshape(-1, inds.shape[-1]))
             present.append((found >= 0).all())

@@ -35,8 +35,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actors.sampling_params import SamplingParams
+from pipeline.chat_template import TemplateKwargsError, template_kwargs
 from pipeline.engine import Engine
 from pipeline.generation import Generation, PromptTooLong
+from pipeline.generation_config import default_params
 from pipeline.server import schema as s
 from pipeline.server.drain import Drain
 from pipeline.server.metrics import Metrics
@@ -201,15 +203,20 @@ class Api:
         if req.tool_choice == "none":
             tools = []
         try:
+            extra = template_kwargs(self.engine.config.chat, None, req.chat_template_kwargs)
+        except TemplateKwargsError as exc:
+            raise s.APIError(400, str(exc), param=f"chat_template_kwargs.{exc.key}") from None
+        try:
             text = self.engine.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True,
-                **({"tools": tools} if tools else {}))
+                **({"tools": tools} if tools else {}), **extra)
         except Exception as exc:  # jinja raises for conversations the template refuses
             raise s.APIError(400, f"the chat template refused the messages: {exc}",
                              param="messages") from None
         tokens = self.engine.encode(text)
         self.check_prompt(tokens, params, "messages")
-        reply = ChatReply(self.engine, self.metrics, req, tools=bool(tools),
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+        reply = ChatReply(self.engine, self.metrics, req, tools=bool(tools), schemas=schemas,
                           in_reasoning=text.rstrip().endswith("<think>"),
                           hide_reasoning=self.settings.hide_reasoning)
         reply.drain = self.drain
@@ -345,7 +352,7 @@ async def serve_engine(
     settings = ServerSettings(api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes,
                               max_tokens_limit=max_tokens_limit,
                               hide_reasoning=hide_reasoning, aliases=aliases,
-                              defaults=defaults or engine.config.sampling)
+                              defaults=defaults or default_params(engine))
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None

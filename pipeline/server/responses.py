@@ -25,6 +25,7 @@ from actors.sampling_params import SamplingParams
 from pipeline.engine import Engine
 from pipeline.events import Done, TextDelta
 from pipeline.server import schema as s
+from pipeline.server.call_formats import Schemas
 from pipeline.server.drain import Drain, shutting_down
 from pipeline.server.metrics import Metrics
 from pipeline.server.tool_calls import Call, Content, OutputParser, Part, Reasoning
@@ -159,9 +160,11 @@ class ChatReply(Reply):
     prefix = "chatcmpl"
 
     def __init__(self, engine: Engine, metrics: Metrics, req: s.ChatRequest, *, tools: bool,
-                 in_reasoning: bool, hide_reasoning: bool) -> None:
+                 in_reasoning: bool, hide_reasoning: bool,
+                 schemas: Schemas | None = None) -> None:
         super().__init__(engine, metrics, req)
         self.tools = tools
+        self.schemas = schemas  # tool name -> parameters schema: types XML-style arguments
         self.in_reasoning = in_reasoning
         self.hide_reasoning = hide_reasoning
 
@@ -169,7 +172,8 @@ class ChatReply(Reply):
         return "tool_calls" if parser.calls and done.finish_reason == "stop" else done.finish_reason
 
     async def complete(self, tokens: list[int], params: SamplingParams) -> Response:
-        parser = OutputParser(tools=self.tools, in_reasoning=self.in_reasoning)
+        parser = OutputParser(tools=self.tools, in_reasoning=self.in_reasoning,
+                              schemas=self.schemas)
         parts: list[Part] = []
         done = None
         async with aclosing(self.run(tokens, params)) as events:
@@ -207,7 +211,8 @@ class ChatReply(Reply):
         return s.Delta(tool_calls=[call])
 
     async def chunks(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
-        parser = OutputParser(tools=self.tools, in_reasoning=self.in_reasoning)
+        parser = OutputParser(tools=self.tools, in_reasoning=self.in_reasoning,
+                              schemas=self.schemas)
         yield self.chunk(s.Delta(role="assistant", content=""))
         async with aclosing(self.run(tokens, params)) as events:
             async for event in events:

@@ -137,6 +137,8 @@ class ChatRequest(_Sampling, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
+    # Template variables, e.g. {"enable_thinking": false} (vLLM's and SGLang's field).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):

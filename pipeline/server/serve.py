@@ -73,7 +73,7 @@ async def serve_config(cfg: PipelineConfig, *, hide_reasoning: bool = False,
             engine, server.host, server.port, api_key=server.api_key,
             max_queue=server.max_queue, max_body_bytes=server.max_body_bytes,
             max_tokens_limit=server.max_tokens_limit,
-            hide_reasoning=hide_reasoning, aliases=aliases, defaults=cfg.sampling,
+            hide_reasoning=hide_reasoning, aliases=aliases,
             shutdown_trigger=_wait_for_signal, shutdown_grace_s=server.shutdown_grace_s,
         )
     log.info("server.stopped")
