@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from pipeline.config.schema import config_from_dict
 from pipeline.engine import Engine, open_engine
 from pipeline.server.app import serve_engine
+
+
+def own_copy(container: Path, tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A copy of a session-packed container that a module may damage or lock."""
+    out = tmp_path_factory.mktemp(name) / container.name
+    shutil.copytree(container, out)
+    return out
 
 
 @asynccontextmanager

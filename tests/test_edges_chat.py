@@ -12,15 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers_server import pack_tiny
+from helpers_server import own_copy
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = ">>> "
 
 
 @pytest.fixture(scope="module")
-def tiny(synth_checkpoint, tmp_path_factory) -> Path:
-    return pack_tiny(synth_checkpoint, tmp_path_factory, "edges-chat")
+def tiny(synth_checkpoint, packed, tmp_path_factory) -> Path:
+    return own_copy(packed(synth_checkpoint("qwen3_next"), bits=None), tmp_path_factory, "edges-chat")
 
 
 class Session:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -18,21 +19,21 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers_server import pack_tiny
+from helpers_server import own_copy
+from packjob import PackJob
 
 from actors.routing_trace import TraceModel, TracePool, TraceRecorder, save_trace
 from pipeline.cli import main
 from qpack import spec
 from qpack.reader import Container
-from qpack.writer import JOURNAL, TEST_DELAY_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE = ["--slots", "16", "--prefill-chunk", "2", "--max-tokens", "2"]
 
 
 @pytest.fixture(scope="module")
-def tiny(synth_checkpoint, tmp_path_factory) -> Path:
-    return pack_tiny(synth_checkpoint, tmp_path_factory, "edges-cli")
+def tiny(synth_checkpoint, packed, tmp_path_factory) -> Path:
+    return own_copy(packed(synth_checkpoint("qwen3_next"), bits=None), tmp_path_factory, "edges-cli")
 
 
 @pytest.fixture
@@ -96,25 +97,38 @@ def test_pool_refusals_name_the_numbers(tiny, capsys):
 def test_info_reports_the_minimum_the_default_prefill_chunk_needs(tiny, capsys):
     assert main(["info", str(tiny)]) == 0
     out = capsys.readouterr().out
-    assert "with prefill chunks of 256 tokens" in out and "decode only" in out
+    assert "prefill chunks follow the pool" in out and "decode only" in out
     assert main(["info", str(tiny), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["prefill_chunk"] == 256
+    assert info["prefill_chunk"] == 0  # the default: chunks follow the pool
+    assert info["smallest_workable_slots"] == min(info["num_experts"], info["top_k"])
+    assert main(["info", str(tiny), "--json", "--prefill-chunk", "256"]) == 0
+    info = json.loads(capsys.readouterr().out)
     assert info["smallest_workable_slots"] == min(info["num_experts"], 256 * info["top_k"])
     assert info["smallest_workable_pool_mb"] * 2**20 >= info["smallest_pool_bytes"]
 
 
 def _inflate_experts(root: Path, expert_bytes: int) -> None:
-    """Make every expert `expert_bytes` long in the manifest, the layer files sparse to match:
-    a container whose pool cannot fit in this machine's memory, at no disk cost."""
+    """Make every expert about `expert_bytes` long in the manifest (down_proj given that many
+    more output rows, weight, scales and biases alike, so the format stays consistent), the
+    layer files sparse to match: a container whose pool cannot fit in this machine's
+    memory, at no disk cost."""
     path = root / spec.MANIFEST
     data = json.loads(path.read_text())
     for layer in data["layers"]:
         fmt = layer["format"]
-        last = max(fmt["tensors"], key=lambda t: t["offset"])
-        rows = expert_bytes // spec.DTYPE_SIZES[last["dtype"]]
-        last["shape"], last["nbytes"] = [rows, 1], rows * spec.DTYPE_SIZES[last["dtype"]]
-        fmt["nbytes"] = last["offset"] + last["nbytes"]
+        tensors = sorted(fmt["tensors"], key=lambda t: t["offset"])
+        down = [x for x in tensors if x["name"].startswith("down_proj.")]
+        row_bytes = sum(x["nbytes"] // x["shape"][0] for x in down)
+        factor = max(1, expert_bytes // row_bytes // down[0]["shape"][0])
+        offset = 0
+        for x in tensors:
+            if x["name"].startswith("down_proj."):
+                x["shape"][0] *= factor
+                x["nbytes"] *= factor
+            x["offset"] = offset
+            offset += x["nbytes"]
+        fmt["nbytes"] = offset
         layer["stride"] = -(-fmt["nbytes"] // data["alignment"]) * data["alignment"]
         size = layer["stride"] * layer["num_experts"]
         os.truncate(root / layer["file"], size)
@@ -215,24 +229,17 @@ def test_synth_refuses_to_overwrite(tmp_path, capsys):
     assert (out / "config.json").read_text() == "{}"
 
 
-def test_two_packs_into_one_directory(synth_checkpoint, tmp_path, capsys):
+def test_two_packs_into_one_directory(synth_checkpoint, fork_server, tmp_path, capsys):
     src = synth_checkpoint("qwen3_next", dtype="bfloat16")
     out = tmp_path / "x.qpack"
-    env = {**os.environ, TEST_DELAY_ENV: "0.05", "PYTHONPATH": str(REPO)}
-    first = subprocess.Popen([sys.executable, "-m", "pipeline", "pack", str(src), "-o", str(out),
-                              "--no-progress"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE)
+    first = PackJob(fork_server, src, out, bits=None, stop_at="begin experts/layer_000.bin")
     try:
-        deadline = time.monotonic() + 120
-        while not (out / JOURNAL).exists():
-            assert first.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)
+        first.wait_paused()  # holding the directory, mid-pack
         assert main(["pack", str(src), "-o", str(out), "--no-progress"]) == 2
         line = one_error(capsys.readouterr().err)
         assert "another pack is writing this directory" in line, line
     finally:
-        first.kill()
-        first.wait(30)
+        first.kill(signal.SIGKILL)
     assert main(["pack", str(src), "-o", str(out), "--no-progress"]) == 0  # the lock died with it
     assert Container.open(out).manifest.num_experts > 0
 

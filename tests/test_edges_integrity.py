@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers_engine import engine_config
-from helpers_server import pack_tiny
+from helpers_server import own_copy
 
 from pipeline.cli import main
 from pipeline.engine import open_engine
@@ -21,8 +21,8 @@ EVIL = "{% for m in messages %}INJECTED {{ m.content }}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
-def tiny(synth_checkpoint, tmp_path_factory) -> Path:
-    return pack_tiny(synth_checkpoint, tmp_path_factory, "edges-integrity")
+def tiny(synth_checkpoint, packed, tmp_path_factory) -> Path:
+    return own_copy(packed(synth_checkpoint("qwen3_next"), bits=None), tmp_path_factory, "edges-integrity")
 
 
 @pytest.fixture

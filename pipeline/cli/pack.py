@@ -119,7 +119,9 @@ def info_dict(path: Path, prefill_chunk: int | None = None) -> dict:
         # What the engine refuses below: a prefill chunk's layer may route to chunk x top_k
         # distinct experts, all pinned at once, each taking one slot of the tensors' bytes.
         slot_bytes = max((sum(t.nbytes for t in entry.format.tensors) for entry in m.layers), default=0)
-        slots = min(m.num_experts, chunk * m.top_k)
+        # chunk 0 (the default) follows the pool: any pool that holds one token's
+        # experts works, prefill then runs in chunks of slots // top_k tokens.
+        slots = min(m.num_experts, max(chunk, 1) * m.top_k)
         return {
             "path": str(path),
             "model_type": m.model_type,
@@ -141,7 +143,8 @@ def info_dict(path: Path, prefill_chunk: int | None = None) -> dict:
             "smallest_workable_pool_mb": -(-slots * slot_bytes // 2**20),
             "smallest_pool_note": "smallest_pool_bytes: decode alone (one layer's top-k experts); "
                                   "smallest_workable_pool_mb: what the engine accepts with prefill "
-                                  "chunks of prefill_chunk tokens, min(num_experts, chunk*top_k) experts",
+                                  "chunks of prefill_chunk tokens (0: following the pool), "
+                                  "min(num_experts, max(chunk, 1)*top_k) experts",
         }
 
 
@@ -175,8 +178,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("total", _mb(info["total_bytes"])),
         ("quantization", quant),
         ("smallest pool", f"--pool-mb {info['smallest_workable_pool_mb']} ({info['smallest_workable_slots']} "
-                          f"experts) with prefill chunks of {info['prefill_chunk']} tokens"),
-        ("smallest pool (decode)", f"{_mb(info['smallest_pool_bytes'])} = top-k x slot (largest stride; every variant when layers differ)"),
+                          "experts) " + (f"with prefill chunks of {info['prefill_chunk']} tokens"
+                                         if info["prefill_chunk"] else
+                                         "(prefill chunks follow the pool: slots // top-k tokens, "
+                                         "the whole prompt once a layer's experts fit)")),
+        ("smallest pool (decode only)", f"{_mb(info['smallest_pool_bytes'])} = top-k x slot "
+                                        "(largest stride; every variant when layers differ)"),
     ]
     for k, v in rows:
         table.add_row(k, v)
