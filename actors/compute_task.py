@@ -23,6 +23,7 @@ class Job:
     started: trio.Event = field(default_factory=trio.Event)
     finished: trio.Event = field(default_factory=trio.Event)
     error: BaseException | None = None
+    abandoned: bool = False  # left before its turn: skipped, never started
 
 
 class ComputeTask:
@@ -36,6 +37,9 @@ class ComputeTask:
         try:
             async with self._receive:
                 async for job in self._receive:
+                    if job.abandoned:
+                        job.finished.set()
+                        continue
                     try:
                         async with self.lock:
                             job.started.set()
@@ -61,7 +65,11 @@ class ComputeTask:
 
     @staticmethod
     async def abandon(job: Job) -> None:
-        """The asker is gone: stop the job (queued or running) and wait until it is done."""
+        """The asker is gone: a queued job is skipped at once; a running one is cancelled
+        and waited for (its clean-up hands the pool back)."""
         job.scope.cancel()
+        if not job.started.is_set():
+            job.abandoned = True
+            return
         with trio.CancelScope(shield=True):
             await job.finished.wait()
