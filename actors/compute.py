@@ -111,6 +111,6 @@ class Compute:
             slot_of = await self.router.demand(routing.layer, ids, self.tick)
             self.router.prefetch(preds, self.tick)
             if self.recorder is not None:
-                self.recorder.record(routing.layer, ids, preds)
+                self.recorder.record(routing.layer, ids, preds, tokens=routing.ids)
             routing, preds = await self._mlx(self._advance, step, slot_of, phase)
         return await self._mlx(step.logits)
