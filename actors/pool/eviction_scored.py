@@ -17,7 +17,8 @@ number of MoE layers after the first token.
 - `PinHot` ("pin"): the `fraction` x pool most used keys (counts over the whole run, so
   evicted keys keep theirs) are never chosen while another key can go; the rest is LRU.
   With fraction ~0.15 this pins the "universal" experts (~15 % of experts in Qwen3-Next /
-  Qwen3-30B-A3B are used by every domain); the hot set is refreshed every `refresh` ticks.
+  Qwen3-30B-A3B are used by every domain). The hot set is kept exact as counts grow (a
+  key joins it when its count passes the lowest hot count).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 
-import numpy as np
 
 ExpertKey = tuple[int, int]
 Evictable = Callable[[ExpertKey], bool]
@@ -129,146 +129,197 @@ class ReuseDistance:
         self._gap_sum = 0.0
         self._gap_n = 0
         self._now = 0.0
-        self._index: dict[ExpertKey, int] = {}  # resident key -> row in the arrays
-        self._keys: list[ExpertKey | None] = []
-        self._last = np.zeros(0)
-        self._gap = np.zeros(0)  # nan = never reused yet
-        self._free: list[int] = []
+        self._order: OrderedDict[ExpertKey, None] = OrderedDict()  # resident, by last use
+        self._fresh: OrderedDict[ExpertKey, None] = OrderedDict()  # resident, no gap yet
+        self._seq: dict[ExpertKey, int] = {}
+        self._next = 0
+        self._heap: list[tuple[float, int, ExpertKey]] = []  # (-gap, seq, key), lazy
 
     def params(self) -> dict[str, float]:
         return {"smoothing": self.smoothing}
 
     def set_capacity(self, num_slots: int) -> None:
-        if num_slots > len(self._keys):
-            grow = num_slots - len(self._keys)
-            self._free.extend(range(len(self._keys), num_slots))
-            self._keys.extend([None] * grow)
-            self._last = np.concatenate([self._last, np.zeros(grow)])
-            self._gap = np.concatenate([self._gap, np.full(grow, np.nan)])
+        pass
 
     def _use(self, key: ExpertKey, tick: int) -> None:
         now = self._now = self._clock.tokens(key, tick)
         prev = self._last_seen.get(key)
         if prev is not None:
-            gap = max(now - prev, 1e-9)
+            gap = max(now - prev, 0.0)
             self._gap_sum += gap
             self._gap_n += 1
             old = self._gap_of.get(key)
             self._gap_of[key] = gap if old is None else old + self.smoothing * (gap - old)
         self._last_seen[key] = now
-        i = self._index[key]
-        self._last[i] = now
-        self._gap[i] = self._gap_of.get(key, np.nan)
+        self._order[key] = None
+        self._order.move_to_end(key)
+        self._next += 1
+        self._seq[key] = self._next
+        if key in self._gap_of:
+            self._fresh.pop(key, None)
+            heapq.heappush(self._heap, (-self._gap_of[key], self._next, key))
+            if len(self._heap) > 4 * len(self._seq) + 64:
+                live = [e for e in self._heap if self._seq.get(e[2]) == e[1]]
+                heapq.heapify(live)
+                self._heap = live
+        else:
+            self._fresh[key] = None
 
     def insert(self, key: ExpertKey, tick: int) -> None:
-        if key in self._index:
+        if key in self._seq:
             raise KeyError(f"reuse: expert {key} inserted twice")
-        if not self._free:
-            self.set_capacity(max(8, 2 * len(self._keys)))  # unbound use (tests)
-        i = heapq.heappop(self._free)
-        self._index[key] = i
-        self._keys[i] = key
         self._use(key, tick)
 
     def touch(self, key: ExpertKey, tick: int) -> None:
-        if key not in self._index:
+        if key not in self._seq:
             raise _missing(self.name, key)
         self._use(key, tick)
 
     def remove(self, key: ExpertKey) -> None:
-        i = self._index.pop(key, None)
-        if i is None:
+        if key not in self._seq:
             raise _missing(self.name, key)
-        self._keys[i] = None
-        self._gap[i] = np.nan
-        heapq.heappush(self._free, i)
+        del self._seq[key]
+        del self._order[key]
+        self._fresh.pop(key, None)
+
+    def _longest_gap(self, evictable: Evictable) -> tuple[float, ExpertKey] | None:
+        skipped = []
+        found = None
+        while self._heap:
+            neg, seq, key = self._heap[0]
+            if self._seq.get(key) != seq:
+                heapq.heappop(self._heap)  # stale entry
+                continue
+            if evictable(key):
+                found = (-neg, key)
+                break
+            skipped.append(heapq.heappop(self._heap))
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        return found
 
     def victim(self, evictable: Evictable) -> ExpertKey | None:
-        rows = np.fromiter(self._index.values(), dtype=np.int64, count=len(self._index))
-        if rows.size == 0:
+        # score(k) = max(gap(k), now - last(k)); the max over keys of a max is the larger of
+        # the longest gap, the prior (any key without a gap) and the oldest last use, so
+        # three O(log n) candidates replace a scan. Ties go to the stalest key.
+        candidates: list[tuple[float, int, ExpertKey]] = []
+        lru = next((k for k in self._order if evictable(k)), None)
+        if lru is not None:
+            candidates.append((self._now - self._last_seen[lru], 2, lru))
+        longest = self._longest_gap(evictable)
+        if longest is not None:
+            candidates.append((longest[0], 1, longest[1]))
+        fresh = next((k for k in self._fresh if evictable(k)), None)
+        if fresh is not None:
+            prior = self._gap_sum / self._gap_n if self._gap_n else 0.0
+            candidates.append((prior, 0, fresh))
+        if not candidates:
             return None
-        prior = self._gap_sum / self._gap_n if self._gap_n else 1.0
-        gap = np.nan_to_num(self._gap[rows], nan=prior)
-        stale = self._now - self._last[rows]
-        # Furthest expected next use first; ties to the least recently used, then the row.
-        order = np.lexsort((rows, self._last[rows], -np.maximum(gap, stale)))
-        for j in order:
-            key = self._keys[int(rows[j])]
-            if key is not None and evictable(key):
-                return key
-        return None
+        return max(candidates, key=lambda c: (c[0], c[1]))[2]
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._seq)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._index
+        return key in self._seq
 
 
 class PinHot:
     name = "pin"
 
-    def __init__(self, fraction: float = 0.15, refresh: int = 64) -> None:
+    def __init__(self, fraction: float = 0.15) -> None:
         if not 0.0 <= fraction < 1.0:
             raise ValueError(f"pin: fraction must be in [0, 1), got {fraction!r}")
-        if refresh < 1:
-            raise ValueError(f"pin: refresh must be >= 1 tick, got {refresh!r}")
-        self.fraction, self.refresh = float(fraction), int(refresh)
-        self._order: OrderedDict[ExpertKey, None] = OrderedDict()
-        self._count: dict[ExpertKey, int] = {}
-        self._hot: set[ExpertKey] = set()
+        self.fraction = float(fraction)
         self._hot_size = 0
-        self._refreshed_at: int | None = None
-        self._tick = 0
+        self._count: dict[ExpertKey, int] = {}  # every key ever used (whole-run counts)
+        self._hot: set[ExpertKey] = set()  # the hot_size most used keys, resident or not
+        self._hot_heap: list[tuple[int, int, ExpertKey]] = []  # (count, seq, key): lazy min
+        self._last: dict[ExpertKey, int] = {}  # resident key -> sequence number of last use
+        self._cold: list[tuple[int, ExpertKey]] = []  # (last, key) of cold residents: lazy
+        self._next = 0
 
     def params(self) -> dict[str, float]:
-        return {"fraction": self.fraction, "refresh": self.refresh}
+        return {"fraction": self.fraction}
 
     def set_capacity(self, num_slots: int) -> None:
         self._hot_size = int(self.fraction * num_slots)
 
-    def _access(self, key: ExpertKey, tick: int) -> None:
-        self._count[key] = self._count.get(key, 0) + 1
-        self._tick = tick
-        self._order[key] = None
-        self._order.move_to_end(key)
+    def _promote(self, key: ExpertKey, count: int) -> None:
+        """Keep `_hot` = the hot_size highest counts; a newcomer must beat the lowest."""
+        if key in self._hot:
+            heapq.heappush(self._hot_heap, (count, self._next, key))
+            return
+        if len(self._hot) < self._hot_size:
+            self._hot.add(key)
+            heapq.heappush(self._hot_heap, (count, self._next, key))
+            return
+        while self._hot_heap:
+            low, _, low_key = self._hot_heap[0]
+            if low_key not in self._hot or self._count[low_key] != low:
+                heapq.heappop(self._hot_heap)  # stale
+                continue
+            if count <= low:
+                return
+            heapq.heappop(self._hot_heap)
+            self._hot.discard(low_key)
+            if low_key in self._last:  # demoted while resident: evictable again, by recency
+                heapq.heappush(self._cold, (self._last[low_key], low_key))
+            self._hot.add(key)
+            heapq.heappush(self._hot_heap, (count, self._next, key))
+            return
+
+    def _access(self, key: ExpertKey) -> None:
+        self._next += 1
+        self._last[key] = self._next
+        count = self._count[key] = self._count.get(key, 0) + 1
+        self._promote(key, count)
+        if key not in self._hot:
+            heapq.heappush(self._cold, (self._next, key))
+            if len(self._cold) > 4 * len(self._last) + 64:
+                live = [e for e in self._cold if self._valid(e)]
+                heapq.heapify(live)
+                self._cold = live
+
+    def _valid(self, entry: tuple[int, ExpertKey]) -> bool:
+        last, key = entry
+        return self._last.get(key) == last and key not in self._hot
 
     def insert(self, key: ExpertKey, tick: int) -> None:
-        if key in self._order:
+        if key in self._last:
             raise KeyError(f"pin: expert {key} inserted twice")
-        self._access(key, tick)
+        self._access(key)
 
     def touch(self, key: ExpertKey, tick: int) -> None:
-        if key not in self._order:
+        if key not in self._last:
             raise _missing(self.name, key)
-        self._access(key, tick)
+        self._access(key)
 
     def remove(self, key: ExpertKey) -> None:
-        if self._order.pop(key, 0) is not None:
+        if self._last.pop(key, None) is None:
             raise _missing(self.name, key)
 
-    def _refresh(self) -> None:
-        if self._refreshed_at is not None and self._tick - self._refreshed_at < self.refresh:
-            return
-        self._refreshed_at = self._tick
-        # Most used first; ties to the lower key, so the set is a function of the calls.
-        ranked = heapq.nsmallest(self._hot_size, self._count.items(), key=lambda kv: (-kv[1], kv[0]))
-        self._hot = {k for k, _ in ranked}
-
     def victim(self, evictable: Evictable) -> ExpertKey | None:
-        self._refresh()
-        fallback = None
-        for key in self._order:
-            if not evictable(key):
+        skipped = []
+        found = None
+        while self._cold:
+            entry = self._cold[0]
+            if not self._valid(entry):
+                heapq.heappop(self._cold)
                 continue
-            if key not in self._hot:
-                return key
-            if fallback is None:
-                fallback = key
-        return fallback
+            if evictable(entry[1]):
+                found = entry[1]
+                break
+            skipped.append(heapq.heappop(self._cold))
+        for entry in skipped:
+            heapq.heappush(self._cold, entry)
+        if found is None:  # only hot keys can go: the least recently used of them (rare)
+            hot = [(last, k) for k, last in self._last.items() if k in self._hot and evictable(k)]
+            found = min(hot)[1] if hot else None
+        return found
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._last)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._order
+        return key in self._last

@@ -95,6 +95,8 @@ class RoutingModel:
         L, E, k = self.shape.num_layers, self.shape.num_experts, self.shape.top_k
         p = self.params
         base = self.base[domain % p.num_domains]
+        # The gate's noise has its own stream, so asking for it leaves the routing unchanged.
+        gate_rng = np.random.default_rng(rng.integers(2**63))
         z = rng.standard_normal(p.latent_dim)
         trace = np.zeros((L, E))
         out = np.empty((n, L, k), dtype=np.int32)
@@ -110,7 +112,7 @@ class RoutingModel:
             ids = top[rows, order]
             out[t] = ids
             if gates is not None:
-                guess = logits + p.gate_noise * rng.gumbel(size=(L, E))
+                guess = logits + p.gate_noise * gate_rng.gumbel(size=(L, E))
                 gtop = np.argpartition(-guess, k - 1, axis=1)[:, :k]
                 gates[t] = gtop[rows, np.argsort(-guess[rows, gtop], axis=1, kind="stable")]
             trace *= p.reuse_decay
