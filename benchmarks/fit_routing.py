@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from actors.routing_model import families  # noqa: E402
 from actors.routing_model.model import RoutingModel, RoutingParams  # noqa: E402
 
-FREE = ("skew", "latent_scale", "persistence", "reuse", "reuse_decay", "universal_boost")
+FREE = ("skew", "latent_scale", "persistence", "reuse", "reuse_decay", "universal_boost", "explore")
 BOUNDS = {
     "skew": (0.0, 4.0),
     "latent_scale": (0.0, 6.0),
@@ -32,6 +32,7 @@ BOUNDS = {
     "reuse": (0.0, 6.0),
     "reuse_decay": (0.0, 0.995),
     "universal_boost": (0.0, 4.0),
+    "explore": (0.0, 0.5),
 }
 
 

@@ -75,12 +75,12 @@ class Measured(msgspec.Struct):
 # it reaches with this family's routing noise, at gate_noise 0) and 0.46 (Next, 0.5)
 # against the published ~46 % of misses covered.
 _QWEN35 = RoutingParams(
-    skew=0.97, latent_scale=2.24, persistence=0.961, reuse=0.0, reuse_decay=0.739,
-    universal_boost=2.028, gate_noise=0.0,
+    skew=0.673, latent_scale=2.769, persistence=0.995, reuse=0.152, reuse_decay=0.718,
+    universal_boost=1.56, explore=0.152, gate_noise=0.0,
 )
 _NEXT = RoutingParams(
-    skew=0.342, latent_scale=2.612, persistence=0.628, reuse=0.244, reuse_decay=0.948,
-    universal_boost=0.684, gate_noise=0.5,
+    skew=0.329, latent_scale=2.596, persistence=0.646, reuse=0.252, reuse_decay=0.964,
+    universal_boost=0.628, gate_noise=0.5,
 )
 
 def expert_bytes(hidden: int, intermediate: int, bits: int = 4, group: int = 64) -> int:

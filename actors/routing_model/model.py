@@ -16,6 +16,8 @@ probabilities proportional to exp(logit)):
     z_t         = persistence * z_(t-1) + sqrt(1 - persistence^2) * eps_t   (per request)
     r_t         = reuse_decay * r_(t-1) + onehot(chosen at t-1)
 
+plus, with `explore` > 0, about explore x k experts per (token, layer) forced in uniformly
+at random (one-off picks: the tail that keeps even a large cache from hitting more).
 g, h, W, eps are standard normal; U marks `universal_fraction` of each layer's experts;
 m_l (domain specificity) goes from `domain_mix_early` at layer 0 to `domain_mix_late` at
 the last layer (as (1 - depth)^domain_mix_power), since published hot sets differ more between domains
@@ -55,6 +57,7 @@ class RoutingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     domain_mix_early: float = 0.9  # domain-specific share of log-popularity, first layer
     domain_mix_late: float = 0.06  # ... last layer
     domain_mix_power: float = 5.0  # m_l = late + (early - late) * (1 - depth)^power
+    explore: float = 0.0  # expected share of picks that are one-offs, uniform over experts
     gate_noise: float = 1.0  # Gumbel scale of the emulated gate-ahead predictor
     latent_dim: int = 16
     num_domains: int = 8
@@ -107,6 +110,8 @@ class RoutingModel:
             z = p.persistence * z + innov * rng.standard_normal(p.latent_dim)
             logits = base + p.latent_scale * (self.proj @ z) + p.reuse * trace
             noisy = logits + rng.gumbel(size=(L, E))
+            if p.explore > 0:  # forced one-off picks: a tail that no cache size captures
+                noisy += 1e3 * (rng.random((L, E)) < p.explore * k / E)
             top = np.argpartition(-noisy, k - 1, axis=1)[:, :k]
             order = np.argsort(-noisy[rows, top], axis=1, kind="stable")
             ids = top[rows, order]
