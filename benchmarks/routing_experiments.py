@@ -5,12 +5,16 @@
 For each family: one workload trace (4 requests alternating between 2 prompt domains,
 64-token prompts prefilled in chunks of 16, 300 generated tokens each), replayed through
 `pipeline.replay.simulate` for every eviction policy (no prefetch) and every prefetch
-strategy (under LRU and under the best policy) at pool sizes given per layer. Writes
+strategy (under LRU and under the best policy) at pool sizes given per layer; `--uniform`
+then adds uniform routing (what random-weight containers do) as a baseline. Writes
 routing-<family>.json under --out; benchmarks/routing_report.py turns them into tables
 (routing.md) and curves (routing.png).
 
 Traces keep `--layers` of the model's layers (every statistic here is per layer and each
-layer is drawn from the same distribution); bytes per token are scaled to the full depth.
+layer is drawn from the same distribution); bytes per token are scaled to the full depth,
+and LFU's decay period (in ticks, one per token and layer) is scaled so that it decays as
+much per token as the live default (0.9 per 512 ticks) at full depth. The other policies
+count time in tokens or not at all.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors.routing_model.families import FAMILIES  # noqa: E402
+from actors.routing_model.model import RoutingParams  # noqa: E402
 from actors.routing_model.workload import Workload, workload_trace  # noqa: E402
 from pipeline.replay import simulate  # noqa: E402
 
@@ -63,10 +68,17 @@ def run_family(family: str, layers: int, out: Path) -> list[Row]:
     tokens = w.requests * (w.prompt_tokens + w.decode_tokens)
     scale = shape.num_layers / L
     gib_per_layer = GIB // trace.model.stride // shape.num_layers  # a 1 GiB pool, per layer
-    budgets = sorted({*(round(f * E) for f in FRACTIONS), gib_per_layer})
+    # A prefill chunk pins up to chunk x top_k experts of one layer: smaller pools are refused.
+    smallest = min(E, w.prefill_chunk * trace.model.top_k)
+    budgets = sorted(b for b in {*(round(f * E) for f in FRACTIONS), gib_per_layer}
+                     if b * L >= smallest)
     rows: list[Row] = []
 
     def one(per_layer: int, label: str, policy: str, params: dict[str, float], strategy: str) -> Row:
+        if policy == "lfu":
+            # LFU's period counts ticks (one per token and layer): keep the live default's
+            # 512 ticks at full depth, i.e. the same decay per token, on a shallower trace.
+            params = {"decay": 0.9, "period": max(1, round(512 * L / shape.num_layers))}
         r = simulate(trace, policy, params, strategy, per_layer * L)
         row = Row(
             family=family, per_layer=per_layer, slots=per_layer * L, policy=label,
@@ -100,14 +112,45 @@ def run_family(family: str, layers: int, out: Path) -> list[Row]:
     return rows
 
 
+def add_uniform(family: str, layers: int, out: Path) -> None:
+    """Rows for uniform routing (what random-weight containers do) at the same budgets."""
+    path = out / f"routing-{family}.json"
+    doc = msgspec.json.decode(path.read_bytes())
+    shape, _ = FAMILIES[family]
+    w = Workload(family=family, layers=layers)
+    flat = RoutingParams(skew=0.0, latent_scale=0.0, persistence=0.0, reuse=0.0,
+                         reuse_decay=0.0, universal_boost=0.0)
+    trace = workload_trace(w, params=flat)
+    L = trace.model.num_layers
+    tokens = w.requests * (w.prompt_tokens + w.decode_tokens)
+    rows = [r for r in doc["rows"] if not r["policy"].startswith("uniform")]
+    for per_layer in sorted({r["per_layer"] for r in rows}):
+        for policy in ("lru", "lfu"):
+            params = {"decay": 0.9, "period": max(1, round(512 * L / shape.num_layers))}
+            r = simulate(trace, policy, params if policy == "lfu" else {}, "none", per_layer * L)
+            rows.append(msgspec.structs.asdict(Row(
+                family=family, per_layer=per_layer, slots=per_layer * L,
+                policy=f"uniform-{policy}", strategy="none", hit_rate=round(r.hit_rate, 4),
+                mb_per_token=round(r.bytes_read / tokens * shape.num_layers / L / 2**20, 1),
+                precision=0.0, recall=0.0)))
+            print(family, per_layer, f"uniform-{policy}", rows[-1]["hit_rate"], flush=True)
+    doc["rows"] = rows
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(doc)))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/routing"))
+    ap.add_argument("--uniform", action="store_true",
+                    help="only add uniform-routing baseline rows to existing JSON")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for family in args.families.split(","):
+        if args.uniform:
+            add_uniform(family, args.layers, args.out)
+            continue
         t0 = time.time()
         run_family(family, args.layers, args.out)
         print(f"{family}: {time.time() - t0:.0f} s", flush=True)

@@ -27,7 +27,6 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 
-
 ExpertKey = tuple[int, int]
 Evictable = Callable[[ExpertKey], bool]
 
@@ -37,14 +36,18 @@ def _missing(policy: str, key: ExpertKey) -> KeyError:
 
 
 class _TokenClock:
-    """Ticks -> tokens: one tick per (token, MoE layer)."""
+    """Ticks -> tokens: one tick per (token, MoE layer), counted from the first tick seen
+    (the live engine's ticks start at 1 and replay's at 0: same tokens either way)."""
 
     def __init__(self) -> None:
         self._layers: set[int] = set()
+        self._origin: int | None = None
 
     def tokens(self, key: ExpertKey, tick: int) -> float:
         self._layers.add(key[0])
-        return tick / len(self._layers)
+        if self._origin is None:
+            self._origin = tick
+        return (tick - self._origin) / len(self._layers)
 
 
 class FreqLRU:

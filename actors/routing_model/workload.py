@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 
 from actors.routing_model.families import FAMILIES, STRIDES
-from actors.routing_model.model import RoutingModel, RoutingShape
+from actors.routing_model.model import RoutingModel, RoutingParams, RoutingShape
 from actors.routing_trace import RoutingTrace, TraceModel, TracePool, TraceRecorder
 
 
@@ -48,9 +48,14 @@ def parse_workload(text: str) -> Workload:
     return w
 
 
-def workload_trace(w: Workload, *, num_slots: int = 0, policy: str = "lru") -> RoutingTrace:
-    """Generate the workload's routing as a trace (num_slots 0 = a tenth of all experts)."""
-    shape, params = FAMILIES[w.family]
+def workload_trace(
+    w: Workload, *, num_slots: int = 0, policy: str = "lru", params: RoutingParams | None = None
+) -> RoutingTrace:
+    """Generate the workload's routing as a trace (num_slots 0 = a tenth of all experts).
+
+    `params` replaces the family's fitted parameters (e.g. all zero: uniform routing)."""
+    shape, fitted = FAMILIES[w.family]
+    params = params or fitted
     layers = w.layers or shape.num_layers
     shape = RoutingShape(shape.name, min(layers, shape.num_layers), shape.num_experts, shape.top_k)
     model = RoutingModel(shape, params, seed=w.seed)
