@@ -37,9 +37,11 @@ from pipeline.replay import simulate  # noqa: E402
 FRACTIONS = (0.0625, 0.125, 0.18, 0.25, 0.36, 0.5)  # of a layer's experts (93/512 = 0.18)
 POLICIES: list[tuple[str, str, dict[str, float]]] = [
     ("lru", "lru", {}),
-    ("lfu", "lfu", {}),
+    ("lfu", "lfu", {"decay": 0.9, "period": 512}),  # the live default
+    ("lfu-fast", "lfu", {"decay": 0.5, "period": 64}),
     ("slru", "slru", {}),
-    ("flru", "flru", {}),
+    ("flru", "flru", {}),  # weight 10 tokens per use, as flash-moe
+    ("flru-w1", "flru", {"weight": 1.0}),
     ("reuse", "reuse", {}),
     ("pin-15%", "pin", {"fraction": 0.15}),
     ("pin-50%", "pin", {"fraction": 0.5}),
@@ -76,9 +78,10 @@ def run_family(family: str, layers: int, out: Path) -> list[Row]:
 
     def one(per_layer: int, label: str, policy: str, params: dict[str, float], strategy: str) -> Row:
         if policy == "lfu":
-            # LFU's period counts ticks (one per token and layer): keep the live default's
-            # 512 ticks at full depth, i.e. the same decay per token, on a shallower trace.
-            params = {"decay": 0.9, "period": max(1, round(512 * L / shape.num_layers))}
+            # LFU's period counts ticks (one per token and layer): scale it so that it
+            # decays as much per token on this shallower trace as at full depth.
+            period = max(1, round(params["period"] * L / shape.num_layers))
+            params = {"decay": params["decay"], "period": period}
         r = simulate(trace, policy, params, strategy, per_layer * L)
         row = Row(
             family=family, per_layer=per_layer, slots=per_layer * L, policy=label,

@@ -29,13 +29,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "compute": {"prefill_chunk": 4},
         "prefetch": {"strategy": "history"},
     }),
-    "transition-lfu-16-chunk1": ("qwen3_next", {
-        "pool": {"slots": 16, "eviction": "lfu"},
+    "transition-pin-16-chunk1": ("qwen3_next", {
+        "pool": {"slots": 16, "eviction": "pin"},
         "compute": {"prefill_chunk": 1},
         "prefetch": {"strategy": "transition"},
     }),
-    "history+transition-flru-12-chunk3": ("qwen3_5_moe", {
-        "pool": {"slots": 12, "eviction": "flru"},
+    "history+transition-reuse-12-chunk3": ("qwen3_5_moe", {
+        "pool": {"slots": 12, "eviction": "reuse"},
         "compute": {"prefill_chunk": 3},
         "prefetch": {"strategy": "combined", "combine": ["history", "transition"]},
     }),
