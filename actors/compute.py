@@ -78,7 +78,10 @@ class Compute:
         self._row_of = {layer: i for i, layer in enumerate(moe_layers)}
         self._map: mx.array | None = None
         self._map_version = -1
-        self._gate = getattr(strategy, "prepare", None) is not None
+        # Strategies that read the model (next-gate, lookahead, a combination holding one)
+        # predict on the MLX thread, in the routing's own sync; the others in the
+        # prefetch task.
+        self._gate = bool(getattr(strategy, "needs_model", False))
         self.prefetcher = Prefetcher(strategy, scorer, router, recorder, gate=self._gate)
 
     def _learn(self, routing: Routing | None, phase: Phase) -> Predictions | None:
@@ -173,9 +176,10 @@ class Compute:
     async def account(self, result: Any, phase: Phase) -> int | None:
         """Bookkeeping for a run-ahead's layers up to its first miss; that layer or None.
 
-        The pool sees the same demands as on the per-layer path (hits, recency), sent as
-        one request; nothing is predicted or prefetched: every expert was there, and a
-        prefetch now could evict an expert a later layer of this token has already used.
+        The pool sees the same requests as on the per-layer path. Gate strategies cannot
+        predict here (the run-ahead kept no routers' inputs) and need not (every expert
+        was there): the layers' demands then go as one request. Statistics strategies
+        predict and prefetch layer by layer as always, so `replay` reruns them exactly.
         """
         miss = result.first_miss()
         done: list[tuple[int, list[int], int, np.ndarray]] = []
@@ -184,13 +188,20 @@ class Compute:
                 break
             self.tick += 1
             done.append((layer, unique_in_order(rows), self.tick, rows))
-        if done:
+        if not done:
+            return miss
+        if self._gate or self.strategy.name == "none":
             await self.prefetcher.caught_up()
             await self.router.demand_all([(layer, ids, tick) for layer, ids, tick, _ in done])
             for layer, ids, tick, rows in done:
                 await self.prefetcher.send(
                     Routed(layer, _rows(rows), ids, tick, phase, predicted=[], predict=False)
                 )
+            return miss
+        for layer, ids, tick, rows in done:
+            await self.prefetcher.caught_up()
+            await self.router.demand(layer, ids, tick)
+            await self.prefetcher.send(Routed(layer, _rows(rows), ids, tick, phase))
         return miss
 
     async def finish_from(self, step: ForwardStepper, miss: int, phase: Phase) -> mx.array:

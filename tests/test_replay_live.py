@@ -44,10 +44,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 
 @pytest.mark.parametrize("case", list(CASES))
 async def test_statistics_strategies_replay_the_live_run_exactly(
-    case: str, synth_checkpoint, tmp_path_factory, tmp_path
+    case: str, synth_checkpoint, packed, tmp_path
 ) -> None:
     family, overrides = CASES[case]
-    _src, qpack = tiny_pair(synth_checkpoint, tmp_path_factory, family, None)
+    _src, qpack = tiny_pair(synth_checkpoint, packed, family, None)
     config = engine_config(qpack, **overrides)
     async with open_engine(config, record_routing=True) as engine:
         for prompt in PROMPTS:
