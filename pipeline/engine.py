@@ -13,9 +13,8 @@ the pool, and the pool's slots are the scarce resource.
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -39,46 +38,24 @@ from actors.sampling_params import SamplingParams
 from actors.sampling_task import SamplingTask
 from pipeline.chat_template import template_kwargs
 from pipeline.config.schema import PipelineConfig
+from pipeline.engine_parts import cached_tokenizer, guarded, installer, staging_probe
+from pipeline.engine_sizing import (
+    PoolTooSmall,
+    num_slots,
+    prefill_chunk_for,
+    smallest_workable_slots,
+)
 from pipeline.events import Event
 from pipeline.generation import Generation
-from pipeline.generation_config import default_params, eos_token_ids
+from pipeline.generation_config import default_params
 from pipeline.heap_trim import HeapTrimmer
 from pipeline.memory_budget import check_pool_fits
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_cache import PrefixCache
 from qpack.reader import Container, ExpertIO
-from qpack.spec import QpackError
 
 log = structlog.get_logger("moestream.engine")
-
-
-class PoolTooSmall(ValueError):
-    pass
-
-
-def smallest_workable_slots(num_experts: int, top_k: int, prefill_chunk: int) -> int:
-    """A prefill chunk's layer may touch chunk * top_k distinct experts, all pinned at once.
-
-    `prefill_chunk` 0 (follow the pool) needs only one token's experts.
-    """
-    return min(num_experts, max(prefill_chunk, 1) * top_k)
-
-
-def prefill_chunk_for(config_chunk: int, max_tokens: int, slots: int, num_experts: int,
-                      top_k: int) -> int:
-    """Prompt tokens per prefill forward: the config's, or the most the pool allows.
-
-    Each chunk reads every expert its tokens need once per layer, so fewer, larger
-    chunks read the disk fewer times: with room for a whole layer's experts, one chunk
-    of up to `max_tokens` (one pass of the disk per prompt); else slots // top_k tokens,
-    whose experts are guaranteed to fit pinned at once.
-    """
-    if config_chunk:
-        return config_chunk
-    if slots >= num_experts:
-        return max_tokens
-    return max(1, min(max_tokens, slots // top_k))
 
 
 class Engine:
@@ -223,40 +200,8 @@ class Engine:
         }
 
 
-def cached_tokenizer(root: Path) -> Any:
-    """mlx-lm's tokenizer for a container, built once per process and file version.
-
-    Building it from tokenizer.json takes seconds (150k+ tokens); engines reopened in one
-    process (tests, benchmarks) share it. Sharing is safe: each generation takes its own
-    detokenizer copy, and encoding is stateless.
-    """
-    path = Path(root) / "tokenizer.json"
-    stamp = path.stat().st_mtime_ns if path.exists() else 0
-    return _load_tokenizer(str(Path(root).resolve()), stamp)
-
-
-@functools.lru_cache(maxsize=4)
-def _load_tokenizer(root: str, stamp: int) -> Any:
-    from mlx_lm.utils import load_tokenizer
-
-    return load_tokenizer(Path(root), eos_token_ids=eos_token_ids(Path(root)))
-
-
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config.get("text_config", config)
-
-
-def _num_slots(config: PipelineConfig, container: Container, slot_nbytes: int) -> int:
-    if config.pool.slots is not None:
-        return config.pool.slots
-    if config.pool.budget_mb is not None:
-        return config.pool.budget_mb * 2**20 // slot_nbytes
-    # Neither given: half of the memory left once the dense core is loaded, keeping
-    # 1 GiB aside for the rest of the process (capped at every expert by the caller).
-    import psutil
-
-    left = psutil.virtual_memory().available - container.manifest.dense_bytes - 2**30
-    return max(1, left // 2 // slot_nbytes)
 
 
 @asynccontextmanager
@@ -274,7 +219,7 @@ async def open_engine(
     layout = PoolLayout.of(manifest.layers)  # one format, or one per layer (mixed precision)
     fmt = layout.formats[next(iter(layout.formats))]
     storage_probe = layout.slot_nbytes
-    slots = min(_num_slots(config, container, storage_probe), manifest.num_experts * len(manifest.layers))
+    slots = min(num_slots(config, container, storage_probe), manifest.num_experts * len(manifest.layers))
     check_pool_fits(slots * storage_probe, manifest.dense_bytes, config.pool.slots is not None or config.pool.budget_mb is not None)
     need = smallest_workable_slots(manifest.num_experts, manifest.top_k, config.compute.prefill_chunk)
     if slots < need:
@@ -289,13 +234,13 @@ async def open_engine(
         # Loaded before the actors' nursery opens, so a bad container surfaces as one
         # QpackError naming the file rather than inside an exception group.
         dense = await worker.run(
-            _guarded, container.dense_path, load_dense, container.config, container.dense_path
+            guarded, container.dense_path, load_dense, container.config, container.dense_path
         )
         tokenizer = await trio.to_thread.run_sync(
-            _guarded, container.root / "tokenizer.json", lambda: cached_tokenizer(container.tokenizer_dir())
+            guarded, container.root / "tokenizer.json", lambda: cached_tokenizer(container.tokenizer_dir())
         )
         storage = await worker.run(PoolStorage, layout, slots)
-        stage_in_threads = await _stage_in_threads(config.reader.stage_in_threads, worker)
+        stage_in_threads = await staging_probe(config.reader.stage_in_threads, worker)
         dtype = await worker.run(activation_dtype, config.compute.dtype)
         model = StreamedModel(dense, fmt, storage.arrays, dtype, views=storage.view)
         async with trio.open_nursery() as nursery:
@@ -306,52 +251,6 @@ async def open_engine(
             nursery.cancel_scope.cancel()
     finally:
         container.close()
-
-
-def _installer(worker: MlxWorker, storage: PoolStorage) -> Callable[[list[Any]], Awaitable[None]]:
-    """How finished reads enter the pool: a memcpy on the CPU, an MLX scatter elsewhere."""
-    if storage.host_bytes is not None:
-
-        async def write(items: list[Any]) -> None:
-            storage.write(items)
-
-        return write
-
-    async def install(items: list[Any]) -> None:
-        await worker.run(storage.install, items)
-
-    return install
-
-
-async def _stage_in_threads(setting: str, worker: MlxWorker) -> bool:
-    """Whether readers may stage blobs on their staging threads (a probe decides "auto")."""
-    import mlx.core as mx
-    import numpy as np
-
-    from actors.device_staging import to_device
-
-    if setting == "off":
-        return False
-    on_gpu = await worker.run(lambda: mx.default_device() != mx.cpu)
-    if setting == "auto" and not on_gpu:
-        return False
-    try:
-        probe = await MlxWorker.staging(0).run(to_device, np.arange(64, dtype=np.uint8))
-        ok = await worker.run(lambda: int((probe.astype(mx.int32) + 1).sum().item()) == 2080)
-    except Exception as exc:  # noqa: BLE001 - any failure means "not here"
-        log.warning("engine.stage_in_threads_unavailable", error=str(exc))
-        return False
-    return ok
-
-
-def _guarded(path: Path, fn: Callable[..., Any], *args: Any) -> Any:
-    """Run a loader; anything it raises becomes a QpackError naming the file it read."""
-    try:
-        return fn(*args)
-    except QpackError:
-        raise
-    except Exception as exc:
-        raise QpackError(path, f"does not load for this model: {type(exc).__name__}: {exc}") from exc
 
 
 def _start_actors(
@@ -381,7 +280,7 @@ def _start_actors(
         stage=storage.stage if stage_in_threads else None,
     )
     nursery.start_soon(reader.run)
-    router = ExpertRouter(table, reader, model.num_experts, _installer(worker, storage))
+    router = ExpertRouter(table, reader, model.num_experts, installer(worker, storage))
     nursery.start_soon(router.run)
     strategy_name = config.prefetch.strategy if overlap else "none"
     strategy = make_strategy(

@@ -3,7 +3,7 @@
 The pool is allocated once, at its full budget. A budget over what the machine has left
 was accepted before and the kernel's OOM killer ended the process later, silently; a
 message with the numbers now says so up front. The default pool already sizes itself
-from available memory (`engine._num_slots`), so only explicit sizes are checked.
+from available memory (`engine_sizing.num_slots`), so only explicit sizes are checked.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ from helpers_forward import (
 )
 
 from actors.sampling_params import SamplingParams
-from pipeline.engine import PoolTooSmall, open_engine
+from pipeline.engine import open_engine
+from pipeline.engine_sizing import PoolTooSmall
 from pipeline.events import Done
 
 PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]

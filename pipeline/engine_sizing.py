@@ -1,0 +1,47 @@
+"""How big the pool is and how a prompt is cut: the numbers an engine is opened with."""
+
+from __future__ import annotations
+
+from pipeline.config.schema import PipelineConfig
+from qpack.reader import Container
+
+
+class PoolTooSmall(ValueError):
+    pass
+
+
+def smallest_workable_slots(num_experts: int, top_k: int, prefill_chunk: int) -> int:
+    """A prefill chunk's layer may touch chunk * top_k distinct experts, all pinned at once.
+
+    `prefill_chunk` 0 (follow the pool) needs only one token's experts.
+    """
+    return min(num_experts, max(prefill_chunk, 1) * top_k)
+
+
+def prefill_chunk_for(config_chunk: int, max_tokens: int, slots: int, num_experts: int,
+                      top_k: int) -> int:
+    """Prompt tokens per prefill forward: the config's, or the most the pool allows.
+
+    Each chunk reads every expert its tokens need once per layer, so fewer, larger
+    chunks read the disk fewer times: with room for a whole layer's experts, one chunk
+    of up to `max_tokens` (one pass of the disk per prompt); else slots // top_k tokens,
+    whose experts are guaranteed to fit pinned at once.
+    """
+    if config_chunk:
+        return config_chunk
+    if slots >= num_experts:
+        return max_tokens
+    return max(1, min(max_tokens, slots // top_k))
+
+
+def num_slots(config: PipelineConfig, container: Container, slot_nbytes: int) -> int:
+    if config.pool.slots is not None:
+        return config.pool.slots
+    if config.pool.budget_mb is not None:
+        return config.pool.budget_mb * 2**20 // slot_nbytes
+    # Neither given: half of the memory left once the dense core is loaded, keeping
+    # 1 GiB aside for the rest of the process (capped at every expert by the caller).
+    import psutil
+
+    left = psutil.virtual_memory().available - container.manifest.dense_bytes - 2**30
+    return max(1, left // 2 // slot_nbytes)
