@@ -122,7 +122,7 @@ class Generation:
                 text, stopped = stops.feed(detok.last_segment)
                 if text:
                     text_parts.append(text)
-                    yield TextDelta(text, (token,))
+                    yield TextDelta(text, (token,), sampler.take_logprobs())
                 if stopped:
                     finish, stop_string = "stop", True
                     break
@@ -136,7 +136,7 @@ class Generation:
                 tail = stops.feed(detok.last_segment)[0] + stops.flush()
                 if tail:
                     text_parts.append(tail)
-                    yield TextDelta(tail, ())
+                    yield TextDelta(tail, (), sampler.take_logprobs())
             # Nothing runs until the next request: let the last layer's experts go.
             router.driver.end_layer()
             ok = True

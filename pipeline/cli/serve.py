@@ -14,7 +14,8 @@ from typing import Any
 from pipeline.cli.commands import add_engine_flags, engine_config
 from pipeline.cli.term import err
 
-_SERVER_FLAGS = ("host", "port", "api_key", "max_queue", "max_body_bytes", "context_limit")
+_SERVER_FLAGS = ("host", "port", "api_key", "max_queue", "max_body_bytes", "context_limit",
+                 "strict_model", "aliases", "cors_origins")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -27,9 +28,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     overrides: list[str] = []
     for flag in _SERVER_FLAGS:
         value: Any = getattr(args, flag)
-        if value is not None:
-            # TOML syntax for the override: a quoted string for text, bare for numbers.
-            text = json.dumps(value) if isinstance(value, str) else str(value)
+        if value is not None and value != []:
+            # TOML syntax for the override: JSON's string, bool and list forms are TOML's too.
+            text = str(value) if isinstance(value, int) and not isinstance(value, bool) \
+                else json.dumps(value)
             overrides.append(f"server.{flag}={text}")
     args.overrides = [*overrides, *args.overrides]
     try:
@@ -39,14 +41,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         err.print(f"[red]error:[/red] {exc}")
         return 2
     return trio.run(lambda: serve_config(cfg, hide_reasoning=args.hide_reasoning,
-                                         aliases=(args.model,)))
+                                         accepted=(args.model,)))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (chat, completions, tools, SSE)",
         description="Serve MODEL over an OpenAI-compatible API: POST /v1/chat/completions, "
-        "POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus). "
+        "POST /v1/completions, POST /v1/responses, POST /v1/messages (Anthropic), "
+        "POST /tokenize and /detokenize, GET /v1/models (each also without /v1), "
+        "GET /health, GET /metrics (Prometheus). "
         "Stops cleanly on Ctrl-C / SIGTERM.")
     p.add_argument("model", help="path of a .qpack container (its name is the model id)")
     h = p.add_argument_group("server")
@@ -59,6 +63,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default 1 MiB)")
     h.add_argument("--context-limit", type=int, help="prompt + completion tokens at most "
                    "(default: the model's max_position_embeddings)")
+    h.add_argument("--alias", dest="aliases", action="append", default=[],
+                   help="another model name to answer to and list in /v1/models; repeatable")
+    h.add_argument("--strict-model", action="store_true", default=None,
+                   help="404 for a request naming another model (default: serve it anyway)")
+    h.add_argument("--cors-origin", dest="cors_origins", action="append", default=[],
+                   help="a browser origin allowed to call the API (CORS), e.g. "
+                   "http://localhost:3000, or * for any; repeatable; none by default")
     h.add_argument("--hide-reasoning", action="store_true",
                    help="drop <think> reasoning from replies instead of sending reasoning_content")
     add_engine_flags(p)

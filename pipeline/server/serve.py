@@ -37,7 +37,7 @@ async def _wait_for_signal() -> None:
 
 
 async def serve_config(cfg: PipelineConfig, *, hide_reasoning: bool = False,
-                       aliases: tuple[str, ...] = ()) -> int:
+                       accepted: tuple[str, ...] = ()) -> int:
     server = cfg.server
     if not is_loopback(server.host) and server.api_key is None:
         log.warning("server.open_without_key", host=server.host,
@@ -46,7 +46,9 @@ async def serve_config(cfg: PipelineConfig, *, hide_reasoning: bool = False,
         await serve_engine(
             engine, server.host, server.port, api_key=server.api_key,
             max_queue=server.max_queue, max_body_bytes=server.max_body_bytes,
-            hide_reasoning=hide_reasoning, aliases=aliases, defaults=cfg.sampling,
+            hide_reasoning=hide_reasoning, aliases=server.aliases, accepted=accepted,
+            strict_model=server.strict_model, cors_origins=server.cors_origins,
+            defaults=cfg.sampling,
             shutdown_trigger=_wait_for_signal,
         )
     log.info("server.stopped")
