@@ -1,0 +1,311 @@
+"""What agents and chat apps expect of the server, driven by the official clients over HTTP.
+
+The peer-suite idea (llama.cpp's and mlx-lm's server tests) kept in-house: each feature
+through the `openai` (and `anthropic`) client, streaming and not. The model has random
+weights, which makes constrained decoding a strong test: nothing but the grammar keeps
+its output valid.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx2
+import openai
+import pytest
+from helpers_server import pack_tiny, serving
+
+from pipeline.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return pack_tiny(synth_checkpoint, tmp_path_factory, "conformance")
+
+
+@asynccontextmanager
+async def running(container: Path, **serve_kw: Any) -> AsyncIterator[tuple[Engine, str]]:
+    async with serving(container, {"context_limit": 256}, **serve_kw) as (engine, port):
+        yield engine, f"http://127.0.0.1:{port}"
+
+
+def client(base: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
+
+
+USER = [{"role": "user", "content": "Tell me about Paris."}]
+
+
+async def test_lenient_requests_names_routes_and_cors(container: Path) -> None:
+    async with running(container, aliases=("moe-chat",), cors_origins=("http://ui.local",)) as (
+            engine, base):
+        bare = client(base)  # no /v1: the routes answer there too
+        assert [m.id for m in (await bare.models.list()).data] == ["tiny", "moe-chat"]
+        # Vendor fields are ignored; chat_template_kwargs reach the template (unused ones
+        # are harmless); an alias and a foreign name are served (not strict).
+        kw: dict[str, Any] = {"messages": USER, "max_tokens": 3, "seed": 1}
+        one = await bare.chat.completions.create(model="moe-chat", **kw, extra_body={
+            "cache_prompt": True, "n_predict": 9, "repetition_context_size": 20,
+            "chat_template_kwargs": {"enable_thinking": False}})
+        assert one.model == "moe-chat" and one.usage.completion_tokens <= 3
+        other = await bare.chat.completions.create(model="gpt-4o", **kw)
+        assert other.choices[0].message.content == one.choices[0].message.content
+        async with httpx2.AsyncClient(base_url=base, timeout=60) as http:
+            resp = await http.post("/v1/chat/completions", json=kw)  # no model at all
+            assert resp.status_code == 200 and resp.json()["model"] == "tiny"
+
+            # Tokenize (vLLM and llama.cpp forms) and back.
+            tok = (await http.post("/tokenize", json={"prompt": "Hello world"})).json()
+            assert tok["count"] == len(tok["tokens"]) == len(engine.encode("Hello world"))
+            assert (await http.post("/v1/tokenize", json={"content": "Hello world"})).json()[
+                "tokens"] == tok["tokens"]
+            back = (await http.post("/detokenize", json={"tokens": tok["tokens"]})).json()
+            assert back["prompt"] == back["content"] == "Hello world"
+            chat_tok = (await http.post("/tokenize", json={"messages": USER})).json()
+            assert chat_tok["count"] == one.usage.prompt_tokens
+
+            # CORS for the listed origin only; preflight needs no key.
+            pre = await http.options("/v1/chat/completions", headers={
+                "Origin": "http://ui.local", "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type"})
+            assert pre.status_code == 200
+            assert pre.headers["access-control-allow-origin"] == "http://ui.local"
+            got = await http.get("/v1/models", headers={"Origin": "http://evil.local"})
+            assert "access-control-allow-origin" not in got.headers
+
+        # Assistant prefill: the last assistant message is continued, not closed.
+        v1 = client(f"{base}/v1")
+        prefix = "Paris is the capital"
+        cont = await v1.chat.completions.create(
+            model="tiny", messages=[*USER, {"role": "assistant", "content": prefix}],
+            max_tokens=2, seed=1)
+        opened = engine.tokenizer.apply_chat_template(USER, tokenize=False,
+                                                      add_generation_prompt=True)
+        assert cont.usage.prompt_tokens == len(engine.encode(opened + prefix))
+
+        # n > 1: seeded choices, usage counts the prompt once.
+        many = await v1.chat.completions.create(model="tiny", messages=USER, max_tokens=3,
+                                                n=2, seed=5)
+        assert [c.index for c in many.choices] == [0, 1]
+        assert many.usage.prompt_tokens == one.usage.prompt_tokens
+        streamed = [c async for c in await v1.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=3, n=2, seed=5, stream=True)]
+        for i in (0, 1):
+            text = "".join(c.choices[0].delta.content or "" for c in streamed
+                           if c.choices and c.choices[0].index == i)
+            assert text == many.choices[i].message.content
+        # A list of prompts on /completions, n each.
+        texts = await v1.completions.create(model="tiny", prompt=["Hello", "Good night"],
+                                            max_tokens=2, n=2, seed=3)
+        assert [c.index for c in texts.choices] == [0, 1, 2, 3]
+        assert texts.usage.prompt_tokens == len(engine.encode("Hello")) + len(
+            engine.encode("Good night"))
+
+
+async def test_logprobs_echo_and_logit_bias(container: Path) -> None:
+    async with running(container) as (engine, base):
+        v1 = client(f"{base}/v1")
+        kw: dict[str, Any] = {"model": "tiny", "messages": USER, "max_tokens": 6,
+                              "temperature": 0, "logprobs": True, "top_logprobs": 3}
+        one = await v1.chat.completions.create(**kw)
+        content = one.choices[0].logprobs.content
+        assert len(content) == one.usage.completion_tokens == 6
+        for entry in content:
+            tops = [t.logprob for t in entry.top_logprobs]
+            assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tops[0] <= 0
+            # Greedy: the chosen token is the most likely one.
+            assert entry.token == entry.top_logprobs[0].token
+            assert entry.logprob == pytest.approx(tops[0], abs=1e-5)
+        assert "".join(bytes(e.bytes).decode("utf-8", "replace") for e in content) == \
+            one.choices[0].message.content
+        chunks = [c async for c in await v1.chat.completions.create(**kw, stream=True)]
+        streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                    for e in c.choices[0].logprobs.content]
+        assert [e.token for e in streamed] == [e.token for e in content]
+        plain = {k: v for k, v in kw.items() if k not in ("logprobs", "top_logprobs")}
+        assert (await v1.chat.completions.create(**plain)).choices[0].logprobs is None
+
+        # Legacy completions: logprobs=k, echo puts the prompt (without logprobs) first.
+        prompt = "The weather in Paris"
+        text = await v1.completions.create(model="tiny", prompt=prompt, max_tokens=4,
+                                           temperature=0, logprobs=2, echo=True)
+        choice = text.choices[0]
+        n_prompt = len(engine.encode(prompt))
+        assert choice.text.startswith(prompt)
+        lp = choice.logprobs
+        assert len(lp.tokens) == n_prompt + 4 and lp.token_logprobs[:n_prompt] == [None] * n_prompt
+        assert all(v <= 0 for v in lp.token_logprobs[n_prompt:])
+        assert all(len(top) <= 2 for top in lp.top_logprobs[n_prompt:])
+        assert lp.text_offset[n_prompt] == len(prompt)
+
+        # logit_bias: +100 on one token makes greedy pick it every time; -100 bans it.
+        token = engine.encode(" Lyon")[0]
+        forced = await v1.completions.create(model="tiny", prompt=prompt, max_tokens=4,
+                                             temperature=0, logit_bias={str(token): 100},
+                                             logprobs=0)
+        assert forced.choices[0].logprobs.tokens == [" Lyon"] * 4
+        free = await v1.completions.create(model="tiny", prompt=prompt, max_tokens=1,
+                                           temperature=0, logprobs=0)
+        first = engine.encode(free.choices[0].text)[0]
+        banned = await v1.completions.create(model="tiny", prompt=prompt, max_tokens=1,
+                                             temperature=0, logit_bias={str(first): -100})
+        assert banned.choices[0].text != free.choices[0].text
+
+
+WEATHER = {"type": "object", "properties": {
+    "unit": {"enum": ["celsius", "fahrenheit"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    "city": {"type": "string", "maxLength": 6},
+    "alerts": {"type": "boolean"}},
+    "required": ["unit", "days", "city", "alerts"], "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+        "additionalProperties": False}}},
+]
+
+
+def check_weather(obj: Any) -> None:
+    assert isinstance(obj, dict) and set(obj) == {"unit", "days", "city", "alerts"}, obj
+    assert obj["unit"] in ("celsius", "fahrenheit") and type(obj["days"]) is int
+    assert 1 <= obj["days"] <= 7 and isinstance(obj["alerts"], bool)
+    assert isinstance(obj["city"], str) and len(obj["city"]) <= 6
+
+
+async def test_constrained_decoding_json_and_tool_calls(container: Path) -> None:
+    async with running(container) as (engine, base):
+        v1 = client(f"{base}/v1")
+        fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+        for seed in range(3):
+            one = await v1.chat.completions.create(model="tiny", messages=USER, max_tokens=60,
+                                                   seed=seed, response_format=fmt)
+            assert one.choices[0].finish_reason == "stop"
+            check_weather(json.loads(one.choices[0].message.content))
+        chunks = [c async for c in await v1.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=60, seed=9, response_format=fmt,
+            stream=True)]
+        check_weather(json.loads("".join(c.choices[0].delta.content or "" for c in chunks
+                                         if c.choices)))
+        text = await v1.completions.create(model="tiny", prompt="Weather:", max_tokens=60,
+                                           seed=2, extra_body={"response_format": fmt})
+        check_weather(json.loads(text.choices[0].text))
+
+        # json_object: any object. Favouring `"` and `}` (the grammar picks among them)
+        # makes a random model close its strings and the object within the budget.
+        quote, close = engine.encode('"')[0], engine.encode("}")[0]
+        obj = await v1.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=40, temperature=0,
+            response_format={"type": "json_object"},
+            logit_bias={str(quote): 100, str(close): 100})
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+        # tool_choice required: at least one call, to a listed tool, arguments per its schema.
+        for seed in range(2):
+            req = await v1.chat.completions.create(model="tiny", messages=USER, max_tokens=120,
+                                                   seed=seed, tools=TOOLS,
+                                                   tool_choice="required",
+                                                   parallel_tool_calls=False)
+            choice = req.choices[0]
+            assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+            call = choice.message.tool_calls[0].function
+            args = json.loads(call.arguments)
+            if call.name == "get_weather":
+                check_weather(args)
+            else:
+                assert call.name == "get_time" and args in ({"tz": "UTC"}, {"tz": "CET"})
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        chunks = [c async for c in await v1.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=120, seed=4, tools=TOOLS,
+            tool_choice=named, stream=True)]
+        calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+        assert calls and all(tc.function.name == "get_weather" for tc in calls)
+        for tc in calls:
+            check_weather(json.loads(tc.function.arguments))
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+        # A schema the grammar engine cannot compile is the client's error.
+        with pytest.raises(openai.BadRequestError) as bad:
+            await v1.chat.completions.create(model="tiny", messages=USER, max_tokens=5,
+                                             response_format={"type": "json_schema",
+                                                              "json_schema": {"name": "x",
+                                                                              "schema": {"type": "bogus"}}})
+        assert bad.value.body["param"] == "response_format"
+
+
+async def test_responses_and_anthropic_messages(container: Path) -> None:
+    async with running(container) as (engine, base):
+        v1 = client(f"{base}/v1")
+        resp = await v1.responses.create(model="tiny", input="Tell me about Paris.",
+                                         instructions="Be brief.", max_output_tokens=4,
+                                         temperature=0)
+        assert resp.status == "incomplete" and resp.usage.output_tokens == 4
+        assert resp.output_text and resp.output[0].type == "message"
+        events = [e async for e in await v1.responses.create(
+            model="tiny", input="Tell me about Paris.", instructions="Be brief.",
+            max_output_tokens=4, temperature=0, stream=True)]
+        assert events[0].type == "response.created" and events[-1].type == "response.completed"
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+            resp.output_text
+        assert events[-1].response.output_text == resp.output_text
+        fmt = {"format": {"type": "json_schema", "name": "weather", "schema": WEATHER}}
+        structured = await v1.responses.create(model="tiny", input="Weather?", text=fmt,
+                                               max_output_tokens=60, temperature=0)
+        check_weather(json.loads(structured.output_text))
+        call = await v1.responses.create(
+            model="tiny", input=[{"role": "user", "content": "Time?"}],
+            tools=[{"type": "function", "name": t["function"]["name"],
+                    "parameters": t["function"]["parameters"]} for t in TOOLS],
+            tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=60)
+        fc = [o for o in call.output if o.type == "function_call"]
+        assert fc and fc[0].name == "get_time" and json.loads(fc[0].arguments)["tz"] in ("UTC", "CET")
+        # The call and its output fed back as input items.
+        follow = await v1.responses.create(model="tiny", max_output_tokens=2, input=[
+            {"role": "user", "content": "Time?"},
+            {"type": "function_call", "call_id": fc[0].call_id, "name": "get_time",
+             "arguments": fc[0].arguments},
+            {"type": "function_call_output", "call_id": fc[0].call_id, "output": "12:00"}])
+        assert follow.usage.input_tokens > call.usage.input_tokens
+
+        claude = anthropic.AsyncAnthropic(base_url=base, api_key="unused", max_retries=0)
+        msg = await claude.messages.create(model="tiny", max_tokens=4, temperature=0,
+                                           system="Be brief.", messages=USER)
+        assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 4
+        assert msg.content[0].type == "text" and msg.content[0].text
+        async with claude.messages.stream(model="tiny", max_tokens=4, temperature=0,
+                                          system="Be brief.", messages=USER) as stream:
+            streamed = await stream.get_final_message()
+        assert streamed.content[0].text == msg.content[0].text
+        tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                 for t in TOOLS]
+        used = await claude.messages.create(model="tiny", max_tokens=120, messages=USER,
+                                            tools=tools, tool_choice={"type": "any"})
+        blocks = [b for b in used.content if b.type == "tool_use"]
+        assert used.stop_reason == "tool_use" and blocks
+        async with claude.messages.stream(
+                model="tiny", max_tokens=120, messages=USER, tools=tools,
+                tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+            final = await stream.get_final_message()
+        uses = [b for b in final.content if b.type == "tool_use"]
+        assert uses and uses[0].name == "get_weather"
+        check_weather(uses[0].input)
+        # A tool result goes back in a user turn.
+        again = await claude.messages.create(model="tiny", max_tokens=2, messages=[
+            *USER, {"role": "assistant", "content": [{"type": "tool_use", "id": uses[0].id,
+                                                      "name": "get_weather",
+                                                      "input": uses[0].input}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                          "content": "sunny"}]}])
+        assert again.usage.input_tokens > used.usage.input_tokens
+        counted = await claude.messages.count_tokens(model="tiny", messages=USER)
+        assert counted.input_tokens == msg.usage.input_tokens
+        with pytest.raises(anthropic.BadRequestError) as bad:
+            await claude.messages.create(model="tiny", max_tokens=2, messages=[
+                {"role": "user", "content": [{"type": "image", "source": {
+                    "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+        assert bad.value.body["type"] == "error"
