@@ -30,7 +30,7 @@ def container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @asynccontextmanager
 async def running(container: Path, **serve_kw: Any) -> AsyncIterator[tuple[Engine, str]]:
-    async with serving(container, {"context_limit": 256}, **serve_kw) as (engine, port):
+    async with serving(container, {"context_limit": 512}, **serve_kw) as (engine, port):
         yield engine, f"http://127.0.0.1:{port}"
 
 
@@ -196,13 +196,15 @@ async def test_constrained_decoding_json_and_tool_calls(container: Path) -> None
                                            seed=2, extra_body={"response_format": fmt})
         check_weather(json.loads(text.choices[0].text))
 
-        # json_object: any object. Favouring `"` and `}` (the grammar picks among them)
-        # makes a random model close its strings and the object within the budget.
+        # json_object: any object. Favouring `"`, then `}`, makes a random model close
+        # its strings and then the object within the budget (the mask decides where each
+        # is allowed).
         quote, close = engine.encode('"')[0], engine.encode("}")[0]
         obj = await v1.chat.completions.create(
             model="tiny", messages=USER, max_tokens=40, temperature=0,
             response_format={"type": "json_object"},
-            logit_bias={str(quote): 100, str(close): 100})
+            logit_bias={str(quote): 100, str(close): 50})
+        assert obj.choices[0].finish_reason == "stop"
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
 
         # tool_choice required: at least one call, to a listed tool, arguments per its schema.
