@@ -259,15 +259,15 @@ async def test_responses_and_anthropic_messages(container: Path) -> None:
         structured = await v1.responses.create(model="tiny", input="Weather?", text=fmt,
                                                max_output_tokens=60, temperature=0)
         check_weather(json.loads(structured.output_text))
+        rtools = [{"type": "function", "name": t["function"]["name"],
+                   "parameters": t["function"]["parameters"]} for t in TOOLS]
         call = await v1.responses.create(
-            model="tiny", input=[{"role": "user", "content": "Time?"}],
-            tools=[{"type": "function", "name": t["function"]["name"],
-                    "parameters": t["function"]["parameters"]} for t in TOOLS],
+            model="tiny", input=[{"role": "user", "content": "Time?"}], tools=rtools,
             tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=60)
         fc = [o for o in call.output if o.type == "function_call"]
         assert fc and fc[0].name == "get_time" and json.loads(fc[0].arguments)["tz"] in ("UTC", "CET")
         # The call and its output fed back as input items.
-        follow = await v1.responses.create(model="tiny", max_output_tokens=2, input=[
+        follow = await v1.responses.create(model="tiny", max_output_tokens=2, tools=rtools, input=[
             {"role": "user", "content": "Time?"},
             {"type": "function_call", "call_id": fc[0].call_id, "name": "get_time",
              "arguments": fc[0].arguments},
@@ -275,18 +275,19 @@ async def test_responses_and_anthropic_messages(container: Path) -> None:
         assert follow.usage.input_tokens > call.usage.input_tokens
 
         claude = anthropic.AsyncAnthropic(base_url=base, api_key="unused", max_retries=0)
-        msg = await claude.messages.create(model="tiny", max_tokens=4, temperature=0,
+        msg = await claude.messages.create(model="tiny", max_tokens=4, extra_body={"temperature": 0},
                                            system="Be brief.", messages=USER)
         assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 4
         assert msg.content[0].type == "text" and msg.content[0].text
-        async with claude.messages.stream(model="tiny", max_tokens=4, temperature=0,
+        async with claude.messages.stream(model="tiny", max_tokens=4, extra_body={"temperature": 0},
                                           system="Be brief.", messages=USER) as stream:
             streamed = await stream.get_final_message()
         assert streamed.content[0].text == msg.content[0].text
         tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
                  for t in TOOLS]
         used = await claude.messages.create(model="tiny", max_tokens=120, messages=USER,
-                                            tools=tools, tool_choice={"type": "any"})
+                                            tools=tools,
+                                            tool_choice={"type": "any", "disable_parallel_tool_use": True})
         blocks = [b for b in used.content if b.type == "tool_use"]
         assert used.stop_reason == "tool_use" and blocks
         async with claude.messages.stream(
@@ -297,15 +298,17 @@ async def test_responses_and_anthropic_messages(container: Path) -> None:
         assert uses and uses[0].name == "get_weather"
         check_weather(uses[0].input)
         # A tool result goes back in a user turn.
-        again = await claude.messages.create(model="tiny", max_tokens=2, messages=[
+        again = await claude.messages.create(model="tiny", max_tokens=2, tools=tools, messages=[
             *USER, {"role": "assistant", "content": [{"type": "tool_use", "id": uses[0].id,
                                                       "name": "get_weather",
                                                       "input": uses[0].input}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
                                           "content": "sunny"}]}])
         assert again.usage.input_tokens > used.usage.input_tokens
-        counted = await claude.messages.count_tokens(model="tiny", messages=USER)
-        assert counted.input_tokens == msg.usage.input_tokens
+        counted = await claude.messages.count_tokens(model="tiny", system="Be brief.",
+                                                     messages=USER)
+        assert counted.input_tokens == (msg.usage.input_tokens
+                                        + msg.usage.cache_read_input_tokens)
         with pytest.raises(anthropic.BadRequestError) as bad:
             await claude.messages.create(model="tiny", max_tokens=2, messages=[
                 {"role": "user", "content": [{"type": "image", "source": {
