@@ -18,6 +18,19 @@ _SERVER_FLAGS = ("host", "port", "api_key", "max_queue", "max_body_bytes", "cont
                  "strict_model", "aliases", "cors_origins")
 
 
+def server_overrides(args: argparse.Namespace) -> list[str]:
+    """The server flags given, as `server.key=value` config overrides (TOML values)."""
+    overrides: list[str] = []
+    for flag in _SERVER_FLAGS:
+        value: Any = getattr(args, flag)
+        if value is not None and value != []:
+            # JSON's string, bool and list forms are TOML's too; numbers stay bare.
+            text = str(value) if isinstance(value, int) and not isinstance(value, bool) \
+                else json.dumps(value)
+            overrides.append(f"server.{flag}={text}")
+    return overrides
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
@@ -25,15 +38,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pipeline.prepare import ensure_container
     from pipeline.server.serve import serve_config
 
-    overrides: list[str] = []
-    for flag in _SERVER_FLAGS:
-        value: Any = getattr(args, flag)
-        if value is not None and value != []:
-            # TOML syntax for the override: JSON's string, bool and list forms are TOML's too.
-            text = str(value) if isinstance(value, int) and not isinstance(value, bool) \
-                else json.dumps(value)
-            overrides.append(f"server.{flag}={text}")
-    args.overrides = [*overrides, *args.overrides]
+    args.overrides = [*server_overrides(args), *args.overrides]
     try:
         cfg = engine_config(args, args.model)
         ensure_container(cfg.model)

@@ -152,9 +152,17 @@ class Api:
             return await trio.to_thread.run_sync(build)
         except grammar.GrammarError as exc:
             raise s.APIError(400, f"cannot constrain output to it: {exc}", param=param) from None
-        except (ValueError, TypeError, RuntimeError) as exc:
+        except Exception as exc:  # llguidance's own errors for schemas it cannot handle
             raise s.APIError(400, f"cannot constrain output to it: {str(exc)[:400]}",
                              param=param) from None
+        except BaseException as exc:
+            # A Rust panic reaches Python as pyo3's PanicException, a BaseException: still
+            # this request's schema at fault, not the server's state.
+            if type(exc).__name__ != "PanicException":
+                raise
+            log.warning("server.grammar_panic", param=param, error=str(exc)[:400])
+            raise s.APIError(400, "cannot constrain output to it: the grammar engine failed "
+                             "on this schema", param=param) from None
 
     def choice_params(self, params: SamplingParams, n: int, count: int,
                       make_constraint: Callable[[], Any] | None) -> list[SamplingParams]:

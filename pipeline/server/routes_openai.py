@@ -145,7 +145,8 @@ async def completions(api: Api, request: Request) -> Response:
 async def tokenize(api: Api, request: Request) -> Response:
     req: s.TokenizeRequest = await api.decode(request, s.TokenizeRequest)
     if req.messages is not None:
-        text = render(api.engine.tokenizer, template_messages(req.messages), [], {},
+        text = render(api.engine.tokenizer, template_messages(req.messages), [],
+                      template_kwargs(req.chat_template_kwargs),
                       add_generation_prompt=req.add_generation_prompt).text
     elif req.prompt is not None or req.content is not None:
         text = req.prompt if req.prompt is not None else req.content or ""

@@ -189,6 +189,8 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise _invalid(exc) from None
     except msgspec.DecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # an ignored field nested thousands deep
+        raise APIError(400, "the request body is nested too deeply") from None
 
 
 def convert_request(obj: Any, kind: type[msgspec.Struct]) -> Any:
@@ -215,9 +217,13 @@ def log_stream_failure(exc: BaseException) -> None:
 
 def unknown_fields(body: bytes, kind: type[msgspec.Struct]) -> list[str]:
     """Top-level keys of a decoded-ok `body` that `kind` does not know (for a debug log)."""
-    raw = msgspec.json.decode(body)
+    try:
+        # Values stay raw: an ignored field's value is never checked (not even its UTF-8).
+        raw = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except (msgspec.DecodeError, RecursionError):  # an ignored key that is not valid text
+        return ["<undecodable>"]
     known = set(kind.__struct_encode_fields__)
-    return sorted(k for k in raw if k not in known) if isinstance(raw, dict) else []
+    return sorted(k for k in raw if k not in known)
 
 
 MAX_N = 8  # choices per request: each one is a whole generation, served in turn
@@ -407,6 +413,7 @@ class TokenizeRequest(_Req, kw_only=True):
     content: str | None = None
     messages: list[Message] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(msgspec.Struct):
