@@ -33,7 +33,8 @@ def container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @asynccontextmanager
 async def running(container: Path, **serve_kw: Any) -> AsyncIterator[tuple[Engine, str]]:
-    async with serving(container, {"context_limit": 512}, **serve_kw) as (engine, port):
+    async with serving(container, {"context_limit": 512}, prefill_chunk=64,
+                       **serve_kw) as (engine, port):
         yield engine, f"http://127.0.0.1:{port}"
 
 
@@ -448,9 +449,11 @@ def test_serve_flags_become_server_config() -> None:
     args = build_parser().parse_args([
         "serve", "m.qpack", "--alias", "gpt-4o", "--alias", "qwen", "--strict-model",
         "--cors-origin", "http://localhost:3000", "--port", "9000"])
-    cfg = config_from_dict({"model": {"path": "m.qpack"}}, overrides=server_overrides(args))
+    cfg = config_from_dict({"model": {"path": "m.qpack"}}, overrides=server_overrides(args),
+                           check_paths=False)
     assert cfg.server.aliases == ("gpt-4o", "qwen") and cfg.server.strict_model
     assert cfg.server.cors_origins == ("http://localhost:3000",) and cfg.server.port == 9000
     plain = build_parser().parse_args(["serve", "m.qpack"])
-    cfg = config_from_dict({"model": {"path": "m.qpack"}}, overrides=server_overrides(plain))
+    cfg = config_from_dict({"model": {"path": "m.qpack"}}, overrides=server_overrides(plain),
+                           check_paths=False)
     assert cfg.server.aliases == () and not cfg.server.strict_model and not cfg.server.cors_origins
