@@ -70,12 +70,17 @@ class Generation:
     async def _prefill(self, cache: list[Any], start: int) -> mx.array:
         compute = self.engine.compute
         chunk = self.engine.config.compute.prefill_chunk
-        logits = None
-        for i in range(start, len(self.tokens), chunk):
-            with timeline.span("compute", "prefill-chunk", tokens=len(self.tokens[i : i + chunk])):
-                logits = await compute.forward(self.tokens[i : i + chunk], cache, "prefill")
-        assert logits is not None
-        return logits
+        # All prompt tokens but the last, then a checkpoint, then the last one alone: the
+        # same prompt sent again (or extended) restarts from the checkpoint.
+        end = len(self.tokens) - 1
+        for i in range(start, end, chunk):
+            part = self.tokens[i : min(i + chunk, end)]
+            with timeline.span("compute", "prefill-chunk", tokens=len(part)):
+                await compute.forward(part, cache, "prefill")
+        if end > start:
+            await self.engine.worker.run(self.engine.prefix_cache.checkpoint, self.tokens[:end], cache)
+        with timeline.span("compute", "prefill-chunk", tokens=1):
+            return await compute.forward(self.tokens[end:], cache, "prefill")
 
     async def run(self) -> AsyncIterator[Event]:
         self.started = True
@@ -94,7 +99,7 @@ class Generation:
         detok = engine.tokenizer.detokenizer
         detok.reset()
         max_tokens = self._max_tokens()
-        cache, cached = engine.prefix_cache.take(self.tokens)
+        cache, cached = await worker.run(engine.prefix_cache.take, self.tokens)
         if cache is None:
             cache = engine.model.make_cache()
         await worker.run(mx.reset_peak_memory)
