@@ -287,6 +287,14 @@ async def test_responses_and_anthropic_messages(container: Path) -> None:
                                           system="Be brief.", messages=USER) as stream:
             streamed = await stream.get_final_message()
         assert streamed.content[0].text == msg.content[0].text
+        # A stop sequence ends the reply before it and is named.
+        text = msg.content[0].text
+        stop = text[1:3]
+        cut = await claude.messages.create(model="tiny", max_tokens=4, system="Be brief.",
+                                           messages=USER, stop_sequences=[stop, "\x00never"],
+                                           extra_body={"temperature": 0})
+        assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+        assert stop not in "".join(b.text for b in cut.content if b.type == "text")
         tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
                  for t in TOOLS]
         used = await claude.messages.create(model="tiny", max_tokens=120, messages=USER,
@@ -308,7 +316,9 @@ async def test_responses_and_anthropic_messages(container: Path) -> None:
                                                       "input": uses[0].input}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
                                           "content": "sunny"}]}])
-        assert again.usage.input_tokens > used.usage.input_tokens
+        # input_tokens leaves out what came from the prefix cache (Anthropic's accounting).
+        assert again.usage.input_tokens + again.usage.cache_read_input_tokens > \
+            used.usage.input_tokens + used.usage.cache_read_input_tokens
         counted = await claude.messages.count_tokens(model="tiny", system="Be brief.",
                                                      messages=USER)
         assert counted.input_tokens == (msg.usage.input_tokens

@@ -130,10 +130,6 @@ def to_chat(req: MessagesRequest) -> dict[str, Any]:
     return body
 
 
-def _stop_reason(done: Done, called: bool) -> str:
-    if done.finish_reason == "length":
-        return "max_tokens"
-    return "tool_use" if called else "end_turn"
 
 
 def _usage(done: Done) -> dict[str, int]:
@@ -153,10 +149,30 @@ class MessagesReply:
         self.hide_reasoning = hide_reasoning
         self.id = "msg_" + secrets.token_hex(12)
 
+    def stop_sequence(self, done: Done) -> str | None:
+        """The stop sequence that ended the reply (the one found first in the whole
+        generated text; the reply itself is cut before it), or None."""
+        stops = self.chat.choices[0].params.stop
+        tokenizer = self.chat.engine.tokenizer
+        if done.finish_reason != "stop" or not stops or not done.token_ids \
+                or done.token_ids[-1] in tokenizer.eos_token_ids:
+            return None
+        full = tokenizer.decode(list(done.token_ids))
+        found = [(full.find(s), s) for s in stops if s in full]
+        return min(found)[1] if found else None
+
+    def stop_reason(self, done: Done, called: bool) -> str:
+        if done.finish_reason == "length":
+            return "max_tokens"
+        if self.stop_sequence(done) is not None:
+            return "stop_sequence"
+        return "tool_use" if called else "end_turn"
+
     def message(self, content: list[dict[str, Any]], stop: str | None,
-                usage: dict[str, int]) -> dict[str, Any]:
+                usage: dict[str, int], done: Done | None = None) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.chat.model,
-                "content": content, "stop_reason": stop, "stop_sequence": None, "usage": usage}
+                "content": content, "stop_reason": stop,
+                "stop_sequence": self.stop_sequence(done) if done else None, "usage": usage}
 
     async def complete(self) -> Response:
         content: list[dict[str, Any]] = []
@@ -184,7 +200,8 @@ class MessagesReply:
         called = any(c["type"] == "tool_use" for c in content)
         if called:  # text around calls is whitespace the template put there
             content = [c for c in content if c["type"] != "text" or c["text"].strip()]
-        return json_response(self.message(content, _stop_reason(done, called), _usage(done)))
+        return json_response(self.message(content, self.stop_reason(done, called), _usage(done),
+                                          done))
 
     async def stream(self) -> AsyncIterator[bytes]:
         yield _event("message_start", {"message": self.message(
@@ -197,8 +214,9 @@ class MessagesReply:
                         if open_kind is not None:
                             yield _event("content_block_stop", {"index": index})
                         yield _event("message_delta", {
-                            "delta": {"stop_reason": _stop_reason(part, called),
-                                      "stop_sequence": None}, "usage": _usage(part)})
+                            "delta": {"stop_reason": self.stop_reason(part, called),
+                                      "stop_sequence": self.stop_sequence(part)},
+                            "usage": _usage(part)})
                         yield _event("message_stop", {})
                         return
                     if isinstance(part, Reasoning) and self.hide_reasoning:
