@@ -70,15 +70,17 @@ class Generation:
     async def _prefill(self, cache: list[Any], start: int) -> mx.array:
         compute = self.engine.compute
         chunk = self.engine.config.compute.prefill_chunk
-        # All prompt tokens but the last, then a checkpoint, then the last one alone: the
-        # same prompt sent again (or extended) restarts from the checkpoint.
+        # All prompt tokens but the last, then the last one alone; checkpoints of the state
+        # (see PrefixCache.wants) let a prompt sent again, extended, or sharing a long
+        # start with this one restart from there.
         end = len(self.tokens) - 1
+        prefixes = self.engine.prefix_cache
         for i in range(start, end, chunk):
             part = self.tokens[i : min(i + chunk, end)]
             with timeline.span("compute", "prefill-chunk", tokens=len(part)):
                 await compute.forward(part, cache, "prefill")
-        if end > start:
-            await self.engine.worker.run(self.engine.prefix_cache.checkpoint, self.tokens[:end], cache)
+            if prefixes.wants(i, i + len(part), end):
+                await self.engine.worker.run(prefixes.checkpoint, self.tokens[: i + len(part)], cache)
         with timeline.span("compute", "prefill-chunk", tokens=1):
             return await compute.forward(self.tokens[end:], cache, "prefill")
 

@@ -3,11 +3,12 @@
 A follow-up chat turn re-sends the whole conversation, and agents re-send the same
 prompt; when a request's tokens start with a sequence whose state we kept, only the
 rest is computed. Gated DeltaNet state cannot be rewound to an earlier token, so a state
-is reusable only at the exact point it was taken: the generation keeps two per request,
-a checkpoint after all prompt tokens but the last (what a re-sent prompt, or a follow-up
-whose template renders the previous reply differently from how it was generated, can
-still use), and the state at its end (what a follow-up that repeats the reply
-token-for-token uses).
+is reusable only at the exact point it was taken. A generation keeps a checkpoint
+after all prompt tokens but the last (what a re-sent prompt, or a follow-up whose
+template renders the previous reply differently from how it was generated, can still
+use), one at each prefill chunk boundary that crosses a multiple of `interval` tokens
+(what a prompt sharing a long start, such as a system prompt and tools, uses), and the
+state at its end (what a follow-up that repeats the reply token for token uses).
 
 `take` hands out a copy, so entries survive use; entries are dropped least recently used
 first, to stay within a byte budget. Copies are taken on the MLX thread (`worker.run`).
@@ -26,6 +27,7 @@ import structlog
 log = structlog.get_logger("moestream.prefix_cache")
 
 DEFAULT_MAX_BYTES = 1 << 30
+DEFAULT_INTERVAL = 1024  # tokens between mid-prompt checkpoints (each one is a state copy)
 
 
 def _arrays(cache: list[Any]) -> list[mx.array]:
@@ -67,9 +69,11 @@ def nbytes(cache: list[Any]) -> int:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, max_entries: int = 16) -> None:
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, max_entries: int = 16,
+                 interval: int = DEFAULT_INTERVAL) -> None:
         self.max_bytes = max_bytes
         self.max_entries = max_entries
+        self.interval = interval
         self._entries: OrderedDict[tuple[int, ...], tuple[list[Any], int]] = OrderedDict()
 
     def __len__(self) -> int:
@@ -105,6 +109,11 @@ class PrefixCache:
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
             self._entries.popitem(last=False)
+
+    def wants(self, before: int, after: int, end: int) -> bool:
+        """Whether to checkpoint after a prefill chunk that took the state from `before` to
+        `after` tokens, of `end` before the last prompt token."""
+        return after == end or after // self.interval > before // self.interval
 
     def checkpoint(self, tokens: Sequence[int], cache: list[Any]) -> None:
         """Keep a copy of `cache` (which goes on changing) as the state after `tokens`."""

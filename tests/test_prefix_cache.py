@@ -41,6 +41,21 @@ async def test_reuse_of_resent_and_extended_prompts(container: Path) -> None:
         assert fresh.stats.cached_tokens == 0 and fresh.token_ids == reused.token_ids
 
 
+async def test_checkpoints_inside_a_long_shared_start(container: Path) -> None:
+    async with open_engine(engine_config(container, pool={"slots": 16})) as engine:
+        engine.prefix_cache = PrefixCache(interval=8)
+        system = list(range(600, 620))  # a shared start of 20 tokens
+        first = await generate(engine, system + [1, 2, 3], 2)
+        assert first.stats.cached_tokens == 0
+        # Checkpoints at 8 and 16 tokens (chunks of 2 crossing multiples of 8), at 22 (all
+        # but the last prompt token) and the end state.
+        assert len(engine.prefix_cache) == 4
+        other = await generate(engine, system + [4, 5, 6], 2)
+        assert other.stats.cached_tokens == 16
+        engine.prefix_cache.clear()
+        assert (await generate(engine, system + [4, 5, 6], 2)).token_ids == other.token_ids
+
+
 async def test_byte_budget_drops_least_recently_used(container: Path) -> None:
     async with open_engine(engine_config(container, pool={"slots": 16})) as engine:
         await generate(engine, list(range(200, 210)), 2)
