@@ -26,6 +26,7 @@ from actors.sampling_params import SamplingParams
 from pipeline.engine import Engine
 from pipeline.events import Done, TextDelta
 from pipeline.server import schema as s
+from pipeline.server import schema_out as o
 from pipeline.server.logprobs import TextLogprobs, TokenTexts, chat_logprobs, text_logprobs
 from pipeline.server.metrics import Metrics
 from pipeline.server.tool_calls import Call, Content, OutputParser, Part, Reasoning
@@ -96,11 +97,11 @@ class Choice(msgspec.Struct, frozen=True):
     first_of_prompt: bool = True  # counts the prompt in usage (once per prompt, not per n)
 
 
-def _usage_of(dones: list[tuple[Choice, Done]]) -> s.Usage:
+def _usage_of(dones: list[tuple[Choice, Done]]) -> o.Usage:
     prompt = sum(len(c.tokens) for c, _ in dones if c.first_of_prompt)
     cached = sum(d.stats.cached_tokens for c, d in dones if c.first_of_prompt)
     completion = sum(d.stats.completion_tokens for _, d in dones)
-    return s.Usage(prompt, completion, prompt + completion, s.PromptTokensDetails(cached))
+    return o.Usage(prompt, completion, prompt + completion, o.PromptTokensDetails(cached))
 
 
 class Reply:
@@ -177,7 +178,7 @@ class ChatReply(Reply):
                         yield part
                     yield event
 
-    async def one(self, choice: Choice) -> tuple[s.ChatChoice, Done]:
+    async def one(self, choice: Choice) -> tuple[o.ChatChoice, Done]:
         parser = self.parser()
         parts: list[Part] = []
         entries: list[TokenLogprob] = []
@@ -193,16 +194,16 @@ class ChatReply(Reply):
         parts += parser.finish()
         content = "".join(p.text for p in parts if isinstance(p, Content))
         reasoning = "".join(p.text for p in parts if isinstance(p, Reasoning))
-        calls = [s.OutToolCall(c.id, s.OutFunction(c.name, c.arguments))
+        calls = [o.OutToolCall(c.id, o.OutFunction(c.name, c.arguments))
                  for c in parts if isinstance(c, Call)]
-        message = s.OutMessage(
+        message = o.OutMessage(
             role="assistant",
             content=(content.strip() or None) if calls else content,
             reasoning_content=None if self.hide_reasoning else (reasoning or None),
             tool_calls=calls or None,
         )
         lp = chat_logprobs(entries, self.texts) if self.logprobs else None
-        return s.ChatChoice(choice.index, message, self.finish_reason(done, parser), lp), done
+        return o.ChatChoice(choice.index, message, self.finish_reason(done, parser), lp), done
 
     async def complete(self) -> Response:
         out, dones = [], []
@@ -210,22 +211,22 @@ class ChatReply(Reply):
             made, done = await self.one(choice)
             out.append(made)
             dones.append((choice, done))
-        return json_response(s.ChatCompletion(self.id, self.created, self.model, out,
+        return json_response(o.ChatCompletion(self.id, self.created, self.model, out,
                                               _usage_of(dones)))
 
-    def chunk(self, index: int, delta: s.Delta, finish: str | None = None,
+    def chunk(self, index: int, delta: o.Delta, finish: str | None = None,
               entries: list[TokenLogprob] | None = None) -> bytes:
         lp = chat_logprobs(entries, self.texts) if self.logprobs and entries else None
-        return sse(s.ChatChunk(self.id, self.created, self.model,
-                                [s.ChunkChoice(index, delta, finish, lp)]))
+        return sse(o.ChatChunk(self.id, self.created, self.model,
+                                [o.ChunkChoice(index, delta, finish, lp)]))
 
-    def delta(self, part: Part) -> s.Delta | None:
+    def delta(self, part: Part) -> o.Delta | None:
         if isinstance(part, Content):
-            return s.Delta(content=part.text)
+            return o.Delta(content=part.text)
         if isinstance(part, Reasoning):
-            return None if self.hide_reasoning else s.Delta(reasoning_content=part.text)
-        call = s.DeltaToolCall(part.index, part.id, "function", s.OutFunction(part.name, part.arguments))
-        return s.Delta(tool_calls=[call])
+            return None if self.hide_reasoning else o.Delta(reasoning_content=part.text)
+        call = o.DeltaToolCall(part.index, part.id, "function", o.OutFunction(part.name, part.arguments))
+        return o.Delta(tool_calls=[call])
 
     async def chunks(self) -> AsyncIterator[bytes]:
         dones = []
@@ -233,7 +234,7 @@ class ChatReply(Reply):
             parser = self.parser()
             # Log-probabilities ride on the next chunk sent (held-back text delays them).
             pending: list[TokenLogprob] = []
-            yield self.chunk(choice.index, s.Delta(role="assistant", content=""))
+            yield self.chunk(choice.index, o.Delta(role="assistant", content=""))
             async with aclosing(self.run(choice)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
@@ -248,10 +249,10 @@ class ChatReply(Reply):
                             pending = []
                     if isinstance(event, Done):
                         dones.append((choice, event))
-                        yield self.chunk(choice.index, s.Delta(),
+                        yield self.chunk(choice.index, o.Delta(),
                                          self.finish_reason(event, parser), pending)
         if self.include_usage():
-            yield sse(s.ChatChunk(self.id, self.created, self.model, [],
+            yield sse(o.ChatChunk(self.id, self.created, self.model, [],
                                    usage=_usage_of(dones)))
 
 
@@ -288,10 +289,10 @@ class TextReply(Reply):
                         done = event
             assert done is not None
             dones.append((choice, done))
-            out.append(s.TextChoice(choice.index, self.echoed(choice) + "".join(texts),
+            out.append(o.TextChoice(choice.index, self.echoed(choice) + "".join(texts),
                                     done.finish_reason,
                                     self.text_logprobs(choice, entries, True, 0)))
-        return json_response(s.Completion(self.id, self.created, self.model, out,
+        return json_response(o.Completion(self.id, self.created, self.model, out,
                                           _usage_of(dones)))
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -301,8 +302,8 @@ class TextReply(Reply):
             if self.echo:
                 echoed = self.echoed(choice)
                 lp = self.text_logprobs(choice, [], True, 0)
-                yield sse(s.Completion(self.id, self.created, self.model,
-                                        [s.TextChoice(choice.index, echoed, None, lp)]))
+                yield sse(o.Completion(self.id, self.created, self.model,
+                                        [o.TextChoice(choice.index, echoed, None, lp)]))
                 first, offset = False, len(echoed)
             async with aclosing(self.run(choice)) as events:
                 async for event in events:
@@ -310,16 +311,16 @@ class TextReply(Reply):
                         if event.text:
                             lp = self.text_logprobs(choice, list(event.logprobs), first, offset)
                             first, offset = False, offset + len(event.text)
-                            yield sse(s.Completion(self.id, self.created, self.model,
-                                                    [s.TextChoice(choice.index, event.text,
+                            yield sse(o.Completion(self.id, self.created, self.model,
+                                                    [o.TextChoice(choice.index, event.text,
                                                                   None, lp)]))
                         continue
                     dones.append((choice, event))
-                    yield sse(s.Completion(self.id, self.created, self.model,
-                                            [s.TextChoice(choice.index, "",
+                    yield sse(o.Completion(self.id, self.created, self.model,
+                                            [o.TextChoice(choice.index, "",
                                                           event.finish_reason)]))
         if self.include_usage():
-            yield sse(s.Completion(self.id, self.created, self.model, [],
+            yield sse(o.Completion(self.id, self.created, self.model, [],
                                     usage=_usage_of(dones)))
 
 

@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from pipeline.server import grammar
 from pipeline.server import schema as s
+from pipeline.server import schema_out as o
 from pipeline.server.api import Api
 from pipeline.server.prompting import render, template_kwargs, template_messages
 from pipeline.server.responses import ChatReply, Choice, TextReply, json_response, respond
@@ -22,7 +23,7 @@ from pipeline.server.responses import ChatReply, Choice, TextReply, json_respons
 
 async def models(api: Api, request: Request) -> Response:
     api.check_auth(request)
-    return json_response(s.ModelList([s.ModelCard(n, api.created) for n in api.listed_names()]))
+    return json_response(o.ModelList([o.ModelCard(n, api.created) for n in api.listed_names()]))
 
 
 async def model(api: Api, request: Request) -> Response:
@@ -32,7 +33,7 @@ async def model(api: Api, request: Request) -> Response:
         # Asking about a model (not asking one to generate) is a question with one answer.
         raise s.APIError(404, f"the model {name!r} does not exist; this server serves "
                          f"{api.engine.name!r}", param="model", code="model_not_found")
-    return json_response(s.ModelCard(name, api.created))
+    return json_response(o.ModelCard(name, api.created))
 
 
 def forced_tools(req: s.ChatRequest) -> list[tuple[str, dict[str, Any] | None]] | None:
@@ -153,7 +154,7 @@ async def tokenize(api: Api, request: Request) -> Response:
     else:
         raise s.APIError(400, "send `prompt` (or `content`) text, or `messages`", param="prompt")
     tokens = api.engine.encode(text)
-    return json_response(s.TokenizeResponse(tokens, len(tokens), api.engine.context_limit))
+    return json_response(o.TokenizeResponse(tokens, len(tokens), api.engine.context_limit))
 
 
 async def detokenize(api: Api, request: Request) -> Response:
@@ -163,4 +164,4 @@ async def detokenize(api: Api, request: Request) -> Response:
         raise s.APIError(400, f"token id {bad} is outside the vocabulary [0, {api.vocab})",
                          param="tokens")
     text = api.engine.tokenizer.decode(req.tokens)
-    return json_response(s.DetokenizeResponse(text, text))
+    return json_response(o.DetokenizeResponse(text, text))

@@ -1,4 +1,4 @@
-"""The OpenAI wire format: request and response structs, decoding with errors that name the field.
+"""The OpenAI wire format, requests: structs, decoding that names the failing field, errors.
 
 Known fields are decoded with their types checked (a wrong type is a 400 naming the
 field); unknown fields are accepted and ignored, as OpenAI's own server and the usual
@@ -17,7 +17,6 @@ import msgspec
 import structlog
 
 from actors.sampling_params import SamplingParams
-from pipeline.server.logprobs import ChatLogprobs, TextLogprobs
 
 
 class APIError(Exception):
@@ -299,112 +298,6 @@ def sampling_params(req: ChatRequest | CompletionRequest, defaults: SamplingPara
         raise APIError(400, text, param=param if known else None) from None
 
 
-# --- responses ---------------------------------------------------------------------------
-
-
-class PromptTokensDetails(msgspec.Struct):
-    cached_tokens: int
-
-
-class Usage(msgspec.Struct):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class OutFunction(msgspec.Struct):
-    name: str
-    arguments: str
-
-
-class OutToolCall(msgspec.Struct):
-    id: str
-    function: OutFunction
-    type: str = "function"
-
-
-class OutMessage(msgspec.Struct, omit_defaults=True, kw_only=True):
-    role: str  # no default: omit_defaults would drop it
-    content: str | None
-    reasoning_content: str | None = None
-    tool_calls: list[OutToolCall] | None = None
-
-
-class ChatChoice(msgspec.Struct):
-    index: int
-    message: OutMessage
-    finish_reason: str
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletion(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    object: str = "chat.completion"
-
-
-class DeltaToolCall(msgspec.Struct, omit_defaults=True):
-    index: int
-    id: str | None = None
-    type: str | None = None
-    function: OutFunction | None = None
-
-
-class Delta(msgspec.Struct, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChunkChoice(msgspec.Struct):
-    index: int
-    delta: Delta
-    finish_reason: str | None = None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatChunk(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: Usage | None = None
-    object: str = "chat.completion.chunk"
-
-
-class TextChoice(msgspec.Struct):
-    index: int
-    text: str
-    finish_reason: str | None = None
-    logprobs: TextLogprobs | None = None
-
-
-class Completion(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[TextChoice]
-    usage: Usage | None = None
-    object: str = "text_completion"
-
-
-class ModelCard(msgspec.Struct):
-    id: str
-    created: int
-    owned_by: str = "moestream"
-    object: str = "model"
-
-
-class ModelList(msgspec.Struct):
-    data: list[ModelCard]
-    object: str = "list"
-
-
 class TokenizeRequest(_Req, kw_only=True):
     """vLLM's (`prompt` or `messages`) and llama.cpp's (`content`) forms."""
 
@@ -416,17 +309,6 @@ class TokenizeRequest(_Req, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeResponse(msgspec.Struct):
-    tokens: list[int]
-    count: int
-    max_model_len: int
-
-
 class DetokenizeRequest(_Req, kw_only=True):
     model: str | None = None
     tokens: list[int]
-
-
-class DetokenizeResponse(msgspec.Struct):
-    prompt: str
-    content: str  # llama.cpp's name for the same text
