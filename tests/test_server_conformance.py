@@ -467,3 +467,46 @@ def test_serve_flags_become_server_config() -> None:
     cfg = config_from_dict({"model": {"path": "m.qpack"}}, overrides=server_overrides(plain),
                            check_paths=False)
     assert cfg.server.aliases == () and not cfg.server.strict_model and not cfg.server.cors_origins
+
+
+@pytest.fixture(scope="module")
+def thinking_container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from qpack.writer import pack
+
+    out = tmp_path_factory.mktemp("conformance-thinking") / "think.qpack"
+    pack(synth_checkpoint("qwen3_5_moe"), out, bits=None, progress=False)
+    return out
+
+
+async def test_thinking_switch_and_constraints_on_a_thinking_template(
+        thinking_container: Path) -> None:
+    async with running(thinking_container) as (engine, base):
+        v1 = client(f"{base}/v1")
+        kw: dict[str, Any] = {"model": "think", "messages": USER, "max_tokens": 4, "seed": 3}
+        thinking = await v1.chat.completions.create(**kw)
+        # The template opens <think>: a short reply is all reasoning, no content.
+        assert thinking.choices[0].message.reasoning_content and not thinking.choices[
+            0].message.content
+        plain = await v1.chat.completions.create(
+            **kw, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert plain.choices[0].message.content
+        assert getattr(plain.choices[0].message, "reasoning_content", None) is None
+        # The switch changes the prompt: an empty think block is written into it.
+        assert plain.usage.prompt_tokens > thinking.usage.prompt_tokens
+        async with httpx2.AsyncClient(base_url=base, timeout=60) as http:
+            tok = (await http.post("/tokenize", json={
+                "messages": USER, "chat_template_kwargs": {"enable_thinking": False}})).json()
+        assert tok["count"] == plain.usage.prompt_tokens
+        # Anthropic's thinking switch maps onto the same template variable.
+        claude = anthropic.AsyncAnthropic(base_url=base, api_key="unused", max_retries=0)
+        off = await claude.messages.create(model="think", max_tokens=2, messages=USER,
+                                           thinking={"type": "disabled"})
+        assert off.usage.input_tokens + off.usage.cache_read_input_tokens == \
+            plain.usage.prompt_tokens
+        # Constrained output is the reply's content, not reasoning, even with thinking on.
+        fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+        for extra in ({}, {"chat_template_kwargs": {"enable_thinking": True}}):
+            one = await v1.chat.completions.create(model="think", messages=USER,
+                                                   max_tokens=60, seed=1,
+                                                   response_format=fmt, extra_body=extra)
+            check_weather(json.loads(one.choices[0].message.content))

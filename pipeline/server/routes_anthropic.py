@@ -56,6 +56,10 @@ class AToolChoice(msgspec.Struct, kw_only=True):
     disable_parallel_tool_use: bool | None = None
 
 
+class Thinking(msgspec.Struct, kw_only=True):
+    type: str  # "enabled" / "disabled" (/ "adaptive"): the template's enable_thinking switch
+
+
 class MessagesRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None  # required by /messages, not by /messages/count_tokens
@@ -68,6 +72,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     tools: list[ATool] | None = None
     tool_choice: AToolChoice | None = None
+    thinking: Thinking | None = None
 
 
 def _text(content: str | list[Block] | None, param: str) -> str:
@@ -117,6 +122,8 @@ def to_chat(req: MessagesRequest) -> dict[str, Any]:
             body[key] = getattr(req, key)
     if req.stop_sequences:
         body["stop"] = req.stop_sequences
+    if req.thinking is not None and req.thinking.type in ("enabled", "disabled"):
+        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type == "enabled"}
     if req.tools:
         body["tools"] = [{"type": "function", "function": {
             "name": t.name, "description": t.description,

@@ -98,7 +98,9 @@ async def plan_chat(api: Api, req: s.ChatRequest) -> ChatPlan:
     n = req.n or 1
     choices = [Choice(i, tokens, p, i == 0)
                for i, p in enumerate(api.choice_params(params, n, n, make))]
-    return ChatPlan(name, choices, bool(tools) or bool(forced), prompt.in_reasoning)
+    # A grammar starts the reply with its first token, even after an opened <think>.
+    in_reasoning = prompt.in_reasoning and make is None
+    return ChatPlan(name, choices, bool(tools) or bool(forced), in_reasoning)
 
 
 async def chat(api: Api, request: Request) -> Response:
