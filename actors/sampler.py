@@ -27,10 +27,10 @@ from collections.abc import Iterable
 from typing import Protocol
 
 import mlx.core as mx
-import msgspec
 import numpy as np
 
 from actors.sampling_params import SamplingParams
+from actors.token_logprob import TokenLogprob
 
 _NEG_INF = float("-inf")
 _SEED_MOD = 2**64  # mx.random.key takes an unsigned 64-bit seed
@@ -44,12 +44,6 @@ class TokenConstraint(Protocol):
         ...
 
     def advance(self, token: int) -> None: ...
-
-
-class TokenLogprob(msgspec.Struct, frozen=True):
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens, best first
 
 
 class Sampler:

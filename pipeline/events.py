@@ -6,7 +6,7 @@ from typing import Literal
 
 import msgspec
 
-from actors.sampler import TokenLogprob
+from actors.token_logprob import TokenLogprob
 
 FinishReason = Literal["stop", "length"]
 

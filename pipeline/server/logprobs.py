@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from actors.sampler import TokenLogprob
+from actors.token_logprob import TokenLogprob
 
 
 @functools.cache

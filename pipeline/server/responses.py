@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Send
 
-from actors.sampler import TokenLogprob
 from actors.sampling_params import SamplingParams
+from actors.token_logprob import TokenLogprob
 from pipeline.engine import Engine
 from pipeline.events import Done, TextDelta
 from pipeline.server import schema as s
