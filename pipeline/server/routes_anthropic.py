@@ -23,7 +23,7 @@ from pipeline.events import Done
 from pipeline.server import schema as s
 from pipeline.server.api import Api
 from pipeline.server.responses import ChatReply, json_response, sse_response, unless_disconnected
-from pipeline.server.routes_openai import plan_chat
+from pipeline.server.routes_openai import chat_prompt, plan_chat
 from pipeline.server.tool_calls import Call, Content, Reasoning
 
 
@@ -280,5 +280,5 @@ async def messages(api: Api, request: Request) -> Response:
 async def count_tokens(api: Api, request: Request) -> Response:
     anthropic: MessagesRequest = await api.decode(request, MessagesRequest)
     req = s.convert_request(to_chat(anthropic), s.ChatRequest)
-    plan = await plan_chat(api, msgspec.structs.replace(req, max_tokens=None, stream=False))
-    return json_response({"input_tokens": len(plan.choices[0].tokens)})
+    api.check_model(req.model)
+    return json_response({"input_tokens": len(chat_prompt(api, req)[1])})

@@ -17,7 +17,7 @@ from pipeline.server import grammar
 from pipeline.server import schema as s
 from pipeline.server import schema_out as o
 from pipeline.server.api import Api
-from pipeline.server.prompting import render, template_kwargs, template_messages
+from pipeline.server.prompting import Prompt, render, template_kwargs, template_messages
 from pipeline.server.responses import ChatReply, Choice, TextReply, json_response, respond
 
 
@@ -69,25 +69,36 @@ class ChatPlan(msgspec.Struct, frozen=True):
     in_reasoning: bool
 
 
-async def plan_chat(api: Api, req: s.ChatRequest) -> ChatPlan:
-    s.check_unsupported(req)
-    name = api.check_model(req.model)
-    params = api.params(req)
+def chat_prompt(api: Api, req: s.ChatRequest) -> tuple[Prompt, list[int]]:
+    """The request's prompt text and tokens (tools, template kwargs, prefill applied)."""
     messages = template_messages(req.messages)
-    forced = forced_tools(req)
     tools = [] if req.tool_choice == "none" else [msgspec.to_builtins(t) for t in req.tools or []]
-    fmt = req.response_format if req.response_format and req.response_format.type != "text" else None
-    if forced and fmt:
-        raise s.APIError(400, "response_format and a forced tool call cannot both constrain "
-                         "the reply", param="response_format")
     kwargs = template_kwargs(req.chat_template_kwargs)
-    if (forced or fmt) and "enable_thinking" not in kwargs:
+    if _constrained(req) and "enable_thinking" not in kwargs:
         # The grammar covers the whole reply: no room for free-text reasoning before it.
         kwargs["enable_thinking"] = False
     prompt = render(api.engine.tokenizer, messages, tools, kwargs,
                     continue_final=req.continue_final_message,
                     add_generation_prompt=req.add_generation_prompt)
-    tokens = api.engine.encode(prompt.text)
+    return prompt, api.engine.encode(prompt.text)
+
+
+def _constrained(req: s.ChatRequest) -> bool:
+    fmt = req.response_format
+    return (fmt is not None and fmt.type != "text") or req.tool_choice == "required" \
+        or isinstance(req.tool_choice, s.NamedToolChoice)
+
+
+async def plan_chat(api: Api, req: s.ChatRequest) -> ChatPlan:
+    s.check_unsupported(req)
+    name = api.check_model(req.model)
+    params = api.params(req)
+    forced = forced_tools(req)
+    fmt = req.response_format if req.response_format and req.response_format.type != "text" else None
+    if forced and fmt:
+        raise s.APIError(400, "response_format and a forced tool call cannot both constrain "
+                         "the reply", param="response_format")
+    prompt, tokens = chat_prompt(api, req)
     api.check_prompt(tokens, params, "messages")
     make = None
     if forced:
@@ -100,7 +111,8 @@ async def plan_chat(api: Api, req: s.ChatRequest) -> ChatPlan:
                for i, p in enumerate(api.choice_params(params, n, n, make))]
     # A grammar starts the reply with its first token, even after an opened <think>.
     in_reasoning = prompt.in_reasoning and make is None
-    return ChatPlan(name, choices, bool(tools) or bool(forced), in_reasoning)
+    tools = bool(req.tools) and req.tool_choice != "none"
+    return ChatPlan(name, choices, tools or bool(forced), in_reasoning)
 
 
 async def chat(api: Api, request: Request) -> Response:

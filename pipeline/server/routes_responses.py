@@ -161,7 +161,8 @@ class ResponsesReply:
                 "error": None, "instructions": self.req.instructions,
                 "max_output_tokens": self.req.max_output_tokens,
                 "parallel_tool_calls": self.req.parallel_tool_calls is not False,
-                "tool_choice": self.req.tool_choice or "auto", "tools": [],
+                "tool_choice": self.req.tool_choice or "auto",
+                "tools": [msgspec.to_builtins(t) for t in self.req.tools or []],
                 "temperature": self.req.temperature, "top_p": self.req.top_p,
                 "usage": _usage(done), "metadata": {}}
 
