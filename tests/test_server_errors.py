@@ -100,6 +100,15 @@ async def test_refusals_name_what_is_wrong(container: Path) -> None:
                                                         "function": {"name": "ghost"}}))
         assert err["param"] == "tool_choice"
 
+        # Anthropic clients send the key as x-api-key, and get Anthropic-shaped errors.
+        msgs = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+        assert (await http.post("/v1/messages", json=msgs,
+                                headers={"x-api-key": KEY})).status_code == 200
+        wrong = await http.post("/v1/messages", json=msgs, headers={"x-api-key": "nope"})
+        assert wrong.status_code == 401
+        assert wrong.json() == {"type": "error", "error": {
+            "type": "authentication_error", "message": wrong.json()["error"]["message"]}}
+
         # Unknown model (the server is strict here) and route.
         err = await refused(404, json=body(model="gpt-4"))
         assert err["param"] == "model" and err["code"] == "model_not_found"
