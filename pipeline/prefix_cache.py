@@ -94,7 +94,10 @@ class PrefixCache:
         if best is None:
             return None, 0
         self._entries.move_to_end(best)
-        return snapshot(self._entries[best][0]), len(best)
+        try:
+            return snapshot(self._entries[best][0]), len(best)
+        except TypeError:  # a cache kind `snapshot` does not know: hand it out, once
+            return self._entries.pop(best)[0], len(best)
 
     def put(self, tokens: Sequence[int], cache: list[Any]) -> None:
         """Keep `cache` (the caller is done with it) as the state after `tokens`."""
@@ -121,7 +124,12 @@ class PrefixCache:
             return
         if nbytes(cache) > self.max_bytes:
             return
-        self.put(tokens, snapshot(cache))
+        try:
+            copied = snapshot(cache)
+        except TypeError as exc:  # a cache kind `snapshot` does not know: no checkpoints
+            log.debug("prefix_cache.no_checkpoint", reason=str(exc))
+            return
+        self.put(tokens, copied)
 
     def clear(self) -> None:
         self._entries.clear()
