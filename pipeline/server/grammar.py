@@ -121,10 +121,6 @@ class GrammarConstraint(TokenConstraint):
         if not self.matcher.is_error():
             self.matcher.consume_token(token)
 
-    @property
-    def finished(self) -> bool:
-        return bool(self.matcher.is_stopped() or self.matcher.is_accepting())
-
 
 def compile_constraint(tokenizer: Any, grammar: str, vocab: int,
                        eos: Sequence[int]) -> Callable[[], GrammarConstraint]:

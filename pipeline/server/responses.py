@@ -1,9 +1,12 @@
 """The server's replies: chat and text completions as one JSON body or as SSE chunks.
 
-A request that passed every check (pipeline.server) gets a `ChatReply` or a `TextReply`;
-`respond` streams it or, for a one-shot request, runs it to the end unless the client
-goes away first. Errors after a stream has started cannot change the status any more,
-so they become one final SSE error event.
+A request that passed every check (api.py, routes_openai.py) gets a `ChatReply` or a
+`TextReply` over its `Choice`s (n per prompt, generated one after another); `respond`
+streams it or, for a one-shot request, runs it to the end unless the client goes away
+first. Errors after a stream has started cannot change the status any more, so they
+become one final SSE error event. With logprobs requested, each choice (or chunk) carries
+the log-probabilities of its tokens. The Responses and Anthropic routes reuse
+`ChatReply.parts` and write their own wire forms.
 """
 
 from __future__ import annotations
