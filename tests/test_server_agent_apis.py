@@ -43,7 +43,8 @@ async def test_responses_and_anthropic_messages(container: Path) -> None:
                    "parameters": t["function"]["parameters"]} for t in TOOLS]
         call = await v1.responses.create(
             model="tiny", input=[{"role": "user", "content": "Time?"}], tools=rtools,
-            tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=60)
+            tool_choice={"type": "function", "name": "get_time"}, parallel_tool_calls=False,
+            max_output_tokens=60)
         fc = [o for o in call.output if o.type == "function_call"]
         assert fc and fc[0].name == "get_time" and json.loads(fc[0].arguments)["tz"] in ("UTC", "CET")
         # The call and its output fed back as input items.
@@ -80,7 +81,8 @@ async def test_responses_and_anthropic_messages(container: Path) -> None:
         assert used.stop_reason == "tool_use" and blocks
         async with claude.messages.stream(
                 model="tiny", max_tokens=120, messages=USER, tools=tools,
-                tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+                tool_choice={"type": "tool", "name": "get_weather",
+                             "disable_parallel_tool_use": True}) as stream:
             final = await stream.get_final_message()
         uses = [b for b in final.content if b.type == "tool_use"]
         assert uses and uses[0].name == "get_weather"
