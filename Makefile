@@ -29,8 +29,10 @@ test: $(TESTING)
 lint: $(TESTING)
 	$(BIN)/ruff check .
 
+# The demo container (made by `make demo`, or here on first use), at the demo's pool.
 bench: $(RUNTIME)
-	$(BIN)/moestream bench --config config/demo.toml
+	test -f demo-data/demo.qpack/manifest.json || $(BIN)/moestream run config/demo.toml --max-tokens 1 --set 'run.prompts=["Hi"]' --set run.stats=demo-data/prepare-stats.json
+	$(BIN)/moestream bench demo-data/demo.qpack --pool-mb 24 --prefill-chunk 128 --json demo-data/bench.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache demo-data

@@ -10,3 +10,7 @@ Nothing here imports `pipeline`: what an actor needs from the model is a Protoco
 - `reader`, `router`, `compute`, `sampler`: the actors
 - `sampling_params`, `text_stream`, `routing_trace`, `timeline`: their data and tracing
 """
+
+from qpack.log_default import log_to_stderr_by_default
+
+log_to_stderr_by_default()

@@ -1,11 +1,16 @@
-"""The compute actor: drives one forward call layer by layer on the MLX thread.
+"""The compute actor: drives forward passes on the MLX thread.
 
-Per MoE layer it makes one MLX call that computes the previous layer's routed experts,
-runs the dense work up to this layer's router and syncs the top-k ids; gate-based
-prefetch strategies stage their prediction into that same sync, so prediction costs no
-extra host round trip. Between those calls the trio side asks the router for the slots
-(the only place compute can wait on I/O; the router installs the blobs that have landed)
-and queues the prefetch reads, which then overlap the next MLX call.
+Two ways through a forward. Run-ahead (decode, experts expected resident): the whole
+token is one MLX evaluation with a device-side expert -> slot map, one host sync; a
+layer that missed is redone from there. Per layer (prefill, and decode when misses are
+likely): one MLX call per MoE layer computes the previous layer's routed experts, runs
+the dense work up to this layer's router and syncs the top-k ids (gate prefetch
+strategies stage their prediction into that same sync). Between those calls compute
+asks the router actor for the slots (the only place it can wait on I/O) and hands the
+routing to the prefetch actor, whose orders then overlap the next MLX call.
+
+The generation that runs these forwards is itself a job of the compute task
+(`actors/compute_task.py`).
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from actors import timeline
 from actors.forward import ForwardStepper, Presync, Routing, SteppedModel
 from actors.mlx_worker import MlxWorker
 from actors.prefetch import PrefetchScorer, PrefetchStrategy
+from actors.prefetch.actor import Prefetcher, Routed, TokenStart
 from actors.router import ExpertRouter
 from actors.routing_trace import TraceRecorder
+from actors.run_ahead import RunAheadPolicy
 
 Phase = Literal["prefill", "decode"]
 Predictions = list[tuple[int, list[int]]]
@@ -32,6 +39,12 @@ Predictions = list[tuple[int, list[int]]]
 @dataclass
 class ComputeStats:
     mlx_seconds: float = 0.0
+    run_ahead_tokens: int = 0  # decode tokens that tried the one-sync path
+    run_ahead_misses: int = 0  # ... and fell back at their first missing layer
+
+
+def _rows(ids: np.ndarray) -> list[list[int]]:
+    return [[int(e) for e in row] for row in ids]
 
 
 def unique_in_order(ids: np.ndarray) -> list[int]:
@@ -48,6 +61,9 @@ class Compute:
         strategy: PrefetchStrategy,
         scorer: PrefetchScorer,
         recorder: TraceRecorder | None = None,
+        *,
+        moe_layers: Sequence[int] = (),
+        run_ahead: RunAheadPolicy | None = None,
     ) -> None:
         self.worker = worker
         self.model = model
@@ -57,15 +73,25 @@ class Compute:
         self.recorder = recorder
         self.tick = 0
         self.stats = ComputeStats()
+        self.run_ahead = run_ahead or RunAheadPolicy("off")
+        self.run_ahead.stats = self.stats
+        self._row_of = {layer: i for i, layer in enumerate(moe_layers)}
+        self._map: mx.array | None = None
+        self._map_version = -1
+        self._gate = getattr(strategy, "prepare", None) is not None
+        self.prefetcher = Prefetcher(strategy, scorer, router, recorder, gate=self._gate)
 
-    def _learn(self, routing: Routing | None, phase: Phase) -> Predictions:
-        """On the MLX thread, straight after a routing sync: observe, then predict."""
-        if routing is None:
-            return []
+    def _learn(self, routing: Routing | None, phase: Phase) -> Predictions | None:
+        """Gate strategies, on the MLX thread right after a routing sync: observe, predict.
+
+        None for the others: the prefetch actor runs them.
+        """
+        if routing is None or not self._gate:
+            return None
         for row in routing.ids:
             self.strategy.observe(routing.layer, [int(e) for e in row])
-        if phase != "decode":
-            return []
+        # Gate strategies predict in prefill too: from every token of the chunk, the next
+        # layer's union (its reads then overlap this layer's compute).
         chosen = [int(e) for e in routing.ids[0]]
         preds = self.strategy.predict(routing.layer, chosen, routing.hidden)
         return [(int(layer), [int(e) for e in ids]) for layer, ids in preds]
@@ -76,14 +102,14 @@ class Compute:
 
     def _start(
         self, tokens: Sequence[int], cache: list[Any], phase: Phase
-    ) -> tuple[ForwardStepper, Routing | None, Predictions]:
+    ) -> tuple[ForwardStepper, Routing | None, Predictions | None]:
         step = self.model.step(list(tokens), cache)
         routing = step.run_to_routing(self._presync(phase))
         return step, routing, self._learn(routing, phase)
 
     def _advance(
         self, step: ForwardStepper, slot_of: np.ndarray, phase: Phase
-    ) -> tuple[Routing | None, Predictions]:
+    ) -> tuple[Routing | None, Predictions | None]:
         routing = step.advance(slot_of, self._presync(phase))
         return routing, self._learn(routing, phase)
 
@@ -95,22 +121,99 @@ class Compute:
         finally:
             self.stats.mlx_seconds += time.perf_counter() - start
 
+    def _slot_map(self) -> mx.array:
+        """The device-side expert -> slot map of the ready experts (rebuilt on change)."""
+        table = self.router.table
+        if self._map is None or self._map_version != table.version:
+            host = np.full((len(self._row_of), self.router.num_experts), -1, dtype=np.int32)
+            for (layer, expert), slot in table.ready_items():
+                row = self._row_of.get(layer)
+                if row is not None:
+                    host[row, expert] = slot
+            self._map, self._map_version = mx.array(host), table.version
+        return self._map
+
+    def _run_ahead(self, tokens: Sequence[int], cache: list[Any]) -> tuple[ForwardStepper, Any]:
+        step = self.model.step(list(tokens), cache)
+        return step, step.run_ahead(self._slot_map(), self._row_of)
+
+    def _resume(
+        self, step: ForwardStepper, layer: int, phase: Phase
+    ) -> tuple[Routing | None, Predictions | None]:
+        routing = step.resume(layer, self._presync(phase))
+        return routing, self._learn(routing, phase)
+
+    async def _hits(self, layer: int, rows: np.ndarray, phase: Phase) -> None:
+        """Host bookkeeping for a layer that ran ahead with every expert present.
+
+        The pool sees the same demand as on the per-layer path (hits, recency); nothing
+        is predicted or prefetched: every expert was there, and a prefetch now could
+        evict an expert that a later layer of this very token has already used.
+        """
+        self.tick += 1
+        ids = unique_in_order(rows)
+        await self.prefetcher.caught_up()
+        await self.router.demand(layer, ids, self.tick)
+        await self.prefetcher.send(
+            Routed(layer, _rows(rows), ids, self.tick, phase, predicted=[], predict=False)
+        )
+
+    async def begin_token(self, phase: Phase) -> None:
+        """Before a forward's bookkeeping: the recorder and the scorer start a token."""
+        await self.prefetcher.send(TokenStart(phase))
+
     async def forward(self, tokens: Sequence[int], cache: list[Any], phase: Phase) -> mx.array:
-        """Run `tokens` through the model (updating `cache`); the last position's logits."""
-        if self.recorder is not None:
-            self.recorder.begin_token(phase)
-        if phase == "decode":
-            self.scorer.begin_token()
+        """Run `tokens` through the model (updating `cache`); the last position's logits.
+
+        Decode tokens run ahead (one host sync for the whole token) when the policy
+        expects every expert to be in the pool, and fall back to one sync per MoE layer
+        from the first layer that missed; prefill always steps layer by layer.
+        """
+        await self.begin_token(phase)
+        misses0 = self.router.table.misses
+        ahead = phase == "decode" and self.run_ahead.wanted()
+        if ahead:
+            step, result = await self._mlx(self._run_ahead, tokens, cache)
+            miss = await self.account(result, phase)
+            self.run_ahead.after_run_ahead(hit=miss is None)
+            if miss is None:
+                return result.logits
+            return await self.finish_from(step, miss, phase)
         step, routing, preds = await self._mlx(self._start, tokens, cache, phase)
+        logits = await self.layered(step, routing, preds, phase)
+        if phase == "decode":
+            self.run_ahead.after_layered(hit=self.router.table.misses == misses0)
+        return logits
+
+    async def account(self, result: Any, phase: Phase) -> int | None:
+        """Bookkeeping for a run-ahead's layers up to its first miss; that layer or None."""
+        miss = result.first_miss()
+        for layer, rows, ok in zip(result.layers, result.ids, result.present, strict=True):
+            if not ok:
+                break
+            await self._hits(layer, rows, phase)
+        return miss
+
+    async def finish_from(self, step: ForwardStepper, miss: int, phase: Phase) -> mx.array:
+        """A run-ahead missed at layer `miss`: redo it from there, one sync per layer."""
+        self.stats.run_ahead_misses += 1
+        routing, preds = await self._mlx(self._resume, step, miss, phase)
+        return await self.layered(step, routing, preds, phase)
+
+    async def layered(
+        self, step: ForwardStepper, routing: Routing | None, preds: Predictions | None,
+        phase: Phase,
+    ) -> mx.array:
+        """Step the forward on, one MoE layer at a time: demand, prefetch, advance."""
         while routing is not None:
             self.tick += 1
             ids = unique_in_order(routing.ids)
-            if phase == "decode":
-                self.scorer.score(routing.layer, ids)
-                self.scorer.record(preds)
+            # The prefetch orders of the layer before go first: a fixed order of requests
+            # at the router, the one `replay` reproduces.
+            await self.prefetcher.caught_up()
             slot_of = await self.router.demand(routing.layer, ids, self.tick)
-            self.router.prefetch(preds, self.tick)
-            if self.recorder is not None:
-                self.recorder.record(routing.layer, ids, preds)
+            await self.prefetcher.send(
+                Routed(routing.layer, _rows(routing.ids), ids, self.tick, phase, predicted=preds)
+            )
             routing, preds = await self._mlx(self._advance, step, slot_of, phase)
         return await self._mlx(step.logits)

@@ -91,8 +91,12 @@ class MlxWorker:
         """Run `fn(*args)` on the MLX thread; the caller's trio task waits without blocking.
 
         Not cancellable once started: an MLX evaluation cannot be interrupted, and
-        abandoning it would leave the thread's state (caches, pool) half-updated.
+        abandoning it would leave the thread's state (caches, pool) half-updated. But a
+        cancel that is already pending is delivered before the job starts: the wait
+        below is no checkpoint, so a loop of `run` calls whose experts never miss (no
+        other await) would otherwise decode on after its caller was cancelled.
         """
+        await trio.lowlevel.checkpoint_if_cancelled()
         token = trio.lowlevel.current_trio_token()
         task = trio.lowlevel.current_task()
         box: list[outcome.Outcome[T]] = []

@@ -1,5 +1,12 @@
 """The router actor: turns a layer's true routing into resident pool slots.
 
+A trio task of its own (`run`, in the engine's nursery) that takes requests from one
+bounded channel, in order: demands from compute, prefetch orders from the prefetcher,
+drains from a generation that ends badly. Being the only task that touches the slot
+table, it keeps the pool's bookkeeping in one well-defined order (the order `replay`
+reproduces) whoever asks. `demand`, `prefetch`, `drain` and `end_layer` send requests;
+the `_`-prefixed methods are what the task runs.
+
 It owns the slot table (through the `PoolDriver`, the same call sequence `moestream
 replay` makes) and the loads in flight. For a demand it pins the layer's experts,
 issues reads for the misses, promotes prefetches that are now needed, and waits for
@@ -15,7 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import outcome
 import structlog
+import trio
 
 from actors import timeline
 from actors.pool.driver import PoolDriver
@@ -34,6 +43,13 @@ class RouterStats:
     prefetch_hits_waited: int = 0
 
 
+@dataclass
+class _Request:
+    fn: Callable[..., Awaitable[Any]]
+    args: tuple[Any, ...]
+    reply: trio.MemorySendChannel[outcome.Outcome[Any]] | None
+
+
 class ExpertRouter:
     def __init__(
         self,
@@ -50,8 +66,51 @@ class ExpertRouter:
         self.loads: dict[ExpertKey, Load] = {}
         self.failures: dict[ExpertKey, str] = {}
         self.stats = RouterStats()
+        # Bounded: a sender waits while the router is busy (compute waits anyway).
+        self._requests, self._inbox = trio.open_memory_channel[_Request](16)
+
+    # -- the task ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve requests until the engine's nursery is cancelled."""
+        async with self._inbox:
+            async for request in self._inbox:
+                result = await outcome.acapture(request.fn, *request.args)
+                if request.reply is not None:
+                    # The asker may have been cancelled meanwhile: the reply then waits in
+                    # the buffer of a channel nobody reads, and is collected with it.
+                    request.reply.send_nowait(result)
+
+    async def _ask(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        reply, answer = trio.open_memory_channel[outcome.Outcome[Any]](1)
+        await self._requests.send(_Request(fn, args, reply))
+        return (await answer.receive()).unwrap()
+
+    # -- requests --------------------------------------------------------------------------
 
     async def demand(self, layer: int, ids: Sequence[int], tick: int) -> np.ndarray:
+        """Make `ids` of `layer` resident and installed; returns slot_of (expert -> slot)."""
+        return await self._ask(self._demand, layer, list(ids), tick)
+
+    async def prefetch(self, predictions: Sequence[tuple[int, Sequence[int]]], tick: int) -> None:
+        """Queue predicted experts for reading (no reply: ordered before later demands)."""
+        if predictions:
+            await self._requests.send(_Request(self._prefetch, (predictions, tick), None))
+
+    async def drain(self) -> None:
+        """Wait for every read in flight and drop its result (cancellation, shutdown)."""
+        await self._ask(self._drain)
+
+    async def end_layer(self) -> None:
+        """Unpin the last demanded layer's experts (nothing runs until the next request)."""
+        await self._ask(self._end_layer)
+
+    async def _end_layer(self) -> None:
+        self.driver.end_layer()
+
+    # -- what the task runs ----------------------------------------------------------------
+
+    async def _demand(self, layer: int, ids: Sequence[int], tick: int) -> np.ndarray:
         """Make `ids` of `layer` resident and installed; returns slot_of (expert -> slot)."""
         self.failures.clear()  # only this demand's failures are reported
         placed = self.driver.demand(layer, ids, tick)
@@ -115,7 +174,7 @@ class ExpertRouter:
                 self.table.mark_ready(key)
         return len(installs)
 
-    def prefetch(self, predictions: Sequence[tuple[int, Sequence[int]]], tick: int) -> None:
+    async def _prefetch(self, predictions: Sequence[tuple[int, Sequence[int]]], tick: int) -> None:
         for key, _slot in self.driver.prefetch(predictions, tick):
             if key not in self.loads:
                 self.loads[key] = self.reader.submit(key, demand=False)
@@ -145,8 +204,7 @@ class ExpertRouter:
             keys.append(key)
         return installs, keys, buffers
 
-    async def drain(self) -> None:
-        """Wait for every read in flight and drop its result (cancellation, shutdown)."""
+    async def _drain(self) -> None:
         for load in list(self.loads.values()):
             await load.done.wait()
         _installs, _keys, buffers = self.collect()

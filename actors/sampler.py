@@ -94,27 +94,65 @@ class Sampler:
     def is_stop_token(self, token: int) -> bool:
         return token in self._stop_ids
 
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return self._stop_ids
+
     def sample(self, logits: mx.array) -> int:
-        """One token id from `logits` of shape [vocab] (or [1, vocab]); records it."""
+        """One token id from `logits` of shape [vocab] (or [1, vocab]); records it, keeps
+        its log-probability (when asked for) and advances the constraint with it."""
+        token = int(self.draw(logits).item())
+        self.record(token)
+        if self.params.logprobs is not None:
+            raw = self._vector(logits).astype(mx.float32)
+            self._logprobs.append(self.logprob_of(raw, token, self.params.logprobs))
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        return token
+
+    @property
+    def lazy_ok(self) -> bool:
+        """Whether `draw` may run before the previous token is known on the host.
+
+        Penalties read the generated tokens' counts on the host, a constraint's mask
+        depends on the previous token, and log-probabilities are read per sampled token,
+        so with any of them each draw needs the last token first (`sample`); without them
+        a draw depends only on the logits and the RNG stream (logit_bias is static), and
+        decode can be pipelined.
+        """
+        p = self.params
+        return (p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+                and p.presence_penalty == 0.0 and p.constraint is None
+                and p.logprobs is None)
+
+    def draw(self, logits: mx.array) -> mx.array:
+        """The next token as a lazy [] array (not recorded: see `record`).
+
+        Splits the RNG key once, as `sample` does; `key` / `restore_key` let a caller that
+        throws a draw away redraw it identically.
+        """
+        logits = self._vector(logits)
+        self._key, step_key = mx.random.split(self._key)
+        x = self.process(logits.astype(mx.float32))
+        if self.params.greedy:
+            return mx.argmax(x)
+        return mx.random.categorical(x, key=step_key)
+
+    def _vector(self, logits: mx.array) -> mx.array:
         if logits.ndim == 2 and logits.shape[0] == 1:
             logits = logits[0]
         if logits.ndim != 1 or logits.shape[0] != self.vocab_size:
             raise ValueError(
                 f"logits must have shape [{self.vocab_size}], got {list(logits.shape)}"
             )
-        self._key, step_key = mx.random.split(self._key)
-        raw = logits.astype(mx.float32)
-        x = self.process(raw)
-        if self.params.greedy:
-            token = int(mx.argmax(x).item())
-        else:
-            token = int(mx.random.categorical(x, key=step_key).item())
-        self.record(token)
-        if self.params.logprobs is not None:
-            self._logprobs.append(self.logprob_of(raw, token, self.params.logprobs))
-        if self.constraint is not None:
-            self.constraint.advance(token)
-        return token
+        return logits
+
+    @property
+    def key(self) -> mx.array:
+        return self._key
+
+    def restore_key(self, key: mx.array) -> None:
+        self._key = key
 
     def take_logprobs(self) -> tuple[TokenLogprob, ...]:
         """The log-probabilities of the tokens sampled since the last call (empty when off)."""

@@ -17,6 +17,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from qpack.log_default import log_to_stderr_by_default
+
+log_to_stderr_by_default()  # not stdout, where generated text goes
+
 if TYPE_CHECKING:
     from actors.sampling_params import SamplingParams
     from pipeline.config.errors import ConfigError

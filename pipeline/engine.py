@@ -24,19 +24,26 @@ import structlog
 import trio
 
 from actors.compute import Compute
+from actors.compute_task import ComputeTask
 from actors.mlx_worker import MlxWorker
 from actors.pool.eviction import make_policy
+from actors.pool.layout import PoolLayout
 from actors.pool.slots import SlotTable
-from actors.pool.storage import PoolStorage, uniform_format
+from actors.pool.storage import PoolStorage
 from actors.prefetch import PrefetchScorer, make_strategy
 from actors.reader import ExpertReader
 from actors.router import ExpertRouter
 from actors.routing_trace import TraceModel, TracePool, TraceRecorder
+from actors.run_ahead import RunAheadPolicy
 from actors.sampling_params import SamplingParams
+from actors.sampling_task import SamplingTask
+from pipeline.chat_template import template_kwargs
 from pipeline.config.schema import PipelineConfig
 from pipeline.events import Event
 from pipeline.generation import Generation
+from pipeline.generation_config import default_params, eos_token_ids
 from pipeline.heap_trim import HeapTrimmer
+from pipeline.memory_budget import check_pool_fits
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_cache import PrefixCache
@@ -51,8 +58,27 @@ class PoolTooSmall(ValueError):
 
 
 def smallest_workable_slots(num_experts: int, top_k: int, prefill_chunk: int) -> int:
-    """A prefill chunk's layer may touch chunk * top_k distinct experts, all pinned at once."""
-    return min(num_experts, prefill_chunk * top_k)
+    """A prefill chunk's layer may touch chunk * top_k distinct experts, all pinned at once.
+
+    `prefill_chunk` 0 (follow the pool) needs only one token's experts.
+    """
+    return min(num_experts, max(prefill_chunk, 1) * top_k)
+
+
+def prefill_chunk_for(config_chunk: int, max_tokens: int, slots: int, num_experts: int,
+                      top_k: int) -> int:
+    """Prompt tokens per prefill forward: the config's, or the most the pool allows.
+
+    Each chunk reads every expert its tokens need once per layer, so fewer, larger
+    chunks read the disk fewer times: with room for a whole layer's experts, one chunk
+    of up to `max_tokens` (one pass of the disk per prompt); else slots // top_k tokens,
+    whose experts are guaranteed to fit pinned at once.
+    """
+    if config_chunk:
+        return config_chunk
+    if slots >= num_experts:
+        return max_tokens
+    return max(1, min(max_tokens, slots // top_k))
 
 
 class Engine:
@@ -77,12 +103,21 @@ class Engine:
         self.tokenizer = tokenizer
         self.prefix_cache = PrefixCache()
         self.heap_trimmer = HeapTrimmer()
-        self.lock = trio.Lock()  # trio's Lock is FIFO-fair: callers are served in order
+        # Held by the compute task while a generation runs (and by direct users of the
+        # compute actor): generations run one at a time, in the order they were asked for.
+        self.lock = trio.Lock()
+        self.compute_task = ComputeTask(self.lock)
+        self.sampling = SamplingTask()
         self.context_limit = config.server.context_limit or int(
             _text_config(container.config).get("max_position_embeddings", 1 << 20)
         )
         self.waiting = 0
         self.generations = 0
+        manifest = container.manifest
+        self.prefill_chunk = prefill_chunk_for(
+            config.compute.prefill_chunk, config.compute.prefill_max_tokens,
+            router.table.num_slots, manifest.num_experts, manifest.top_k,
+        )
 
     @property
     def name(self) -> str:
@@ -96,9 +131,11 @@ class Engine:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def chat_tokens(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+        enable_thinking: bool | None = None,
     ) -> list[int]:
-        kwargs: dict[str, Any] = {"add_generation_prompt": True}
+        kwargs: dict[str, Any] = {"add_generation_prompt": True,
+                                  **template_kwargs(self.config.chat, enable_thinking)}
         if tools:
             kwargs["tools"] = list(tools)
         text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, **kwargs)
@@ -116,13 +153,12 @@ class Engine:
         back at once rather than when the generator is collected.
         """
         tokens = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        generation = Generation(self, tokens, params or SamplingParams(), on_prefill)
+        generation = Generation(self, tokens, params or default_params(self), on_prefill)
         generation.check()
         self.waiting += 1
         try:
-            async with self.lock:
-                self.waiting -= 1
-                async for event in generation.run():
+            async with aclosing(generation.run()) as events:
+                async for event in events:
                     yield event
         finally:
             if not generation.started:
@@ -135,11 +171,37 @@ class Engine:
         params: SamplingParams | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
         on_prefill: Callable[[int, int], None] | None = None,
+        enable_thinking: bool | None = None,
     ) -> AsyncIterator[Event]:
         # Close the inner generator here, in this task: it holds the engine's lock.
-        async with aclosing(self.generate(self.chat_tokens(messages, tools), params, on_prefill)) as events:
+        tokens = self.chat_tokens(messages, tools, enable_thinking)
+        async with aclosing(self.generate(tokens, params, on_prefill)) as events:
             async for event in events:
                 yield event
+
+    async def warm(self) -> int:
+        """Read every expert into the pool (it must hold them all); returns how many were read.
+
+        For users with memory to spare (and the `warm-all` benchmark): decode then never
+        waits for the disk and runs ahead, one host sync per token.
+        """
+        manifest = self.container.manifest
+        total = manifest.num_experts * len(self.model.moe_layers)
+        if self.router.table.num_slots < total:
+            raise PoolTooSmall(
+                f"warming needs a slot for every expert ({total}); the pool has "
+                f"{self.router.table.num_slots}"
+            )
+        misses = self.router.table.misses
+        async with self.lock:
+            try:
+                for layer in self.model.moe_layers:
+                    self.compute.tick += 1
+                    await self.router.demand(layer, range(manifest.num_experts), self.compute.tick)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self.router.drain()
+        return self.router.table.misses - misses
 
     def pool_snapshot(self) -> dict[str, Any]:
         counters = self.router.table.snapshot()
@@ -156,6 +218,8 @@ class Engine:
             "stall_seconds": self.router.stats.stall_seconds,
             "prefetch_hits_waited": self.router.stats.prefetch_hits_waited,
             "mlx_seconds": self.compute.stats.mlx_seconds,
+            "run_ahead_tokens": self.compute.stats.run_ahead_tokens,
+            "run_ahead_misses": self.compute.stats.run_ahead_misses,
         }
 
 
@@ -175,7 +239,7 @@ def cached_tokenizer(root: Path) -> Any:
 def _load_tokenizer(root: str, stamp: int) -> Any:
     from mlx_lm.utils import load_tokenizer
 
-    return load_tokenizer(Path(root))
+    return load_tokenizer(Path(root), eos_token_ids=eos_token_ids(Path(root)))
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -207,9 +271,11 @@ async def open_engine(
     container = Container.open(Path(config.model.path), verify=config.model.verify, io=io,
                                o_direct=config.reader.o_direct)
     manifest = container.manifest
-    fmt = uniform_format([layer.format for layer in manifest.layers], str(container.root))
-    storage_probe = sum(t.nbytes for t in fmt.tensors)
+    layout = PoolLayout.of(manifest.layers)  # one format, or one per layer (mixed precision)
+    fmt = layout.formats[next(iter(layout.formats))]
+    storage_probe = layout.slot_nbytes
     slots = min(_num_slots(config, container, storage_probe), manifest.num_experts * len(manifest.layers))
+    check_pool_fits(slots * storage_probe, manifest.dense_bytes, config.pool.slots is not None or config.pool.budget_mb is not None)
     need = smallest_workable_slots(manifest.num_experts, manifest.top_k, config.compute.prefill_chunk)
     if slots < need:
         raise PoolTooSmall(
@@ -226,12 +292,12 @@ async def open_engine(
             _guarded, container.dense_path, load_dense, container.config, container.dense_path
         )
         tokenizer = await trio.to_thread.run_sync(
-            _guarded, container.root / "tokenizer.json", cached_tokenizer, container.root
+            _guarded, container.root / "tokenizer.json", lambda: cached_tokenizer(container.tokenizer_dir())
         )
-        storage = await worker.run(PoolStorage, fmt, slots)
+        storage = await worker.run(PoolStorage, layout, slots)
         stage_in_threads = await _stage_in_threads(config.reader.stage_in_threads, worker)
         dtype = await worker.run(activation_dtype, config.compute.dtype)
-        model = StreamedModel(dense, fmt, storage.arrays, dtype)
+        model = StreamedModel(dense, fmt, storage.arrays, dtype, views=storage.view)
         async with trio.open_nursery() as nursery:
             yield _start_actors(
                 config, container, worker, nursery, model, storage, tokenizer, slots,
@@ -306,6 +372,7 @@ def _start_actors(
     policy_params = {"decay": config.pool.lfu_decay, "period": config.pool.lfu_period}
     policy = make_policy(config.pool.eviction, **(policy_params if config.pool.eviction == "lfu" else {}))
     table = SlotTable(slots, policy)
+    storage.layer_of = lambda slot: (table.key_at(slot) or (None,))[0]  # mixed-format installs
     reader = ExpertReader(
         container,
         concurrency=config.reader.concurrency if overlap else 1,
@@ -315,6 +382,7 @@ def _start_actors(
     )
     nursery.start_soon(reader.run)
     router = ExpertRouter(table, reader, model.num_experts, _installer(worker, storage))
+    nursery.start_soon(router.run)
     strategy_name = config.prefetch.strategy if overlap else "none"
     strategy = make_strategy(
         strategy_name,
@@ -345,9 +413,15 @@ def _start_actors(
             ),
         )
     compute = Compute(
-        worker, model, router, strategy, PrefetchScorer(manifest.max_stride), recorder
+        worker, model, router, strategy, PrefetchScorer(manifest.max_stride), recorder,
+        moe_layers=model.moe_layers,
+        # The serial streamer baseline keeps one sync per layer, as it always had.
+        run_ahead=RunAheadPolicy(config.compute.run_ahead if overlap else "off"),
     )
+    nursery.start_soon(compute.prefetcher.run)
     engine = Engine(config, container, worker, model, storage, router, compute, tokenizer)
+    nursery.start_soon(engine.compute_task.run)
+    nursery.start_soon(engine.sampling.run)
     log.info(
         "engine.open",
         container=str(container.root),

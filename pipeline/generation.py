@@ -1,4 +1,7 @@
-"""One generation: chunked prefill, then decode token by token, streaming text.
+"""One generation: prefill, then decode token by token, streaming text.
+
+Its body runs as a job of the engine's compute task; the caller's task only reads the
+events (`run`).
 
 Owns the request's sampler, detokenizer, stop matcher and model state. If it is
 cancelled or fails mid-way, its model state is discarded (a half-updated recurrent
@@ -17,9 +20,11 @@ import structlog
 import trio
 
 from actors import timeline
+from actors.compute_task import ComputeTask, Job
+from actors.decode import Decoder
 from actors.sampler import Sampler
 from actors.sampling_params import SamplingParams
-from actors.text_stream import StopMatcher
+from actors.text_stream import TextStream
 from pipeline.events import Done, Event, GenerationStats, TextDelta
 from pipeline.resident_map import current_rss_mb, peak_rss_mb
 
@@ -69,7 +74,7 @@ class Generation:
 
     async def _prefill(self, cache: list[Any], start: int) -> mx.array:
         compute = self.engine.compute
-        chunk = self.engine.config.compute.prefill_chunk
+        chunk = self.engine.prefill_chunk
         # All prompt tokens but the last, then the last one alone; checkpoints of the state
         # (see PrefixCache.wants) let a prompt sent again, extended, or sharing a long
         # start with this one restart from there.
@@ -85,7 +90,33 @@ class Generation:
             return await compute.forward(self.tokens[end:], cache, "prefill")
 
     async def run(self) -> AsyncIterator[Event]:
+        """Submit this generation to the compute task and stream what it produces.
+
+        Leaving early (a break, a cancel, a client gone) cancels the job and waits for it
+        to clean up, so the engine is free for the next request within one step.
+        """
+        engine = self.engine
+        send, receive = trio.open_memory_channel[Event](16)
+        job = Job(body=lambda: self._body(send))
+        await engine.compute_task.submit(job)
+        try:
+            async with receive:
+                async for event in receive:
+                    yield event
+            await job.finished.wait()
+            if job.error is not None:
+                raise job.error
+        finally:
+            if not job.finished.is_set():
+                await ComputeTask.abandon(job)
+
+    async def _body(self, events: trio.MemorySendChannel[Event]) -> None:
         self.started = True
+        self.engine.waiting -= 1
+        async with events:
+            await self._generate(events)
+
+    async def _generate(self, events: trio.MemorySendChannel[Event]) -> None:
         engine = self.engine
         worker = engine.worker
         router = engine.router
@@ -93,13 +124,14 @@ class Generation:
         rstats = engine.router.reader.stats
         reader0 = (rstats.reads, rstats.bytes_read, rstats.read_seconds)
         stall0 = router.stats.stall_seconds
+        await engine.compute.prefetcher.caught_up()
         scorer0 = engine.compute.scorer.stats()
         vocab = engine.model.parts.args.vocab_size
         eos = set(engine.tokenizer.eos_token_ids)
         sampler = Sampler(self.params, vocab, self.tokens)
-        stops = StopMatcher(self.params.stop)
         detok = engine.tokenizer.detokenizer
         detok.reset()
+        stream = TextStream(detok, self.params.stop, stop_token_ids=eos | sampler.stop_ids)
         max_tokens = self._max_tokens()
         cache, cached = await worker.run(engine.prefix_cache.take, self.tokens)
         if cache is None:
@@ -109,7 +141,14 @@ class Generation:
         generated: list[int] = []
         text_parts: list[str] = []
         finish = "length"
-        stop_string = False
+
+        async def emit(text: str, token: int | None) -> None:
+            # Log-probabilities of every token sampled since the last delta (a token whose
+            # text is held back comes with the next one; see `TextDelta.logprobs`).
+            text_parts.append(text)
+            tokens = () if token is None else (token,)
+            await events.send(TextDelta(text, tokens, sampler.take_logprobs()))
+
         ok = False
         try:
             logits = await self._prefill(cache, cached)
@@ -118,34 +157,26 @@ class Generation:
             prefill_device = await worker.run(mx.get_peak_memory)
             await worker.run(mx.reset_peak_memory)
             decode_rss = current_rss_mb()
+            decoder = Decoder(engine.compute, cache, sampler, logits)
             while len(generated) < max_tokens:
-                with timeline.span("sampler", "sample"):
-                    token = await worker.run(sampler.sample, logits)
-                generated.append(token)
-                if token in eos or sampler.is_stop_token(token):
-                    finish = "stop"
-                    break
-                detok.add_token(token)
-                text, stopped = stops.feed(detok.last_segment)
-                if text:
-                    text_parts.append(text)
-                    yield TextDelta(text, (token,), sampler.take_logprobs())
-                if stopped:
-                    finish, stop_string = "stop", True
-                    break
-                if len(generated) >= max_tokens:
-                    break
                 with timeline.span("compute", "decode-step", index=len(generated)):
-                    logits = await engine.compute.forward([token], cache, "decode")
+                    token = await decoder.next(more=len(generated) + 1 < max_tokens)
+                generated.append(token)
+                reason = await engine.sampling.add(stream, token, emit)
+                if reason is not None:
+                    finish = reason
+                    break
                 decode_rss = max(decode_rss, current_rss_mb())
-            if not stop_string:
-                detok.finalize()
-                tail = stops.feed(detok.last_segment)[0] + stops.flush()
-                if tail:
-                    text_parts.append(tail)
-                    yield TextDelta(tail, (), sampler.take_logprobs())
+            await engine.sampling.finish(stream, emit)
+            left = sampler.take_logprobs()
+            if left:  # tokens that never showed text (a stop id, a held-back tail)
+                await events.send(TextDelta("", (), left))
+            # A step queued on the last token is undone: the caches hold prompt +
+            # generated[:-1], as the prefix cache below expects.
+            await decoder.close()
             # Nothing runs until the next request: let the last layer's experts go.
-            router.driver.end_layer()
+            await router.end_layer()
+            await engine.compute.prefetcher.caught_up()
             ok = True
         finally:
             if not ok:
@@ -204,4 +235,4 @@ class Generation:
         )
         # Between generations, not in anyone's latency: see `heap_trim`.
         await worker.run(engine.heap_trimmer.maybe_trim)
-        yield Done(finish, "".join(text_parts), tuple(generated), stats)  # type: ignore[arg-type]
+        await events.send(Done(finish, "".join(text_parts), tuple(generated), stats))  # type: ignore[arg-type]

@@ -7,6 +7,8 @@ import sys
 
 import structlog
 
+from qpack.log_default import stderr_logger
+
 
 def configure_logging(level: str = "warning", json: bool = False) -> None:
     numeric = logging.getLevelName(level.upper())
@@ -24,6 +26,8 @@ def configure_logging(level: str = "warning", json: bool = False) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # sys.stderr as it is when a logger is made, not now: a caller that swaps it later
+        # (a test's capture, a daemon's redirect) must not leave logs writing to a dead file.
+        logger_factory=stderr_logger,
         cache_logger_on_first_use=False,
     )

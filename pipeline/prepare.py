@@ -27,6 +27,8 @@ def parse_synth(source: str) -> tuple[str | None, str]:
 
 
 def ensure_container(model: ModelConfig, *, bits: int = 4, progress: bool = True) -> Path:
+    from qpack.output_guard import bytes_under, require_free_space
+    from qpack.synth.bench_container import estimated_sizes
     from qpack.synth.checkpoint import synthesize
     from qpack.synth.presets import FULL_SIZE
     from qpack.writer import pack
@@ -46,6 +48,11 @@ def ensure_container(model: ModelConfig, *, bits: int = 4, progress: bool = True
             family = DEFAULT_FAMILY
         src = path.with_name(path.name.removesuffix(".qpack") + "-source")
         if not (src / SYNTH_DONE).exists():
+            # Both steps' room up front: finding the disk full after hours of synthesis is
+            # what this avoids (the 80B preset writes 159 GB, then packs 45 GB more).
+            synth_bytes, packed_bytes = estimated_sizes(family, preset, bits)
+            require_free_space(path, synth_bytes + packed_bytes, f"synth {preset} + pack",
+                               already=bytes_under(src, "model*.safetensors*") + bytes_under(path))
             log.info("prepare.synthesize", preset=preset, family=family, out=str(src))
             synthesize(src, family, preset, dtype="bfloat16", progress=progress)
             (src / SYNTH_DONE).touch()

@@ -12,6 +12,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from qpack.log_default import log_to_stderr_by_default
+
+log_to_stderr_by_default()  # not stdout, where generated text goes
+
 if TYPE_CHECKING:
     from qpack.reader import Container
     from qpack.reader import verify_container as verify

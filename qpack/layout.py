@@ -7,14 +7,31 @@ resumed pack check that it is continuing the same container.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from qpack.quantize import QuantPlan, Rule, plan, quantized_shapes, skeleton, target_dtype
+from qpack.quantize import (
+    QuantPlan,
+    Rule,
+    check_rule,
+    plan,
+    quantized_shapes,
+    scale_dtype,
+    skeleton,
+    target_dtype,
+)
 from qpack.safetensors_io import PlannedTensor, spec_dtype, tag_of
 from qpack.source import DenseRef, SourceCheckpoint
-from qpack.spec import ALIGNMENT, PROJECTIONS, ExpertFormat, QpackError, expert_format, round_up
+from qpack.spec import (
+    ALIGNMENT,
+    PROJECTIONS,
+    ExpertFormat,
+    ProjectionQuant,
+    QpackError,
+    expert_format,
+    round_up,
+)
 
 
 @dataclass
@@ -30,8 +47,9 @@ class LayerPlan:
     index: int
     format: ExpertFormat
     stride: int
-    rule: Rule | None  # quantize float experts with this; None: copy or keep float
+    rule: Rule | None  # the first projection's rule (see `rules`)
     cast: mx.Dtype | None
+    rules: dict[str, Rule | None] = field(default_factory=dict)  # per projection; None: float
 
 
 @dataclass
@@ -55,14 +73,17 @@ def _source_rule(block: dict, path: str) -> Rule | None:
     over = block.get(path)
     if over is False:
         return None
-    over = over if isinstance(over, dict) else {}
-    bits = over.get("bits", block.get("bits"))
-    gs = over.get("group_size", block.get("group_size"))
-    return Rule(int(bits), int(gs), str(over.get("mode", block.get("mode", "affine"))))
+    if isinstance(over, dict):
+        # mlx-lm's loader passes a per-module dict to `to_quantized` as is: a key it lacks
+        # takes to_quantized's default (affine), not the block's.
+        return Rule(int(over.get("bits", block.get("bits"))), int(over.get("group_size", block.get("group_size"))),
+                    str(over.get("mode", "affine")))
+    return Rule(int(block.get("bits")), int(block.get("group_size")), str(block.get("mode", "affine")))
 
 
-def make_plan(src: SourceCheckpoint, bits: int | None, group_size: int, dtype: str | None) -> ContainerPlan:
-    """bits: 4/8 quantize, None keep float (--bits 16); an MLX-quantized source keeps its own."""
+def make_plan(src: SourceCheckpoint, bits: int | None, group_size: int, dtype: str | None,
+              mode: str = "affine") -> ContainerPlan:
+    """bits: quantize in `mode`, None keep float (--bits 16); an MLX-quantized source keeps its own."""
     config = src.mlx_config()
     model = skeleton(config)
     copy_quantized = src.quantization is not None
@@ -74,13 +95,14 @@ def make_plan(src: SourceCheckpoint, bits: int | None, group_size: int, dtype: s
                 f"source is already quantized at {src_bits} bits; moestream never re-quantizes "
                 f"(pack it with --bits {src_bits}, or from the float checkpoint)",
             )
-        if src.quantization.get("mode", "affine") != "affine":
-            raise QpackError(src.root / "config.json", f"quantization mode {src.quantization.get('mode')!r} is not supported")
-        quant = QuantPlan(_source_rule(src.quantization, "\0"))
+        if any(isinstance(v, dict) and v.get("global_scale") for v in src.quantization.values()):
+            raise QpackError(src.root / "config.json", "nvfp4 with a per-expert global_scale is not "
+                             "supported (gather_qmm over pool slots has no per-slot global scale)")
+        quant = QuantPlan(check_rule(_source_rule(src.quantization, "\0"), str(src.root / "config.json")))
         quant.overrides = {k: v for k, v in src.quantization.items() if isinstance(v, dict)}
         cast_to = None
     else:
-        quant = plan(model, bits, group_size)
+        quant = plan(model, bits, group_size, mode)
         cast_to = target_dtype(config, dtype) if (bits is not None or dtype is not None) else None
         block = quant.config_block()
         if block is not None:
@@ -107,47 +129,59 @@ def _dense_item(src: SourceCheckpoint, ref: DenseRef, quant: QuantPlan, cast_to,
         return DenseItem(ref, None, cast, [PlannedTensor(ref.target, tag, tuple(shape))])
     module = ref.target[: -len(".weight")]
     shapes = quantized_shapes(tuple(shape), rule)
-    outs = [
-        PlannedTensor(f"{module}.weight", "U32", shapes["weight"]),
-        PlannedTensor(f"{module}.scales", tag, shapes["scales"]),
-        PlannedTensor(f"{module}.biases", tag, shapes["biases"]),
-    ]
+    scale_tag = tag if rule.mode == "affine" else "U8"
+    outs = [PlannedTensor(f"{module}.{part}", "U32" if part == "weight" else scale_tag, qshape)
+            for part, qshape in shapes.items()]
     return DenseItem(ref, rule, cast, outs)
 
 
 def _layer_plan(src: SourceCheckpoint, layer: int, quant: QuantPlan, cast_to, copy_quantized: bool) -> LayerPlan:  # noqa: ANN001
+    """One MoE layer's expert format. Each projection has its own rule (mixed-precision
+    recipes give down_proj more bits, some leave experts unquantized); the layer's
+    format records the first projection's rule and the ones that differ from it."""
     shapes = src.expert_shapes(layer)
-    paths = [_switch_path(src.model_type, layer, p) for p in PROJECTIONS]
+    paths = {p: _switch_path(src.model_type, layer, p) for p in PROJECTIONS}
     if copy_quantized:
-        rules = {_source_rule(src.quantization, p) for p in paths}
-        if len(rules) != 1 or None in rules:
-            raise QpackError(src.root / "config.json", f"layer {layer}: experts mix quantization settings {rules}")
-        rule = rules.pop()
-        for p in PROJECTIONS:
-            for part in ("scales", "biases"):
+        rules = {p: _source_rule(src.quantization, path) for p, path in paths.items()}
+        for p, rule in rules.items():
+            if rule is not None:
+                check_rule(rule, str(src.root / "config.json"))
+            wanted = () if rule is None else ("scales", "biases") if rule.mode == "affine" else ("scales",)
+            for part in wanted:
                 if f"{p}.{part}" not in shapes:
                     raise QpackError(src.root, f"layer {layer}: quantized source lacks switch_mlp.{p}.{part}")
-        fmt = expert_format({k: (s, spec_dtype(t)) for k, (s, t) in shapes.items()}, rule.bits, rule.group_size, rule.mode)
-        return LayerPlan(layer, fmt, round_up(fmt.nbytes, ALIGNMENT), None, None)
-    missing = [p for p in paths if p not in quant.experts]
+            have = {k.split(".")[1] for k in shapes if k.startswith(p + ".")}
+            if rule is None and have != {"weight"}:
+                raise QpackError(src.root, f"layer {layer}: switch_mlp.{p} has {sorted(have)} but the "
+                                 "config does not quantize it")
+        fmt = _format({k: (s, spec_dtype(t)) for k, (s, t) in shapes.items()}, rules)
+        return LayerPlan(layer, fmt, round_up(fmt.nbytes, ALIGNMENT), None, None, rules)
+    missing = [path for path in paths.values() if path not in quant.experts]
     if missing and quant.default is not None:
         raise QpackError(src.root, f"layer {layer} has routed experts but mlx-lm's model has no {missing[0]}")
-    rules = {quant.experts[p] for p in paths} if quant.default is not None else {None}
-    if len(rules) != 1:
-        raise QpackError("--group-size", f"layer {layer}: expert projections would be quantized differently ({rules})")
-    rule = rules.pop()
-    if quant.default is not None and rule is None:
+    rules = {p: quant.experts[path] if quant.default is not None else None for p, path in paths.items()}
+    if quant.default is not None and None in rules.values():
         raise QpackError("--group-size", f"layer {layer}: expert dimensions do not divide group size {quant.default.group_size}")
     fshapes: dict[str, tuple[tuple[int, ...], str]] = {}
     for p in PROJECTIONS:
         shape, tag = shapes[f"{p}.weight"]
         name = spec_dtype(tag_of(cast_to)) if cast_to is not None else spec_dtype(tag)
+        rule = rules[p]
         if rule is None:
             fshapes[f"{p}.weight"] = (shape, name)
             continue
-        q = quantized_shapes(shape, rule)
-        fshapes[f"{p}.weight"] = (q["weight"], "uint32")
-        fshapes[f"{p}.scales"] = (q["scales"], name)
-        fshapes[f"{p}.biases"] = (q["biases"], name)
-    fmt = expert_format(fshapes, rule.bits if rule else None, rule.group_size if rule else None, rule.mode if rule else None)
-    return LayerPlan(layer, fmt, round_up(fmt.nbytes, ALIGNMENT), rule, cast_to)
+        for part, qshape in quantized_shapes(shape, rule).items():
+            fshapes[f"{p}.{part}"] = (qshape, "uint32" if part == "weight" else scale_dtype(rule, name))
+    fmt = _format(fshapes, rules)
+    first = rules[PROJECTIONS[0]]
+    return LayerPlan(layer, fmt, round_up(fmt.nbytes, ALIGNMENT), first, cast_to, rules)
+
+
+def _format(shapes: dict[str, tuple[tuple[int, ...], str]], rules: dict[str, Rule | None]) -> ExpertFormat:
+    first = rules[PROJECTIONS[0]]
+    differ = tuple(
+        ProjectionQuant(p, r.bits if r else None, r.group_size if r else None, r.mode if r else None)
+        for p, r in rules.items() if r != first
+    )
+    return expert_format(shapes, first.bits if first else None, first.group_size if first else None,
+                         first.mode if first else None, differ)

@@ -21,7 +21,29 @@ from mlx_lm.models.switch_layers import SwitchLinear
 from qpack.mlx_model import model_classes
 from qpack.spec import QpackError
 
-MODES = ("affine",)
+# MLX's quantization modes that mx.gather_qmm runs, each with the (bits, group sizes) it
+# takes (checked on MLX 0.32.4's CPU backend, every case, by benchmarks/quant_modes_check.py,
+# which is the check to run on a GPU). The fp modes keep one uint8 scale per group and no
+# biases.
+MODES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "affine": ((2, 3, 4, 5, 6, 8), (32, 64, 128)),
+    "mxfp4": ((4,), (32,)),
+    "nvfp4": ((4,), (16,)),
+    "mxfp8": ((8,), (32,)),
+}
+MODE_DEFAULTS = {"affine": (4, 64), "mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
+
+
+def check_rule(rule: Rule, where: str) -> Rule:
+    """Refuse a (mode, bits, group size) that gather_qmm cannot run, naming what it can."""
+    if rule.mode not in MODES:
+        raise QpackError(where, f"quantization mode {rule.mode!r} is not supported: MLX's "
+                         f"gather_qmm runs {', '.join(MODES)}")
+    bits, sizes = MODES[rule.mode]
+    if rule.bits not in bits or rule.group_size not in sizes:
+        raise QpackError(where, f"{rule.mode} quantization takes bits {list(bits)} and group size "
+                         f"{list(sizes)}, not {rule.bits} bits in groups of {rule.group_size}")
+    return rule
 
 
 @dataclass(frozen=True)
@@ -77,9 +99,7 @@ def plan(model: nn.Module, bits: int | None, group_size: int, mode: str = "affin
         exempt = {k for k, _ in tree_flatten(model.parameters()) if not cast_pred(k)}
     if bits is None:
         return QuantPlan(None, cast_exempt=exempt)
-    if mode not in MODES:
-        raise QpackError("--mode", f"quantization mode {mode!r} is not supported (want {MODES})")
-    default = Rule(bits, group_size, mode)
+    default = check_rule(Rule(bits, group_size, mode), "--mode")
     predicate = getattr(model, "quant_predicate", None)
     out = QuantPlan(default, cast_exempt=exempt)
     for path, module in model.named_modules():
@@ -101,21 +121,30 @@ def plan(model: nn.Module, bits: int | None, group_size: int, mode: str = "affin
 
 
 def quantized_shapes(shape: tuple[int, ...], rule: Rule) -> dict[str, tuple[int, ...]]:
-    """Shapes of weight/scales/biases that mx.quantize returns for a [..., in] weight."""
+    """Shapes of weight/scales(/biases) that mx.quantize returns for a [..., in] weight."""
     *lead, last = shape
     if last % rule.group_size or (last * rule.bits) % 32:
         raise QpackError("--group-size", f"last dimension {last} does not split into groups of {rule.group_size}")
-    return {
+    shapes = {
         "weight": (*lead, last * rule.bits // 32),
         "scales": (*lead, last // rule.group_size),
-        "biases": (*lead, last // rule.group_size),
     }
+    if rule.mode == "affine":
+        shapes["biases"] = (*lead, last // rule.group_size)
+    return shapes
 
 
-def quantize(w: mx.array, rule: Rule) -> tuple[mx.array, mx.array, mx.array]:
-    wq, scales, biases = mx.quantize(w, group_size=rule.group_size, bits=rule.bits, mode=rule.mode)
-    mx.eval(wq, scales, biases)
-    return wq, scales, biases
+def scale_dtype(rule: Rule, float_dtype: str) -> str:
+    """Spec dtype of the scales (and biases): the weights' float dtype for affine, uint8
+    (e8m0 / e4m3 exponents) for the fp modes."""
+    return float_dtype if rule.mode == "affine" else "uint8"
+
+
+def quantize(w: mx.array, rule: Rule) -> tuple[mx.array, ...]:
+    """weight, scales (and biases for affine), as mx.quantize returns them."""
+    out = tuple(mx.quantize(w, group_size=rule.group_size, bits=rule.bits, mode=rule.mode))
+    mx.eval(*out)
+    return out
 
 
 def target_dtype(config: dict, requested: str | None) -> mx.Dtype | None:

@@ -14,6 +14,7 @@ import math
 import os
 import threading
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -23,11 +24,16 @@ import numpy as np
 import structlog
 
 from qpack import spec
+from qpack.checked_files import check_listed, non_expert_files, tokenizer_dir
 from qpack.spec import QpackError
 
 log = structlog.get_logger("qpack.reader")
-# "full": every file and expert checked at open; "always": every read checked (costs a
-# crc32 pass per read); "first-use": each expert checked the first time it is read.
+# What each level checks (sha256 of a file, crc32 of an expert blob):
+#   "off":       nothing (structure and sizes only, as at every level)
+#   "first-use": config, tokenizer files and dense core at open; each expert the first
+#                time it is read (the default)
+#   "full":      every file and every expert at open (reads the whole container)
+#   "always":    as first-use, plus every expert on every read (a crc32 pass per read)
 Verify = Literal["off", "first-use", "full", "always"]
 ALIGN_BYTES = 4096  # O_DIRECT buffer alignment: the largest logical block size in common use
 _NP_DTYPES = {"uint32": np.uint32, "uint8": np.uint8, "bfloat16": np.uint16, "float16": np.float16,
@@ -92,6 +98,10 @@ class Container:
         _check_layers(root, manifest)
         _check_config_matches(root, manifest, config)
         container = cls(root, manifest, config, verify, io or PosixIO(), o_direct)
+        if verify in ("first-use", "always"):
+            # Config, tokenizer and dense core are each read once, so they are checked once,
+            # here (sha256 runs at ~2 GB/s); the experts are checked by crc32 as they are read.
+            check_listed(root, manifest, non_expert_files(manifest))
         if verify == "full":
             report = verify_container(root)
             if not report.ok:
@@ -104,6 +114,10 @@ class Container:
     @property
     def dense_path(self) -> Path:
         return self.root / spec.DENSE
+
+    def tokenizer_dir(self) -> Path:
+        """Where to load the tokenizer from: only the manifest's tokenizer files (checked)."""
+        return tokenizer_dir(self.root, self.manifest, verify=self.verify != "off")
 
     def dense_weights(self) -> dict[str, mx.array]:
         return mx.load(str(self.dense_path))
@@ -185,11 +199,11 @@ class Container:
     @property
     def smallest_pool_bytes(self) -> int:
         """Smallest workable pool for decode: one layer's top-k experts resident at once."""
-        return self.manifest.top_k * self.manifest.max_stride
+        return self.manifest.top_k * self.manifest.pool_slot_bytes
 
     def prefill_pool_bytes(self, chunk_tokens: int) -> int:
         """Smallest pool for a prefill chunk: every expert the chunk can route to in one layer."""
-        return min(self.manifest.num_experts, chunk_tokens * self.manifest.top_k) * self.manifest.max_stride
+        return min(self.manifest.num_experts, chunk_tokens * self.manifest.top_k) * self.manifest.pool_slot_bytes
 
     def close(self) -> None:
         with self._lock:
@@ -316,6 +330,30 @@ def _check_format(where: Path, name: str, fmt: spec.ExpertFormat) -> None:
     for proj in spec.PROJECTIONS:
         if f"{proj}.weight" not in names:
             raise QpackError(where, f"{name}: expert format has no {proj}.weight")
+        _check_quant(where, f"{name} {proj}", fmt, proj)
+
+
+def _check_quant(where: Path, name: str, fmt: spec.ExpertFormat, proj: str) -> None:
+    """A projection's tensors fit its quantization, so compute never meets a lie."""
+    by_name = {t.name: t for t in fmt.tensors}
+    w, scales, biases = (by_name.get(f"{proj}.{p}") for p in ("weight", "scales", "biases"))
+    bits, group_size, mode = fmt.quant(proj)
+    if bits is None:
+        if scales is not None or biases is not None:
+            raise QpackError(where, f"{name}: has scales/biases but its format is not quantized")
+        return
+    if mode not in spec.QUANT_MODES or not group_size or group_size <= 0 or not 0 < bits <= 8:
+        raise QpackError(where, f"{name}: quantization {bits}-bit {mode!r} in groups of {group_size} "
+                         f"is not one of {spec.QUANT_MODES} at 1-8 bits")
+    fits = (
+        w is not None and scales is not None and w.dtype == "uint32" and len(w.shape) == 2
+        and scales.shape[:-1] == w.shape[:-1]
+        and w.shape[-1] * 32 == scales.shape[-1] * group_size * bits
+        and (biases is not None) == (mode == "affine")
+        and (biases is None or biases.shape == scales.shape)
+    )
+    if not fits:
+        raise QpackError(where, f"{name}: tensors do not fit {bits}-bit {mode} in groups of {group_size}")
 
 
 class VerifyReport(msgspec.Struct):
@@ -329,10 +367,12 @@ class VerifyReport(msgspec.Struct):
         return not self.problems
 
 
-def verify_container(path: str | os.PathLike[str]) -> VerifyReport:
+def verify_container(path: str | os.PathLike[str],
+                     progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Full check: structure, every file's sha256 and every expert's crc32.
 
-    Collects every problem instead of stopping at the first."""
+    Collects every problem instead of stopping at the first. `progress(done, total)` is
+    called with bytes checked so far (the container is read about twice)."""
     root = Path(path)
     report = VerifyReport(str(root))
     try:
@@ -342,11 +382,21 @@ def verify_container(path: str | os.PathLike[str]) -> VerifyReport:
         return report
     with container:
         m = container.manifest
+        total = sum(f.size for f in m.files) + m.expert_bytes
+        done = 0
+
+        def advance(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress is not None:
+                progress(done, total)
+
         for f in m.files:
             h = hashlib.sha256()
             with open(root / f.path, "rb") as fh:
                 while chunk := fh.read(1 << 22):
                     h.update(chunk)
+                    advance(len(chunk))
             report.files_checked += 1
             if h.hexdigest() != f.sha256:
                 report.problems.append(f"{root / f.path}: sha256 {h.hexdigest()[:16]}... != manifest {f.sha256[:16]}...")
@@ -354,6 +404,7 @@ def verify_container(path: str | os.PathLike[str]) -> VerifyReport:
             buf = bytearray(entry.stride)
             for e in range(entry.num_experts):
                 container.read_expert(entry.index, e, buf)
+                advance(entry.stride)
                 report.experts_checked += 1
                 crc = zlib.crc32(memoryview(buf)[: entry.format.nbytes])
                 if crc != entry.checksums[e]:

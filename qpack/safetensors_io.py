@@ -31,6 +31,8 @@ _DTYPES: dict[str, tuple[np.dtype, mx.Dtype, str]] = {
     "I32": (np.dtype(np.int32), mx.int32, "int32"),
     "I64": (np.dtype(np.int64), mx.int64, "int64"),
     "BOOL": (np.dtype(np.bool_), mx.bool_, "bool"),
+    # float8 e4m3 bytes (FP8 checkpoints): read as uint8, decoded by qpack.fp8
+    "F8_E4M3": (np.dtype(np.uint8), mx.uint8, "uint8"),
 }
 _MX_TO_TAG = {v[1]: k for k, v in _DTYPES.items()}
 _NAME_TO_TAG = {v[2]: k for k, v in _DTYPES.items()}

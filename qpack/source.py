@@ -19,11 +19,13 @@ from pathlib import Path
 import mlx.core as mx
 import msgspec
 
-from qpack.safetensors_io import SafetensorsFile, TensorInfo, bytes_to_mx, open_index
+from qpack.checkpoint_kind import check_config, check_files, hf_quantization, is_fp8_block
+from qpack.fp8 import FP8_TAG, SCALE_SUFFIX, dequantize_rows, scale_rows
+from qpack.names import MODEL_TYPE_ALIASES, target_name
+from qpack.safetensors_io import SafetensorsFile, TensorInfo, bytes_to_mx, mx_to_bytes, open_index
 from qpack.spec import PROJECTIONS, QpackError, parse_json
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe")
-MODEL_TYPE_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -83,6 +85,7 @@ class SourceCheckpoint:
     index: dict[str, Path]
     moe_layers: dict[int, dict[str, ExpertRef]] = field(default_factory=dict)
     dense: list[DenseRef] = field(default_factory=list)
+    fp8_block: tuple[int, int] | None = None  # FP8 block-scaled source: read as bf16 (qpack.fp8)
     _files: dict[Path, SafetensorsFile] = field(default_factory=dict)
 
     # -- facts -------------------------------------------------------------
@@ -103,6 +106,11 @@ class SourceCheckpoint:
         cfg = copy.deepcopy(self.config)
         if cfg.get("model_type") in MODEL_TYPE_ALIASES:
             cfg["model_type"] = MODEL_TYPE_ALIASES[cfg["model_type"]]
+        if self.model_type == "qwen3_next":
+            flatten_rope_parameters(cfg)
+        if self.fp8_block is not None:  # the container holds what the dequantized weights become
+            for where in (cfg, cfg.get("text_config") or {}):
+                where.pop("quantization_config", None)
         return cfg
 
     def tokenizer_files(self) -> list[Path]:
@@ -122,20 +130,50 @@ class SourceCheckpoint:
             raise QpackError(path, f"tensor {name!r} listed in the index is not in this shard")
         return f
 
+    def _fp8_scale(self, name: str) -> str | None:
+        """The block-scale tensor of an FP8 weight (None: not an FP8 weight)."""
+        if self.fp8_block is None or self.file(name).tensors[name].dtype != FP8_TAG:
+            return None
+        scale = name + SCALE_SUFFIX
+        if scale not in self.index:
+            raise QpackError(self.root, f"FP8 tensor {name!r} has no {scale!r}")
+        return scale
+
     def info(self, name: str) -> TensorInfo:
-        return self.file(name).tensors[name]
+        info = self.file(name).tensors[name]
+        if self._fp8_scale(name) is not None:  # what it reads as: bf16
+            return TensorInfo("BF16", info.shape, info.start, info.nbytes * 2)
+        return info
 
     def raw(self, name: str, row: int | None = None) -> RawTensor:
         f = self.file(name)
         info = f.tensors[name]
         shape = info.shape if row is None else info.shape[1:]
+        scale = self._fp8_scale(name)
+        if scale is not None:
+            data = bytes_to_mx(f.read_bytes(name, row), "U8", shape)
+            s = self.file(scale).tensors[scale]
+            s_arr = bytes_to_mx(self.file(scale).read_bytes(scale, row), s.dtype,
+                                s.shape if row is None else s.shape[1:])
+            arr = dequantize_rows(data, s_arr, self.fp8_block, 0, mx.bfloat16)  # type: ignore[arg-type]
+            return RawTensor("BF16", shape, bytearray(mx_to_bytes(arr)))
         return RawTensor(info.dtype, shape, f.read_bytes(name, row))
 
     def dense_tensor(self, ref: DenseRef, rows: tuple[int, int] | None = None) -> mx.array:
         """One dense tensor (or rows start..stop of it) under its mlx-lm name, sanitized as
         mlx-lm would. Every fix-up keeps the leading axis, so rows can be done apart."""
+        scale = self._fp8_scale(ref.source)
         if rows is None:
             arr = self.raw(ref.source).to_mx()
+        elif scale is not None:
+            f = self.file(ref.source)
+            info = f.tensors[ref.source]
+            data = bytes_to_mx(f.read_rows(ref.source, *rows), "U8", (rows[1] - rows[0], *info.shape[1:]))
+            b0, _ = self.fp8_block  # type: ignore[misc]
+            lo, hi = scale_rows(rows[0], rows[1] - rows[0], b0)
+            s = self.file(scale).tensors[scale]
+            s_arr = bytes_to_mx(self.file(scale).read_rows(scale, lo, hi), s.dtype, (hi - lo, *s.shape[1:]))
+            arr = dequantize_rows(data, s_arr, self.fp8_block, rows[0], mx.bfloat16)  # type: ignore[arg-type]
         else:
             f = self.file(ref.source)
             info = f.tensors[ref.source]
@@ -184,6 +222,8 @@ class SourceCheckpoint:
 
 def _load_config(root: Path) -> dict:
     path = root / "config.json"
+    if root.is_dir():
+        check_files([p.name for p in root.iterdir()], root)
     if not path.is_file():
         raise QpackError(root, "not a checkpoint directory (no config.json)")
     cfg = parse_json(path.read_bytes(), path, "config.json")
@@ -192,19 +232,20 @@ def _load_config(root: Path) -> dict:
     return cfg
 
 
-def _target_name(model_type: str, name: str) -> str | None:
-    """mlx-lm's key renames (qwen3_5_moe.Model.sanitize); None drops the tensor."""
-    if "mtp." in name:
-        return None
-    if model_type == "qwen3_next":
-        return name
-    if name.startswith(("vision_tower", "model.visual")):
-        return None
-    if name.startswith("model.language_model"):
-        return name.replace("model.language_model", "language_model.model", 1)
-    if name.startswith("language_model."):
-        return name
-    return "language_model." + name
+def flatten_rope_parameters(cfg: dict) -> None:
+    """transformers 5 re-saves Qwen3-Next configs with `rope_theta` and
+    `partial_rotary_factor` only inside `rope_parameters`; mlx-lm's qwen3_next ModelArgs
+    wants them at the top level (and a non-default rope type as `rope_scaling`)."""
+    rope = cfg.get("rope_parameters")
+    if not isinstance(rope, dict):
+        return
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key not in cfg and key in rope:
+            cfg[key] = rope[key]
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if cfg.get("rope_scaling") is None and kind != "default":
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor", "rope_type")}
+        cfg["rope_scaling"] = {"type": kind, **scaling}
 
 
 def _experts(names: list[str], num_experts: int, root: Path) -> dict[int, dict[str, ExpertRef]]:
@@ -250,10 +291,15 @@ def open_source(root: str | Path) -> SourceCheckpoint:
     for key in ("num_experts", "num_experts_per_tok", "num_hidden_layers"):
         if key not in text:
             raise QpackError(root / "config.json", f"config has no {key!r}")
+    check_config(config, root / "config.json")
     quantization = config.get("quantization")
     index = open_index(root)
-    names = sorted(index)
-    src = SourceCheckpoint(root, config, model_type, text, quantization, False, index)
+    fp8 = hf_quantization(config)
+    fp8_block = tuple(int(b) for b in fp8["weight_block_size"]) if is_fp8_block(fp8) else None
+    # FP8 block scales are read with their weights, never as tensors of their own.
+    names = sorted(n for n in index if not (fp8_block and n.endswith(SCALE_SUFFIX)))
+    src = SourceCheckpoint(root, config, model_type, text, quantization, False, index,
+                           fp8_block=fp8_block)  # type: ignore[arg-type]
     src.moe_layers = _experts(names, src.num_experts, root)
     if not src.moe_layers:
         raise QpackError(root, "no routed expert tensors found")
@@ -284,7 +330,7 @@ def _dense_refs(src: SourceCheckpoint, names: list[str]) -> list[DenseRef]:
     tied = bool(src.text.get("tie_word_embeddings", src.config.get("tie_word_embeddings", False)))
     refs = []
     for name in names:
-        target = _target_name(src.model_type, name)
+        target = target_name(src.model_type, name)
         if target is None or (tied and target.endswith("lm_head.weight")):
             continue
         info = src.info(name)

@@ -11,7 +11,7 @@ A container is a directory (so it downloads and resumes file by file):
       experts/layer_NNN.bin    expert e of that layer at offset e * stride
 
 One expert blob holds gate_proj, up_proj, down_proj, each as weight | scales | biases
-(quantized) or weight alone (unquantized), every tensor starting on a 64-byte boundary
+(affine), weight | scales (mxfp4, nvfp4, mxfp8) or weight alone (unquantized), every tensor starting on a 64-byte boundary
 inside the blob. The stride is the blob size rounded up to `alignment` (16 KiB), so one
 expert is one aligned read and O_DIRECT is possible.
 """
@@ -34,6 +34,7 @@ CONFIG = "config.json"
 DENSE = "dense.safetensors"
 EXPERTS_DIR = "experts"
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+QUANT_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")  # MLX modes; affine alone has biases
 
 DType = Literal["uint32", "uint8", "bfloat16", "float16", "float32"]
 DTYPE_SIZES: dict[str, int] = {
@@ -72,6 +73,16 @@ class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nbytes: int
 
 
+class ProjectionQuant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A projection quantized otherwise than its layer (mlx-lm's mixed-precision recipes
+    give down_proj more bits); bits None: that projection is not quantized."""
+
+    name: str  # gate_proj | up_proj | down_proj
+    bits: int | None
+    group_size: int | None
+    mode: str | None
+
+
 class ExpertFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How one layer's experts are laid out and quantized; identical for every expert of it."""
 
@@ -79,7 +90,15 @@ class ExpertFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nbytes: int
     bits: int | None = None  # None: unquantized (weight only)
     group_size: int | None = None
-    mode: str | None = None  # "affine" for MLX affine quantization
+    mode: str | None = None  # MLX quantization mode: affine, mxfp4, nvfp4, mxfp8
+    projections: tuple[ProjectionQuant, ...] = ()  # where a projection differs from the above
+
+    def quant(self, proj: str) -> tuple[int | None, int | None, str | None]:
+        """(bits, group_size, mode) of one projection."""
+        for p in self.projections:
+            if p.name == proj:
+                return p.bits, p.group_size, p.mode
+        return self.bits, self.group_size, self.mode
 
     def tensor(self, name: str) -> TensorSpec:
         for t in self.tensors:
@@ -134,6 +153,14 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def max_stride(self) -> int:
         return max((layer.stride for layer in self.layers), default=0)
 
+    @property
+    def pool_slot_bytes(self) -> int:
+        """What one pool slot costs at most: the largest stride, or, when layers differ in
+        format (mixed precision), every distinct tensor variant (actors.pool.layout)."""
+        variants = {(t.name, t.dtype, tuple(t.shape)): t.nbytes
+                    for layer in self.layers for t in layer.format.tensors}
+        return max(self.max_stride, sum(variants.values()))
+
     def layer(self, index: int) -> LayerEntry:
         for entry in self.layers:
             if entry.index == index:
@@ -154,6 +181,7 @@ def expert_format(
     bits: int | None,
     group_size: int | None,
     mode: str | None,
+    projections: tuple[ProjectionQuant, ...] = (),
 ) -> ExpertFormat:
     """Lay out an expert's tensors (name -> (shape, dtype)) in PROJECTIONS order."""
     order = [
@@ -172,7 +200,7 @@ def expert_format(
         offset = round_up(offset, TENSOR_ALIGNMENT)
         tensors.append(TensorSpec(name, dtype, tuple(shape), offset, nbytes))  # type: ignore[arg-type]
         offset += nbytes
-    return ExpertFormat(tuple(tensors), offset, bits, group_size, mode)
+    return ExpertFormat(tuple(tensors), offset, bits, group_size, mode, projections)
 
 
 def check_relative(root: Path, rel: str) -> Path:

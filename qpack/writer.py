@@ -15,6 +15,7 @@ import errno
 import hashlib
 import json
 import os
+import signal
 import time
 import zlib
 from collections.abc import Callable
@@ -26,7 +27,8 @@ import structlog
 
 from qpack import spec
 from qpack.layout import ContainerPlan, LayerPlan, make_plan
-from qpack.quantize import cast, quantize
+from qpack.output_guard import bytes_under, exclusive_output, require_free_space
+from qpack.quantize import MODE_DEFAULTS, cast, quantize
 from qpack.safetensors_io import data_offsets, mx_to_bytes
 from qpack.source import SourceCheckpoint, open_source
 from qpack.spec import QpackError
@@ -34,7 +36,10 @@ from qpack.spec import QpackError
 log = structlog.get_logger("qpack.pack")
 JOURNAL = ".qpack-journal.json"
 DENSE_CHUNK = 32 * 1024 * 1024  # bytes of source rows converted at once
-TEST_DELAY_ENV = "QPACK_TEST_DELAY_S"  # tests: sleep after each expert/file so a kill lands mid-pack
+# Tests: "FD:NAME". The packer writes the name of every milestone it passes (one line each)
+# to file descriptor FD and, at milestone NAME, stops until a signal ends it; so a test
+# kills a pack at an exact step instead of racing a running one.
+PAUSE_ENV = "QPACK_TEST_PAUSE"
 
 
 class Done(msgspec.Struct):
@@ -60,9 +65,17 @@ class PackResult:
         return self.bytes_written / 1e6 / max(self.seconds, 1e-9)
 
 
-def _delay() -> None:
-    if d := os.environ.get(TEST_DELAY_ENV):
-        time.sleep(float(d))
+def _milestone(name: str) -> None:
+    """A step of the pack is on disk: "<step> <file>" (begin, wrote N, renamed, journal-tmp,
+    journal). Free unless PAUSE_ENV is set."""
+    if not (hook := os.environ.get(PAUSE_ENV)):
+        return
+    fd, _, stop_at = hook.partition(":")
+    os.write(int(fd), name.encode() + b"\n")
+    # SIGINT raises KeyboardInterrupt here, as it would mid-write. A test that lets the
+    # pack go on (after filling the disk under it) clears the hook from a signal handler.
+    while name == stop_at and os.environ.get(PAUSE_ENV) == hook:
+        signal.pause()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -77,6 +90,7 @@ class _Out:
     """One output file written as .partial then renamed; hashes while writing."""
 
     def __init__(self, root: Path, rel: str) -> None:
+        self.rel = rel
         self.path = root / rel
         self.partial = self.path.with_name(self.path.name + ".partial")
         self.sha = hashlib.sha256()
@@ -86,6 +100,7 @@ class _Out:
     def __enter__(self) -> _Out:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.f = _guard(self.partial, lambda: open(self.partial, "wb"))  # noqa: SIM115
+        _milestone(f"begin {self.rel}")
         return self
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -106,6 +121,7 @@ class _Out:
             os.replace(self.partial, self.path)
             _fsync_dir(self.path.parent)
         _guard(self.partial, finish)
+        _milestone(f"renamed {self.rel}")
 
     def done(self) -> Done:
         return Done(self.size, self.sha.hexdigest())
@@ -156,19 +172,24 @@ class Packer:
         # The journal goes first, so that whatever a kill leaves behind is a resumable pack.
         self.out.mkdir(parents=True, exist_ok=True)
         journal = Journal(self.options)
-        self._save(journal)
+        self._save(journal, "start")
         return journal
 
-    def _save(self, journal: Journal) -> None:
+    def _save(self, journal: Journal, step: str) -> None:
         tmp = self.out / (JOURNAL + ".tmp")
         data = msgspec.json.encode(journal)
-        _guard(tmp, lambda: tmp.write_bytes(data))
+        try:
+            _guard(tmp, lambda: tmp.write_bytes(data))
+        except QpackError:  # disk full: leave the last whole journal, not a torn copy
+            tmp.unlink(missing_ok=True)
+            raise
+        _milestone(f"journal-tmp {step}")
         os.replace(tmp, self.out / JOURNAL)
+        _milestone(f"journal {step}")
 
     def _commit(self, rel: str, done: Done) -> None:
         self.journal.done[rel] = done
-        self._save(self.journal)
-        _delay()
+        self._save(self.journal, rel)
 
     def _finished(self, rel: str) -> bool:
         d = self.journal.done.get(rel)
@@ -207,8 +228,9 @@ class Packer:
         partial = path.with_name(path.name + ".partial")
         fd = _guard(partial, lambda: os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
         try:
+            _milestone(f"begin {spec.DENSE}")
             _pwrite(fd, header, 0, partial)
-            for item in self.plan.dense:
+            for i, item in enumerate(self.plan.dense):
                 info = self.src.info(item.ref.source)
                 rows = info.shape[0] if info.shape else 1
                 step = max(1, DENSE_CHUNK // max(info.row_bytes(), 1))
@@ -221,7 +243,7 @@ class Packer:
                         data = mx_to_bytes(a)
                         _pwrite(fd, data, offsets[t.name] + start * row_bytes, partial)
                         bar(len(data))
-                _delay()
+                _milestone(f"wrote {spec.DENSE} {i}")
             _guard(partial, lambda: os.fsync(fd))
         except QpackError:
             os.close(fd)
@@ -234,6 +256,7 @@ class Packer:
                 sha.update(chunk)
         os.replace(partial, path)
         _fsync_dir(path.parent)
+        _milestone(f"renamed {spec.DENSE}")
         self.bytes_written += size
         self._commit(spec.DENSE, Done(size, sha.hexdigest()))
 
@@ -250,7 +273,7 @@ class Packer:
                 crcs.append(zlib.crc32(memoryview(blob)[: lp.format.nbytes]))
                 o.write(blob)
                 bar(lp.stride)
-                _delay()
+                _milestone(f"wrote {rel} {e}")
         self.bytes_written += o.size
         done = o.done()
         done.checksums = crcs
@@ -265,11 +288,11 @@ class Packer:
         else:
             for proj in spec.PROJECTIONS:
                 w = cast(raw[f"{proj}.weight"].to_mx(), lp.cast)
-                if lp.rule is None:
+                rule = lp.rules.get(proj, lp.rule)
+                if rule is None:
                     parts[f"{proj}.weight"] = mx_to_bytes(w)
                     continue
-                wq, scales, biases = quantize(w, lp.rule)
-                for part, arr in (("weight", wq), ("scales", scales), ("biases", biases)):
+                for part, arr in zip(("weight", "scales", "biases"), quantize(w, rule), strict=False):
                     parts[f"{proj}.{part}"] = mx_to_bytes(arr)
         blob = bytearray(lp.stride)
         for t in lp.format.tensors:
@@ -309,35 +332,46 @@ class Packer:
 
 
 def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: int | None = None,
-         group_size: int = 64, dtype: str | None = None, revision: str | None = None,
-         progress: bool = True) -> PackResult:
+         group_size: int | None = None, dtype: str | None = None, revision: str | None = None,
+         progress: bool = True, mode: str = "affine") -> PackResult:
     """Pack `source` (a checkpoint dir or a hub repo id) into the container `out`.
 
-    bits: 4 or 8 quantize a float source, 16 keeps it float, None means 4 for a float
-    source and "as it is" for an MLX-quantized one (which is copied, never re-quantized)."""
+    bits: quantize a float source at that many bits in MLX quantization `mode` (affine,
+    mxfp4, nvfp4, mxfp8), 16 keeps it float, None means the mode's default (4) for a float
+    source and "as it is" for an MLX-quantized one (copied, never re-quantized).
+    group_size None: the mode's default (64 affine, 32 mxfp4/mxfp8, 16 nvfp4)."""
     from qpack.hub import resolve_source
 
     out = Path(out)
-    if bits not in (None, 4, 8, 16):
-        raise QpackError("--bits", f"{bits} is not one of 4, 8, 16")
+    if bits not in (None, 2, 3, 4, 5, 6, 8, 16):
+        raise QpackError("--bits", f"{bits} is not one of 2, 3, 4, 5, 6, 8, 16")
+    if mode not in MODE_DEFAULTS:
+        raise QpackError("--mode", f"quantization mode {mode!r} is not one of {', '.join(MODE_DEFAULTS)}")
+    group_size = group_size or MODE_DEFAULTS[mode][1]
     options = {"source": str(source), "bits": bits, "group_size": group_size, "dtype": dtype, "revision": revision}
-    if (out / spec.MANIFEST).exists():
-        manifest = spec.decode_manifest((out / spec.MANIFEST).read_bytes(), out / spec.MANIFEST)
-        (out / JOURNAL).unlink(missing_ok=True)
-        log.info("pack.already_complete", path=str(out))
-        return PackResult(manifest, out, 0, 0.0)
-    t0 = time.perf_counter()
-    src = open_source(resolve_source(str(source), revision=revision, progress=progress))
-    try:
-        if src.quantization is not None and bits == 16:
-            raise QpackError(src.root, "source is MLX-quantized; --bits 16 would need dequantizing, which pack does not do")
-        plan_bits = None if bits == 16 else (bits or (None if src.quantization is not None else 4))
-        plan = make_plan(src, plan_bits, group_size, dtype)
-        packer = Packer(src, plan, out, str(source), options, progress)
-        total = sum(t.nbytes for t in plan.dense_plan()) + sum(lp.stride * src.num_experts for lp in plan.layers)
-        manifest = _with_progress(packer, total, progress, out)
-    finally:
-        src.close()
+    if mode != "affine":  # absent for affine, so journals of earlier packs still match
+        options["mode"] = mode
+    with exclusive_output(out, "pack"):
+        if (out / spec.MANIFEST).exists():
+            manifest = spec.decode_manifest((out / spec.MANIFEST).read_bytes(), out / spec.MANIFEST)
+            (out / JOURNAL).unlink(missing_ok=True)
+            log.info("pack.already_complete", path=str(out))
+            return PackResult(manifest, out, 0, 0.0)
+        t0 = time.perf_counter()
+        src = open_source(resolve_source(str(source), revision=revision, progress=progress))
+        try:
+            if src.quantization is not None and bits == 16:
+                raise QpackError(src.root, "source is MLX-quantized; --bits 16 would need dequantizing, which pack does not do")
+            default_bits = None if src.quantization is not None else MODE_DEFAULTS[mode][0]
+            plan_bits = None if bits == 16 else (bits or default_bits)
+            plan = make_plan(src, plan_bits, group_size, dtype, mode)
+            total = sum(t.nbytes for t in plan.dense_plan()) + sum(lp.stride * src.num_experts for lp in plan.layers)
+            small = sum(f.stat().st_size for f in src.tokenizer_files())  # copied as they are
+            require_free_space(out, total + small, "packing", already=bytes_under(out))
+            packer = Packer(src, plan, out, str(source), options, progress)
+            manifest = _with_progress(packer, total, progress, out)
+        finally:
+            src.close()
     result = PackResult(manifest, out, packer.bytes_written, time.perf_counter() - t0)
     log.info("pack.done", path=str(out), mb=round(result.bytes_written / 1e6, 2), seconds=round(result.seconds, 2),
              mb_s=round(result.mb_s, 1))

@@ -1,17 +1,27 @@
-"""Shared fixtures. `synth_checkpoint` writes tiny synthetic checkpoints once per session."""
+"""Shared fixtures, each made once per session: tiny synthetic checkpoints
+(`synth_checkpoint`), containers packed from them (`packed`), and the fork server that
+kill tests start packs from (`fork_server`)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
 from collections.abc import Callable
+from multiprocessing import forkserver
+from multiprocessing.context import BaseContext
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 # The package is used from the checkout (not installed) when tests run as `.venv/bin/pytest`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import forked_cli  # noqa: E402
+import packjob  # noqa: E402
+
 from qpack.synth.checkpoint import synthesize  # noqa: E402
+from qpack.writer import pack  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -21,17 +31,59 @@ def synth_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., 
     Returns the directory of the `tiny` preset of `family` ("qwen3_next" or "qwen3_5_moe"),
     seed 0, written once per argument combination per test session. `bits` 4 or 8 gives the
     MLX-quantized layout (what `mlx_lm.convert -q` writes); `layout="per-expert"` gives
-    transformers' text-only Qwen3.5 MoE layout. Treat the directory as read-only.
+    transformers' text-only Qwen3.5 MoE layout; `variant="thinking"` Qwen3-Next's Thinking
+    template and generation_config; `mode` (mxfp4, nvfp4, mxfp8) and `recipe` (mixed_3_6, ...)
+    what mlx_lm.convert --q-mode / --quant-predicate write. Treat the directory as read-only.
     """
-    made: dict[tuple[str, str, int | None, str], Path] = {}
+    made: dict[tuple[str, str, int | None, str, str | None], Path] = {}
 
     def make(family: str, *, dtype: str = "float32", bits: int | None = None,
-             layout: str = "hub") -> Path:
-        key = (family, dtype, bits, layout)
+             layout: str = "hub", variant: str | None = None, mode: str = "affine",
+             recipe: str | None = None) -> Path:
+        key = (family, dtype, bits, layout, variant, mode, recipe)
         if key not in made:
-            out = tmp_path_factory.mktemp(f"synth-{family}-{dtype}-{bits}-{layout}")
+            out = tmp_path_factory.mktemp(f"synth-{family}-{dtype}-{bits}-{layout}-{variant}-{mode}-{recipe}")
             made[key] = synthesize(out, family, "tiny", dtype=dtype, bits=bits, layout=layout,
-                                   progress=False)
+                                   progress=False, variant=variant, mode=mode, recipe=recipe)
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: `packed(source, **pack_options) -> Path`, the container `tiny.qpack`
+    packed from `source` once per option set per session. Read-only: a test that damages
+    a container damages a copy."""
+    made: dict[tuple[str, tuple[tuple[str, Any], ...]], Path] = {}
+
+    def make(source: Path, **options: Any) -> Path:
+        key = (str(source), tuple(sorted(options.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp("packed") / "tiny.qpack"
+            pack(source, out, progress=False, **options)
+            made[key] = out
+        return made[key]
+
+    return make
+
+
+def _start_fork_server() -> BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(packjob.PRELOAD + forked_cli.PRELOAD)
+    forkserver.ensure_running()  # returns at once; the server imports PRELOAD on its own
+    return ctx
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Started now, the fork server imports the packer and the engine on the other core
+    # while the tests before the first that needs it run.
+    if any("fork_server" in getattr(item, "fixturenames", ()) for item in session.items):
+        _start_fork_server()
+
+
+@pytest.fixture(scope="session")
+def fork_server() -> BaseContext:
+    """The fork server for `packjob.PackJob` and `forked_cli.ForkedCLI`: packer, CLI and
+    engine preloaded, so a forked pack or `moestream serve` starts at once."""
+    return _start_fork_server()

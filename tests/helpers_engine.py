@@ -43,7 +43,7 @@ async def forward_logits(
 ) -> list[np.ndarray]:
     """Logits through the engine's compute actor: prompt in the config's chunks, then
     `decode` one token at a time, on a fresh cache. Copied to numpy on the MLX thread."""
-    chunk = engine.config.compute.prefill_chunk
+    chunk = engine.prefill_chunk
     cache = engine.model.make_cache()
     out: list[np.ndarray] = []
     async with engine.lock:

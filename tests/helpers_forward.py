@@ -14,17 +14,14 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-import pytest
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
 from actors.pool.storage import PoolStorage, uniform_format
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import ForwardStep, StreamedModel
 from qpack.reader import Container
-from qpack.writer import pack
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe")
-_PACKED: dict[tuple[str, int | None], tuple[Path, Path]] = {}
 # Read-only once loaded (the forward never writes to the dense core): shared across tests.
 _DENSE: dict[Path, Any] = {}
 _REFERENCES: dict[tuple[Path, int | None], Reference] = {}
@@ -32,11 +29,11 @@ _REFERENCES: dict[tuple[Path, int | None], Reference] = {}
 
 def tiny_pair(
     synth_checkpoint: Callable[..., Path],
-    tmp_path_factory: pytest.TempPathFactory,
+    packed: Callable[..., Path],
     family: str,
     bits: int | None = None,
 ) -> tuple[Path, Path]:
-    """(source checkpoint, our container packed from it), once per session.
+    """(source checkpoint, our container packed from it), each made once per session.
 
     bits None: the fp32 hub checkpoint, packed keeping fp32 experts (MLX CPU's gather_mm
     wants fp32). bits 4: the bf16 MLX-quantized checkpoint (what `mlx_lm.convert -q`
@@ -45,20 +42,14 @@ def tiny_pair(
     packer tests show byte-identical to an MLX-layout 8-bit checkpoint. Both sources are
     the ones tests/test_pack.py synthesizes, so a full run writes them once.
     """
-    key = (family, bits)
-    if key not in _PACKED:
-        out = tmp_path_factory.mktemp(f"qpack-{family}-{bits or 'fp32'}") / "tiny.qpack"
-        if bits is None:
-            src = synth_checkpoint(family, dtype="float32")
-            pack(src, out, bits=16, progress=False)
-        elif bits == 4:
-            src = synth_checkpoint(family, dtype="bfloat16", bits=4)
-            pack(src, out, progress=False)
-        else:
-            src = synth_checkpoint(family, dtype="bfloat16")
-            pack(src, out, bits=bits, progress=False)
-        _PACKED[key] = (src, out)
-    return _PACKED[key]
+    if bits is None:
+        src = synth_checkpoint(family, dtype="float32")
+        return src, packed(src, bits=16)
+    if bits == 4:
+        src = synth_checkpoint(family, dtype="bfloat16", bits=4)
+        return src, packed(src)
+    src = synth_checkpoint(family, dtype="bfloat16")
+    return src, packed(src, bits=bits)
 
 
 class DirectForward:

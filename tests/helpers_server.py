@@ -1,8 +1,9 @@
-"""Test helpers for the HTTP server: a tiny packed container and a real server on loopback."""
+"""Test helpers for the HTTP server: a real server on loopback."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import shutil
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -13,14 +14,12 @@ import trio
 from pipeline.config.schema import config_from_dict
 from pipeline.engine import Engine, open_engine
 from pipeline.server.app import serve_engine
-from qpack.writer import pack
 
 
-def pack_tiny(synth_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory,
-              name: str) -> Path:
-    """The float32 tiny Qwen3-Next checkpoint packed into `<tmp>/<name>*/tiny.qpack`."""
-    out = tmp_path_factory.mktemp(name) / "tiny.qpack"
-    pack(synth_checkpoint("qwen3_next"), out, bits=None, progress=False)
+def own_copy(container: Path, tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A copy of a session-packed container that a module may damage or lock."""
+    out = tmp_path_factory.mktemp(name) / container.name
+    shutil.copytree(container, out)
     return out
 
 

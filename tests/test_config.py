@@ -60,8 +60,10 @@ def test_minimal_file_gets_defaults(tmp_path: Path) -> None:
     assert cfg.model.path == "synth:tiny" and cfg.model.verify == "first-use"
     assert cfg.pool.budget_mb is None and cfg.pool.slots is None
     assert cfg.server.host == "127.0.0.1" and cfg.server.port == 8000
+    assert cfg.server.shutdown_grace_s == 5.0
     assert cfg.compute.overlap is True
-    assert cfg.sampling.temperature == 1.0
+    assert cfg.sampling.temperature is None  # unset: the model's generation_config, then 1.0
+    assert cfg.sampling.params().temperature == 1.0
     assert "server" in cfg.to_toml_dict() and "api_key" not in cfg.to_toml_dict()["server"]
 
 
@@ -132,6 +134,7 @@ def test_wrong_type_bool_for_int_and_table_for_value(tmp_path: Path) -> None:
     [
         ("[reader]\nconcurrency = 0", 4, "reader.concurrency: expected int >= 1, got 0"),
         ("[server]\nport = 70000", 4, "server.port: expected int <= 65535, got 70000"),
+        ("[server]\nshutdown_grace_s = -1", 4, "server.shutdown_grace_s: expected float >= 0.0"),
         ("[pool]\nlfu_decay = 1.5", 4, "pool.lfu_decay: expected float <= 1.0, got 1.5"),
         ("[sampling]\ntemperature = 5", 4, "sampling.temperature must be in [0, 2], got 5"),
         ('[pool]\neviction = "lfuu"', 4, "pool.eviction must be one of 'lfu', 'lru', 'slru'"),

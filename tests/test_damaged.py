@@ -12,15 +12,11 @@ import pytest
 from qpack import spec
 from qpack.reader import Container, ExpertCorrupt, verify_container
 from qpack.spec import QpackError
-from qpack.writer import pack
 
 
 @pytest.fixture
-def good(synth_checkpoint, tmp_path_factory) -> Path:
-    out = tmp_path_factory.getbasetemp() / "damaged-base.qpack"
-    if not (out / spec.MANIFEST).exists():
-        pack(synth_checkpoint("qwen3_next", dtype="bfloat16"), out, bits=4, progress=False)
-    return out
+def good(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next", dtype="bfloat16"), bits=4)
 
 
 @pytest.fixture

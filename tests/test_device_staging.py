@@ -13,9 +13,7 @@ import trio
 
 from actors.device_staging import NpyView, to_device
 from actors.reader import ExpertReader
-from qpack import spec
 from qpack.reader import Container
-from qpack.writer import pack
 
 
 @pytest.mark.parametrize("nbytes", [1, 127, 128, 129, 4096, 1_769_472])
@@ -47,11 +45,8 @@ def test_reads_that_straddle_the_header_see_one_continuous_file():
 
 
 @pytest.fixture
-def container(synth_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.getbasetemp() / "staging.qpack"
-    if not (out / spec.MANIFEST).exists():
-        pack(synth_checkpoint("qwen3_next", dtype="bfloat16"), out, bits=4, progress=False)
-    return out
+def container(synth_checkpoint, packed):
+    return packed(synth_checkpoint("qwen3_next", dtype="bfloat16"), bits=4)
 
 
 async def test_readers_stage_on_fixed_threads_that_outlive_them(container):

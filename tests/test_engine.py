@@ -8,8 +8,9 @@ resident (tests/helpers_forward.py). The live pool's hit rate must replay exactl
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import msgspec
 import numpy as np
 import pytest
 import trio
@@ -23,6 +24,7 @@ from helpers_engine import (
 )
 from helpers_forward import DirectForward, greedy_reference, reference_for, tiny_pair
 
+from actors.sampling_params import SamplingParams
 from pipeline.engine import open_engine
 from pipeline.events import TextDelta
 from pipeline.replay import simulate
@@ -62,6 +64,18 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "reader": {"concurrency": 4},
         "prefetch": {"strategy": "transition"},
     }),
+    # Run-ahead tried on every decode token with a pool of 8: misses at every layer
+    # position, each resumed layer by layer from the first missing one.
+    "run-ahead-on-next-gate-lfu-8-r4": ("qwen3_next", {
+        "pool": {"slots": 8, "eviction": "lfu"},
+        "reader": {"concurrency": 4},
+        "compute": {"run_ahead": "on"},
+    }),
+    "run-ahead-on-history-lru-40": ("qwen3_5_moe", {
+        "pool": {"slots": 40, "eviction": "lru"},
+        "prefetch": {"strategy": "history"},
+        "compute": {"run_ahead": "on"},
+    }),
     "next-gate+transition-lfu-8-r1": ("qwen3_5_moe", {
         "pool": {"slots": 8, "eviction": "lfu"},
         "reader": {"concurrency": 1},
@@ -69,41 +83,70 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     }),
 }
 
-_EXPECTED: dict[str, tuple[list[int], list[int], list[np.ndarray]]] = {}
+
+class Expected(NamedTuple):
+    """mlx-lm's greedy tokens for PROMPT and PROMPT_B (not stopped at EOS: see `until_eos`),
+    and our all-resident logits for PROMPT in chunks of CHUNK, then DECODE."""
+
+    tokens_a: list[int]
+    tokens_b: list[int]
+    logits: list[np.ndarray]
+
+
+_EXPECTED: dict[str, Expected] = {}  # per family, for the session; filled by the `want` fixture
 
 
 @pytest.fixture
-def pair(synth_checkpoint, tmp_path_factory):
+def pair(synth_checkpoint, packed):
     def get(family: str) -> tuple[Path, Path]:
-        return tiny_pair(synth_checkpoint, tmp_path_factory, family, None)
+        return tiny_pair(synth_checkpoint, packed, family, None)
 
     return get
 
 
-def expected(pair: Any, family: str, eos: set[int]) -> tuple[list[int], list[int], list[np.ndarray]]:
-    """mlx-lm's greedy tokens for PROMPT and PROMPT_B, and our all-resident logits."""
+@pytest.fixture
+def family() -> str:
+    """The family of a test that does not choose one (parametrize overrides it)."""
+    return "qwen3_next"
+
+
+@pytest.fixture
+def want(pair, family) -> Expected:
+    """`Expected` for `family`, computed once per session in the set-up of the first test
+    that needs it (not in that test's call, where it would pass for the test's time)."""
     if family not in _EXPECTED:
         src, qpack = pair(family)
         ref = reference_for(src, None)
-        tokens_a = greedy_reference(ref, PROMPT, MAX_TOKENS, eos, chunk=CHUNK)
-        tokens_b = greedy_reference(ref, PROMPT_B, MAX_TOKENS, eos, chunk=CHUNK)
+        tokens_a = greedy_reference(ref, PROMPT, MAX_TOKENS, set(), chunk=CHUNK)
+        tokens_b = greedy_reference(ref, PROMPT_B, MAX_TOKENS, set(), chunk=CHUNK)
         ours = DirectForward(qpack)
         cache = ours.make_cache()
         logits = [ours.forward(PROMPT[i : i + CHUNK], cache)[0][-1] for i in range(0, len(PROMPT), CHUNK)]
         logits += [ours.forward([t], cache)[0][-1] for t in DECODE]
         ours.close()
-        _EXPECTED[family] = (tokens_a, tokens_b, [np.array(x) for x in logits])
+        _EXPECTED[family] = Expected(tokens_a, tokens_b, [np.array(x) for x in logits])
     return _EXPECTED[family]
 
 
+def until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """Greedy tokens as a generation that stops at EOS returns them (the EOS included)."""
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", list(VARIANTS))
-async def test_same_tokens_logits_and_replayable_hit_rate_for_every_setting(pair, variant):
-    family, overrides = VARIANTS[variant]
+@pytest.mark.parametrize(("variant", "family"), [(v, f) for v, (f, _) in VARIANTS.items()],
+                         ids=list(VARIANTS))
+async def test_same_tokens_logits_and_replayable_hit_rate_for_every_setting(pair, want, variant,
+                                                                            family):
     _src, qpack = pair(family)
-    config = engine_config(qpack, **overrides)
+    config = engine_config(qpack, **VARIANTS[variant][1])
     async with open_engine(config, record_routing=True) as engine:
-        want_a, want_b, want_logits = expected(pair, family, set(engine.tokenizer.eos_token_ids))
+        eos = set(engine.tokenizer.eos_token_ids)
+        want_a, want_b = until_eos(want.tokens_a, eos), until_eos(want.tokens_b, eos)
+        want_logits = want.logits
         done = await generate(engine, PROMPT, MAX_TOKENS)
         assert list(done.token_ids) == want_a
         pool_within_slots(engine)
@@ -147,13 +190,14 @@ async def _cancel_after(engine: Any, prompt: list[int], seconds: float) -> None:
             pass
 
 
-async def test_cancelled_generations_leave_a_clean_pool_and_concurrent_ones_agree(pair):
+async def test_cancelled_generations_leave_a_clean_pool_and_concurrent_ones_agree(pair, want):
     """Cancel after 3 deltas, then at arbitrary points (mid-read, mid-layer); then run two
     generations at once. Every later run must equal a fresh model's tokens."""
     _src, qpack = pair("qwen3_next")
     config = engine_config(qpack, pool={"slots": 8}, reader={"concurrency": 4})
     async with open_engine(config) as engine:
-        want_a, want_b, _ = expected(pair, "qwen3_next", set(engine.tokenizer.eos_token_ids))
+        eos = set(engine.tokenizer.eos_token_ids)
+        want_a, want_b = until_eos(want.tokens_a, eos), until_eos(want.tokens_b, eos)
         assert await _cancel_after_deltas(engine, PROMPT, 3) == 3
         pool_is_clean(engine)
         assert engine.waiting == 0 and not engine.lock.locked()
@@ -178,3 +222,74 @@ async def test_cancelled_generations_leave_a_clean_pool_and_concurrent_ones_agre
         assert engine.waiting == 0
         pool_within_slots(engine)
         assert engine.pool_snapshot()["loads_in_flight"] == 0
+
+
+async def test_run_ahead_with_every_expert_pooled_is_one_sync_per_token_and_exact(pair, want):
+    """Every expert pooled: after the first token, decode runs ahead and never falls back;
+    logits equal the per-layer path's bit for bit."""
+    _src, qpack = pair("qwen3_next")
+    config = engine_config(qpack, pool={"slots": 64})
+    async with open_engine(config) as engine:
+        want_logits = want.logits
+        assert await engine.warm() == 64  # every expert read once
+        assert await engine.warm() == 0
+        stats = engine.compute.stats
+        before = (stats.run_ahead_tokens, stats.run_ahead_misses)
+        got = await forward_logits(engine, PROMPT, DECODE)
+        for i, (a, b) in enumerate(zip(got, want_logits, strict=True)):
+            assert np.array_equal(a, b), f"forward {i}"
+        tried = stats.run_ahead_tokens - before[0]
+        assert tried == len(DECODE), (tried, stats)
+        assert stats.run_ahead_misses == before[1]
+
+
+async def test_an_abandoned_generation_stops_within_one_step_with_every_expert_pooled(pair):
+    """A consumer that never awaits anything itself (like a non-streaming reply) is
+    cancelled by a deadline: decoding stops at the next step, the engine is free."""
+    _src, qpack = pair("qwen3_next")
+    config = engine_config(qpack, pool={"slots": 64})
+    async with open_engine(config) as engine:
+        await generate(engine, PROMPT, 4)
+        stamps: list[float] = []
+        deadline = trio.current_time() + 0.3
+        with trio.move_on_at(deadline):
+            async for event in engine.generate(PROMPT_B, greedy(300)):
+                if isinstance(event, TextDelta):
+                    stamps.append(trio.current_time())
+        late = [s for s in stamps if s > deadline]
+        assert len(late) <= 1, f"{len(late)} tokens decoded after the cancel"
+        assert not engine.lock.locked()
+        pool_is_clean(engine)
+        assert len((await generate(engine, PROMPT, 3)).token_ids) == 3
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+async def test_pipelined_decode_draws_the_same_sampled_tokens_as_one_step_at_a_time(pair, family):
+    """Seeded sampling (temperature 1): decode queued one token ahead, with misses forcing
+    roll-backs and redraws, gives the tokens of the unpipelined loop. A run cut by a stop
+    token leaves a queued step behind, which is undone: a follow-up request resuming from
+    the prefix cache gets the same tokens too."""
+    _src, qpack = pair(family)
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=12)
+    results: dict[str, list[list[int]]] = {}
+    for mode in ("off", "on"):
+        config = engine_config(qpack, pool={"slots": 12}, compute={"run_ahead": mode})
+        async with open_engine(config) as engine:
+            runs = [list((await _last(engine.generate(p, params))).token_ids)
+                    for p in (PROMPT, PROMPT_B)]
+            stop = runs[0][4]
+            cut = msgspec.structs.replace(params, stop_token_ids=(stop,))
+            runs.append(list((await _last(engine.generate(PROMPT, cut))).token_ids))
+            assert runs[-1][-1] == stop and len(runs[-1]) < 12
+            done = await _last(engine.generate(PROMPT + runs[-1][:-1] + [5], params))
+            assert done.stats.cached_tokens == len(PROMPT) + len(runs[-1]) - 1
+            runs.append(list(done.token_ids))
+            if mode == "on":
+                assert engine.compute.stats.run_ahead_misses > 0  # roll-backs happened
+            pool_is_clean(engine)
+        results[mode] = runs
+    assert results["on"] == results["off"]
+
+
+async def _last(events: Any) -> Any:
+    return [e async for e in events][-1]

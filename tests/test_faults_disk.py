@@ -26,7 +26,6 @@ from pipeline.engine import Engine, open_engine
 from pipeline.events import Done
 from qpack import spec
 from qpack.reader import Container, ExpertCorrupt, verify_container
-from qpack.writer import pack
 from tests.faultio import FaultIO
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,10 +36,8 @@ RETRIES = 2
 
 
 @pytest.fixture(scope="session")
-def tiny_qpack(synth_checkpoint, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("faults") / "tiny.qpack"
-    pack(synth_checkpoint("qwen3_next", dtype="float32"), out, bits=None, progress=False)
-    return out
+def tiny_qpack(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next", dtype="float32"), bits=None)
 
 
 def _config(path: Path):  # noqa: ANN202

@@ -16,6 +16,7 @@ from helpers_engine import engine_config
 from helpers_forward import (
     FAMILIES,
     DirectForward,
+    Reference,
     greedy_reference,
     max_abs,
     reference_for,
@@ -31,19 +32,32 @@ TOLERANCE = {None: 1e-4, 4: 2e-3, 8: 2e-3}
 
 
 @pytest.fixture
-def pair(synth_checkpoint, tmp_path_factory):
+def pair(synth_checkpoint, packed):
     def get(family: str, bits: int | None = None) -> tuple[Path, Path]:
-        return tiny_pair(synth_checkpoint, tmp_path_factory, family, bits)
+        return tiny_pair(synth_checkpoint, packed, family, bits)
 
     return get
 
 
+@pytest.fixture
+def bits() -> int | None:
+    """The container's bits for a test that does not choose them (parametrize overrides it)."""
+    return None
+
+
+@pytest.fixture
+def ref(pair, family, bits) -> Reference:
+    """mlx-lm's model for (family, bits), loaded once per session in the set-up of the first
+    test that needs it (not in that test's call, where it would pass for the test's time)."""
+    src, _ = pair(family, bits)
+    return reference_for(src, bits)
+
+
 @pytest.mark.parametrize("bits", [None, 4, 8], ids=["fp32", "q4", "q8"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_layer_and_the_logits_match_mlx_lm(pair, family, bits):
-    src, qpack = pair(family, bits)
+def test_every_layer_and_the_logits_match_mlx_lm(pair, ref, family, bits):
+    _src, qpack = pair(family, bits)
     ours = DirectForward(qpack, num_slots=16, seed=1)
-    ref = reference_for(src, bits)
     tol = TOLERANCE[bits]
     ours_cache, ref_cache = ours.make_cache(), ref.make_cache()
     # A prompt, then two decode steps on the caches it left: masks, KV and DeltaNet state.
@@ -122,10 +136,9 @@ def test_logits_bit_identical_across_pool_sizes_and_slot_assignments(pair, famil
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-async def test_engine_greedy_64_tokens_equal_mlx_lm_greedy(pair, family):
+async def test_engine_greedy_64_tokens_equal_mlx_lm_greedy(pair, ref, family):
     """The real engine, at its smallest workable pool (8 slots for chunks of 2 tokens)."""
-    src, qpack = pair(family)
-    ref = reference_for(src, None)
+    _src, qpack = pair(family)
     async with open_engine(engine_config(qpack)) as engine:
         eos = set(engine.tokenizer.eos_token_ids)
         want = greedy_reference(ref, PROMPT, 64, eos, chunk=2)

@@ -30,7 +30,6 @@ from pipeline.config.schema import ConfigError, PipelineConfig, config_from_dict
 from qpack import spec
 from qpack.reader import Container
 from qpack.spec import QpackError
-from qpack.writer import pack
 
 FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -66,10 +65,8 @@ def _audited(fn: Callable[[], Any]) -> tuple[QpackError | None, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def good(synth_checkpoint, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("hostile") / "good.qpack"
-    pack(synth_checkpoint("qwen3_next", dtype="bfloat16"), out, bits=4, progress=False)
-    return out
+def good(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next", dtype="bfloat16"), bits=4)
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import trio
-from helpers_server import pack_tiny, serving
+from helpers_server import serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -41,8 +41,8 @@ KEY = "k3y-0f-t3sts"
 
 
 @pytest.fixture(scope="module")
-def container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return pack_tiny(synth_checkpoint, tmp_path_factory, "hostile-requests")
+def container(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next"), bits=None)
 
 
 @asynccontextmanager

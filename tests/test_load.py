@@ -21,17 +21,14 @@ import trio
 from pipeline.config.schema import config_from_dict
 from pipeline.engine import Engine, open_engine
 from pipeline.server.app import serve_engine
-from qpack.writer import pack
 
 CLIENTS, REQUESTS, MAX_TOKENS, MAX_QUEUE = 8, 20, 4, 4
 RSS_GROWTH_MB = 200  # generous: allocator caches and httpx state, but not per-request growth
 
 
 @pytest.fixture(scope="module")
-def container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("load") / "tiny.qpack"
-    pack(synth_checkpoint("qwen3_next"), out, bits=None, progress=False)
-    return out
+def container(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next"), bits=None)
 
 
 def count_tasks() -> int:

@@ -5,12 +5,8 @@ resumed ones."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
-import time
 import zlib
 from pathlib import Path
 
@@ -20,30 +16,13 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import load_model, quantize_model
+from packjob import PackJob, check_half_written, files, pack_on_a_full_disk
 
 from qpack import spec
 from qpack.mlx_model import model_classes
 from qpack.reader import Container
 from qpack.spec import QpackError
-from qpack.writer import JOURNAL, TEST_DELAY_ENV, pack
-
-REPO = Path(__file__).resolve().parents[1]
-_PACKS: dict[tuple, Path] = {}
-
-
-@pytest.fixture
-def packed(tmp_path_factory):
-    """Pack a source once per session for each option set."""
-
-    def make(src: Path, **opts) -> Path:
-        key = (str(src), tuple(sorted(opts.items())))
-        if key not in _PACKS:
-            out = tmp_path_factory.mktemp("qpack") / "model.qpack"
-            pack(src, out, progress=False, **opts)
-            _PACKS[key] = out
-        return _PACKS[key]
-
-    return make
+from qpack.writer import JOURNAL, pack
 
 
 def _source_weights(src: Path) -> dict[str, mx.array]:
@@ -210,105 +189,60 @@ def test_text_only_layout_packs_like_the_hub_layout(synth_checkpoint, packed):
 
 
 # -- interrupted packs ------------------------------------------------------------
+# Packs run in the shared fork server and stop at named milestones (tests/packjob.py);
+# tests/test_faults_pack.py kills at seeded random milestones, this file at chosen ones.
 
-_CLI = (
-    "import argparse, sys\n"
-    "from pipeline.cli.pack import register\n"
-    "p = argparse.ArgumentParser(); register(p.add_subparsers())\n"
-    "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n"
-)
-
-
-def _start(src: Path, out: Path, delay: str) -> subprocess.Popen:
-    env = {**os.environ, TEST_DELAY_ENV: delay, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-c", _CLI, "pack", str(src), "-o", str(out), "--bits", "4", "--no-progress"]
-    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def _kill_when(proc: subprocess.Popen, ready) -> None:
-    deadline = time.monotonic() + 120
-    while not ready():
-        if proc.poll() is not None:
-            raise AssertionError(f"pack finished before the kill point: {proc.stderr.read().decode()[-2000:]}")
-        assert time.monotonic() < deadline, "kill point never reached"
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+# (milestone, signal): each kill lands exactly there, with nothing racing on. Every kind
+# of milestone (begin, wrote, renamed, journal-tmp, journal) is among them.
+KILL_POINTS = [
+    ("journal start", signal.SIGKILL),  # as early as possible: nothing but the journal
+    (f"wrote {spec.DENSE} 3", signal.SIGTERM),  # a dense .partial with some tensors written
+    ("wrote experts/layer_001.bin 7", signal.SIGINT),  # a layer .partial half full
+    ("renamed experts/layer_002.bin", signal.SIGKILL),  # just renamed, not yet in the journal
+    ("journal experts/layer_002.bin", signal.SIGINT),  # ... and now in it
+    ("journal-tmp experts/layer_003.bin", signal.SIGKILL),  # journal written, not yet renamed
+    (f"begin {spec.MANIFEST}", signal.SIGTERM),  # everything but the manifest
+]
+EXIT_CODES = {signal.SIGKILL: -9, signal.SIGTERM: -15, signal.SIGINT: 128 + signal.SIGINT}
 
 
-def _files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-@pytest.mark.slow
-def test_pack_killed_at_several_points_resumes_byte_identical(synth_checkpoint, tmp_path):
+def test_pack_killed_at_several_points_resumes_byte_identical(synth_checkpoint, packed, fork_server,
+                                                               tmp_path):
     src = synth_checkpoint("qwen3_next", dtype="bfloat16")
-    reference = tmp_path / "ref.qpack"
-    pack(src, reference, bits=4, progress=False)
+    reference = packed(src, bits=4)
     out = tmp_path / "killed.qpack"
-    experts = out / spec.EXPERTS_DIR
-    kill_points = [
-        lambda: (out / JOURNAL).exists(),  # as early as possible: nothing but the journal
-        lambda: (out / (spec.DENSE + ".partial")).exists(),
-        lambda: (experts / "layer_001.bin.partial").exists(),
-        lambda: (experts / "layer_002.bin").exists(),  # just after a rename, maybe before the journal
-        lambda: (experts / "layer_003.bin.partial").exists(),
-    ]
-    for ready in kill_points:
-        _kill_when(_start(src, out, "0.01"), ready)
+    for milestone, sig in KILL_POINTS:
+        job = PackJob(fork_server, src, out, stop_at=milestone)
+        job.wait_paused()
+        assert job.kill(sig) == EXIT_CODES[sig]
         assert not (out / spec.MANIFEST).exists()
-        with pytest.raises(QpackError, match=r"incomplete container \(no manifest.json\); re-run pack to resume"):
-            Container.open(out)
-    proc = _start(src, out, "0")
-    assert proc.wait() == 0, proc.stderr.read().decode()[-2000:]
+        check_half_written(out)
+    pack(src, out, bits=4, progress=False)
     assert not (out / JOURNAL).exists()
-    assert _files(out).keys() == _files(reference).keys()
-    for rel, data in _files(reference).items():
-        if rel != spec.MANIFEST:
-            assert _files(out)[rel] == data, rel
-    m_ref = json.loads((reference / spec.MANIFEST).read_text())
-    m_out = json.loads((out / spec.MANIFEST).read_text())
-    assert m_ref.pop("source") == str(src) == m_out.pop("source")
-    assert m_out == m_ref
+    assert files(out) == files(reference)
 
 
-def test_resume_with_other_options_is_refused(synth_checkpoint, tmp_path):
+def test_resume_with_other_options_is_refused(synth_checkpoint, fork_server, tmp_path):
     src = synth_checkpoint("qwen3_next", dtype="bfloat16")
     out = tmp_path / "x.qpack"
-    _kill_when(_start(src, out, "0.01"), lambda: (out / spec.EXPERTS_DIR).exists())
+    job = PackJob(fork_server, src, out, stop_at="begin experts/layer_000.bin")
+    job.wait_paused()
+    job.kill(signal.SIGKILL)
     with pytest.raises(QpackError, match="other options"):
         pack(src, out, bits=8, progress=False)
 
 
-def test_full_disk_stops_naming_the_file_and_resumes_when_space_is_back(synth_checkpoint, tmp_path):
-    """A real ENOSPC: a 3 MiB tmpfs in a private mount namespace, grown after the failure."""
-    import shutil
-
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare(1) for a private tmpfs")
+def test_full_disk_stops_naming_the_file_and_resumes_when_space_is_back(synth_checkpoint, packed,
+                                                                        fork_server, tmp_path):
+    """A real ENOSPC: a tmpfs in a private mount namespace with room for the pack when it
+    starts (the free-space check passes), filled by another thread mid-pack."""
     src = synth_checkpoint("qwen3_next", dtype="bfloat16")
-    reference = tmp_path / "ref.qpack"
-    pack(src, reference, bits=4, progress=False)
-    mnt, result = tmp_path / "mnt", tmp_path / "result.qpack"
-    mnt.mkdir()
-    run = f'{sys.executable} -c "$CLI" pack {src} -o {mnt}/x.qpack --bits 4 --no-progress'
-    script = (
-        f"mount -t tmpfs -o size=3m tmpfs {mnt} || exit 77\n"
-        f"{run}; echo first=$? >&2\n"
-        f"mount -o remount,size=256m tmpfs {mnt}\n"
-        f"{run}; echo second=$? >&2\n"
-        f"cp -r {mnt}/x.qpack {result}\n"
-    )
-    env = {**os.environ, "CLI": _CLI, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode == 77 or "unshare failed" in proc.stderr or "Operation not permitted" in proc.stderr:
-        pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr[-300:]}")
-    assert "first=2" in proc.stderr and "second=0" in proc.stderr, proc.stderr[-3000:]
-    assert re.search(r"error: \S+\.partial: disk full \(ENOSPC\) while writing; free space and re-run", proc.stderr)
-    for rel, data in _files(reference).items():
-        if rel != spec.MANIFEST:
-            assert _files(result)[rel] == data, rel
+    reference = packed(src, bits=4)
+    result, (code1, err1, tmp_left), (code2, err2) = pack_on_a_full_disk(fork_server, src, tmp_path)
+    assert (code1, code2) == (2, 0), (err1, err2)
+    assert re.search(r"error: \S+: disk full \(ENOSPC\) while writing; free space and re-run", err1)
+    assert not tmp_left, "a torn journal .tmp was left behind"
+    assert files(result) == files(reference)
 
 
 def test_pack_subcommand_with_verify_after(synth_checkpoint, tmp_path, capsys):

@@ -7,15 +7,14 @@ from pathlib import Path
 
 import pytest
 from helpers_engine import engine_config, generate
-from helpers_server import pack_tiny
 
 from pipeline.engine import open_engine
 from pipeline.prefix_cache import PrefixCache, nbytes
 
 
 @pytest.fixture(scope="module")
-def container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return pack_tiny(synth_checkpoint, tmp_path_factory, "prefix-cache")
+def container(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next"), bits=None)
 
 
 async def test_reuse_of_resent_and_extended_prompts(container: Path) -> None:

@@ -18,15 +18,11 @@ from pipeline.cli.pack import register
 from qpack import spec
 from qpack.reader import Container, ExpertCorrupt, PosixIO, verify_container
 from qpack.spec import QpackError
-from qpack.writer import pack
 
 
 @pytest.fixture
-def container(synth_checkpoint, tmp_path_factory) -> Path:
-    out = tmp_path_factory.getbasetemp() / "reader.qpack"
-    if not (out / spec.MANIFEST).exists():
-        pack(synth_checkpoint("qwen3_next", dtype="bfloat16"), out, bits=4, progress=False)
-    return out
+def container(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next", dtype="bfloat16"), bits=4)
 
 
 class CountingIO(PosixIO):
@@ -204,7 +200,7 @@ def test_verify_and_info_subcommands(container, capsys, tmp_path):
     missing = tmp_path / "nothing.qpack"
     args = _parser().parse_args(["verify", str(missing)])
     assert args.func(args) == 1
-    assert "no such container" in capsys.readouterr().out
+    assert "no such container" in capsys.readouterr().err  # problems are diagnostics: stderr
     os.makedirs(missing)
     args = _parser().parse_args(["info", str(missing)])
     assert args.func(args) == 2

@@ -7,8 +7,6 @@ import numpy as np
 import pytest
 from helpers_forward import DirectForward
 
-from qpack.writer import pack
-
 torch = pytest.importorskip("torch")
 
 PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
@@ -35,10 +33,9 @@ def _hf_logits(src, class_name: str, tokens: list[int]) -> np.ndarray:
 
 
 @pytest.mark.parametrize(("family", "layout", "class_name"), CASES)
-def test_logits_match_transformers(synth_checkpoint, tmp_path, family, layout, class_name):
+def test_logits_match_transformers(synth_checkpoint, packed, family, layout, class_name):
     src = synth_checkpoint(family, dtype="float32", layout=layout)
-    qpack = tmp_path / "tiny.qpack"
-    pack(src, qpack, bits=16, progress=False)
+    qpack = packed(src, bits=16)
     ours = DirectForward(qpack)
     got = np.array(ours.forward(PROMPT, ours.make_cache())[0])
     ours.close()

@@ -201,66 +201,6 @@ def test_stop_token_ids_and_bad_token_ids() -> None:
         s.record(VOCAB)
 
 
-# --- logit bias, token masks, log-probabilities ------------------------------------------
-
-
-class _Allow:
-    """A constraint that allows a fixed set of ids and records what it was advanced by."""
-
-    def __init__(self, ids: list[int]) -> None:
-        self.mask = np.zeros(VOCAB, dtype=bool)
-        self.mask[ids] = True
-        self.seen: list[int] = []
-
-    def allowed(self) -> np.ndarray:
-        return self.mask
-
-    def advance(self, token: int) -> None:
-        self.seen.append(token)
-
-
-def test_logit_bias_is_added_before_sampling() -> None:
-    logits = _logits(3)
-    low = int(np.argmin(logits))
-    bias = ((low, 100.0), (int(np.argmax(logits)), -100.0))
-    s = Sampler(SamplingParams(temperature=0, logit_bias=bias), VOCAB)
-    out = np.array(s.process(mx.array(logits)))
-    ref = logits.copy()
-    ref[low] += 100.0
-    ref[int(np.argmax(logits))] -= 100.0
-    np.testing.assert_allclose(out, ref, rtol=1e-6)
-    assert s.sample(mx.array(logits)) == low
-
-
-def test_constraint_mask_limits_every_draw_and_is_advanced() -> None:
-    logits = _logits(4)
-    allowed = [int(i) for i in np.argsort(logits)[:3]]  # the three least likely tokens
-    greedy = _Allow(allowed)
-    s = Sampler(SamplingParams(temperature=0, constraint=greedy), VOCAB)
-    assert s.sample(mx.array(logits)) == max(allowed, key=lambda i: logits[i])
-    free = _Allow(allowed)
-    s = Sampler(SamplingParams(temperature=1.0, top_p=0.9, seed=1, constraint=free), VOCAB)
-    draws = [s.sample(mx.array(logits)) for _ in range(200)]
-    assert set(draws) <= set(allowed) and free.seen == draws
-
-
-def test_logprobs_are_the_raw_log_softmax_with_sorted_alternatives() -> None:
-    logits = _logits(5)
-    ref = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
-    s = Sampler(SamplingParams(temperature=1.0, seed=2, logprobs=4,
-                               logit_bias=((0, 50.0),)), VOCAB)
-    token = s.sample(mx.array(logits))
-    (entry,) = s.take_logprobs()
-    assert entry.token == token == 0  # biased, yet reported with the model's own logprob
-    assert entry.logprob == pytest.approx(float(ref[0]), abs=1e-5)
-    assert [t for t, _ in entry.top] == [int(i) for i in np.argsort(-logits)[:4]]
-    assert [lp for _, lp in entry.top] == pytest.approx(sorted(ref, reverse=True)[:4], abs=1e-5)
-    assert s.take_logprobs() == ()
-    off = Sampler(SamplingParams(), VOCAB)
-    off.sample(mx.array(logits))
-    assert off.take_logprobs() == ()
-
-
 # --- validation ------------------------------------------------------------------------
 
 

@@ -16,14 +16,14 @@ from typing import Any
 import httpx2
 import openai
 import pytest
-from helpers_server import pack_tiny, serving
+from helpers_server import serving
 
 from pipeline.engine import Engine
 
 
 @pytest.fixture(scope="module")
-def container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return pack_tiny(synth_checkpoint, tmp_path_factory, "server")
+def container(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next"), bits=None)
 
 
 @asynccontextmanager

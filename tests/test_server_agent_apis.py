@@ -12,12 +12,11 @@ import anthropic
 import httpx2
 import pytest
 from helpers_conformance import TOOLS, USER, WEATHER, check_weather, client, running
-from helpers_server import pack_tiny
 
 
 @pytest.fixture(scope="module")
-def container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return pack_tiny(synth_checkpoint, tmp_path_factory, "agent-apis")
+def container(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next"), bits=None)
 
 
 async def test_responses_and_anthropic_messages(container: Path) -> None:
@@ -109,19 +108,15 @@ async def test_responses_and_anthropic_messages(container: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def thinking_container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from qpack.writer import pack
-
-    out = tmp_path_factory.mktemp("conformance-thinking") / "think.qpack"
-    pack(synth_checkpoint("qwen3_5_moe"), out, bits=None, progress=False)
-    return out
+def thinking_container(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_5_moe"), bits=None)
 
 
 async def test_thinking_switch_and_constraints_on_a_thinking_template(
         thinking_container: Path) -> None:
     async with running(thinking_container) as (engine, base):
         v1 = client(f"{base}/v1")
-        kw: dict[str, Any] = {"model": "think", "messages": USER, "max_tokens": 4, "seed": 3}
+        kw: dict[str, Any] = {"model": "tiny", "messages": USER, "max_tokens": 4, "seed": 3}
         thinking = await v1.chat.completions.create(**kw)
         # The template opens <think>: a short reply is all reasoning, no content.
         assert thinking.choices[0].message.reasoning_content and not thinking.choices[
@@ -138,14 +133,14 @@ async def test_thinking_switch_and_constraints_on_a_thinking_template(
         assert tok["count"] == plain.usage.prompt_tokens
         # Anthropic's thinking switch maps onto the same template variable.
         claude = anthropic.AsyncAnthropic(base_url=base, api_key="unused", max_retries=0)
-        off = await claude.messages.create(model="think", max_tokens=2, messages=USER,
+        off = await claude.messages.create(model="tiny", max_tokens=2, messages=USER,
                                            thinking={"type": "disabled"})
         assert off.usage.input_tokens + off.usage.cache_read_input_tokens == \
             plain.usage.prompt_tokens
         # Constrained output is the reply's content, not reasoning, even with thinking on.
         fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
         for extra in ({}, {"chat_template_kwargs": {"enable_thinking": True}}):
-            one = await v1.chat.completions.create(model="think", messages=USER,
+            one = await v1.chat.completions.create(model="tiny", messages=USER,
                                                    max_tokens=60, seed=1,
                                                    response_format=fmt, extra_body=extra)
             check_weather(json.loads(one.choices[0].message.content))

@@ -15,12 +15,11 @@ import httpx2
 import openai
 import pytest
 from helpers_conformance import TOOLS, USER, WEATHER, check_weather, client, running
-from helpers_server import pack_tiny
 
 
 @pytest.fixture(scope="module")
-def container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return pack_tiny(synth_checkpoint, tmp_path_factory, "conformance")
+def container(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next"), bits=None)
 
 
 async def test_lenient_requests_names_routes_and_cors(container: Path) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import httpx2
 import pytest
 import trio
-from helpers_server import pack_tiny, serving
+from helpers_server import serving
 
 from pipeline.engine import Engine
 
@@ -25,8 +25,8 @@ CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return pack_tiny(synth_checkpoint, tmp_path_factory, "server-errors")
+def container(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next"), bits=None)
 
 
 @asynccontextmanager
@@ -84,7 +84,10 @@ async def test_refusals_name_what_is_wrong(container: Path) -> None:
         # Unknown fields are ignored, but a known field of the wrong type is still refused.
         assert (await refused(400, json=body(n_predict=3, stream="yes")))["param"] == "stream"
         err = await refused(400, json=body(chat_template_kwargs={"tools": []}))
-        assert err["param"] == "chat_template_kwargs"
+        assert err["param"] == "chat_template_kwargs.tools"
+        assert "chat_template_kwargs.tools" in err["message"]
+        err = await refused(400, json=body(chat_template_kwargs={"enable_thinking": "no"}))
+        assert err["param"] == "chat_template_kwargs.enable_thinking"
         assert (await refused(400, json={"model": "tiny"}))["param"] == "messages"
         assert (await refused(400, json=body(messages=[])))["param"] == "messages"
         err = await refused(400, json=body(messages=[{"role": "wizard", "content": "x"}]))

@@ -11,14 +11,13 @@ import httpx2
 import pytest
 import trio
 from helpers_conformance import running
-from helpers_server import pack_tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 
 @pytest.fixture(scope="module")
-def container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return pack_tiny(synth_checkpoint, tmp_path_factory, "server-fuzz")
+def container(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next"), bits=None)
 
 
 _SCHEMA_LEAF = st.fixed_dictionaries({}, optional={

@@ -1,4 +1,4 @@
-"""`moestream serve` as a real process: SIGTERM during a streaming generation.
+"""`moestream serve` as a process of its own: SIGTERM during a streaming generation.
 
 The stream in flight must end cleanly (every byte received is a whole SSE event of
 valid JSON, nothing half-written), the process must exit 0, and it must bind only
@@ -9,28 +9,23 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import queue
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
+from multiprocessing.context import BaseContext
 from pathlib import Path
 
 import pytest
-
-from qpack.writer import pack
+from forked_cli import ForkedCLI
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("shutdown") / "tiny.qpack"
-    pack(synth_checkpoint("qwen3_next"), out, bits=None, progress=False)
-    return out
+def container(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next"), bits=None)
 
 
 def free_port() -> int:
@@ -40,16 +35,14 @@ def free_port() -> int:
 
 
 class Server:
-    """`moestream serve` in a subprocess, its stderr collected line by line."""
+    """`moestream serve` in a process of its own (forked, tests/forked_cli.py), its output
+    collected line by line."""
 
-    def __init__(self, container: Path, *flags: str) -> None:
+    def __init__(self, ctx: BaseContext, container: Path, *flags: str) -> None:
         self.port = free_port()
-        cmd = [sys.executable, "-m", "pipeline", "--log-level", "info", "serve",
-               str(container), "--port", str(self.port), "--slots", "16", "--prefill-chunk", "4",
-               *flags]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(REPO)})
+        argv = ["--log-level", "info", "serve", str(container), "--port", str(self.port),
+                "--slots", "16", "--prefill-chunk", "4", *flags]
+        self.proc = ForkedCLI(ctx, argv)
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
@@ -106,9 +99,13 @@ def read_events(resp: http.client.HTTPResponse, count: int | None = None) -> lis
 
 
 def check_events(events: list[str]) -> None:
-    for event in events:
+    """Whole JSON chunks; the last may be the error event a shutdown ends a reply with."""
+    for i, event in enumerate(events):
         if event != "[DONE]":
             chunk = json.loads(event)  # whole JSON, never cut
+            if "error" in chunk and i == len(events) - 1:
+                assert chunk["error"]["code"] == "server_shutting_down", chunk
+                continue
             assert chunk["object"] == "chat.completion.chunk", chunk
 
 
@@ -122,8 +119,8 @@ def non_loopback_address() -> str | None:
     return None if address.startswith("127.") else address
 
 
-def test_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_0(container):
-    server = Server(container)
+def test_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_0(fork_server, container):
+    server = Server(fork_server, container)
     try:
         listening = server.wait_for("server.listening")
         assert "host=127.0.0.1" in listening, listening  # loopback unless told otherwise
@@ -151,9 +148,10 @@ def test_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_0(container):
     assert not any("Traceback" in line for line in rest_of_log), "".join(rest_of_log)[-3000:]
 
 
-def test_sigterm_during_a_long_generation_cuts_it_at_an_event_boundary(container):
-    """Longer than the graceful period: cancelled, but only whole events reach the client."""
-    server = Server(container)
+def test_sigterm_during_a_long_generation_cuts_it_at_an_event_boundary(fork_server, container):
+    """Longer than the graceful period (`server.shutdown_grace_s`, 1 s here): cancelled,
+    but only whole events reach the client."""
+    server = Server(fork_server, container, "--set", "server.shutdown_grace_s=1")
     try:
         server.wait_for("server.listening")
         conn, resp = stream(server.port, 3000)
@@ -165,6 +163,9 @@ def test_sigterm_during_a_long_generation_cuts_it_at_an_event_boundary(container
             pytest.fail(f"stream cut inside a chunk: {exc!r}")
         conn.close()
         check_events(first + rest)
+        assert "[DONE]" not in rest, "3000 tokens finished within the grace period: not cut"
+        # Cut after the grace period, and told so: the stream ends with one error event.
+        assert json.loads(rest[-1])["error"]["code"] == "server_shutting_down", rest[-3:]
         assert server.proc.wait(60) == 0, "".join(server.log)[-3000:]
         # Refused once down: nothing lingers on the port.
         with pytest.raises(OSError):

@@ -58,6 +58,9 @@ class SlotTable:
         self._pins: dict[ExpertKey, int] = {}
         self._state: dict[ExpertKey, SlotState] = {}
         self._prefetched: set[ExpertKey] = set()  # installed by prefetch, not yet demanded
+        # Bumped whenever which key is ready in which slot changes: the compute actor's
+        # device-side expert -> slot map is rebuilt only then.
+        self.version = 0
         self.hits = 0
         self.misses = 0
         self.evictions = 0
@@ -124,6 +127,7 @@ class SlotTable:
                 self._pins[key] = self._pins.get(key, 0) + 1
             return slot, True
         slot = self._take_slot(protect)
+        self.version += 1
         self._slot_of[key] = slot
         self._key_at[slot] = key
         self._state[key] = "loading"
@@ -179,11 +183,17 @@ class SlotTable:
     def mark_ready(self, key: ExpertKey) -> None:
         self._require(key)
         self._state[key] = "ready"
+        self.version += 1
+
+    def ready_items(self) -> list[tuple[ExpertKey, int]]:
+        """(key, slot) of every key whose weights are installed."""
+        return [(k, s) for k, s in self._slot_of.items() if self._state[k] == "ready"]
 
     def release(self, key: ExpertKey) -> None:
         """Give back the slot of `key` (its load failed). Pins on it are dropped."""
         self._require(key)
         slot = self._slot_of.pop(key)
+        self.version += 1
         self._key_at[slot] = None
         del self._state[key]
         self._pins.pop(key, None)

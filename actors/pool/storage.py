@@ -10,12 +10,13 @@ routing sync, when no lazy graph refers to the pool).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from actors.device_staging import to_device
+from actors.pool.layout import PoolLayout
 from qpack.spec import ExpertFormat, QpackError
 
 _MX_DTYPES = {
@@ -27,22 +28,31 @@ _MX_DTYPES = {
 }
 
 
-def slot_bytes(fmt: ExpertFormat) -> int:
+def slot_bytes(fmt: ExpertFormat | PoolLayout) -> int:
+    if isinstance(fmt, PoolLayout):
+        return fmt.slot_nbytes
     return sum(t.nbytes for t in fmt.tensors)
 
 
-def slots_for_budget(fmt: ExpertFormat, budget_bytes: int) -> int:
+def slots_for_budget(fmt: ExpertFormat | PoolLayout, budget_bytes: int) -> int:
     return budget_bytes // slot_bytes(fmt)
 
 
 class PoolStorage:
-    def __init__(self, fmt: ExpertFormat, num_slots: int) -> None:
+    """The slot arrays. Built from one format (every layer alike) or a `PoolLayout` (layers
+    differ: mixed precision); then `layer_of(slot)` must say whose expert a slot holds
+    while it is being installed (the engine binds it to the slot table)."""
+
+    def __init__(self, fmt: ExpertFormat | PoolLayout, num_slots: int) -> None:
         if num_slots <= 0:
             raise ValueError(f"pool needs at least one slot, got {num_slots}")
-        self.fmt = fmt
+        self.layout = fmt if isinstance(fmt, PoolLayout) else PoolLayout.uniform(fmt)
+        self.fmt = self.layout.formats[next(iter(self.layout.formats))]  # the uniform case's format
         self.num_slots = num_slots
+        self.layer_of: Callable[[int], int | None] | None = None
         self.arrays: dict[str, mx.array] = {
-            t.name: mx.zeros((num_slots, *t.shape), dtype=_MX_DTYPES[t.dtype]) for t in fmt.tensors
+            name: mx.zeros((num_slots, *shape), dtype=_MX_DTYPES[dtype])
+            for name, (dtype, shape, _) in self.layout.arrays.items()
         }
         mx.eval(list(self.arrays.values()))
         # On the CPU the pool's memory is plain host memory: an install is a memcpy into
@@ -50,17 +60,29 @@ class PoolStorage:
         self.host_bytes: dict[str, np.ndarray] | None = None
         if mx.default_device() == mx.cpu:
             self.host_bytes = {
-                t.name: np.asarray(memoryview(self.arrays[t.name]).cast("B")).reshape(num_slots, t.nbytes)
-                for t in fmt.tensors
+                name: np.asarray(memoryview(self.arrays[name]).cast("B")).reshape(num_slots, nbytes)
+                for name, (_, _, nbytes) in self.layout.arrays.items()
             }
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
+    def view(self, layer: int) -> tuple[dict[str, mx.array], ExpertFormat]:
+        """`layer`'s experts: tensor name -> slot array, and their format (for compute)."""
+        fmt, names = self.layout.layer(layer)
+        return {t: self.arrays[a] for t, a in names.items()}, fmt
+
+    def _layer_format(self, slot: int) -> tuple[ExpertFormat, dict[str, str]]:
+        if not self.layout.mixed:
+            return self.layout.layer(None)
+        if self.layer_of is None:
+            raise RuntimeError("a pool of mixed formats needs layer_of(slot) to install")
+        return self.layout.layer(self.layer_of(slot))
+
     def stage(self, blob: np.ndarray) -> mx.array:
         """An expert blob in device memory, copied in a reader's thread (see `device_staging`)."""
-        return to_device(blob[: self.fmt.nbytes])
+        return to_device(blob[: self.layout.max_nbytes])
 
     def write(self, items: Sequence[tuple[int, np.ndarray]]) -> None:
         """CPU installs: copy blobs straight into the slots' memory, from any thread.
@@ -72,33 +94,40 @@ class PoolStorage:
         """
         assert self.host_bytes is not None, "write() is for MLX's CPU backend"
         for slot, blob in items:
-            for t in self.fmt.tensors:
-                self.host_bytes[t.name][slot] = blob[t.offset : t.offset + t.nbytes]
+            fmt, names = self._layer_format(slot)
+            for t in fmt.tensors:
+                self.host_bytes[names[t.name]][slot] = blob[t.offset : t.offset + t.nbytes]
 
     def install(self, items: Sequence[tuple[int, np.ndarray | mx.array]]) -> None:
         """Copy expert blobs (uint8, at least fmt.nbytes; numpy or staged) into their slots.
 
-        A batch costs one host->device copy and one scatter per tensor, whatever its
-        size: on a GPU per-expert slice updates cost ~25-100 us each, which added up to
-        most of a decode step.
+        A batch costs one host->device copy and one scatter per tensor (per format, when
+        layers differ), whatever its size: on a GPU per-expert slice updates cost
+        ~25-100 us each, which added up to most of a decode step.
         """
         if not items:
             return
-        slots = mx.array([slot for slot, _ in items], dtype=mx.int32)
-        if isinstance(items[0][1], mx.array):
-            blobs = mx.stack([blob[: self.fmt.nbytes] for _, blob in items])
-        else:
-            blobs = mx.array(np.stack([blob[: self.fmt.nbytes] for _, blob in items]))
-        n = len(items)
-        for t in self.fmt.tensors:
-            raw = blobs[:, t.offset : t.offset + t.nbytes]
-            value = raw.view(_MX_DTYPES[t.dtype]).reshape(n, *t.shape)
-            self.arrays[t.name][slots] = value
+        groups: dict[int, tuple[ExpertFormat, dict[str, str], list[tuple[int, np.ndarray | mx.array]]]] = {}
+        for slot, blob in items:
+            fmt, names = self._layer_format(slot)
+            groups.setdefault(id(names), (fmt, names, []))[2].append((slot, blob))
+        for fmt, names, group in groups.values():
+            slots = mx.array([slot for slot, _ in group], dtype=mx.int32)
+            if isinstance(group[0][1], mx.array):
+                blobs = mx.stack([blob[: fmt.nbytes] for _, blob in group])
+            else:
+                blobs = mx.array(np.stack([blob[: fmt.nbytes] for _, blob in group]))
+            n = len(group)
+            for t in fmt.tensors:
+                raw = blobs[:, t.offset : t.offset + t.nbytes]
+                value = raw.view(_MX_DTYPES[t.dtype]).reshape(n, *t.shape)
+                self.arrays[names[t.name]][slots] = value
         mx.eval(list(self.arrays.values()))
 
 
 def uniform_format(formats: Sequence[ExpertFormat], where: str) -> ExpertFormat:
-    """The pool holds experts of every layer in shared slots, so their layouts must agree."""
+    """The pool holds experts of every layer in shared slots, so their layouts must agree
+    (callers that can take mixed formats build a `PoolLayout` instead)."""
     first = formats[0]
     for fmt in formats[1:]:
         if fmt != first:

@@ -42,6 +42,9 @@ class Case(msgspec.Struct, kw_only=True):
     cold: bool = True
     trace: str | None = None
     seed: int = 0
+    # warm-all: a pool of every expert, read in before measuring (decode never waits for
+    # the disk), then mlx-lm fully resident in the same process as the reference.
+    warm_all: bool = False
 
 
 class Result(msgspec.Struct, kw_only=True):
@@ -79,6 +82,11 @@ class Result(msgspec.Struct, kw_only=True):
     rss_by_mapping: dict[str, float] = {}
     open_s: float = 0.0  # engine open (dense core, pool), then the warm-up generation:
     warmup_s: float = 0.0  # where a case's time goes besides the measured generation
+    prefill_chunk: int = 0
+    prefill_bytes: int = 0  # expert bytes read before the first decode step
+    run_ahead_tokens: int = 0  # decode tokens that tried one sync per token ...
+    run_ahead_misses: int = 0  # ... and fell back to one per layer
+    resident_decode_tok_s: float = 0.0  # warm-all: mlx-lm resident, same process
     backend: str = ""
     seconds: float = 0.0
     error: str | None = None
@@ -100,6 +108,13 @@ def engine_dict(case: Case) -> dict[str, Any]:
     raw: dict[str, Any] = {k: dict(v) for k, v in case.config.items()}
     raw.setdefault("model", {})["path"] = case.model
     raw["model"].setdefault("verify", "off")
+    if case.warm_all:
+        from qpack.reader import Container
+
+        with Container.open(case.model, verify="off") as c:
+            total = c.manifest.num_experts * len(c.manifest.layers)
+        raw["pool"] = {**{k: v for k, v in raw.get("pool", {}).items() if k != "budget_mb"},
+                       "slots": total}
     return raw
 
 
@@ -117,6 +132,8 @@ async def measure_engine(case: Case) -> Result:
     started = time.perf_counter()
     phases: dict[str, float] = {}
     async with open_engine(cfg) as engine:
+        if case.warm_all:
+            await engine.warm()
         phases["open_s"] = time.perf_counter() - started
         vocab = engine.model.parts.args.vocab_size
         # Warm-up with the measured prompt's length: MLX's CUDA backend JIT-compiles a
@@ -127,20 +144,23 @@ async def measure_engine(case: Case) -> Result:
             async for _ in it:
                 pass
         phases["warmup_s"] = time.perf_counter() - started - phases["open_s"]
-        if case.cold:
+        if case.cold and not case.warm_all:
             drop_page_cache(case.model)
         router, compute = engine.router, engine.compute
         mark: dict[str, float] = {}
-        original = compute.forward
+        original = compute.begin_token
 
-        async def forward(tokens: Any, cache: Any, phase: Any) -> Any:
-            # The first decode forward: snapshot counters to split prefill from decode.
+        async def begin_token(phase: Any) -> None:
+            # The first decode token's bookkeeping: snapshot counters to split prefill
+            # from decode (pipelined or not, every forward starts its bookkeeping here).
             if phase == "decode" and not mark:
                 snap = router.table.snapshot()
                 mark.update(bytes=router.reader.stats.bytes_read, hits=snap.hits, misses=snap.misses)
-            return await original(tokens, cache, phase)
+            await original(phase)
 
-        compute.forward = forward  # type: ignore[method-assign]
+        compute.begin_token = begin_token  # type: ignore[method-assign]
+        bytes0 = router.reader.stats.bytes_read
+        ahead0 = (compute.stats.run_ahead_tokens, compute.stats.run_ahead_misses)
         params = SamplingParams(temperature=1.0, seed=case.seed, max_tokens=case.max_tokens)
         prompt = prompt_ids(case.prompt_tokens, vocab, case.seed)
         done: Done | None = None
@@ -149,7 +169,7 @@ async def measure_engine(case: Case) -> Result:
                 async for event in it:
                     if isinstance(event, Done):
                         done = event
-        compute.forward = original  # type: ignore[method-assign]
+        compute.begin_token = original  # type: ignore[method-assign]
         assert done is not None
         s = done.stats
         snap = router.table.snapshot()
@@ -172,6 +192,10 @@ async def measure_engine(case: Case) -> Result:
             prefetch_precision=s.prefetch_precision, prefetch_recall=s.prefetch_recall,
             stall_fraction=s.stall_fraction, backend=_backend(),
             os_threads=_os_threads(), rss_kinds=resident_kinds(), rss_by_mapping=resident_by_mapping(),
+            prefill_chunk=engine.prefill_chunk,
+            prefill_bytes=int(mark.get("bytes", 0) - bytes0),
+            run_ahead_tokens=compute.stats.run_ahead_tokens - ahead0[0],
+            run_ahead_misses=compute.stats.run_ahead_misses - ahead0[1],
             seconds=time.perf_counter() - started, **phases,
         )
 
@@ -196,7 +220,17 @@ def measure(case: Case) -> Result:
 
     started = time.perf_counter()
     if case.kind == "moestream":
-        return trio.run(measure_engine, case)
+        result = trio.run(measure_engine, case)
+        if case.warm_all:
+            # The compute ceiling, measured in this same process and GPU state.
+            from qpack.reader import Container
+
+            with Container.open(case.model, verify="off") as c:
+                vocab = int(c.config.get("text_config", c.config)["vocab_size"])
+            r = resident_decode(case.model, prompt_ids(case.prompt_tokens, vocab, case.seed),
+                                case.max_tokens, case.seed)
+            result.resident_decode_tok_s = r.decode_tok_s
+        return result
     if case.kind == "resident":
         from qpack.reader import Container
 
@@ -264,6 +298,21 @@ class Report:
         if default is not None and ceilings:
             out["ceiling_tok_s"] = min(ceilings)
             out["default_over_ceiling"] = default.decode_tok_s / min(ceilings)
+        warm = self.by_name("warm-all")
+        if warm is not None and warm.resident_decode_tok_s > 0:
+            out["warm_all_over_resident"] = warm.decode_tok_s / warm.resident_decode_tok_s
+        one_pass = self.by_name("long-prompt")
+        for name in ("long-prompt", "long-prompt-c256"):
+            long = self.by_name(name)
+            if long is not None and one_pass is not None and io is not None and io.read_gb_s > 0 \
+                    and one_pass.prefill_bytes:
+                # One pass of the disk: the expert bytes this prompt needs, read once each
+                # (what the pool-sized chunk read, when the pool holds a layer's experts).
+                need = one_pass.prefill_bytes
+                ceiling = long.prompt_tokens / (need / (io.read_gb_s * 1e9))
+                key = name.replace("-", "_")
+                out[f"{key}_prefill_ceiling_tok_s"] = ceiling
+                out[f"{key}_prefill_over_ceiling"] = long.prefill_tok_s / ceiling
         if default is not None:
             budget = self.container["dense_mb"] + default.pool_mb + 256
             gpu = "gpu" in default.backend

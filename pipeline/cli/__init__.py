@@ -2,6 +2,8 @@
 
 Every module here only declares its arguments; what a subcommand runs is imported when
 it runs, so `moestream --help` and argument errors never load MLX or the engine.
+`main` turns whatever a command raises into one `error: <message>` line and exit 1
+(pipeline.cli.failures); Ctrl-C exits 130 and a closed stdout pipe 141, both quietly.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import sys
 
 from pipeline.cli import bench, commands, config, pack, replay, serve, synth
+from pipeline.cli.failures import EXIT_INTERRUPTED, broken_pipe, interrupted_by, report
 from pipeline.logging_setup import configure_logging
 
 __all__ = ["build_parser", "main"]
@@ -37,9 +40,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_json)
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return status
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return broken_pipe()
+    except BaseExceptionGroup as group:
+        if interrupted_by(group, KeyboardInterrupt):
+            return EXIT_INTERRUPTED
+        if interrupted_by(group, BrokenPipeError):
+            return broken_pipe()
+        return report(group, args.log_level.lower() == "debug")
+    except Exception as exc:  # every failure: one line, the traceback only when debugging
+        return report(exc, args.log_level.lower() == "debug")
 
 
 if __name__ == "__main__":

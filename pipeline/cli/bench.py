@@ -10,13 +10,17 @@ from typing import Any
 
 from pipeline.bench.cases import Case, Report, machine_info, run_case
 
+# The default run; warm-all (every expert pooled, vs mlx-lm resident in the same
+# process) and the long-prompt pair are asked for by name.
 CASES = ("default", "serial", "resident", "io")
+ALL_CASES = (*CASES, "warm-all", "long-prompt", "long-prompt-c256")
+DEFAULT_POOL_MB = 1024
 
 
 def plan_cases(args: argparse.Namespace) -> list[Case]:
     """default = as configured; serial = overlap off; resident = mlx-lm; io = disk bandwidth."""
     base: dict[str, Any] = {
-        "pool": {"slots": args.slots} if args.slots else {"budget_mb": args.pool_mb},
+        "pool": {"slots": args.slots} if args.slots else {"budget_mb": args.pool_mb or DEFAULT_POOL_MB},
         "reader": {"concurrency": args.readers, "o_direct": args.o_direct},
         "prefetch": {"strategy": args.strategy, "depth": args.depth},
         "compute": {"prefill_chunk": args.prefill_chunk},
@@ -34,6 +38,18 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
             cases.append(Case(name="resident", kind="resident", **common))
         elif name == "io":
             cases.append(Case(name="io", kind="io", config=base, **common))
+        elif name == "warm-all":
+            cases.append(Case(name="warm-all", config=base, warm_all=True,
+                              **{**common, "cold": False}))
+        elif name == "long-prompt":
+            # One pass of the disk per prompt (the chunk follows the pool) ...
+            cases.append(Case(name="long-prompt", config=base,
+                              **{**common, "prompt_tokens": args.long_prompt, "max_tokens": 8}))
+        elif name == "long-prompt-c256":
+            # ... against fixed 256-token chunks (the earlier default).
+            fixed = {**base, "compute": {**base["compute"], "prefill_chunk": 256}}
+            cases.append(Case(name="long-prompt-c256", config=fixed,
+                              **{**common, "prompt_tokens": args.long_prompt, "max_tokens": 8}))
     return cases
 
 
@@ -58,12 +74,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     from pipeline.bench.report import plot_timeline, results_table, write_json
 
-    unknown = [c for c in args.cases if c not in CASES]
+    unknown = [c for c in args.cases if c not in ALL_CASES]
     if unknown:
-        print(f"moestream bench: unknown case(s) {unknown}; choose from {list(CASES)}", file=sys.stderr)
+        print(f"error: unknown case(s) {unknown}; choose from {list(ALL_CASES)}", file=sys.stderr)
+        return 2
+    if args.pool_mb is not None and args.slots is not None:
+        print("error: --pool-mb and --slots are exclusive: give one", file=sys.stderr)
         return 2
     if not (Path(args.model) / "manifest.json").is_file():
-        print(f"moestream bench: {args.model}: not a .qpack container (no manifest.json)", file=sys.stderr)
+        print(f"error: {args.model}: not a .qpack container (no manifest.json)", file=sys.stderr)
         return 2
     report = run_bench(args, "moestream bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []))
     Console(stderr=True, width=None if sys.stderr.isatty() else 220).print(results_table(report))
@@ -74,6 +93,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if plot_timeline(args.trace, Path(args.plots) / "timeline.png") is None:
             print("bench: timeline plot skipped (matplotlib missing or no decode step)", file=sys.stderr)
     failed = [r for r in report["results"] if r.get("error")]
+    if failed:
+        print(f"error: {len(failed)} of {len(report['results'])} bench cases failed: "
+              + "; ".join(f"{r.get('name')}: {' '.join(str(r['error']).split())[:300]}" for r in failed),
+              file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -88,7 +111,7 @@ def _cmd_bench_container(args: argparse.Namespace) -> int:
                                        group_size=args.group_size, seed=args.seed,
                                        max_layers=args.max_layers, workers=args.workers)
     except (ValueError, QpackError) as exc:
-        print(f"moestream bench-container: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"{result.path}: {result.bytes_written / 1e9:.2f} GB in {result.seconds:.1f} s "
           f"({result.mb_s:.0f} MB/s; experts {result.experts_mb_s:.0f} MB/s, dense {result.dense_seconds:.1f} s)")
@@ -96,13 +119,17 @@ def _cmd_bench_container(args: argparse.Namespace) -> int:
 
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pool-mb", type=int, default=1024, help="expert pool budget in MiB (default 1024)")
+    p.add_argument("--pool-mb", type=int, default=None,
+                   help=f"expert pool budget in MiB (default {DEFAULT_POOL_MB})")
     p.add_argument("--slots", type=int, default=None, help="expert pool size in experts (instead of --pool-mb)")
     p.add_argument("--readers", type=int, default=4, help="expert reads in flight (default 4)")
     p.add_argument("--strategy", default="next-gate", help="prefetch strategy of the default case")
     p.add_argument("--depth", type=int, default=1,
                    help="layers ahead the strategy predicts (lookahead, history; default 1)")
-    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill step")
+    p.add_argument("--prefill-chunk", type=int, default=0,
+                   help="prompt tokens per prefill step (default 0: follow the pool)")
+    p.add_argument("--long-prompt", type=int, default=1024,
+                   help="prompt length of the long-prompt cases (default 1024)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (default 16)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument("--o-direct", action="store_true", help="read experts with O_DIRECT")
@@ -121,7 +148,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "table, writes JSON, and with --trace and --plots a timeline of one decode step.")
     p.add_argument("model", type=Path, help="path of a .qpack container")
     p.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES),
-                   help=f"comma-separated subset of {','.join(CASES)}")
+                   help=f"comma-separated cases (default {','.join(CASES)}; "
+                   f"all: {','.join(ALL_CASES)})")
     add_bench_flags(p)
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--trace", help="write the default case's Chrome/Perfetto timeline here")

@@ -6,17 +6,18 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.cli.term import err
+from pipeline.cli.failures import refused
 
 if TYPE_CHECKING:
     from pipeline.config.schema import PipelineConfig
 
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """Flags that override config keys; shared by generate, chat, serve and bench."""
+def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) -> None:
+    """Flags that override config keys; shared by run, generate, chat and serve."""
     g = p.add_argument_group("engine")
-    g.add_argument("--config", type=Path, help="a TOML config to start from (flags override it)")
+    if config_flag:
+        g.add_argument("--config", type=Path, help="a TOML config to start from (flags override it)")
     g.add_argument("--pool-mb", type=int, help="expert pool budget in MiB")
     g.add_argument("--slots", type=int, help="expert pool size in experts (instead of --pool-mb)")
     g.add_argument("--strategy", help="prefetch: none, next-gate, lookahead, history, transition")
@@ -37,6 +38,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int)
     s.add_argument("--max-tokens", type=int)
     s.add_argument("--stop", action="append", help="a stop string; repeatable")
+    s.add_argument("--thinking", dest="enable_thinking", action=argparse.BooleanOptionalAction,
+                   default=None, help="the chat template's thinking switch (chat.enable_thinking)")
 
 
 _FLAG_KEYS = {
@@ -54,15 +57,20 @@ _FLAG_KEYS = {
     "min_p": ("sampling", "min_p"),
     "seed": ("sampling", "seed"),
     "max_tokens": ("sampling", "max_tokens"),
+    "enable_thinking": ("chat", "enable_thinking"),
 }
 
 
-def engine_config(args: argparse.Namespace, model: str | None = None) -> PipelineConfig:
+def engine_config(args: argparse.Namespace, model: str | None = None, *,
+                  check_paths: bool = True) -> PipelineConfig:
     """The config file (if any), then the flags, validated as one config."""
     import tomllib
 
     from pipeline.config.schema import ConfigError, config_from_dict
 
+    if getattr(args, "pool_mb", None) is not None and getattr(args, "slots", None) is not None:
+        raise ConfigError("--pool-mb and --slots are exclusive: give one (or neither to size "
+                          "the pool from available memory)")
     raw: dict[str, Any] = {}
     text = ""
     if args.config is not None:
@@ -70,7 +78,10 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> Pipelin
             text = args.config.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {args.config}") from None
-        raw = tomllib.loads(text)
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{args.config}: invalid TOML: {exc}") from None
     if model is not None:
         raw.setdefault("model", {})["path"] = model
     for flag, (section, key) in _FLAG_KEYS.items():
@@ -86,7 +97,7 @@ def engine_config(args: argparse.Namespace, model: str | None = None) -> Pipelin
     if getattr(args, "no_overlap", False):
         raw.setdefault("compute", {})["overlap"] = False
     return config_from_dict(raw, source=str(args.config or "<flags>"), text=text,
-                            overrides=args.overrides)
+                            overrides=args.overrides, check_paths=check_paths)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -95,15 +106,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     from actors import timeline
     from pipeline.cli.console import run_pipeline
-    from pipeline.config.schema import ConfigError, load_config
+    from pipeline.config.schema import ConfigError
     from pipeline.prepare import ensure_container
 
+    args.config = args.config_file
     try:
-        cfg = load_config(args.config_file, args.overrides, check_paths=False)
+        cfg = engine_config(args, check_paths=False)
         ensure_container(cfg.model)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        return 2
+        return refused(exc)
     if args.record_routing:
         cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, record_routing=args.record_routing))
     with timeline.recording(args.trace or cfg.run.trace):
@@ -120,12 +131,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     try:
         cfg = engine_config(args, args.model)
     except (ConfigError, ValueError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        return 2
+        return refused(exc)
     prompts = tuple(args.prompt or ["Hello"])
     cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(
         cfg.run, prompts=prompts, stats=args.stats, record_routing=args.record_routing))
-    return trio.run(run_pipeline, cfg, None)
+    return trio.run(run_pipeline, cfg, None, "generate")
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -137,8 +147,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     try:
         cfg = engine_config(args, args.model)
     except (ConfigError, ValueError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        return 2
+        return refused(exc)
     return trio.run(chat, cfg, list(args.turns))
 
 
@@ -147,10 +156,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Pack the model on first use, then generate for every prompt "
                        "in [run] and print (and save) the measured stats.")
     p.add_argument("config_file", type=Path, metavar="CONFIG", help="e.g. config/demo.toml")
-    p.add_argument("--set", dest="overrides", action="append", default=[],
-                   metavar="SECTION.KEY=VALUE", help="override a config key; repeatable")
     p.add_argument("--trace", help="write a Chrome/Perfetto timeline JSON here")
     p.add_argument("--record-routing", help="save the routing trace here (for `replay`)")
+    add_engine_flags(p, config_flag=False)
     p.set_defaults(func=_cmd_run)
 
     g = sub.add_parser("generate", help="one-shot generation from a container, with stats",

@@ -5,6 +5,8 @@ Imported only when one of those commands runs (it pulls in the engine and MLX).
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from contextlib import aclosing
 from pathlib import Path
@@ -16,14 +18,16 @@ from rich.progress import Progress
 from rich.table import Table
 
 from actors.sampling_params import SamplingParams
+from pipeline.cli.progress import loaded_engine
 from pipeline.cli.term import err
 from pipeline.config.schema import PipelineConfig
-from pipeline.engine import Engine, open_engine
+from pipeline.engine import Engine
 from pipeline.events import Done, GenerationStats, TextDelta
+from pipeline.generation_config import default_params
 
 
-def stats_table(rows: list[tuple[str, GenerationStats]]) -> Table:
-    table = Table(title="moestream run")
+def stats_table(rows: list[tuple[str, GenerationStats]], title: str = "moestream run") -> Table:
+    table = Table(title=title)
     for col in ("prompt", "tokens in/out", "TTFT s", "prefill tok/s", "decode tok/s", "hit rate",
                 "MB read/tok", "stall", "prefetch P/R", "RSS MB peak/dec", "dev MB peak/dec"):
         table.add_column(col, justify="right" if col != "prompt" else "left")
@@ -87,10 +91,10 @@ def _messages(prompt: Any) -> Any:
     return [{"role": m.role, "content": m.content} for m in prompt]
 
 
-async def run_pipeline(cfg: PipelineConfig, trace_path: str | None) -> int:
-    params = msgspec.structs.replace(cfg.sampling, max_tokens=cfg.sampling.max_tokens or cfg.run.max_tokens)
+async def run_pipeline(cfg: PipelineConfig, trace_path: str | None, command: str = "run") -> int:
     rows: list[tuple[str, GenerationStats]] = []
-    async with open_engine(cfg, record_routing=cfg.run.record_routing is not None) as engine:
+    async with loaded_engine(cfg, record_routing=cfg.run.record_routing is not None) as engine:
+        params = _params(engine, cfg)
         for prompt in cfg.run.prompts:
             label = prompt if isinstance(prompt, str) else prompt[-1].content
             err.print(f"[bold]> {label}[/bold]  [dim](random weights: the text is gibberish)[/dim]")
@@ -98,7 +102,7 @@ async def run_pipeline(cfg: PipelineConfig, trace_path: str | None) -> int:
             rows.append((label, done.stats))
         if engine.compute.recorder is not None and cfg.run.record_routing:
             engine.compute.recorder.save(cfg.run.record_routing)
-    err.print(stats_table(rows))
+    err.print(stats_table(rows, f"moestream {command}"))
     if cfg.run.stats:
         Path(cfg.run.stats).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.run.stats).write_bytes(msgspec.json.format(msgspec.json.encode(
@@ -108,28 +112,91 @@ async def run_pipeline(cfg: PipelineConfig, trace_path: str | None) -> int:
     return 0
 
 
+def _params(engine: Engine, cfg: PipelineConfig) -> SamplingParams:
+    """The config's [sampling] over the model's generation_config.json; run.max_tokens
+    when neither caps the length."""
+    params = default_params(engine)
+    return msgspec.structs.replace(params, max_tokens=params.max_tokens or cfg.run.max_tokens)
+
+
 async def chat(cfg: PipelineConfig, turns: list[str]) -> int:
-    params = msgspec.structs.replace(cfg.sampling, max_tokens=cfg.sampling.max_tokens or cfg.run.max_tokens)
+    async with loaded_engine(cfg) as engine:
+        params = _params(engine, cfg)
+        if not turns:
+            return await _interactive(engine, params)
+        messages: list[dict[str, str]] = []
+        for line in turns:
+            print(f">>> {line}")
+            await _turn(engine, messages, line, params)
+    return 0
+
+
+async def _turn(engine: Engine, messages: list[dict[str, str]], line: str, params: SamplingParams) -> None:
+    messages.append({"role": "user", "content": line})
+    done = await stream(engine, messages, params, echo=True)
+    messages.append({"role": "assistant", "content": done.text})
+    s = done.stats
+    err.print(f"[dim]{s.completion_tokens} tokens, {s.decode_tok_s:.2f} tok/s, "
+              f"cached {s.cached_tokens}/{s.prompt_tokens} prompt tokens, "
+              f"hit rate {s.hit_rate:.1%}[/dim]")
+
+
+async def _interactive(engine: Engine, params: SamplingParams) -> int:
+    """The prompt loop. Ctrl-C stops a reply and returns to the prompt (the conversation so
+    far is kept); at the prompt it ends the session quietly, as EOF (Ctrl-D) and /exit do."""
     messages: list[dict[str, str]] = []
-    async with open_engine(cfg) as engine:
-        interactive = not turns
-        while True:
-            if interactive:
-                try:
-                    line = await trio.to_thread.run_sync(input, ">>> ")
-                except EOFError:
-                    return 0
-                if line.strip() in ("/exit", "/quit"):
-                    return 0
-            else:
-                if not turns:
-                    return 0
-                line = turns.pop(0)
-                print(f">>> {line}")
-            messages.append({"role": "user", "content": line})
-            done = await stream(engine, messages, params, echo=True)
-            messages.append({"role": "assistant", "content": done.text})
-            s = done.stats
-            err.print(f"[dim]{s.completion_tokens} tokens, {s.decode_tok_s:.2f} tok/s, "
-                      f"cached {s.cached_tokens}/{s.prompt_tokens} prompt tokens, "
-                      f"hit rate {s.hit_rate:.1%}[/dim]")
+    current = trio.CancelScope()
+    stdin = StdinLines()
+
+    async def on_sigint(signals: Any) -> None:
+        async for _ in signals:
+            current.cancel()  # the reply or the prompt, whichever is running
+
+    with trio.open_signal_receiver(signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(on_sigint, signals)
+            try:
+                while True:
+                    sys.stdout.write(">>> ")
+                    sys.stdout.flush()
+                    with trio.CancelScope() as current:
+                        try:
+                            # A blocking read cannot be interrupted; on Ctrl-C its thread is
+                            # left behind and the session ends without it.
+                            line = await trio.to_thread.run_sync(stdin.read_line, abandon_on_cancel=True)
+                        except EOFError:
+                            return 0
+                    if current.cancelled_caught or line.strip() in ("/exit", "/quit"):
+                        sys.stdout.write("\n" if current.cancelled_caught else "")
+                        return 0
+                    if not line.strip():
+                        continue  # an empty line is not a turn
+                    kept = len(messages)
+                    with trio.CancelScope() as current:
+                        await _turn(engine, messages, line, params)
+                    if current.cancelled_caught:
+                        del messages[kept:]  # the interrupted exchange is not part of the conversation
+                        sys.stdout.write("\n")
+                        err.print("[dim](reply interrupted)[/dim]")
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+class StdinLines:
+    """Lines from fd 0 through os.read, not input(): a thread left blocked in input() holds
+    stdin's buffer lock, and the interpreter then aborts at exit instead of leaving."""
+
+    def __init__(self) -> None:
+        self.pending = b""
+
+    def read_line(self) -> str:
+        while b"\n" not in self.pending:
+            chunk = os.read(0, 4096)
+            if not chunk:
+                if not self.pending:
+                    raise EOFError
+                line, self.pending = self.pending, b""
+                return line.decode(errors="replace")
+            self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
+        return line.decode(errors="replace").rstrip("\r")

@@ -27,10 +27,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=PACK_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="checkpoint directory or hub repo id (owner/name)")
     p.add_argument("-o", "--output", required=True, type=Path, help="container directory to write (X.qpack)")
-    p.add_argument("--bits", type=int, choices=(4, 8, 16), default=None,
-                   help="4 or 8: quantize float experts and dense weights (affine); 16: keep float. "
-                        "Default: 4 for float sources, unchanged for MLX-quantized sources")
-    p.add_argument("--group-size", type=int, default=64, help="quantization group size (default 64)")
+    p.add_argument("--bits", type=int, choices=(2, 3, 4, 5, 6, 8, 16), default=None,
+                   help="quantize float experts and dense weights at this many bits; 16: keep float. "
+                        "Default: the mode's (4 affine), unchanged for MLX-quantized sources")
+    p.add_argument("--mode", choices=("affine", "mxfp4", "nvfp4", "mxfp8"), default="affine",
+                   help="MLX quantization mode for float sources (default affine)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="quantization group size (default: the mode's: 64 affine, 32 mxfp4/mxfp8, 16 nvfp4)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="cast float weights first (default: the config's dtype when quantizing, "
                         "else the source dtype)")
@@ -50,6 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "stride, dense-core and expert bytes, quantization, smallest pool.")
     i.add_argument("container", type=Path, help="the .qpack directory")
     i.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    i.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per prefill step to size the smallest pool for "
+                        "(default: compute.prefill_chunk's default)")
     i.set_defaults(func=cmd_info)
 
 
@@ -64,7 +70,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
     try:
         result = pack(args.source, args.output, bits=args.bits, group_size=args.group_size, dtype=args.dtype,
-                      revision=args.revision, progress=not args.no_progress)
+                      revision=args.revision, progress=not args.no_progress, mode=args.mode)
     except QpackError as exc:
         return _error(exc)
     print(f"packed {args.output}: {result.bytes_written / 1e6:.1f} MB in {result.seconds:.1f} s "
@@ -82,23 +88,40 @@ def cmd_pack(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from qpack.reader import verify_container
 
-    report = verify_container(args.container)
+    report = verify_container(args.container, progress=_verify_progress())
     if report.ok:
         print(f"OK {args.container}: {report.files_checked} files, {report.experts_checked} experts")
         return 0
+    # Problems are diagnostics: stderr, so `verify x > report` still shows them.
     for problem in report.problems:
-        print(problem)
-    print(f"{len(report.problems)} problem(s) in {args.container}")
+        print(problem, file=sys.stderr)
+    print(f"error: {len(report.problems)} problem(s) in {args.container}", file=sys.stderr)
     return 1
 
 
-def info_dict(path: Path) -> dict:
+def _verify_progress():  # noqa: ANN202 - a rich progress callback, or None off a terminal
+    if not sys.stderr.isatty():
+        return None
+    from pipeline.cli.progress import byte_progress
+
+    return byte_progress("verify")
+
+
+def info_dict(path: Path, prefill_chunk: int | None = None) -> dict:
     """What `info` shows, as plain data."""
+    from pipeline.config.schema import ComputeConfig
     from qpack.reader import Container
 
+    chunk = prefill_chunk or ComputeConfig().prefill_chunk
     with Container.open(path, verify="off") as c:
         m = c.manifest
         q = m.quantization
+        # What the engine refuses below: a prefill chunk's layer may route to chunk x top_k
+        # distinct experts, all pinned at once, each taking one slot of the tensors' bytes.
+        slot_bytes = max((sum(t.nbytes for t in entry.format.tensors) for entry in m.layers), default=0)
+        # chunk 0 (the default) follows the pool: any pool that holds one token's
+        # experts works, prefill then runs in chunks of slots // top_k tokens.
+        slots = min(m.num_experts, max(chunk, 1) * m.top_k)
         return {
             "path": str(path),
             "model_type": m.model_type,
@@ -115,8 +138,13 @@ def info_dict(path: Path) -> dict:
             "quantization": {"bits": q.bits, "group_size": q.group_size, "mode": q.mode,
                              "overrides": len(q.overrides)},
             "smallest_pool_bytes": c.smallest_pool_bytes,
-            "smallest_pool_note": "decode: one layer's top-k experts; a prefill chunk of T tokens "
-                                  "needs min(num_experts, T*top_k) experts",
+            "prefill_chunk": chunk,
+            "smallest_workable_slots": slots,
+            "smallest_workable_pool_mb": -(-slots * slot_bytes // 2**20),
+            "smallest_pool_note": "smallest_pool_bytes: decode alone (one layer's top-k experts); "
+                                  "smallest_workable_pool_mb: what the engine accepts with prefill "
+                                  "chunks of prefill_chunk tokens (0: following the pool), "
+                                  "min(num_experts, max(chunk, 1)*top_k) experts",
         }
 
 
@@ -126,7 +154,7 @@ def _mb(n: int) -> str:
 
 def cmd_info(args: argparse.Namespace) -> int:
     try:
-        info = info_dict(args.container)
+        info = info_dict(args.container, args.prefill_chunk)
     except QpackError as exc:
         return _error(exc)
     if args.json:
@@ -149,9 +177,15 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("experts", _mb(info["expert_bytes"])),
         ("total", _mb(info["total_bytes"])),
         ("quantization", quant),
-        ("smallest pool (decode)", f"{_mb(info['smallest_pool_bytes'])} = top-k x stride"),
+        ("smallest pool", f"--pool-mb {info['smallest_workable_pool_mb']} ({info['smallest_workable_slots']} "
+                          "experts) " + (f"with prefill chunks of {info['prefill_chunk']} tokens"
+                                         if info["prefill_chunk"] else
+                                         "(prefill chunks follow the pool: slots // top-k tokens, "
+                                         "the whole prompt once a layer's experts fit)")),
+        ("smallest pool (decode only)", f"{_mb(info['smallest_pool_bytes'])} = top-k x slot "
+                                        "(largest stride; every variant when layers differ)"),
     ]
     for k, v in rows:
         table.add_row(k, v)
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)  # no wrapping in pipes and logs
     return 0

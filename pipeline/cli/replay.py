@@ -73,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
         trace = load_trace(args.trace)
         slots = args.slots or [trace.pool.num_slots]
         results = sweep(trace, args.policies, args.strategies, slots)
-    except ValueError as exc:
-        log.error("replay.failed", error=str(exc))
+    except ValueError as exc:  # a trace that does not load or fit: refused before any replay
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     _render(trace, results, Path(args.trace))
     if args.json:

@@ -12,10 +12,11 @@ import json
 from typing import Any
 
 from pipeline.cli.commands import add_engine_flags, engine_config
+from pipeline.cli.failures import refused
 from pipeline.cli.term import err
 
 _SERVER_FLAGS = ("host", "port", "api_key", "max_queue", "max_body_bytes", "context_limit",
-                 "strict_model", "aliases", "cors_origins")
+                 "max_tokens_limit", "strict_model", "aliases", "cors_origins")
 
 
 def server_overrides(args: argparse.Namespace) -> list[str]:
@@ -36,15 +37,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from pipeline.config.schema import ConfigError
     from pipeline.prepare import ensure_container
-    from pipeline.server.serve import serve_config
+    from pipeline.server.serve import check_bindable, serve_config
 
     args.overrides = [*server_overrides(args), *args.overrides]
     try:
         cfg = engine_config(args, args.model)
+    except (ConfigError, ValueError) as exc:
+        return refused(exc)
+    check_bindable(cfg.server.host, cfg.server.port)  # before minutes of packing or loading
+    try:
         ensure_container(cfg.model)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        return 2
+        return refused(exc)
+    err.print(f"loading {cfg.model.path}, then serving on http://{cfg.server.host}:{cfg.server.port} ...")
     return trio.run(lambda: serve_config(cfg, hide_reasoning=args.hide_reasoning,
                                          accepted=(args.model,)))
 
@@ -75,6 +80,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--cors-origin", dest="cors_origins", action="append", default=[],
                    help="a browser origin allowed to call the API (CORS), e.g. "
                    "http://localhost:3000, or * for any; repeatable; none by default")
+    h.add_argument("--max-tokens-limit", type=int, help="most tokens one request may generate; "
+                   "more get 400 (default 8192)")
     h.add_argument("--hide-reasoning", action="store_true",
                    help="drop <think> reasoning from replies instead of sending reasoning_content")
     add_engine_flags(p)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from qpack.synth.presets import FAMILIES, FULL_SIZE, get_preset, preset_names
+from qpack.synth.variants import VARIANTS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,10 +31,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="weight dtype, also of scales/biases when quantized (default bfloat16)")
     p.add_argument("--bits", type=int, choices=(4, 8), default=None,
                    help="write mlx-lm's quantized layout at this many bits (routers at 8)")
-    p.add_argument("--group-size", type=int, default=64, help="quantization group size (default 64)")
+    p.add_argument("--group-size", type=int, default=64, help="quantization group size (default 64; "
+                   "the mode's own with --mode)")
+    p.add_argument("--mode", choices=("affine", "mxfp4", "nvfp4", "mxfp8"), default="affine",
+                   help="with --bits (or alone): mlx_lm.convert --q-mode (default affine)")
+    p.add_argument("--recipe", choices=("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6", "float_experts"),
+                   default=None, help="mlx_lm.convert --quant-predicate recipe (MLX layout), or "
+                   "float_experts: everything quantized but the routed experts")
     p.add_argument("--layout", choices=("hub", "per-expert"), default="hub",
                    help="hub: as the hub ships it; per-expert: transformers' text-only "
                    "Qwen3.5 MoE layout (only qwen3_5_moe differs; default hub)")
+    p.add_argument("--variant", choices=sorted({v for vs in VARIANTS.values() for v in vs}),
+                   default=None, help="chat variant: qwen3_next instruct (default) or thinking "
+                   "(template opens <think>, sampling 0.6/0.95/20); qwen3_5_moe hybrid")
     p.add_argument("--seed", type=int, default=0, help="random seed: same seed, same bytes (default 0)")
     p.add_argument("--shard-mb", type=int, default=None,
                    help="maximum shard size in MiB (default: 8 for tiny, 2048 otherwise)")
@@ -45,8 +55,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qpack.spec import QpackError
     from qpack.synth.checkpoint import synthesize
 
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        # Synthesis replaces shards and configs: never over something already there.
+        print(f"error: {args.out}: exists and is not empty; remove it or choose another -o",
+              file=sys.stderr)
+        return 2
     try:
         dims = get_preset(args.family, args.preset)
         synthesize(
@@ -58,12 +74,15 @@ def run(args: argparse.Namespace) -> int:
             group_size=args.group_size,
             seed=args.seed,
             layout=args.layout,
+            variant=args.variant,
+            mode=args.mode,
+            recipe=args.recipe,
             shard_bytes=args.shard_mb * 1024 * 1024 if args.shard_mb else None,
             max_layers=args.max_layers,
             progress=not args.no_progress and sys.stderr.isatty(),
         )
-    except ValueError as exc:
-        print(f"moestream synth: {exc}", file=sys.stderr)
+    except (ValueError, QpackError) as exc:  # bad arguments, or no room: refused before writing
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     print(args.out)
     return 0

@@ -24,8 +24,8 @@ import msgspec
 
 from actors.pool.eviction import POLICY_NAMES
 from actors.prefetch import STRATEGY_NAMES
-from actors.sampling_params import SamplingParams
 from pipeline.config.errors import ConfigError, Locator, one_of, unknown_keys
+from pipeline.config.sampling import ChatConfig, SamplingConfig
 from pipeline.config.toml import drop_none, dumps_toml
 
 # The names the pool and the prefetcher know, from their own registries.
@@ -104,7 +104,15 @@ class PrefetchConfig(_Section):
 
 
 class ComputeConfig(_Section):
-    prefill_chunk: PositiveInt = 256  # prompt tokens per forward during prefill
+    # Prompt tokens per prefill forward. 0 = follow the pool: the whole prompt (up to
+    # prefill_max_tokens) in one layer-major pass when a layer's experts all fit in the
+    # pool, so a prompt reads each expert it needs once; else as many tokens as the pool
+    # can pin one layer's experts for (slots // top_k).
+    prefill_chunk: NonNegInt = 0
+    prefill_max_tokens: PositiveInt = 2048  # activation memory grows with the chunk
+    # One host sync per decode token when the experts are expected to be resident:
+    # "auto" (after a token that read nothing), "on" (always try first), "off".
+    run_ahead: Literal["auto", "on", "off"] = "auto"
     overlap: bool = True  # false = the serial streamer baseline (no read/compute overlap)
     # Activation dtype. "auto": float32 on MLX's CPU backend (its bfloat16 kernels are ~10x
     # slower than float32 there), the model's own dtype on GPUs; "model": always the model's.
@@ -135,6 +143,12 @@ class ServerConfig(_Section):
     aliases: tuple[str, ...] = ()  # more model names, listed by /v1/models
     strict_model: bool = False  # 404 for a request naming another model (else served anyway)
     cors_origins: tuple[str, ...] = ()  # browser origins allowed (CORS); none by default
+    # On SIGINT/SIGTERM, requests in flight get this long to finish before they are cut.
+    shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    # Most tokens one request may generate; a request asking for more gets a 400 (as
+    # OpenAI's API does), one asking for none gets this many at most. It bounds how long
+    # one request can hold the engine while the others queue.
+    max_tokens_limit: PositiveInt = 8192
 
 
 class LogConfig(_Section):
@@ -151,7 +165,8 @@ class PipelineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     reader: ReaderConfig = ReaderConfig()
     prefetch: PrefetchConfig = PrefetchConfig()
     compute: ComputeConfig = ComputeConfig()
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingConfig = SamplingConfig()  # unset keys: the model's, then the API's
+    chat: ChatConfig = ChatConfig()
     run: RunConfig = RunConfig()
     server: ServerConfig = ServerConfig()
     log: LogConfig = LogConfig()

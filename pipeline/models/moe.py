@@ -45,7 +45,8 @@ def _scatter_unsort(x: mx.array, inv_order: mx.array, shape: tuple[int, ...]) ->
 def _project(
     arrays: dict[str, mx.array], fmt: ExpertFormat, proj: str, x: mx.array, idx: mx.array, sort: bool
 ) -> mx.array:
-    if fmt.bits is None:
+    bits, group_size, mode = fmt.quant(proj)  # mixed-precision layers differ per projection
+    if bits is None:
         return mx.gather_mm(
             x, arrays[f"{proj}.weight"].swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sort
         )
@@ -56,9 +57,9 @@ def _project(
         arrays.get(f"{proj}.biases"),
         rhs_indices=idx,
         transpose=True,
-        group_size=fmt.group_size,
-        bits=fmt.bits,
-        mode=fmt.mode or "affine",
+        group_size=group_size,
+        bits=bits,
+        mode=mode or "affine",
         sorted_indices=sort,
     )
 

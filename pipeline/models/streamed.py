@@ -9,6 +9,8 @@ next routing. Everything else stays lazy, so MLX fuses it into that single sync.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -22,6 +24,49 @@ from pipeline.models.text_parts import TextParts, moe_layers, text_parts
 from qpack.spec import ExpertFormat
 
 
+@dataclass
+class RunAhead:
+    """What one run-ahead evaluation tells the host."""
+
+    layers: list[int]  # MoE layers in order
+    ids: np.ndarray  # [moe layers, tokens, top_k]
+    present: np.ndarray  # [moe layers] bool: every chosen expert was in the pool
+    logits: mx.array  # [vocab], valid only if present.all()
+
+    def first_miss(self) -> int | None:
+        missing = np.flatnonzero(~self.present)
+        return self.layers[int(missing[0])] if missing.size else None
+
+
+@dataclass
+class LazyRunAhead:
+    """A launched run-ahead: still lazy, so the host can queue the next step first."""
+
+    layers: list[int]
+    ids: mx.array
+    present: mx.array
+    logits: mx.array
+    keep: list[mx.array]  # evaluated with it: residual streams for `resume`, cache states
+
+    def arrays(self) -> list[mx.array]:
+        return [self.logits, self.ids, self.present, *self.keep]
+
+    def result(self) -> RunAhead:
+        return RunAhead(self.layers, np.asarray(self.ids), np.asarray(self.present), self.logits)
+
+
+def _snapshot(cache: Any) -> dict[str, Any]:
+    # mlx-lm's caches: KVCache (keys/values buffers written at `offset`, so restoring the
+    # offset is enough) and ArraysCache (a list whose entries are replaced, never written
+    # into). A shallow copy of the attributes, lists copied, restores either exactly.
+    return {k: list(v) if isinstance(v, list) else v for k, v in vars(cache).items()}
+
+
+def _restore(cache: Any, snapshot: dict[str, Any]) -> None:
+    vars(cache).clear()
+    vars(cache).update({k: list(v) if isinstance(v, list) else v for k, v in snapshot.items()})
+
+
 class StreamedModel:
     """The resident dense core plus a view of the pool's slot arrays."""
 
@@ -31,18 +76,20 @@ class StreamedModel:
         fmt: ExpertFormat,
         slot_arrays: dict[str, mx.array],
         activation_dtype: mx.Dtype | None = None,
+        views: Callable[[int], tuple[dict[str, mx.array], ExpertFormat]] | None = None,
     ):
         self.model = model
         self.activation_dtype = activation_dtype  # None: whatever the embedding yields
         self.parts: TextParts = text_parts(model)
         self.fmt = fmt
         self.slot_arrays = slot_arrays  # owned by the pool, updated in place on install
+        self.views = views  # layer -> (its slot arrays, its format) when layers differ
         self.moe_layers = moe_layers(self.parts)
         self.num_layers = len(self.parts.layers)
         self.num_experts = self.parts.layers[self.moe_layers[0]].mlp.num_experts
         self.top_k = self.parts.layers[self.moe_layers[0]].mlp.top_k
 
-    def step(self, tokens: list[int], cache: list[Any]) -> ForwardStep:
+    def step(self, tokens: list[int] | mx.array, cache: list[Any]) -> ForwardStep:
         return ForwardStep(self, tokens, cache)
 
     def make_cache(self) -> list[Any]:
@@ -66,10 +113,12 @@ def activation_dtype(setting: str) -> mx.Dtype | None:
 class ForwardStep:
     """One forward call over `tokens` (a prefill chunk or one decode token)."""
 
-    def __init__(self, model: StreamedModel, tokens: list[int], cache: list[Any]):
+    def __init__(self, model: StreamedModel, tokens: list[int] | mx.array, cache: list[Any]):
+        """`tokens`: ids, or a lazy [1] array (a token not yet read back: pipelined decode)."""
         self.m = model
         self.cache = cache
-        h = model.parts.embed_tokens(mx.array([tokens]))
+        ids = tokens.reshape(1, -1) if isinstance(tokens, mx.array) else mx.array([tokens])
+        h = model.parts.embed_tokens(ids)
         if model.activation_dtype is not None:
             h = h.astype(model.activation_dtype)
         first_fa = next((i for i, b in enumerate(model.parts.layers) if not b.is_linear), None)
@@ -79,6 +128,8 @@ class ForwardStep:
         self.h = h
         self.layer = 0
         self._pending: tuple[mx.array, mx.array, mx.array, mx.array] | None = None
+        self._snapshot: list[dict[str, Any]] | None = None
+        self._h_in: dict[int, mx.array] = {}
 
     def _mask(self, block: nn.Module) -> Any:
         return self.ssm_mask if block.is_linear else self.fa_mask
@@ -116,9 +167,83 @@ class ForwardStep:
         self._pending = None
         slots = mx.array(slot_of.astype(np.int32))[inds]
         block = self.m.parts.layers[self.layer]
-        routed = routed_experts(self.m.slot_arrays, self.m.fmt, x, slots)
+        arrays, fmt = self.m.views(self.layer) if self.m.views else (self.m.slot_arrays, self.m.fmt)
+        routed = routed_experts(arrays, fmt, x, slots)
         self.h = h_mid + moe_output(block.mlp, x, routed, scores)
         self.layer += 1
+        return self.run_to_routing(presync)
+
+    def run_ahead(self, slot_map: mx.array, row_of: dict[int, int]) -> RunAhead:
+        """`launch` then evaluate at once (see `launch`)."""
+        lazy = self.launch(slot_map, row_of)
+        mx.eval(lazy.arrays())
+        return lazy.result()
+
+    def launch(self, slot_map: mx.array, row_of: dict[int, int]) -> LazyRunAhead:
+        """The whole token in one evaluation, experts looked up on the device.
+
+        `slot_map[row_of[layer], e]` is expert e's pool slot, or -1 when it is not ready.
+        Every layer runs lazily with those slots (a missing expert reads slot 0: its
+        output is wrong and is thrown away); the logits, every MoE layer's ids and
+        "all present" flag, and the residual stream entering each MoE layer are evaluated
+        together: the token's one host sync. The caches are snapshotted first, so
+        `resume(layer)` can restart exactly at the first layer that missed.
+        """
+        self._snapshot = [_snapshot(c) for c in self.cache]
+        moe = self.m.moe_layers
+        ids: list[mx.array] = []
+        present: list[mx.array] = []
+        layers: list[int] = []
+        while self.layer < self.m.num_layers:
+            block = self.m.parts.layers[self.layer]
+            cache = self.cache[self.layer]
+            if self.layer not in moe:
+                self.h = block(self.h, mask=self._mask(block), cache=cache)
+                self.layer += 1
+                continue
+            self._h_in[self.layer] = self.h
+            mixer = block.linear_attn if block.is_linear else block.self_attn
+            h_mid = self.h + mixer(block.input_layernorm(self.h), self._mask(block), cache)
+            x = block.post_attention_layernorm(h_mid)
+            inds, scores = route(block.mlp, x)
+            found = slot_map[row_of[self.layer]][inds]
+            arrays, fmt = self.m.views(self.layer) if self.m.views else (self.m.slot_arrays, self.m.fmt)
+            routed = routed_experts(arrays, fmt, x, mx.maximum(found, 0))
+            self.h = h_mid + moe_output(block.mlp, x, routed, scores)
+            ids.append(inds.reshape(-1, inds.shape[-1]))
+            present.append((found >= 0).all())
+            layers.append(self.layer)
+            self.layer += 1
+        out = self.m.parts.head(self.m.parts.norm(self.h[:, -1:, :]))[0]
+        states = [a for c in self.cache for a in c.state if a is not None]
+        return LazyRunAhead(layers, mx.stack(ids), mx.stack(present), out[0],
+                            [*self._h_in.values(), *states])
+
+    def restore(self, snapshot: list[dict[str, Any]], layers: range) -> None:
+        """Put `layers`' caches back as `snapshot` (a `snapshot()`) had them."""
+        for i in layers:
+            _restore(self.cache[i], snapshot[i])
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The caches as they are before this step (taken by `launch`)."""
+        assert self._snapshot is not None
+        return self._snapshot
+
+    def resume(self, layer: int, presync: Presync | None = None) -> Routing | None:
+        """After a run-ahead that missed at `layer`: undo it from there, step on as usual.
+
+        Layers before `layer` computed with every expert present, so their cache updates
+        stand; the caches from `layer` on go back to the snapshot and the residual stream
+        to what entered `layer`, which the per-layer path then recomputes with the same
+        kernels (bit-identical to never having run ahead).
+        """
+        assert self._snapshot is not None, "resume() without run_ahead()"
+        for i in range(layer, self.m.num_layers):
+            _restore(self.cache[i], self._snapshot[i])
+        self.h = self._h_in[layer]
+        self.layer = layer
+        self._snapshot = None
+        self._h_in.clear()
         return self.run_to_routing(presync)
 
     def logits(self, all_positions: bool = False) -> mx.array:

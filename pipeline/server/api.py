@@ -22,6 +22,7 @@ from pipeline.engine import Engine
 from pipeline.generation import Generation, PromptTooLong
 from pipeline.server import grammar
 from pipeline.server import schema as s
+from pipeline.server.drain import Drain
 from pipeline.server.metrics import Metrics
 
 log = structlog.get_logger("moestream.server")
@@ -33,6 +34,7 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     api_key: str | None = None
     max_queue: int = 16
     max_body_bytes: int = 1 << 20
+    max_tokens_limit: int = 8192
     hide_reasoning: bool = False
     aliases: tuple[str, ...] = ()  # more names the model answers to (--alias), listed too
     # Names accepted but not listed (the path the CLI was given).
@@ -45,10 +47,12 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Api:
-    def __init__(self, engine: Engine, settings: ServerSettings, metrics: Metrics) -> None:
+    def __init__(self, engine: Engine, settings: ServerSettings, metrics: Metrics,
+                 drain: Drain | None = None) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
+        self.drain = drain or Drain()
         self.created = int(time.time())
 
     @property
@@ -121,12 +125,26 @@ class Api:
             raise s.APIError(400, str(exc), param=param, code="context_length_exceeded") from None
         except ValueError as exc:
             raise s.APIError(400, str(exc), param=param) from None
+        self.drain.check_open()
         if self.engine.waiting >= self.settings.max_queue:
             raise s.APIError(429, f"the server is busy: {self.engine.waiting} requests are "
                              "waiting; retry later", type="rate_limit_error", code="queue_full")
 
+    def limit_tokens(self, req: s.ChatRequest | s.CompletionRequest,
+                     params: SamplingParams) -> SamplingParams:
+        """Refuse a completion longer than the server allows; cap one that names no length."""
+        limit = self.settings.max_tokens_limit
+        named = getattr(req, "max_completion_tokens", None)
+        if (named or req.max_tokens) is None:
+            return msgspec.structs.replace(params, max_tokens=min(params.max_tokens or limit, limit))
+        if params.max_tokens is not None and params.max_tokens > limit:
+            param = "max_completion_tokens" if named else "max_tokens"
+            raise s.APIError(400, f"{param} is {params.max_tokens}, over this server's limit of "
+                             f"{limit} tokens per request (server.max_tokens_limit)", param=param)
+        return params
+
     def params(self, req: s.ChatRequest | s.CompletionRequest) -> SamplingParams:
-        params = s.sampling_params(req, self.settings.defaults)
+        params = self.limit_tokens(req, s.sampling_params(req, self.settings.defaults))
         logprobs: int | None = None
         if isinstance(req, s.ChatRequest):
             if req.logprobs:

@@ -35,11 +35,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actors.sampling_params import SamplingParams
 from pipeline.engine import Engine
+from pipeline.generation_config import default_params
 from pipeline.server import routes_anthropic, routes_openai, routes_responses
 from pipeline.server import schema as s
 from pipeline.server.api import Api, ServerSettings
+from pipeline.server.drain import Drain
 from pipeline.server.metrics import Metrics
 from pipeline.server.responses import json_response
+from qpack.checked_files import unreadable_files
 
 log = structlog.get_logger("moestream.server")
 
@@ -107,10 +110,20 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None,
-               metrics: Metrics | None = None) -> ASGIApp:
-    api = Api(engine, settings or ServerSettings(), metrics or Metrics())
+               metrics: Metrics | None = None, drain: Drain | None = None) -> ASGIApp:
+    api = Api(engine, settings or ServerSettings(), metrics or Metrics(), drain)
 
     async def health(request: Request) -> Response:
+        """503 while shutting down or when a container file is gone, truncated or
+        unreadable: a load balancer then stops sending requests that could only fail."""
+        if api.drain.stopping:
+            return json_response({"status": "shutting_down", "model": engine.name}, 503)
+        c = engine.container
+        problems = await trio.to_thread.run_sync(unreadable_files, c.root, c.manifest)
+        if problems:
+            log.warning("server.unhealthy", problems=problems[:5])
+            return json_response({"status": "error", "model": engine.name,
+                                  "problems": problems}, 503)
         return json_response({"status": "ok", "model": engine.name})
 
     async def metrics_text(request: Request) -> Response:
@@ -150,6 +163,7 @@ async def serve_engine(
     api_key: str | None = None,
     max_queue: int = 16,
     max_body_bytes: int = 1 << 20,
+    max_tokens_limit: int = 8192,
     hide_reasoning: bool = False,
     aliases: tuple[str, ...] = (),
     accepted: tuple[str, ...] = (),
@@ -157,29 +171,42 @@ async def serve_engine(
     cors_origins: tuple[str, ...] = (),
     defaults: SamplingParams | None = None,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    shutdown_grace_s: float = 5.0,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `engine` until `shutdown_trigger` returns (or forever); reports the bound port.
 
     Port 0 binds a free port: `port = await nursery.start(serve_engine, engine, host, 0)`.
+    Once `shutdown_trigger` returns, requests in flight get `shutdown_grace_s` to finish.
     """
     settings = ServerSettings(api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes,
+                              max_tokens_limit=max_tokens_limit,
                               hide_reasoning=hide_reasoning, aliases=aliases, accepted=accepted,
                               strict_model=strict_model, cors_origins=cors_origins,
-                              defaults=defaults or engine.config.sampling)
+                              defaults=defaults or default_params(engine))
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
-    config.graceful_timeout = 5.0
+    config.graceful_timeout = shutdown_grace_s
 
     async def started(binds: list[str]) -> None:
         bound = int(binds[0].rsplit(":", 1)[1])
         log.info("server.listening", host=host, port=bound, model=engine.name)
         task_status.started(bound)
 
+    drain = Drain()
+
+    async def shut_down() -> None:
+        if shutdown_trigger is None:
+            await trio.sleep_forever()
+        else:
+            await shutdown_trigger()
+        # Replies still producing tokens get most of hypercorn's graceful period.
+        await drain.shut_down(grace_s=max(0.0, config.graceful_timeout - 1.5))
+
     async def run(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-        await serve(create_app(engine, settings), config,  # type: ignore[arg-type]
-                    shutdown_trigger=shutdown_trigger, task_status=task_status)
+        await serve(create_app(engine, settings, drain=drain), config,  # type: ignore[arg-type]
+                    shutdown_trigger=shut_down, task_status=task_status)
 
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(run)

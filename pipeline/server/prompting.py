@@ -13,11 +13,9 @@ from typing import Any
 
 import msgspec
 
+from pipeline import chat_template
+from pipeline.config.sampling import ChatConfig
 from pipeline.server import schema as s
-
-# Template variables the server sets itself; a client's chat_template_kwargs cannot move them.
-_RESERVED = frozenset({"messages", "tools", "tokenize", "add_generation_prompt",
-                       "continue_final_message", "conversation", "documents"})
 
 
 class Prompt(msgspec.Struct, frozen=True):
@@ -69,12 +67,13 @@ def text_of(content: str | list[s.ContentPart] | None, param: str) -> str:
     return "".join(texts)
 
 
-def template_kwargs(given: dict[str, Any] | None) -> dict[str, Any]:
-    bad = sorted(_RESERVED & set(given or {}))
-    if bad:
-        raise s.APIError(400, f"chat_template_kwargs cannot set {', '.join(bad)}: the server "
-                         "sets them", param="chat_template_kwargs")
-    return dict(given or {})
+def template_kwargs(config: ChatConfig, given: dict[str, Any] | None) -> dict[str, Any]:
+    """Template variables: the request's `chat_template_kwargs` over the config's
+    `[chat]` defaults; a key the server sets itself, or a bad value, is a 400 naming it."""
+    try:
+        return chat_template.template_kwargs(config, None, given)
+    except chat_template.TemplateKwargsError as exc:
+        raise s.APIError(400, str(exc), param=f"chat_template_kwargs.{exc.key}") from None
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]],

@@ -30,6 +30,8 @@ from pipeline.engine import Engine
 from pipeline.events import Done, TextDelta
 from pipeline.server import schema as s
 from pipeline.server import schema_out as o
+from pipeline.server.call_formats import Schemas
+from pipeline.server.drain import Drain, shutting_down
 from pipeline.server.logprobs import TextLogprobs, TokenTexts, chat_logprobs, text_logprobs
 from pipeline.server.metrics import Metrics
 from pipeline.server.tool_calls import Call, Content, OutputParser, Part, Reasoning
@@ -60,9 +62,7 @@ def sse(obj: Any) -> bytes:
 
 
 def _sse_error(exc: BaseException) -> bytes:
-    log.error("server.stream_failed", exc_info=exc)
-    body = s.APIError(500, "internal error while generating", type="server_error").body()
-    return sse(body)
+    return sse(s.stream_failure(exc).body())
 
 
 async def unless_disconnected(request: Request, run: Callable[[], Awaitable[Response]]) -> Response:
@@ -109,6 +109,7 @@ def _usage_of(dones: list[tuple[Choice, Done]]) -> o.Usage:
 
 class Reply:
     prefix = "cmpl"
+    drain: Drain | None = None  # the server's shutdown state, set by the app
 
     def __init__(self, engine: Engine, metrics: Metrics, req: s.ChatRequest | s.CompletionRequest,
                  model: str, choices: list[Choice]) -> None:
@@ -122,11 +123,30 @@ class Reply:
         self.texts = TokenTexts(engine.tokenizer)
 
     async def run(self, choice: Choice) -> AsyncIterator[TextDelta | Done]:
-        async with aclosing(self.engine.generate(choice.tokens, choice.params)) as events:
-            async for event in events:
-                if isinstance(event, Done):
-                    self.metrics.record_generation(event.stats)
-                yield event
+        drain = self.drain or Drain()
+        drain.started()
+        try:
+            async with aclosing(self.engine.generate(choice.tokens, choice.params)) as events:
+                producing = False
+                while True:
+                    # Each wait for the next event is cancellable by a shutdown; the yield
+                    # stays outside the scope, so a cancel never lands in the consumer.
+                    with trio.CancelScope() as scope:
+                        drain.watch(scope, producing)
+                        try:
+                            event = await anext(events)
+                        except StopAsyncIteration:
+                            return
+                        finally:
+                            drain.unwatch(scope)
+                    if scope.cancelled_caught:
+                        raise shutting_down()
+                    producing = True
+                    if isinstance(event, Done):
+                        self.metrics.record_generation(event.stats)
+                    yield event
+        finally:
+            drain.finished()
 
     def include_usage(self) -> bool:
         return bool(self.req.stream_options and self.req.stream_options.include_usage)
@@ -155,9 +175,10 @@ class ChatReply(Reply):
 
     def __init__(self, engine: Engine, metrics: Metrics, req: s.ChatRequest, model: str,
                  choices: list[Choice], *, tools: bool, in_reasoning: bool,
-                 hide_reasoning: bool) -> None:
+                 hide_reasoning: bool, schemas: Schemas | None = None) -> None:
         super().__init__(engine, metrics, req, model, choices)
         self.tools = tools
+        self.schemas = schemas  # tool name -> parameters schema: types XML-style arguments
         self.in_reasoning = in_reasoning
         self.hide_reasoning = hide_reasoning
         self.logprobs = bool(req.logprobs)
@@ -166,7 +187,8 @@ class ChatReply(Reply):
         return "tool_calls" if parser.calls and done.finish_reason == "stop" else done.finish_reason
 
     def parser(self) -> OutputParser:
-        return OutputParser(tools=self.tools, in_reasoning=self.in_reasoning)
+        return OutputParser(tools=self.tools, in_reasoning=self.in_reasoning,
+                            schemas=self.schemas)
 
     async def parts(self, choice: Choice) -> AsyncIterator[Part | Done]:
         """The choice's output as parsed parts, then its `Done` (for the other APIs' replies)."""
@@ -308,20 +330,24 @@ class TextReply(Reply):
                 yield sse(o.Completion(self.id, self.created, self.model,
                                         [o.TextChoice(choice.index, echoed, None, lp)]))
                 first, offset = False, len(echoed)
+            # Log-probabilities of tokens without text ride on the next chunk sent.
+            pending: list[TokenLogprob] = []
             async with aclosing(self.run(choice)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
+                        pending += event.logprobs
                         if event.text:
-                            lp = self.text_logprobs(choice, list(event.logprobs), first, offset)
-                            first, offset = False, offset + len(event.text)
+                            lp = self.text_logprobs(choice, pending, first, offset)
+                            first, offset, pending = False, offset + len(event.text), []
                             yield sse(o.Completion(self.id, self.created, self.model,
                                                     [o.TextChoice(choice.index, event.text,
                                                                   None, lp)]))
                         continue
                     dones.append((choice, event))
+                    lp = self.text_logprobs(choice, pending, first, offset) if pending else None
                     yield sse(o.Completion(self.id, self.created, self.model,
                                             [o.TextChoice(choice.index, "",
-                                                          event.finish_reason)]))
+                                                          event.finish_reason, lp)]))
         if self.include_usage():
             yield sse(o.Completion(self.id, self.created, self.model, [],
                                     usage=_usage_of(dones)))

@@ -245,9 +245,7 @@ class MessagesReply:
                         delta = {"type": "text_delta", "text": part.text}
                     yield _event("content_block_delta", {"index": index, "delta": delta})
         except Exception as exc:
-            s.log_stream_failure(exc)
-            yield _event("error", {"error": {"type": "api_error",
-                                             "message": "internal error while generating"}})
+            yield _event("error", {"error": s.stream_failure(exc).anthropic_body()["error"]})
 
 
 def _start(part: Content | Reasoning | Call) -> dict[str, Any]:
@@ -262,8 +260,7 @@ async def _chat_reply(api: Api, request: Request) -> tuple[MessagesRequest, Chat
     anthropic: MessagesRequest = await api.decode(request, MessagesRequest)
     req = s.convert_request(to_chat(anthropic), s.ChatRequest)
     plan = await plan_chat(api, req)
-    chat = ChatReply(api.engine, api.metrics, req, plan.name, plan.choices, tools=plan.tools,
-                     in_reasoning=plan.in_reasoning, hide_reasoning=api.settings.hide_reasoning)
+    chat = plan.reply(api, req)
     return anthropic, chat
 
 

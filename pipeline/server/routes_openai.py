@@ -67,14 +67,22 @@ class ChatPlan(msgspec.Struct, frozen=True):
     choices: list[Choice]
     tools: bool  # parse tool calls out of the text
     in_reasoning: bool
+    schemas: dict[str, dict[str, Any]]  # tool name -> parameters schema (types XML arguments)
+
+    def reply(self, api: Api, req: s.ChatRequest) -> ChatReply:
+        reply = ChatReply(api.engine, api.metrics, req, self.name, self.choices,
+                          tools=self.tools, in_reasoning=self.in_reasoning,
+                          hide_reasoning=api.settings.hide_reasoning, schemas=self.schemas)
+        reply.drain = api.drain
+        return reply
 
 
 def chat_prompt(api: Api, req: s.ChatRequest) -> tuple[Prompt, list[int]]:
     """The request's prompt text and tokens (tools, template kwargs, prefill applied)."""
     messages = template_messages(req.messages)
     tools = [] if req.tool_choice == "none" else [msgspec.to_builtins(t) for t in req.tools or []]
-    kwargs = template_kwargs(req.chat_template_kwargs)
-    if _constrained(req) and "enable_thinking" not in kwargs:
+    kwargs = template_kwargs(api.engine.config.chat, req.chat_template_kwargs)
+    if _constrained(req) and "enable_thinking" not in (req.chat_template_kwargs or {}):
         # The grammar covers the whole reply: no room for free-text reasoning before it.
         kwargs["enable_thinking"] = False
     prompt = render(api.engine.tokenizer, messages, tools, kwargs,
@@ -112,15 +120,14 @@ async def plan_chat(api: Api, req: s.ChatRequest) -> ChatPlan:
     # A grammar starts the reply with its first token, even after an opened <think>.
     in_reasoning = prompt.in_reasoning and make is None
     tools = bool(req.tools) and req.tool_choice != "none"
-    return ChatPlan(name, choices, tools or bool(forced), in_reasoning)
+    schemas = {t.function.name: t.function.parameters or {} for t in req.tools or []}
+    return ChatPlan(name, choices, tools or bool(forced), in_reasoning, schemas)
 
 
 async def chat(api: Api, request: Request) -> Response:
     req: s.ChatRequest = await api.decode(request, s.ChatRequest)
     plan = await plan_chat(api, req)
-    reply = ChatReply(api.engine, api.metrics, req, plan.name, plan.choices, tools=plan.tools,
-                      in_reasoning=plan.in_reasoning, hide_reasoning=api.settings.hide_reasoning)
-    return await respond(request, reply)
+    return await respond(request, plan.reply(api, req))
 
 
 def prompt_tokens(api: Api, prompt: str | list[Any]) -> list[list[int]]:
@@ -154,14 +161,16 @@ async def completions(api: Api, request: Request) -> Response:
     n = req.n or 1
     plist = api.choice_params(params, n, n * len(prompts), make)
     choices = [Choice(k, prompts[k // n], p, k % n == 0) for k, p in enumerate(plist)]
-    return await respond(request, TextReply(api.engine, api.metrics, req, name, choices))
+    reply = TextReply(api.engine, api.metrics, req, name, choices)
+    reply.drain = api.drain
+    return await respond(request, reply)
 
 
 async def tokenize(api: Api, request: Request) -> Response:
     req: s.TokenizeRequest = await api.decode(request, s.TokenizeRequest)
     if req.messages is not None:
         text = render(api.engine.tokenizer, template_messages(req.messages), [],
-                      template_kwargs(req.chat_template_kwargs),
+                      template_kwargs(api.engine.config.chat, req.chat_template_kwargs),
                       add_generation_prompt=req.add_generation_prompt).text
     elif req.prompt is not None or req.content is not None:
         text = req.prompt if req.prompt is not None else req.content or ""

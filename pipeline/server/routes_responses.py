@@ -270,17 +270,16 @@ class ResponsesReply:
                         yield self.event("response.output_text.delta", item_id=current["id"],
                                          output_index=i, content_index=0, delta=part.text)
         except Exception as exc:
-            s.log_stream_failure(exc)
-            yield self.event("error", code="server_error",
-                             message="internal error while generating", param=None)
+            err = s.stream_failure(exc)
+            yield self.event("error", code=err.code or err.type, message=err.message,
+                             param=err.param)
 
 
 async def create(api: Api, request: Request) -> Response:
     rreq: ResponsesRequest = await api.decode(request, ResponsesRequest)
     req = s.convert_request(to_chat(rreq), s.ChatRequest)
     plan = await plan_chat(api, req)
-    chat = ChatReply(api.engine, api.metrics, req, plan.name, plan.choices, tools=plan.tools,
-                     in_reasoning=plan.in_reasoning, hide_reasoning=api.settings.hide_reasoning)
+    chat = plan.reply(api, req)
     reply = ResponsesReply(chat, rreq, api.settings.hide_reasoning)
     if rreq.stream:
         return sse_response(reply.stream())

@@ -210,8 +210,16 @@ def _invalid(exc: msgspec.ValidationError) -> APIError:
     return APIError(400, f"invalid request: {text}", param=param)
 
 
-def log_stream_failure(exc: BaseException) -> None:
-    structlog.get_logger("moestream.server").error("server.stream_failed", exc_info=exc)
+def stream_failure(exc: BaseException) -> APIError:
+    """What a stream that fails after its status line reports in its last event: a refusal
+    with its own body as it is (e.g. the server shutting down), anything else as a logged,
+    generic 500."""
+    log = structlog.get_logger("moestream.server")
+    if isinstance(exc, APIError):
+        log.info("server.stream_ended", status=exc.status, reason=exc.message)
+        return exc
+    log.error("server.stream_failed", exc_info=exc)
+    return APIError(500, "internal error while generating", type="server_error")
 
 
 def unknown_fields(body: bytes, kind: type[msgspec.Struct]) -> list[str]:

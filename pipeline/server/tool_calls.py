@@ -1,13 +1,16 @@
 """Model text -> OpenAI message parts: content, reasoning and tool calls, streamed safely.
 
 Qwen models write tool calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-and thinking as `<think>...</think>` (thinking templates open the `<think>` in the
-prompt, so the output starts inside it: the caller says so with `in_reasoning`). `OutputParser.feed(delta)` turns raw text
-deltas into `Content`, `Reasoning` and `Call` parts as soon as they are certain: text
-that could be the start of a tag is held back until the next delta decides it, so a
-client never sees half a tag, and a tool call is emitted whole once its closing tag
-arrives. A block whose JSON does not parse is passed through as content (the model
-wrote something call-shaped that is not a call; hiding it would lose text).
+(Qwen3-Next) or `<tool_call><function=NAME><parameter=ARG>value</parameter></function>
+</tool_call>` (Qwen3.5/3.6; values typed from the tools' JSON schemas, see `call_formats`),
+and thinking as `<think>...</think>` (thinking templates open the `<think>` in the prompt,
+so the output starts inside it: the caller says so with `in_reasoning`).
+`OutputParser.feed(delta)` turns raw text deltas into `Content`, `Reasoning` and `Call`
+parts as soon as they are certain: text that could be the start of a tag is held back
+until the next delta decides it, so a client never sees half a tag, and a tool call is
+emitted whole once its closing tag arrives. A block that parses in neither style is
+passed through as content (the model wrote something call-shaped that is not a call;
+hiding it would lose text).
 
 The non-streaming path feeds the whole text through the same parser, so both paths
 agree by construction.
@@ -15,9 +18,10 @@ agree by construction.
 
 from __future__ import annotations
 
-import json
 import secrets
 from dataclasses import dataclass
+
+from pipeline.server.call_formats import Schemas, parse_call_body
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -48,24 +52,9 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def parse_call(body: str) -> tuple[str, str] | None:
-    """`{"name": ..., "arguments": {...}}` -> (name, arguments JSON), or None if not a call."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        # Some models double-encode; keep it if it is a JSON object, else not a call.
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return obj["name"], json.dumps(args, ensure_ascii=False)
+def parse_call(body: str, schemas: Schemas | None = None) -> tuple[str, str] | None:
+    """A `<tool_call>` body, JSON or XML style -> (name, arguments JSON), or None if not a call."""
+    return parse_call_body(body, schemas)
 
 
 def _held_suffix(buf: str, tags: tuple[str, ...]) -> int:
@@ -83,11 +72,14 @@ class OutputParser:
     """Incremental splitter of model output into content, reasoning and tool calls.
 
     tools: parse `<tool_call>` blocks (False when the request has no tools: the text
-    is then plain content). in_reasoning: the prompt already opened `<think>`.
+    is then plain content). in_reasoning: the prompt already opened `<think>`. schemas:
+    tool name -> its `parameters` schema, which types XML-style argument values.
     """
 
-    def __init__(self, *, tools: bool = True, in_reasoning: bool = False) -> None:
+    def __init__(self, *, tools: bool = True, in_reasoning: bool = False,
+                 schemas: Schemas | None = None) -> None:
         self.tools = tools
+        self.schemas = schemas
         self._mode = "reasoning" if in_reasoning else "content"
         self._buf = ""
         self._pending_ws = ""  # whitespace between calls: content only if text follows
@@ -122,7 +114,7 @@ class OutputParser:
         out: list[Part] = []
         rest, self._buf = self._buf, ""
         if self._mode == "call":
-            parsed = parse_call(rest) if self.tools else None
+            parsed = parse_call(rest, self.schemas) if self.tools else None
             if parsed is not None:
                 self._add_call(*parsed, out)
             else:
@@ -137,7 +129,7 @@ class OutputParser:
 
     def _close_segment(self, before: str, tag: str, out: list[Part]) -> None:
         if tag == CALL_CLOSE:
-            parsed = parse_call(before)
+            parsed = parse_call(before, self.schemas)
             self._mode = "content"
             if parsed is None:
                 self._emit(CALL_OPEN + before + CALL_CLOSE, out)
@@ -195,9 +187,10 @@ class ParsedOutput:
     calls: list[Call]
 
 
-def parse_output(text: str, *, tools: bool = True, in_reasoning: bool = False) -> ParsedOutput:
+def parse_output(text: str, *, tools: bool = True, in_reasoning: bool = False,
+                 schemas: Schemas | None = None) -> ParsedOutput:
     """The whole output at once (non-streaming), through the streaming parser."""
-    parser = OutputParser(tools=tools, in_reasoning=in_reasoning)
+    parser = OutputParser(tools=tools, in_reasoning=in_reasoning, schemas=schemas)
     parts = parser.feed(text) + parser.finish()
     content = "".join(p.text for p in parts if isinstance(p, Content))
     reasoning = "".join(p.text for p in parts if isinstance(p, Reasoning))

@@ -37,6 +37,7 @@ import numpy as np
 import structlog
 
 from qpack import spec
+from qpack.output_guard import require_free_space
 from qpack.quantize import Rule, quantized_shapes
 from qpack.synth.checkpoint import _Writer, dense_inits
 from qpack.synth.init_weights import NORM_STD, Init, WeightSource, f32_to_bf16_bits, rng_for
@@ -180,11 +181,14 @@ def write_bench_container(
     root = Path(out)
     if (root / spec.MANIFEST).exists() or (root.exists() and any(root.iterdir())):
         raise spec.QpackError(root, "output directory exists and is not empty")
+    entries, overrides = dense_entries(dims, bits, group_size, seed)
+    fmt, stride = expert_layout(dims, bits, group_size)
+    need = sum(e.nbytes for e in entries) + dims.num_hidden_layers * dims.num_experts * stride
+    require_free_space(root, need, f"bench-container {dims.name}")
     (root / spec.EXPERTS_DIR).mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     files: dict[str, tuple[int, str]] = {}
 
-    entries, overrides = dense_entries(dims, bits, group_size, seed)
     config = hf_config(dims, "bfloat16", "hub")
     quant: dict[str, object] = {"group_size": group_size, "bits": bits, "mode": "affine"}
     quant.update(dict(sorted(overrides.items())))
@@ -202,7 +206,6 @@ def write_bench_container(
     t_dense = time.perf_counter()
     log.info("bench_container.dense", mb=round(dense_size / 1e6, 1), seconds=round(t_dense - t0, 2))
 
-    fmt, stride = expert_layout(dims, bits, group_size)
     threads = workers or min(16, os.cpu_count() or 2, dims.num_hidden_layers)
     with ThreadPoolExecutor(threads) as pool:
         results = list(pool.map(lambda layer: _write_layer(root, dims, fmt, stride, layer, seed),
@@ -232,3 +235,18 @@ def write_bench_container(
     log.info("bench_container.done", path=str(root), gb=round(written / 1e9, 2), seconds=round(seconds, 1),
              mb_s=round(result.mb_s, 1), experts_mb_s=round(result.experts_mb_s, 1), threads=threads)
     return result
+
+
+def estimated_sizes(family: str | None, preset: str, bits: int = 4, group_size: int = 64) -> tuple[int, int]:
+    """(bytes `synthesize` writes in bf16, bytes `pack --bits <bits>` makes of it), without
+    writing or generating anything: what `run` needs free before its first step."""
+    from qpack.synth.checkpoint import checkpoint_entries
+    from qpack.synth.init_weights import WeightSource
+
+    dims = get_preset(family, preset)
+    writer = _Writer(dims, "bfloat16", "hub", None, group_size, WeightSource(0, dims.num_experts, dims.hidden_size))
+    synth = sum(e.nbytes for e in checkpoint_entries(writer, dims))
+    entries, _ = dense_entries(dims, bits, group_size, 0)
+    _, stride = expert_layout(dims, bits, group_size)
+    packed = sum(e.nbytes for e in entries) + dims.num_hidden_layers * dims.num_experts * stride
+    return synth, packed

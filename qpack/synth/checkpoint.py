@@ -24,6 +24,7 @@ of one tensor (<= 4M values) is in memory at a time: the 80B preset writes with 
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -33,9 +34,18 @@ import msgspec
 import numpy as np
 import structlog
 
+from qpack.output_guard import DiskSpaceError, bytes_under, require_free_space
 from qpack.synth.init_weights import NORM_STD, Init, WeightSource, to_storage
-from qpack.synth.presets import ModelDims, generation_config, get_preset, hf_config
+from qpack.synth.mlx_quant import (
+    MIXED_RECIPES,
+    MODE_DEFAULTS,
+    mlx_plus_one,
+    mlx_quantize,
+    module_rule,
+)
+from qpack.synth.presets import ModelDims, get_preset, hf_config
 from qpack.synth.st_write import ST_DTYPES, TensorEntry, write_sharded
+from qpack.synth.variants import check_variant, generation_config
 
 log = structlog.get_logger(__name__)
 
@@ -47,7 +57,6 @@ ZERO_CENTRED = (
     ".q_norm.weight",
     ".k_norm.weight",
 )
-ROUTER_SUFFIXES = ("mlp.gate", "shared_expert_gate")
 Blocks = Callable[[], Iterator[np.ndarray]]
 
 
@@ -123,8 +132,10 @@ class _Writer:
     """Turns logical tensors into safetensors entries for one layout."""
 
     def __init__(self, dims: ModelDims, dtype: str, layout: str, bits: int | None,
-                 group_size: int, src: WeightSource) -> None:
+                 group_size: int, src: WeightSource, mode: str = "affine",
+                 recipe: str | None = None) -> None:
         self.dims, self.dtype, self.layout, self.bits, self.gs = dims, dtype, layout, bits, group_size
+        self.mode, self.recipe = mode, recipe
         self.src = src
         self.mlx = bits is not None
         qwen35 = dims.family == "qwen3_5_moe"
@@ -158,17 +169,14 @@ class _Writer:
                plus_one: bool = False) -> TensorEntry:
         def chunks() -> Iterator[np.ndarray]:
             for b in blocks():
-                yield _mlx_plus_one(b, store) if plus_one else to_storage(b, store)
+                yield mlx_plus_one(b, store) if plus_one else to_storage(b, store)
 
         return TensorEntry(name, ST_DTYPES[store], tuple(shape), chunks)
 
     def _quantized(self, name: str, shape: tuple[int, ...], blocks: Blocks) -> list[TensorEntry]:
         """weight/scales/biases of a (possibly expert-stacked) Linear, sharing one pass."""
         base = name.removesuffix(".weight")
-        bits, gs = self.bits or 4, self.gs
-        if base.endswith(ROUTER_SUFFIXES):
-            bits, gs = 8, 64  # the model's quant_predicate
-            self.overrides[base] = {"group_size": 64, "bits": 8}
+        bits, gs, mode = self._rule(base)
         *lead, in_dim = shape
         if in_dim % gs:
             raise ValueError(f"tensor {name!r}: input dim {in_dim} is not a multiple of group size {gs}")
@@ -178,7 +186,7 @@ class _Writer:
             stash.clear()
             scales, biases = [], []
             for b in blocks():
-                q, s, z = _mlx_quantize(b, self.dtype, bits, gs)
+                q, s, z = mlx_quantize(b, self.dtype, bits, gs, mode)
                 scales.append(s)
                 biases.append(z)
                 yield q
@@ -190,16 +198,25 @@ class _Writer:
                     yield from stash.pop(which)
                     return
                 for b in blocks():
-                    yield _mlx_quantize(b, self.dtype, bits, gs)[1 if which == "scales" else 2]
+                    yield mlx_quantize(b, self.dtype, bits, gs, mode)[1 if which == "scales" else 2]
 
             return chunks
 
-        st = ST_DTYPES[self.dtype]
-        return [
+        st = ST_DTYPES[self.dtype] if mode == "affine" else "U8"  # fp modes: uint8 scales
+        entries = [
             TensorEntry(f"{base}.weight", "U32", (*lead, in_dim * bits // 32), weight),
             TensorEntry(f"{base}.scales", st, (*lead, in_dim // gs), part("scales")),
-            TensorEntry(f"{base}.biases", st, (*lead, in_dim // gs), part("biases")),
         ]
+        if mode == "affine":
+            entries.append(TensorEntry(f"{base}.biases", st, (*lead, in_dim // gs), part("biases")))
+        return entries
+
+    def _rule(self, base: str) -> tuple[int, int, str]:
+        bits, gs, mode, override = module_rule(base, self.bits or 4, self.gs, self.mode,
+                                               self.recipe, self.dims.num_hidden_layers)
+        if override is not None:
+            self.overrides[base] = override
+        return bits, gs, mode
 
     def expert_entries(self, layer: int) -> list[TensorEntry]:
         d, p = self.dims, f"layers.{layer}.mlp."
@@ -223,8 +240,14 @@ class _Writer:
             out: list[TensorEntry] = []
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 shape = (e_n, h, i) if proj == "down_proj" else (e_n, i, h)
-                out += self._quantized(self.prefix + p + f"switch_mlp.{proj}.weight", shape,
-                                       stacked(proj))
+                name = self.prefix + p + f"switch_mlp.{proj}.weight"
+                if self.recipe == "float_experts":
+                    # A predicate that leaves the routed experts unquantized: mlx-lm
+                    # records `false` for them and saves their float weights.
+                    self.overrides[name.removesuffix(".weight")] = False  # type: ignore[assignment]
+                    out.append(self._plain(name, shape, stacked(proj), self.dtype))
+                    continue
+                out += self._quantized(name, shape, stacked(proj))
             return out
         if d.family == "qwen3_5_moe" and self.layout == "hub":
             st = ST_DTYPES[self.dtype]
@@ -240,32 +263,6 @@ class _Writer:
                 init = expert_init(d, layer, e, proj)
                 out += self.entries(f"layers.{layer}.mlp.experts.{e}.{proj}.weight", init)
         return out
-
-
-def _mx_array(block: np.ndarray, dtype: str):  # -> mx.array
-    import mlx.core as mx
-
-    arr = mx.array(to_storage(block, dtype))
-    return arr.view(mx.bfloat16) if dtype == "bfloat16" else arr
-
-
-def _np_storage(arr) -> np.ndarray:  # mx.array -> numpy bytes-compatible array
-    import mlx.core as mx
-
-    return np.array(arr.view(mx.uint16) if arr.dtype == mx.bfloat16 else arr)
-
-
-def _mlx_plus_one(block: np.ndarray, dtype: str) -> np.ndarray:
-    # mlx-lm's sanitize adds 1.0 to zero-centred norms in the checkpoint's dtype: do the same
-    # operation so the result is bit-identical to converting our HF output.
-    return _np_storage(_mx_array(block, dtype) + 1.0)
-
-
-def _mlx_quantize(block: np.ndarray, dtype: str, bits: int, gs: int):
-    import mlx.core as mx
-
-    q, s, b = mx.quantize(_mx_array(block, dtype), group_size=gs, bits=bits)
-    return _np_storage(q), _np_storage(s), _np_storage(b)
 
 
 def checkpoint_entries(writer: _Writer, dims: ModelDims) -> list[TensorEntry]:
@@ -297,18 +294,38 @@ def synthesize(
     max_layers: int | None = None,
     tokenizer: bool = True,
     progress: bool = True,
+    variant: str | None = None,
+    mode: str = "affine",
+    recipe: str | None = None,
 ) -> Path:
     """Write a synthetic checkpoint of `family`/`preset` into directory `out`; returns `out`.
 
     `max_layers` truncates the model (config included) to its first layers: a smaller valid
     checkpoint, used to measure the full-size presets without writing all of them (mlx-lm
-    needs at least `full_attention_interval` layers to run it).
+    needs at least `full_attention_interval` layers to run it). `variant` picks the chat
+    template and generation_config.json (presets.VARIANTS: qwen3_next "instruct" or
+    "thinking"); the weights do not depend on it. With `bits`, `mode` is mlx_lm.convert's
+    --q-mode (affine, mxfp4, nvfp4, mxfp8: group size and bits then default to the mode's
+    unless given) and `recipe` its --quant-predicate (mixed_3_6 etc.: down_proj and lm_head
+    at the high bits in some layers, every module listed in the config; "float_experts":
+    everything quantized but the routed experts).
     """
     dims = get_preset(family, preset)
+    variant = check_variant(dims.family, variant)
     if dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"dtype {dtype!r}: expected bfloat16, float16 or float32")
-    if bits not in (None, 4, 8):
-        raise ValueError(f"bits {bits!r}: expected 4 or 8 (or None for unquantized)")
+    if mode not in MODE_DEFAULTS:
+        raise ValueError(f"mode {mode!r}: expected one of {list(MODE_DEFAULTS)}")
+    if recipe is not None and (recipe not in (*MIXED_RECIPES, "float_experts") or mode != "affine"):
+        raise ValueError(f"recipe {recipe!r}: expected one of {[*MIXED_RECIPES, 'float_experts']} (affine only)")
+    if mode != "affine" and bits is None:
+        bits = MODE_DEFAULTS[mode][1]
+    if mode != "affine" and group_size == 64:
+        group_size = MODE_DEFAULTS[mode][0]
+    if recipe is not None and bits is None:
+        bits = MIXED_RECIPES[recipe][0] if recipe in MIXED_RECIPES else 4
+    if bits not in (None, 2, 3, 4, 5, 6, 8):
+        raise ValueError(f"bits {bits!r}: expected 2, 3, 4, 5, 6 or 8 (or None for unquantized)")
     if layout not in ("hub", "per-expert"):
         raise ValueError(f"layout {layout!r}: expected 'hub' or 'per-expert'")
     if bits is not None and layout != "hub":
@@ -320,34 +337,45 @@ def synthesize(
     if shard_bytes is None:
         shard_bytes = TINY_SHARD_BYTES if dims.name == "tiny" else DEFAULT_SHARD_BYTES
     out = Path(out)
+    src = WeightSource(seed, dims.num_experts, dims.hidden_size)
+    writer = _Writer(dims, dtype, layout, bits, group_size, src, mode, recipe)
+    entries = checkpoint_entries(writer, dims)
+    total = sum(e.nbytes for e in entries)
+    # Shards of an earlier run are rewritten, so their bytes count as room.
+    require_free_space(out, total, f"synth {dims.name}", already=bytes_under(out, "model*.safetensors*"))
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("model*.safetensors*"):
         stale.unlink()
 
-    src = WeightSource(seed, dims.num_experts, dims.hidden_size)
-    writer = _Writer(dims, dtype, layout, bits, group_size, src)
-    entries = checkpoint_entries(writer, dims)
-    total = sum(e.nbytes for e in entries)
     log.info("synth.start", family=dims.family, preset=dims.name, dtype=dtype, bits=bits,
              layout=layout, layers=dims.num_hidden_layers, gb=round(total / 1e9, 3), out=str(out))
     metadata = {"format": "mlx" if bits else "pt"}
     with _progress(progress, total, f"synth {dims.family}/{dims.name}") as advance:
         tracked = [_tracked(e, advance) for e in entries]
-        index = write_sharded(out, tracked, shard_bytes, metadata)
+        try:
+            index = write_sharded(out, tracked, shard_bytes, metadata)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # Another writer took the room the check saw: say where, and free what we wrote.
+            for partial in out.glob("model*.safetensors*"):
+                partial.unlink(missing_ok=True)
+            raise DiskSpaceError(out, "disk full (ENOSPC) while writing the checkpoint; its shards "
+                                 "were removed: free space and re-run") from None
 
     config = hf_config(dims, dtype, layout)
     if bits is not None:
-        quant: dict[str, object] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+        quant: dict[str, object] = {"group_size": group_size, "bits": bits, "mode": mode}
         quant.update(dict(sorted(writer.overrides.items())))
         config.pop("vision_config", None)  # mlx_lm's save_config drops it too
         config["quantization"] = quant
         config["quantization_config"] = quant
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(generation_config(dims), indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(generation_config(dims, variant), indent=2) + "\n")
     if tokenizer:
         from qpack.synth.tokenizer import write_tokenizer
 
-        write_tokenizer(out, dims.family)
+        write_tokenizer(out, dims.family, variant)
     log.info("synth.done", out=str(out), shards=len(set(index["weight_map"].values())),  # type: ignore[arg-type]
              gb=round(total / 1e9, 3))
     return out

@@ -375,27 +375,3 @@ def hf_config(dims: ModelDims, torch_dtype: str, layout: str = "hub") -> dict[st
     if layout == "per-expert":
         return qwen3_5_moe_text_only_config(dims, torch_dtype)
     raise ValueError(f"unknown layout {layout!r}: expected 'hub' or 'per-expert'")
-
-
-def generation_config(dims: ModelDims) -> dict[str, Any]:
-    if dims.family == "qwen3_next":
-        return {
-            "bos_token_id": QWEN3_NEXT_BOS,
-            "do_sample": True,
-            "eos_token_id": [QWEN3_NEXT_EOS, QWEN3_NEXT_BOS],
-            "pad_token_id": QWEN3_NEXT_BOS,
-            "temperature": 0.7,
-            "top_k": 20,
-            "top_p": 0.8,
-            "transformers_version": "4.57.0.dev0",
-        }
-    return {
-        "bos_token_id": QWEN3_5_EOS,
-        "do_sample": True,
-        "eos_token_id": [QWEN3_5_IM_END, QWEN3_5_EOS],
-        "pad_token_id": QWEN3_5_EOS,
-        "temperature": 1.0,
-        "top_k": 20,
-        "top_p": 0.95,
-        "transformers_version": "4.57.1",
-    }

@@ -28,6 +28,7 @@ ST_DTYPE_SIZES: dict[str, int] = {
     "U8": 1,
     "I32": 4,
     "I64": 8,
+    "F8_E4M3": 1,
 }
 
 # our dtype names (qpack.spec.DType) -> safetensors tags

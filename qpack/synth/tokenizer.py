@@ -143,11 +143,12 @@ def tokenizer_json(family: str) -> str:
     return build_tokenizer(family).to_str()
 
 
-def chat_template(family: str) -> str:
-    return (resources.files("qpack.synth") / "templates" / f"{family}.jinja").read_text()
+def chat_template(family: str, variant: str | None = None) -> str:
+    name = f"{family}_thinking" if family == "qwen3_next" and variant == "thinking" else family
+    return (resources.files("qpack.synth") / "templates" / f"{name}.jinja").read_text()
 
 
-def tokenizer_config(family: str) -> dict[str, Any]:
+def tokenizer_config(family: str, variant: str | None = None) -> dict[str, Any]:
     spec = TokenizerSpec(family)
     decoder = {
         str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
@@ -170,16 +171,16 @@ def tokenizer_config(family: str) -> dict[str, Any]:
         "unk_token": None,
     }
     if family == "qwen3_next":
-        cfg["chat_template"] = chat_template(family)  # Qwen3-Next ships it inline
+        cfg["chat_template"] = chat_template(family, variant)  # Qwen3-Next ships it inline
     return cfg
 
 
-def write_tokenizer(out: Path, family: str) -> list[Path]:
+def write_tokenizer(out: Path, family: str, variant: str | None = None) -> list[Path]:
     """Write tokenizer.json, tokenizer_config.json (and chat_template.jinja for qwen3_5_moe)."""
     out = Path(out)
     written = [out / "tokenizer.json", out / "tokenizer_config.json"]
     written[0].write_text(tokenizer_json(family))
-    written[1].write_text(json.dumps(tokenizer_config(family), indent=2, ensure_ascii=False) + "\n")
+    written[1].write_text(json.dumps(tokenizer_config(family, variant), indent=2, ensure_ascii=False) + "\n")
     if family == "qwen3_5_moe":  # Qwen3.5/3.6 ship the template as its own file
         written.append(out / "chat_template.jinja")
         written[-1].write_text(chat_template(family))

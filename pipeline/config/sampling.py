@@ -1,0 +1,54 @@
+"""The `[sampling]` and `[chat]` config sections: only what the file says, nothing filled in.
+
+A key left out of `[sampling]` falls back to the model's own `generation_config.json`
+(Qwen's recommended temperature / top-p / top-k), then to the OpenAI defaults; so the
+section keeps "unset" apart from "set to the API default" (None here), and `params()`
+resolves it over whatever base the caller has.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from actors.sampling_params import SamplingParams
+
+# The knobs a model's generation_config.json may also set: None here = not said.
+OPTIONAL_KNOBS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty")
+
+
+class SamplingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    logprobs: int | None = None  # the chosen token's and this many alternatives'
+
+    def __post_init__(self) -> None:
+        self.params()  # the range checks (and their messages) are SamplingParams'
+
+    def explicit(self) -> dict[str, Any]:
+        """The keys this section sets."""
+        return {f: v for f in self.__struct_fields__
+                if (v := getattr(self, f)) is not None and v != ()}
+
+    def params(self, base: SamplingParams | None = None) -> SamplingParams:
+        """These settings over `base` (the model's defaults; the API's when None)."""
+        return msgspec.structs.replace(base or SamplingParams(), **self.explicit())
+
+
+class ChatConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    # The chat template's thinking switch (Qwen3.5/3.6, Qwen3 hybrids): false renders an
+    # empty <think></think> so the model answers at once. None: the template's default.
+    # A request's `chat_template_kwargs.enable_thinking` overrides it.
+    enable_thinking: bool | None = None

@@ -1,0 +1,114 @@
+"""The model's own generation defaults, from the container's `generation_config.json`.
+
+Hub checkpoints ship one: its `eos_token_id` list adds `<|endoftext|>` to the tokenizer's
+`<|im_end|>`, and its sampling values are the ones the model was tuned for (Qwen3 Instruct
+0.7 / top-p 0.8 / top-k 20; Thinking 0.6 / 0.95 / 20). The packer copies it into the
+container; here it is read once per container and applied under the config and the request:
+
+    request field  >  [sampling] key in the config  >  generation_config.json  >  API default
+
+`do_sample: false` means greedy (temperature 0), as transformers reads it.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from actors.sampling_params import SamplingParams
+from pipeline.config.sampling import OPTIONAL_KNOBS, SamplingConfig
+from qpack.spec import QpackError
+
+if TYPE_CHECKING:
+    from pipeline.engine import Engine
+
+FILE = "generation_config.json"
+
+
+class GenerationConfig(msgspec.Struct, frozen=True):
+    """The fields of transformers' generation_config.json that moestream honours."""
+
+    eos_token_id: int | list[int] | None = None
+    do_sample: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+    def eos_ids(self) -> list[int]:
+        ids = self.eos_token_id
+        return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling knobs it sets, in SamplingParams' terms."""
+        values = {k: v for k in OPTIONAL_KNOBS if (v := getattr(self, k)) is not None}
+        if self.do_sample is False:
+            values["temperature"] = 0.0
+        if values.get("top_k") == 0:
+            values.pop("top_k")  # transformers' "off" is ours too; nothing to say
+        return values
+
+
+def read_generation_config(root: Path) -> GenerationConfig:
+    """The container's generation_config.json; a missing file says nothing."""
+    path = Path(root) / FILE
+    if not path.is_file():
+        return GenerationConfig()
+    try:
+        gen = msgspec.json.decode(path.read_bytes(), type=GenerationConfig)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise QpackError(path, f"{FILE} does not read: {exc}") from None
+    try:
+        SamplingParams(**gen.sampling())
+    except ValueError as exc:
+        raise QpackError(path, str(exc)) from None
+    for t in gen.eos_ids():
+        if t < 0:
+            raise QpackError(path, f"{FILE}: eos_token_id {t} is negative")
+    return gen
+
+
+def eos_token_ids(root: Path) -> list[int] | None:
+    """Every id that ends a generation: generation_config.json's list, else config.json's
+    `eos_token_id` (top level or in text_config). None: leave it to the tokenizer."""
+    ids = read_generation_config(root).eos_ids()
+    if ids:
+        return ids
+    config_path = Path(root) / "config.json"
+    if config_path.is_file():
+        try:
+            config = msgspec.json.decode(config_path.read_bytes())
+        except msgspec.DecodeError:
+            return None  # the container's own check names this file
+        if isinstance(config, dict):
+            ids = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
+            ids = [ids] if isinstance(ids, int) else ids
+            if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+                return ids
+    return None
+
+
+def model_defaults(root: Path) -> SamplingParams:
+    """SamplingParams with the model's own values where it has them."""
+    return SamplingParams(**read_generation_config(root).sampling())
+
+
+@functools.lru_cache(maxsize=16)
+def _resolved(root: str, section: SamplingConfig) -> SamplingParams:
+    return section.params(model_defaults(Path(root)))
+
+
+def default_params(engine: Engine, **overrides: Any) -> SamplingParams:
+    """What a generation uses when its caller says nothing more: the engine's config
+    `[sampling]` over the model's generation_config.json; `overrides` on top.
+
+        params = default_params(engine, max_tokens=32)
+    """
+    base = _resolved(str(Path(engine.container.root).resolve()), engine.config.sampling)
+    return msgspec.structs.replace(base, **overrides) if overrides else base

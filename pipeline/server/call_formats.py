@@ -1,0 +1,170 @@
+"""The two ways Qwen models write the body of a `<tool_call>` block, parsed to OpenAI's form.
+
+- JSON (Qwen3, Qwen3-Next): `{"name": "f", "arguments": {"city": "Paris"}}`.
+- XML (Qwen3.5/3.6, Qwen3-Coder): `<function=f>\n<parameter=city>\nParis\n</parameter>\n
+  </function>`. Values are bare text, so their types come from the tool's JSON schema
+  (`parameters.properties[name].type`): "3" is the integer 3 for an `integer` parameter and
+  the string "3" for a `string` one. This follows what the released chat templates render
+  (strings as they are, everything else as JSON) and what vLLM's qwen3_coder parser reads.
+
+Which style a family writes is fixed by its chat template, but both are accepted for every
+family: a body is unambiguous (JSON starts with `{`, XML with `<function=`), and a fine-tune
+that drifts to the other style still gets its call through.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+Schemas = Mapping[str, Mapping[str, Any]]  # tool name -> its `parameters` JSON schema
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*\Z", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+
+def parse_json_call(body: str) -> tuple[str, dict[str, Any]] | None:
+    """`{"name": ..., "arguments": {...}}` -> (name, arguments), or None if not a call."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        # Some models double-encode; keep it if it is a JSON object, else not a call.
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return obj["name"], args
+
+
+def parse_xml_call(body: str, schemas: Schemas | None = None) -> tuple[str, dict[str, Any]] | None:
+    """`<function=NAME><parameter=ARG>value</parameter>...</function>` -> (name, arguments).
+
+    Anything but whitespace outside the parameter blocks means it is not a call (text the
+    model wrote that only looks like one), so it is passed through rather than half-read.
+    """
+    m = _FUNCTION.match(body)
+    if m is None:
+        return None
+    name = m[1].strip()
+    if not name:
+        return None
+    inner = m[2]
+    props = _properties(schemas, name)
+    args: dict[str, Any] = {}
+    end = 0
+    for p in _PARAMETER.finditer(inner):
+        if inner[end : p.start()].strip():
+            return None
+        end = p.end()
+        key = p[1].strip()
+        args[key] = typed_value(_strip_newline(p[2]), props.get(key))
+    if inner[end:].strip():
+        return None
+    return name, args
+
+
+def _strip_newline(text: str) -> str:
+    # The template writes "<parameter=x>\n" + value + "\n</parameter>": one newline on each
+    # side is framing, the rest (a multi-line value's own newlines) belongs to the value.
+    text = text[1:] if text.startswith("\n") else text
+    return text[:-1] if text.endswith("\n") else text
+
+
+def _properties(schemas: Schemas | None, name: str) -> Mapping[str, Any]:
+    schema = (schemas or {}).get(name) or {}
+    props = schema.get("properties") if isinstance(schema, Mapping) else None
+    return props if isinstance(props, Mapping) else {}
+
+
+def _types(prop: Any) -> list[str]:
+    if not isinstance(prop, Mapping):
+        return []
+    kind = prop.get("type")
+    if isinstance(kind, str):
+        return [kind]
+    if isinstance(kind, list):
+        return [k for k in kind if isinstance(k, str)]
+    for key in ("anyOf", "oneOf"):  # e.g. Optional[int] from pydantic
+        if isinstance(prop.get(key), list):
+            return [t for sub in prop[key] for t in _types(sub)]
+    if "enum" in prop and all(isinstance(v, str) for v in prop["enum"]):
+        return ["string"]
+    return []
+
+
+def typed_value(text: str, prop: Any) -> Any:
+    """A bare parameter value, typed by its JSON-schema property (string when unsure).
+
+    Tried in the schema's order, so `["integer", "null"]` reads "null" as None and "3" as 3;
+    a value that fits none of its types stays the text the model wrote, which the client
+    can still see and reject, rather than a guess.
+    """
+    types = _types(prop)
+    if not types:
+        # No schema for it: JSON if it reads as a JSON value (what the template writes for
+        # non-strings), else the text.
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return text
+        return value if not isinstance(value, str) else text
+    for kind in types:
+        ok, value = _convert(text, kind)
+        if ok:
+            return value
+    return text
+
+
+def _convert(text: str, kind: str) -> tuple[bool, Any]:
+    t = text.strip()
+    if kind == "string":
+        return True, text
+    if kind == "null":
+        return t.lower() in ("null", "none"), None
+    if kind == "boolean":
+        if t.lower() in ("true", "false"):
+            return True, t.lower() == "true"
+        return False, None
+    if kind == "integer":
+        try:
+            return True, int(t)
+        except ValueError:
+            try:
+                f = float(t)
+            except ValueError:
+                return False, None
+            return (True, int(f)) if f.is_integer() else (False, None)
+    if kind == "number":
+        try:
+            f = float(t)
+        except ValueError:
+            return False, None
+        if f != f or f in (float("inf"), float("-inf")):
+            return False, None  # not JSON
+        return True, int(f) if f.is_integer() and re.fullmatch(r"-?\d+", t) else f
+    if kind in ("object", "array"):
+        try:
+            value = json.loads(t)
+        except ValueError:
+            return False, None
+        want = dict if kind == "object" else list
+        return isinstance(value, want), value
+    return False, None
+
+
+def parse_call_body(body: str, schemas: Schemas | None = None) -> tuple[str, str] | None:
+    """A `<tool_call>` body in either style -> (name, arguments as JSON text), or None."""
+    parsed = parse_json_call(body) if body.lstrip().startswith("{") else parse_xml_call(body, schemas)
+    if parsed is None:
+        return None
+    name, args = parsed
+    return name, json.dumps(args, ensure_ascii=False)

@@ -1,0 +1,154 @@
+"""Nothing read that is not checked: a container's non-expert files, as the manifest lists them.
+
+The tokenizer loader (transformers, under mlx-lm) opens whatever it finds in a directory:
+a `chat_template.jinja` dropped into a container, or a symlink to one outside it, would
+change every prompt while `verify` says OK. So the tokenizer is built from a private
+copy holding only the files the manifest lists, each read without following links and
+checked against its sha256. The dense core and config are hashed at open too (unless
+verify = "off"): they are read once, and a flipped byte there would decode silently.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from qpack import spec
+from qpack.spec import QpackError
+
+CHUNK = 1 << 22
+# Files a tokenizer loader may read; only those the manifest lists are ever copied.
+TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json", "generation_config.json", "vocab.json",
+                   "merges.txt", "added_tokens.json")
+_private: Path | None = None
+
+
+def open_listed(root: Path, rel: str) -> int:
+    """A read-only fd of a listed file: inside the container, a regular file, no link on the way."""
+    path = spec.check_relative(root, rel)  # refuses paths (and links) that leave the container
+    if (root / rel).is_symlink():
+        raise QpackError(root / rel, "is a symbolic link; a container holds regular files only")
+    try:
+        fd = os.open(root / rel, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise QpackError(path, f"cannot open: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise QpackError(path, "is not a regular file")
+    return fd
+
+
+def sha256_fd(fd: int, progress: Callable[[int], None] | None = None) -> str:
+    h = hashlib.sha256()
+    with os.fdopen(os.dup(fd), "rb") as fh:
+        while chunk := fh.read(CHUNK):
+            h.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
+    return h.hexdigest()
+
+
+def check_listed(root: Path, manifest: spec.Manifest, names: Iterable[str]) -> None:
+    """sha256 of each named file against the manifest; a mismatch is a QpackError."""
+    entries = {f.path: f for f in manifest.files}
+    for rel in names:
+        fd = open_listed(root, rel)
+        try:
+            digest = sha256_fd(fd)
+        finally:
+            os.close(fd)
+        if digest != entries[rel].sha256:
+            raise QpackError(root / rel, f"sha256 {digest[:16]}... != manifest {entries[rel].sha256[:16]}... "
+                             "(changed or corrupted since packing)")
+
+
+def non_expert_files(manifest: spec.Manifest) -> list[str]:
+    """Every listed file but the expert layers (which are checked per expert by crc32)."""
+    layer_files = {entry.file for entry in manifest.layers}
+    return [f.path for f in manifest.files if f.path not in layer_files]
+
+
+def tokenizer_dir(root: Path, manifest: spec.Manifest, verify: bool) -> Path:
+    """A private directory with the container's listed tokenizer files and nothing else.
+
+    Named by the files' manifest digests, so engines reopened in one process share it
+    (and the tokenizer cache keyed on it); removed when the process exits."""
+    listed = {f.path: f for f in manifest.files if f.path in TOKENIZER_NAMES}
+    if "tokenizer.json" not in listed:
+        raise QpackError(root / spec.MANIFEST, "manifest does not list tokenizer.json: the container "
+                         "cannot encode text")
+    key = hashlib.sha256("".join(f"{n}:{f.sha256};" for n, f in sorted(listed.items())).encode())
+    out = _private_root() / key.hexdigest()[:32]
+    if out.is_dir():
+        return out
+    staging = Path(tempfile.mkdtemp(dir=_private_root()))
+    for rel, entry in listed.items():
+        fd = open_listed(root, rel)
+        try:
+            with os.fdopen(os.dup(fd), "rb") as src:
+                data = src.read()
+        finally:
+            os.close(fd)
+        if verify and hashlib.sha256(data).hexdigest() != entry.sha256:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise QpackError(root / rel, "sha256 does not match the manifest (changed or corrupted "
+                             "since packing)")
+        (staging / rel).write_bytes(data)
+    try:
+        os.replace(staging, out)
+    except OSError:  # another thread made it first: same digests, same files
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+_PREFIX = "moestream-tokenizer-"
+
+
+def _private_root() -> Path:
+    global _private
+    if _private is None:
+        _remove_orphans()
+        _private = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-"))
+        atexit.register(shutil.rmtree, _private, True)
+    return _private
+
+
+def _remove_orphans() -> None:
+    """Copies left by processes that died without running atexit (kill -9), ours only."""
+    for old in Path(tempfile.gettempdir()).glob(f"{_PREFIX}*-*"):
+        pid = old.name.removeprefix(_PREFIX).split("-", 1)[0]
+        try:
+            if not pid.isdigit() or old.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def unreadable_files(root: Path, manifest: spec.Manifest) -> list[str]:
+    """Listed files that cannot be opened now or whose size changed since packing: what a
+    health check reports (a few stats and opens, no payload read)."""
+    problems = []
+    for f in manifest.files:
+        path = root / f.path
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError as exc:
+            problems.append(f"{path}: cannot open: {exc.strerror}")
+            continue
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if size != f.size:
+            problems.append(f"{path}: {size} bytes, manifest says {f.size}")
+    return problems

@@ -1,0 +1,77 @@
+"""What kind of checkpoint a source is, decided from config.json and the file list alone.
+
+Run before any weight is downloaded: a hub repo that cannot be packed (GPTQ, AWQ, GGUF,
+...) is refused after two small requests, not after ~80 GB, and a repo's shards that hold
+no text-model tensor (MTP heads, the vision tower) are never fetched. The same checks run
+on local directories, so both give the same one-line message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from qpack.names import MODEL_TYPE_ALIASES, is_text_tensor
+from qpack.spec import QpackError
+
+SUPPORTED = ("bf16/f16/f32 safetensors (quantized at pack time), MLX-quantized safetensors "
+             "(affine, mxfp4, nvfp4, mxfp8: copied as they are) and FP8 block-scaled "
+             "safetensors (dequantized, then quantized like bf16)")
+# HF `quantization_config.quant_method` values with no route to an MLX layout here.
+_REFUSED = {
+    "gptq": "GPTQ", "awq": "AWQ", "bitsandbytes": "bitsandbytes", "compressed-tensors":
+    "compressed-tensors", "auto-round": "AutoRound", "hqq": "HQQ", "eetq": "EETQ",
+    "aqlm": "AQLM", "quanto": "quanto", "exl2": "EXL2", "torchao": "torchao",
+    "fbgemm_fp8": "FBGEMM FP8", "mxfp4": "OpenAI MXFP4 (transformers)", "gguf": "GGUF",
+}
+
+
+def hf_quantization(config: Mapping) -> dict | None:
+    """The transformers `quantization_config` (one with a `quant_method`), or None.
+
+    mlx-lm writes its own block under both `quantization` and `quantization_config`,
+    without a quant_method: that one is MLX's, not an HF quantization."""
+    for where in (config, config.get("text_config") or {}):
+        block = where.get("quantization_config") if isinstance(where, Mapping) else None
+        if isinstance(block, Mapping) and "quant_method" in block:
+            return dict(block)
+    return None
+
+
+def is_fp8_block(block: Mapping | None) -> bool:
+    """DeepSeek/Qwen-style FP8: e4m3 weights, one float32 `weight_scale_inv` per block."""
+    return (block is not None and block.get("quant_method") == "fp8"
+            and isinstance(block.get("weight_block_size"), list | tuple)
+            and len(block["weight_block_size"]) == 2)
+
+
+def check_files(files: Iterable[str], where: str | Path) -> None:
+    """Refuse a file list with nothing packable in it (GGUF-only repos, .bin-only repos)."""
+    names = [f.rsplit("/", 1)[-1] for f in files]
+    if any(n.endswith(".safetensors") for n in names):
+        return
+    if any(n.endswith(".gguf") for n in names):
+        raise QpackError(where, f"holds GGUF files, which moestream does not pack; it packs {SUPPORTED}")
+    if any(n.endswith((".bin", ".pt", ".pth")) for n in names):
+        raise QpackError(where, f"holds PyTorch pickles (.bin) only, which moestream does not "
+                         f"read (they can run code); it packs {SUPPORTED}")
+
+
+def check_config(config: Mapping, where: str | Path) -> None:
+    """Refuse a quantization this packer cannot read, naming it and what is supported."""
+    block = hf_quantization(config)
+    if block is None or is_fp8_block(block):
+        return
+    method = str(block.get("quant_method"))
+    name = _REFUSED.get(method.lower(), method)
+    if method == "fp8":
+        raise QpackError(where, "FP8 checkpoint with per-tensor scales (no 2-D weight_block_size) "
+                         f"is not supported; moestream packs {SUPPORTED}")
+    raise QpackError(where, f"{name} checkpoints (quantization_config.quant_method {method!r}) "
+                     f"are not supported; moestream packs {SUPPORTED}. Use the model's bf16 repo")
+
+
+def needed_shards(weight_map: Mapping[str, str], model_type: str) -> set[str]:
+    """Shards holding at least one text-model tensor (MTP- or vision-only ones are skipped)."""
+    family = MODEL_TYPE_ALIASES.get(model_type, model_type)
+    return {shard for name, shard in weight_map.items() if is_text_tensor(family, name)}

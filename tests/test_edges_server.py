@@ -1,0 +1,95 @@
+"""The server at its edges: a per-request token limit, a /health that looks at the files,
+and a shutdown that tells every client what happened."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import httpx2
+import pytest
+import trio
+from test_server_errors import CHAT, body, error_of, running_server, sse_chunks, until
+
+from qpack.writer import pack
+
+
+@pytest.fixture(scope="module")
+def container(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("edges-server") / "tiny.qpack"
+    pack(synth_checkpoint("qwen3_next"), out, bits=None, progress=False)
+    return out
+
+
+async def test_max_tokens_over_the_limit_is_a_400(container: Path) -> None:
+    async with running_server(container, max_tokens_limit=3) as (_, http):
+        err = error_of(await http.post(CHAT, json=body(max_tokens=10**9)), 400)
+        assert err["param"] == "max_tokens" and "over this server's limit of 3" in err["message"]
+        err = error_of(await http.post(CHAT, json=body(max_tokens=None, max_completion_tokens=4)), 400)
+        assert err["param"] == "max_completion_tokens"
+        resp = await http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi",
+                                                        "max_tokens": 10**9, "stream": True})
+        assert error_of(resp, 400)["param"] == "max_tokens"
+        # No length asked: at most the limit, not the whole context.
+        unbounded = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+        ok = await http.post(CHAT, json=unbounded)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 3
+        ok = await http.post(CHAT, json=body(max_tokens=3))
+        assert ok.status_code == 200
+
+
+async def test_health_reports_an_unreadable_layer_file(container: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy.qpack"
+    shutil.copytree(container, copy)
+    layer = copy / "experts" / "layer_001.bin"
+    async with running_server(copy) as (_, http):
+        assert (await http.get("/health")).json()["status"] == "ok"
+        saved = layer.read_bytes()
+        os.truncate(layer, len(saved) // 2)
+        resp = await http.get("/health")
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["status"] == "error"
+        assert any("layer_001.bin" in p for p in resp.json()["problems"])
+        layer.unlink()
+        assert "cannot open" in (await http.get("/health")).json()["problems"][0]
+        layer.write_bytes(saved)
+        assert (await http.get("/health")).status_code == 200
+
+
+async def test_shutdown_503s_the_queue_and_ends_running_streams_with_an_error_event(container: Path) -> None:
+    stop = trio.Event()
+    async with running_server(container, shutdown_trigger=stop.wait) as (engine, http):
+        results: dict[str, httpx2.Response] = {}
+
+        async def post(name: str, payload: dict) -> None:
+            results[name] = await http.post(CHAT, json=payload)
+
+        async with trio.open_nursery() as nursery, \
+                http.stream("POST", CHAT, json=body(max_tokens=3000, stream=True)) as a:
+            assert a.status_code == 200
+            lines = a.aiter_lines()
+            await sse_chunks(lines, 3)  # A is producing tokens
+            nursery.start_soon(post, "queued", body(max_tokens=2))
+            await until(lambda: engine.waiting == 1)
+
+            stop.set()  # SIGTERM's job: the same path the signal takes
+            started = time.monotonic()
+            await until(lambda: "queued" in results)
+            queued = error_of(results["queued"], 503)
+            assert queued["code"] == "server_shutting_down"
+            assert time.monotonic() - started < 2  # at once, not after the grace period
+            health = await http.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "shutting_down"
+            error_of(await http.post(CHAT, json=body()), 503)  # nothing new is admitted
+
+            # A keeps streaming through the grace period, then gets one error event.
+            rest = [line async for line in lines]
+        events = [json.loads(line[6:]) for line in rest if line.startswith("data: ") and line != "data: [DONE]"]
+        assert events and "choices" in events[0]
+        assert events[-1]["error"]["code"] == "server_shutting_down", events[-1]
+        assert all("choices" in e for e in events[:-1])
+        assert time.monotonic() - started >= 2  # the grace period was given
+    assert engine.waiting == 0 and not engine.lock.locked()

@@ -1,0 +1,174 @@
+"""generation_config.json: kept in the container, its eos ids end generations, its sampling
+values apply where config and request are silent; the thinking switch per request, call
+and config. On tiny synthetic checkpoints with the hub's files (Instruct and Thinking)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+from helpers_server import serving
+
+from actors.sampling_params import SamplingParams
+from pipeline.chat_template import TemplateKwargsError, template_kwargs
+from pipeline.config.sampling import ChatConfig, SamplingConfig
+from pipeline.config.schema import ConfigError, config_from_dict
+from pipeline.engine import open_engine
+from pipeline.events import Done
+from pipeline.generation_config import default_params, eos_token_ids, model_defaults
+from qpack import spec
+from qpack.spec import QpackError
+from qpack.synth.presets import QWEN3_NEXT_BOS, QWEN3_NEXT_EOS, get_preset
+from qpack.synth.variants import generation_config
+from qpack.writer import pack
+
+USER = [{"role": "user", "content": "Name three primes."}]
+
+
+def _config(container: Path, **sections: dict) -> object:
+    base = {"model": {"path": str(container)}, "pool": {"slots": 16},
+            "compute": {"prefill_chunk": 4}, **sections}
+    return config_from_dict(base)
+
+
+def _pack_with(src: Path, tmp: Path, gen: dict) -> Path:
+    """`src` (read-only, shared) with another generation_config.json, packed."""
+    copy = tmp / "src"
+    copy.mkdir(parents=True)
+    for f in src.iterdir():
+        (copy / f.name).symlink_to(f)
+    (copy / "generation_config.json").unlink()
+    (copy / "generation_config.json").write_text(json.dumps(gen))
+    out = tmp / "c.qpack"
+    pack(copy, out, bits=4, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def thinking(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("thinking") / "thinking.qpack"
+    pack(synth_checkpoint("qwen3_next", dtype="bfloat16", variant="thinking"), out, bits=4,
+         progress=False)
+    return out
+
+
+def test_thinking_preset_files(synth_checkpoint) -> None:
+    src = synth_checkpoint("qwen3_next", dtype="bfloat16", variant="thinking")
+    gen = json.loads((src / "generation_config.json").read_text())
+    assert (gen["temperature"], gen["top_p"], gen["top_k"]) == (0.6, 0.95, 20)
+    assert gen["eos_token_id"] == [QWEN3_NEXT_EOS, QWEN3_NEXT_BOS]  # <|im_end|>, <|endoftext|>
+    instruct = generation_config(get_preset("qwen3_next", "tiny"))
+    assert (instruct["temperature"], instruct["top_p"], instruct["top_k"]) == (0.7, 0.8, 20)
+    with pytest.raises(ValueError, match="variant 'thinking' does not exist for qwen3_5_moe"):
+        generation_config(get_preset("qwen3_5_moe", "tiny"), "thinking")
+
+
+async def test_kept_in_container_eos_and_sampling_defaults(thinking: Path) -> None:
+    manifest = json.loads((thinking / spec.MANIFEST).read_text())
+    assert "generation_config.json" in {f["path"] for f in manifest["files"]}
+    assert eos_token_ids(thinking) == [QWEN3_NEXT_EOS, QWEN3_NEXT_BOS]
+    # Config silent: the model's values; a config key wins over the model's for that key.
+    cfg = _config(thinking, sampling={"top_k": 5})
+    async with open_engine(cfg) as engine:
+        assert set(engine.tokenizer.eos_token_ids) == {QWEN3_NEXT_EOS, QWEN3_NEXT_BOS}
+        params = default_params(engine)
+        assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.95, 5)
+        assert default_params(engine, max_tokens=3).max_tokens == 3
+        # The Thinking template opens <think> in the prompt.
+        assert engine.tokenizer.decode(engine.chat_tokens(USER)).endswith("<think>\n")
+
+
+async def test_generation_config_eos_ends_generation(synth_checkpoint, tmp_path: Path) -> None:
+    """A token that greedy decoding emits, listed only in generation_config.json's
+    eos_token_id, stops the generation there (finish "stop")."""
+    src = synth_checkpoint("qwen3_next", dtype="bfloat16")
+    plain = _pack_with(src, tmp_path / "a", {"eos_token_id": [QWEN3_NEXT_EOS]})
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    async with open_engine(_config(plain)) as engine:
+        done = [e async for e in engine.chat(USER, greedy)][-1]
+    assert isinstance(done, Done) and done.finish_reason == "length"
+    second = done.token_ids[1]
+    assert second not in done.token_ids[:1]
+    stopping = _pack_with(src, tmp_path / "b", {"eos_token_id": [QWEN3_NEXT_EOS, second]})
+    async with open_engine(_config(stopping)) as engine:
+        done2 = [e async for e in engine.chat(USER, greedy)][-1]
+    assert done2.finish_reason == "stop" and done2.token_ids == done.token_ids[:2]
+
+
+def test_precedence_and_bad_files(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "do_sample": True, "other": "ignored"}))
+    model = model_defaults(tmp_path)
+    assert (model.temperature, model.top_p, model.top_k) == (0.7, 0.8, 20)
+    section = SamplingConfig(temperature=1.0, seed=3)  # set to the API default: still set
+    params = section.params(model)
+    assert (params.temperature, params.top_p, params.top_k, params.seed) == (1.0, 0.8, 20, 3)
+    assert SamplingConfig().params() == SamplingParams()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "top_k": 0}))
+    assert model_defaults(tmp_path).temperature == 0.0 and model_defaults(tmp_path).top_k == 0
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0}))
+    with pytest.raises(QpackError, match=r"generation_config.json: top_p must be in \(0, 1\]"):
+        model_defaults(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    with pytest.raises(QpackError, match="generation_config.json does not read"):
+        eos_token_ids(tmp_path)
+    with pytest.raises(ConfigError, match="sampling.temperature must be in"):
+        config_from_dict({"model": {"path": str(tmp_path)}, "sampling": {"temperature": 3}})
+
+
+def test_template_kwargs_layers() -> None:
+    assert template_kwargs(ChatConfig()) == {}
+    assert template_kwargs(ChatConfig(enable_thinking=False)) == {"enable_thinking": False}
+    assert template_kwargs(ChatConfig(enable_thinking=False), True) == {"enable_thinking": True}
+    assert template_kwargs(ChatConfig(), True, {"enable_thinking": False, "x": 1}) == {
+        "enable_thinking": False, "x": 1}
+    with pytest.raises(TemplateKwargsError, match="chat_template_kwargs.tools: is an argument"):
+        template_kwargs(ChatConfig(), None, {"tools": []})
+    with pytest.raises(TemplateKwargsError, match="enable_thinking: must be true or false"):
+        template_kwargs(ChatConfig(), None, {"enable_thinking": "no"})
+
+
+@pytest.fixture(scope="module")
+def hybrid(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("hybrid") / "hybrid.qpack"
+    pack(synth_checkpoint("qwen3_5_moe", dtype="bfloat16"), out, bits=4, progress=False)
+    return out
+
+
+async def test_enable_thinking_per_request_call_and_config(hybrid: Path) -> None:
+    """Qwen3.5/3.6: chat_template_kwargs.enable_thinking=false renders the empty think block,
+    so the reply is content, not reasoning; the config's [chat] switch is the default."""
+    async with serving(hybrid, {}) as (engine, port):
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                                    max_retries=0)
+        kw = {"model": "hybrid", "messages": USER, "max_tokens": 4, "temperature": 0.0}
+        on = await client.chat.completions.create(**kw)
+        off = await client.chat.completions.create(
+            **kw, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert on.choices[0].message.content == ""
+        assert on.choices[0].message.reasoning_content  # type: ignore[attr-defined]
+        assert off.choices[0].message.content
+        assert getattr(off.choices[0].message, "reasoning_content", None) is None
+        # "<think>\n\n</think>\n\n" after the generation prompt's "<think>\n".
+        assert off.usage.prompt_tokens > on.usage.prompt_tokens
+        with pytest.raises(openai.BadRequestError, match="enable_thinking: must be true or false"):
+            await client.chat.completions.create(
+                **kw, extra_body={"chat_template_kwargs": {"enable_thinking": "no"}})
+        # Fields a request leaves out take generation_config.json's (hybrid: 1.0 / 0.95 / 20).
+        base = {"model": "hybrid", "messages": USER, "max_tokens": 5, "seed": 11}
+        silent = await client.chat.completions.create(**base)
+        same = await client.chat.completions.create(**base, temperature=1.0, top_p=0.95,
+                                                    extra_body={"top_k": 20})
+        api = await client.chat.completions.create(**base, temperature=1.0, top_p=1.0,
+                                                   extra_body={"top_k": 0})
+        texts = [m.choices[0].message.reasoning_content for m in (silent, same, api)]  # type: ignore[attr-defined]
+        assert texts[0] == texts[1] != texts[2]
+        # The library call's switch.
+        text = engine.tokenizer.decode(engine.chat_tokens(USER, enable_thinking=False))
+        assert text.endswith("<think>\n\n</think>\n\n")
+    async with open_engine(_config(hybrid, chat={"enable_thinking": False})) as engine:
+        assert engine.tokenizer.decode(engine.chat_tokens(USER)).endswith("</think>\n\n")
+        assert engine.tokenizer.decode(engine.chat_tokens(USER, enable_thinking=True)).endswith(
+            "<think>\n")
