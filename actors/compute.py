@@ -78,7 +78,10 @@ class Compute:
         self._row_of = {layer: i for i, layer in enumerate(moe_layers)}
         self._map: mx.array | None = None
         self._map_version = -1
-        self._gate = getattr(strategy, "prepare", None) is not None
+        # Strategies that read the model (next-gate, lookahead, a combination holding one)
+        # predict on the MLX thread, in the routing's own sync; the others in the
+        # prefetch task.
+        self._gate = bool(getattr(strategy, "needs_model", False))
         self.prefetcher = Prefetcher(strategy, scorer, router, recorder, gate=self._gate)
 
     def _learn(self, routing: Routing | None, phase: Phase) -> Predictions | None:
@@ -143,21 +146,6 @@ class Compute:
         routing = step.resume(layer, self._presync(phase))
         return routing, self._learn(routing, phase)
 
-    async def _hits(self, layer: int, rows: np.ndarray, phase: Phase) -> None:
-        """Host bookkeeping for a layer that ran ahead with every expert present.
-
-        The pool sees the same demand as on the per-layer path (hits, recency); nothing
-        is predicted or prefetched: every expert was there, and a prefetch now could
-        evict an expert that a later layer of this very token has already used.
-        """
-        self.tick += 1
-        ids = unique_in_order(rows)
-        await self.prefetcher.caught_up()
-        await self.router.demand(layer, ids, self.tick)
-        await self.prefetcher.send(
-            Routed(layer, _rows(rows), ids, self.tick, phase, predicted=[], predict=False)
-        )
-
     async def begin_token(self, phase: Phase) -> None:
         """Before a forward's bookkeeping: the recorder and the scorer start a token."""
         await self.prefetcher.send(TokenStart(phase))
@@ -186,12 +174,34 @@ class Compute:
         return logits
 
     async def account(self, result: Any, phase: Phase) -> int | None:
-        """Bookkeeping for a run-ahead's layers up to its first miss; that layer or None."""
+        """Bookkeeping for a run-ahead's layers up to its first miss; that layer or None.
+
+        The pool sees the same requests as on the per-layer path. Gate strategies cannot
+        predict here (the run-ahead kept no routers' inputs) and need not (every expert
+        was there): the layers' demands then go as one request. Statistics strategies
+        predict and prefetch layer by layer as always, so `replay` reruns them exactly.
+        """
         miss = result.first_miss()
+        done: list[tuple[int, list[int], int, np.ndarray]] = []
         for layer, rows, ok in zip(result.layers, result.ids, result.present, strict=True):
             if not ok:
                 break
-            await self._hits(layer, rows, phase)
+            self.tick += 1
+            done.append((layer, unique_in_order(rows), self.tick, rows))
+        if not done:
+            return miss
+        if self._gate or self.strategy.name == "none":
+            await self.prefetcher.caught_up()
+            await self.router.demand_all([(layer, ids, tick) for layer, ids, tick, _ in done])
+            for layer, ids, tick, rows in done:
+                await self.prefetcher.send(
+                    Routed(layer, _rows(rows), ids, tick, phase, predicted=[], predict=False)
+                )
+            return miss
+        for layer, ids, tick, rows in done:
+            await self.prefetcher.caught_up()
+            await self.router.demand(layer, ids, tick)
+            await self.prefetcher.send(Routed(layer, _rows(rows), ids, tick, phase))
         return miss
 
     async def finish_from(self, step: ForwardStepper, miss: int, phase: Phase) -> mx.array:

@@ -92,6 +92,15 @@ class ExpertRouter:
         """Make `ids` of `layer` resident and installed; returns slot_of (expert -> slot)."""
         return await self._ask(self._demand, layer, list(ids), tick)
 
+    async def demand_all(self, items: Sequence[tuple[int, Sequence[int], int]]) -> None:
+        """`demand` for several (layer, ids, tick) in order, as one request: the
+        bookkeeping of a token that ran ahead with every expert present."""
+        await self._ask(self._demand_all, [(layer, list(ids), tick) for layer, ids, tick in items])
+
+    async def _demand_all(self, items: list[tuple[int, list[int], int]]) -> None:
+        for layer, ids, tick in items:
+            await self._demand(layer, ids, tick)
+
     async def prefetch(self, predictions: Sequence[tuple[int, Sequence[int]]], tick: int) -> None:
         """Queue predicted experts for reading (no reply: ordered before later demands)."""
         if predictions:

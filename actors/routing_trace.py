@@ -1,10 +1,20 @@
 """Routing traces: what every MoE layer chose, per step, recorded from a live run.
 
 A trace holds the model's shape, the live pool settings, and per step (one decode token,
-or one prefill chunk whose `chosen` is the union over its tokens) per MoE layer: the
-chosen expert ids in router order and the live strategy's predictions made right after
-that layer. Recorded predictions let `moestream replay` rerun gate-based strategies,
-which need the model, without it. See actors/pool_driver.py for the replay semantics.
+or one prefill chunk) and phase, per MoE layer:
+
+- `chosen`: the experts the pool was asked for, each once, in the order the router first
+  chose them (for a prefill chunk, the union over its tokens);
+- `predictions`: the live strategy's predictions made right after that layer (the live
+  engine predicts only at decode steps, so prefill entries have none);
+- `tokens`: each token's own top-k in router order, i.e. what the strategy observed, one
+  `observe` per token; left empty when it is the single row `chosen` (every decode step),
+  which keeps files small.
+
+Version 1 traces had no `tokens`: their prefill chunks replay with the merged set as a
+single observation, which is not what the live engine learned (loaded with a warning).
+Recorded predictions let `moestream replay` rerun gate-based strategies, which need the
+model, without it. See pipeline/replay.py for the replay semantics.
 
 Stored as JSON (readable, diffable); a path ending in ".gz" is gzip-compressed.
 """
@@ -12,14 +22,18 @@ Stored as JSON (readable, diffable); a path ending in ".gz" is gzip-compressed.
 from __future__ import annotations
 
 import gzip
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+import structlog
+
+log = structlog.get_logger(__name__)
 
 Phase = Literal["prefill", "decode"]
-TRACE_VERSION = 1
+TRACE_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 class TraceModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -38,11 +52,17 @@ class TracePool(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     strategy_params: dict[str, Any] = {}
 
 
-class TraceLayer(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    # array_like keeps the file small: [layer, chosen, predictions] per entry
+class TraceLayer(msgspec.Struct, array_like=True, forbid_unknown_fields=True, omit_defaults=True):
+    # array_like keeps the file small: [layer, chosen, predictions, tokens] per entry, with
+    # trailing empty fields left out
     layer: int
     chosen: list[int]
     predictions: list[tuple[int, list[int]]] = []
+    tokens: list[list[int]] = []
+
+    def observed(self) -> list[list[int]]:
+        """What the strategy observed at this layer: one top-k row per token."""
+        return self.tokens or [self.chosen]
 
 
 class TraceStep(msgspec.Struct, forbid_unknown_fields=True):
@@ -59,8 +79,10 @@ class RoutingTrace(msgspec.Struct, forbid_unknown_fields=True):
 
     def validate(self, source: str = "trace") -> None:
         """Raise ValueError naming the step and layer of the first inconsistent entry."""
-        if self.version != TRACE_VERSION:
-            raise ValueError(f"{source}: trace version {self.version}, expected {TRACE_VERSION}")
+        if self.version not in READABLE_VERSIONS:
+            raise ValueError(
+                f"{source}: trace version {self.version}, expected one of {READABLE_VERSIONS}"
+            )
         moe = set(self.model.moe_layers)
         n = self.model.num_experts
         for s, step in enumerate(self.steps):
@@ -76,6 +98,14 @@ class RoutingTrace(msgspec.Struct, forbid_unknown_fields=True):
                 for target, ids in entry.predictions:
                     if target not in moe or any(not 0 <= e < n for e in ids):
                         raise ValueError(f"{where}: bad prediction ({target}, {ids})")
+                union = {e for row in entry.tokens for e in row}
+                if entry.tokens and (union != set(entry.chosen) or any(
+                    not row or len(set(row)) != len(row) for row in entry.tokens
+                )):
+                    raise ValueError(
+                        f"{where}: per-token rows {entry.tokens} do not make up chosen "
+                        f"{entry.chosen} (rows must be non-empty, without duplicates)"
+                    )
 
 
 def save_trace(trace: RoutingTrace, path: str | Path) -> Path:
@@ -105,6 +135,13 @@ def load_trace(path: str | Path) -> RoutingTrace:
     except msgspec.DecodeError as exc:
         raise ValueError(f"routing trace {path}: not a valid trace: {exc}") from exc
     trace.validate(str(path))
+    if trace.version == 1 and any(step.phase == "prefill" for step in trace.steps):
+        log.warning(
+            "routing_trace.merged_prefill",
+            path=str(path),
+            note="version 1 trace: prefill chunks hold only their merged routing, so "
+            "history/transition replay approximately; record again for an exact replay",
+        )
     return trace
 
 
@@ -132,14 +169,27 @@ class TraceRecorder:
         layer: int,
         chosen: Sequence[int],
         predictions: Sequence[tuple[int, Sequence[int]]] = (),
+        tokens: Iterable[Iterable[int]] | None = None,
     ) -> None:
+        """One MoE layer of the current step.
+
+        `chosen`: the experts demanded from the pool (union, router order); `predictions`:
+        what the live strategy predicted after this layer; `tokens`: each token's top-k
+        row as the strategy observed it (e.g. the router's [tokens, k] id array). Without
+        `tokens` the step is taken to be one token whose row is `chosen`.
+        """
         if self._step is None:
             raise RuntimeError("TraceRecorder.record called before begin_token")
+        ids = [int(e) for e in chosen]
+        rows = [[int(e) for e in row] for row in tokens] if tokens is not None else []
+        if len(rows) == 1 and rows[0] == ids:
+            rows = []  # the common decode case: implied by chosen
         self._step.layers.append(
             TraceLayer(
                 layer=int(layer),
-                chosen=[int(e) for e in chosen],
+                chosen=ids,
                 predictions=[(int(t), [int(e) for e in ids]) for t, ids in predictions],
+                tokens=rows,
             )
         )
 

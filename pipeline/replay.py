@@ -1,19 +1,26 @@
 """Replay: rerun a recorded routing trace through pool + prefetch policies.
 
-The simulation drives the same `PoolDriver` (actors/pool_driver.py) as the live engine,
-in the same order, with one tick per (step, MoE layer):
+The simulation makes the calls the live engine makes (actors/compute.py `Compute.forward`)
+in the same order, driving the same `PoolDriver` (actors/pool/driver.py), with one tick
+per (step, MoE layer):
 
     for step in trace.steps:            (reset_sequence() when step.seq changes)
+        decode = step.phase == "decode"
+        if decode: scorer.begin_token()
         for entry in step.layers:       (MoE layers in order)
-            scorer.score(layer, chosen)             # predictions made earlier for it
+            for row in entry.observed():            # each token of the step, in order
+                strategy.observe(layer, row)
+            preds = strategy.predict(layer, row 0, None) if decode else []
+                                                    # (or the recorded predictions)
+            if decode: scorer.score(layer, chosen); scorer.record(preds)
             driver.demand(layer, chosen, tick)      # unpins the previous layer first
-            strategy.observe(layer, chosen)
-            preds = strategy.predict(layer, chosen, None)   # or the recorded ones
-            scorer.record(preds); driver.prefetch(preds, tick)
+            driver.prefetch(preds, tick)
             tick += 1
 
-So replaying a trace with the live run's policy, slot count and strategy reproduces the
-live hit rate exactly. Gate-based strategies ("next-gate", "lookahead") need the model,
+The live engine learns from every prompt token but predicts, prefetches and scores only
+while decoding; the trace keeps each token's row and the phase so that replay does the
+same. So replaying a trace with the live run's policy, slot count and strategy reproduces
+the live hit rate, prefetch counters and precision / recall exactly. Gate-based strategies ("next-gate", "lookahead") need the model,
 so they replay the predictions recorded in the trace ("recorded" does that for whatever
 the live strategy was).
 """
@@ -99,16 +106,21 @@ def simulate(
         if seq is not None and step.seq != seq and strategy is not None:
             strategy.reset_sequence()
         seq = step.seq
-        scorer.begin_token()
+        decode = step.phase == "decode"
+        if decode:
+            scorer.begin_token()
         for entry in step.layers:
-            scorer.score(entry.layer, entry.chosen)
-            driver.demand(entry.layer, entry.chosen, tick)
             if strategy is None:
                 preds = entry.predictions
             else:
-                strategy.observe(entry.layer, entry.chosen)
-                preds = strategy.predict(entry.layer, entry.chosen, None)
-            scorer.record(preds)
+                rows = entry.observed()
+                for row in rows:
+                    strategy.observe(entry.layer, row)
+                preds = strategy.predict(entry.layer, rows[0], None) if decode else []
+            if decode:
+                scorer.score(entry.layer, entry.chosen)
+                scorer.record(preds)
+            driver.demand(entry.layer, entry.chosen, tick)
             driver.prefetch(preds, tick)
             tick += 1
     scorer.begin_token()  # predictions for layers never reached count as wrong

@@ -56,7 +56,10 @@ def require_free_space(out: Path, need_bytes: int, what: str, *, already: int = 
 @contextmanager
 def exclusive_output(out: Path, what: str) -> Iterator[None]:
     """Hold an exclusive lock on the output directory while writing it (flock: the kernel
-    drops it when the process dies, so a killed writer never leaves a stale lock)."""
+    drops it when the process dies, so a killed writer never leaves a stale lock).
+    A directory made here and still empty at the end (the job was refused before writing
+    anything) is removed again."""
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     fd = os.open(out, os.O_RDONLY)
     try:
@@ -70,3 +73,5 @@ def exclusive_output(out: Path, what: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()

@@ -223,3 +223,16 @@ def test_cli_replays_a_saved_trace(tmp_path: Path, capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit):
         _cli(["replay", str(path), "--policies", "mru"])
     assert _cli(["replay", str(path), "--strategies", "lookahead"]) == 2
+
+
+def test_cli_replays_a_generated_workload(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = "qwen3-next-80b,requests=2,layers=2,prompt_tokens=4,decode_tokens=6"
+    saved = tmp_path / "w.json.gz"
+    argv = ["replay", "--workload", spec, "--policies", "lru,flru,reuse,pin", "--slots", "64"]
+    assert _cli([*argv, "--strategies", "none,next-gate", "--save-trace", str(saved)]) == 0
+    assert "workload:qwen3-next-80b" in capsys.readouterr().out
+    assert len(load_trace(saved).steps) == 2 * (1 + 6)
+    assert _cli(["replay", str(saved), "--workload", spec]) == 2
+    assert _cli(["replay", "--workload", "mixtral"]) == 2

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.pool.driver import PoolDriver
-from actors.pool.eviction import LRU, SLRU, LFUDecay, make_policy
+from actors.pool.eviction import LRU, POLICY_NAMES, SLRU, LFUDecay, make_policy
 from actors.pool.slots import PoolExhausted, SlotTable
 
 
@@ -202,7 +202,7 @@ OPS = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(policy=st.sampled_from(["lfu", "lru", "slru"]), slots=st.integers(1, 6), ops=OPS)
+@given(policy=st.sampled_from(list(POLICY_NAMES)), slots=st.integers(1, 6), ops=OPS)
 def test_table_invariants_under_random_operations(policy: str, slots: int, ops: list) -> None:
     t = SlotTable(slots, make_policy(policy, **({"period": 3} if policy == "lfu" else {})))
     pins: dict[tuple[int, int], int] = {}

@@ -23,9 +23,8 @@ def _payload(container: Path) -> dict[str, str]:
     return {f["path"]: f["sha256"] for f in manifest["files"] if f["path"] != spec.CONFIG}
 
 
-def test_transformers5_rope_parameters_config(synth_checkpoint, tmp_path_factory,
-                                              tmp_path: Path) -> None:
-    src, plain = tiny_pair(synth_checkpoint, tmp_path_factory, "qwen3_next")  # fp32, bits 16
+def test_transformers5_rope_parameters_config(synth_checkpoint, packed, tmp_path: Path) -> None:
+    src, plain = tiny_pair(synth_checkpoint, packed, "qwen3_next")  # fp32, bits 16
     wild = derive(src, tmp_path / "tf5", "tf5-rope")
     assert "rope_theta" not in json.loads((wild / "config.json").read_text())
     # Before: mlx-lm's ModelArgs raised "missing rope_theta" while planning the pack.
@@ -37,9 +36,9 @@ def test_transformers5_rope_parameters_config(synth_checkpoint, tmp_path_factory
         source["rope_theta"], source["partial_rotary_factor"])
 
 
-def test_mlx_layout_with_language_model_vision_tower(synth_checkpoint, tmp_path_factory,
+def test_mlx_layout_with_language_model_vision_tower(synth_checkpoint, packed,
                                                     tmp_path: Path) -> None:
-    src, plain = tiny_pair(synth_checkpoint, tmp_path_factory, "qwen3_5_moe", 4)  # MLX 4-bit
+    src, plain = tiny_pair(synth_checkpoint, packed, "qwen3_5_moe", 4)  # MLX 4-bit
     wild = derive(src, tmp_path / "vt", "mlx-vision-tower")
     out = pack(wild, tmp_path / "vt.qpack", progress=False).path
     # The tower is dropped: dense.safetensors is the text model's, byte for byte.

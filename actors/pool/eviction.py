@@ -15,6 +15,8 @@ routing trace replay to the live run's hit rate.
 - `SLRU`: segmented LRU. New keys enter probation; a second access promotes them to the
   protected segment. Keys that are inserted and never used again (a wrong prefetch, a
   one-off expert) are evicted from probation before anything proven useful.
+- `FreqLRU`, `ReuseDistance`, `PinHot` (actors/pool/eviction_scored.py): frequency-weighted
+  LRU, reuse distance / staleness, and pinning the most used ("universal") experts.
 
 Recency is the order of calls (each call gets a sequence number), a total order, so no
 ties remain for any policy.
@@ -253,12 +255,22 @@ class SLRU:
         return key in self._probation or key in self._protected
 
 
-_POLICIES: dict[str, Callable[..., EvictionPolicy]] = {"lfu": LFUDecay, "lru": LRU, "slru": SLRU}
+# Defined apart (they need no names from here, so either module can be imported first).
+from actors.pool.eviction_scored import FreqLRU, PinHot, ReuseDistance  # noqa: E402
+
+_POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
+    "lfu": LFUDecay,
+    "lru": LRU,
+    "slru": SLRU,
+    "flru": FreqLRU,
+    "reuse": ReuseDistance,
+    "pin": PinHot,
+}
 POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
 
 
 def make_policy(name: str, **params: float) -> EvictionPolicy:
-    """Build a policy by its registry name ("lfu", "lru", "slru")."""
+    """Build a policy by its registry name (POLICY_NAMES)."""
     factory = _POLICIES.get(name)
     if factory is None:
         raise ValueError(

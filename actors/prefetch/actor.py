@@ -107,7 +107,7 @@ class Prefetcher:
             self.scorer.record(preds)
         await self.router.prefetch(preds, event.tick)
         if self.recorder is not None:
-            self.recorder.record(event.layer, event.ids, preds)
+            self.recorder.record(event.layer, event.ids, preds, tokens=event.rows)
 
 
 def _ints(preds: Sequence[tuple[int, Sequence[int]]]) -> Prediction:

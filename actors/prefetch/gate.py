@@ -22,6 +22,7 @@ RouterFn = Callable[[int, mx.array], mx.array]
 
 
 class NextGate:
+    needs_model = True  # predicts from the routers and the hidden state, on the MLX thread
     def __init__(
         self,
         routers: RouterFn,

@@ -170,6 +170,7 @@ class Combined:
             raise ValueError("combined: needs at least one strategy")
         self.strategies = list(strategies)
         self.max_per_layer = max_per_layer
+        self.needs_model = any(getattr(s, "needs_model", False) for s in self.strategies)
 
     def observe(self, layer: int, chosen: Sequence[int]) -> None:
         for s in self.strategies:

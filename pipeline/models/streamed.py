@@ -134,31 +134,41 @@ class ForwardStep:
     def _mask(self, block: nn.Module) -> Any:
         return self.ssm_mask if block.is_linear else self.fa_mask
 
+    def _to_next_moe(self) -> nn.Module | None:
+        """Run the dense layers up to the next MoE layer (lazily); that block, or None."""
+        while self.layer < self.m.num_layers:
+            block = self.m.parts.layers[self.layer]
+            if self.layer in self.m.moe_layers:
+                return block
+            self.h = block(self.h, mask=self._mask(block), cache=self.cache[self.layer])
+            self.layer += 1
+        return None
+
+    def _mix_and_route(self, block: nn.Module) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """The MoE block's attention / DeltaNet half and its router: (h_mid, x, ids, scores)."""
+        mixer = block.linear_attn if block.is_linear else block.self_attn
+        h_mid = self.h + mixer(block.input_layernorm(self.h), self._mask(block),
+                               self.cache[self.layer])
+        x = block.post_attention_layernorm(h_mid)
+        inds, scores = route(block.mlp, x)
+        return h_mid, x, inds, scores
+
     def run_to_routing(self, presync: Presync | None = None) -> Routing | None:
         """Advance to the next MoE layer's routing; None once every layer has run.
 
         `presync(layer, hidden)` may return more lazy arrays (a prefetch prediction) to
         evaluate in the same sync as the routing.
         """
-        moe = self.m.moe_layers
-        while self.layer < self.m.num_layers:
-            block = self.m.parts.layers[self.layer]
-            cache = self.cache[self.layer]
-            if self.layer not in moe:
-                self.h = block(self.h, mask=self._mask(block), cache=cache)
-                self.layer += 1
-                continue
-            mixer = block.linear_attn if block.is_linear else block.self_attn
-            h_mid = self.h + mixer(block.input_layernorm(self.h), self._mask(block), cache)
-            x = block.post_attention_layernorm(h_mid)
-            inds, scores = route(block.mlp, x)
-            hidden = h_mid[0]
-            extra = presync(self.layer, hidden) if presync is not None else []
-            mx.eval(inds, *extra)
-            self._pending = (h_mid, x, inds, scores)
-            ids = np.asarray(inds).reshape(-1, inds.shape[-1])
-            return Routing(self.layer, ids, hidden)
-        return None
+        block = self._to_next_moe()
+        if block is None:
+            return None
+        h_mid, x, inds, scores = self._mix_and_route(block)
+        hidden = h_mid[0]
+        extra = presync(self.layer, hidden) if presync is not None else []
+        mx.eval(inds, *extra)
+        self._pending = (h_mid, x, inds, scores)
+        ids = np.asarray(inds).reshape(-1, inds.shape[-1])
+        return Routing(self.layer, ids, hidden)
 
     def advance(self, slot_of: np.ndarray, presync: Presync | None = None) -> Routing | None:
         """Finish the pending MoE layer; `slot_of[e]` is expert e's pool slot (needed ones only)."""
@@ -190,22 +200,12 @@ class ForwardStep:
         `resume(layer)` can restart exactly at the first layer that missed.
         """
         self._snapshot = [_snapshot(c) for c in self.cache]
-        moe = self.m.moe_layers
         ids: list[mx.array] = []
         present: list[mx.array] = []
         layers: list[int] = []
-        while self.layer < self.m.num_layers:
-            block = self.m.parts.layers[self.layer]
-            cache = self.cache[self.layer]
-            if self.layer not in moe:
-                self.h = block(self.h, mask=self._mask(block), cache=cache)
-                self.layer += 1
-                continue
+        while (block := self._to_next_moe()) is not None:
             self._h_in[self.layer] = self.h
-            mixer = block.linear_attn if block.is_linear else block.self_attn
-            h_mid = self.h + mixer(block.input_layernorm(self.h), self._mask(block), cache)
-            x = block.post_attention_layernorm(h_mid)
-            inds, scores = route(block.mlp, x)
+            h_mid, x, inds, scores = self._mix_and_route(block)
             found = slot_map[row_of[self.layer]][inds]
             arrays, fmt = self.m.views(self.layer) if self.m.views else (self.m.slot_arrays, self.m.fmt)
             routed = routed_experts(arrays, fmt, x, mx.maximum(found, 0))
