@@ -18,8 +18,9 @@ Speculation is undone exactly:
 The pool sees exactly the demand sequence of the unpipelined loop: a step's bookkeeping
 happens when its token is consumed, never for a step that is rolled back.
 
-Used only when the sampler can draw lazily (no penalties: they read the previous token on
-the host) and the run-ahead policy wants it; otherwise each `next` is sample + forward.
+Used only when the sampler can draw lazily (no penalties, grammar or logprobs: they need
+the previous token on the host) and the run-ahead policy wants it; otherwise each `next`
+is sample + forward.
 """
 
 from __future__ import annotations

@@ -7,9 +7,15 @@ the penalties need, so one `Sampler` belongs to one sequence. The knobs are
 
 Order of operations (as in HF transformers and vLLM, so results are comparable with
 the usual OpenAI-compatible servers): repetition penalty (prompt + generated), frequency
-and presence penalties (generated only), then greedy argmax when temperature is 0, else
-temperature, top-k, top-p, min-p and a categorical draw. Temperature comes before the
-filters so that top-p/min-p act on the distribution that is actually sampled.
+and presence penalties (generated only), logit bias, the constraint's token mask, then
+greedy argmax when temperature is 0, else temperature, top-k, top-p, min-p and a
+categorical draw. Temperature comes before the filters so that top-p/min-p act on the
+distribution that is actually sampled; the mask comes before them so that they only
+ever choose among tokens the grammar allows.
+
+Log-probabilities (`params.logprobs`) are the model's own: a log-softmax of the raw
+logits, before penalties, bias, mask and temperature (vLLM's default), so they say how
+likely the model found a token, whatever forced it.
 """
 
 from __future__ import annotations
@@ -18,13 +24,26 @@ import math
 import secrets
 from collections import Counter
 from collections.abc import Iterable
+from typing import Protocol
 
 import mlx.core as mx
+import numpy as np
 
 from actors.sampling_params import SamplingParams
+from actors.token_logprob import TokenLogprob
 
 _NEG_INF = float("-inf")
 _SEED_MOD = 2**64  # mx.random.key takes an unsigned 64-bit seed
+
+
+class TokenConstraint(Protocol):
+    """Which tokens may come next (a grammar's state); advanced by every sampled token."""
+
+    def allowed(self) -> np.ndarray | None:
+        """A bool mask of shape [vocab] (True = allowed; never all False), or None for all."""
+        ...
+
+    def advance(self, token: int) -> None: ...
 
 
 class Sampler:
@@ -50,6 +69,11 @@ class Sampler:
         self._generated: Counter[int] = Counter()
         self._seen: set[int] = set()
         self._stop_ids = frozenset(params.stop_token_ids)
+        self.constraint: TokenConstraint | None = params.constraint
+        self._bias_ids = mx.array([t for t, _ in params.logit_bias], dtype=mx.uint32)
+        self._bias = mx.array([b for _, b in params.logit_bias], dtype=mx.float32)
+        # Log-probabilities of the tokens sampled since the last `take_logprobs`.
+        self._logprobs: list[TokenLogprob] = []
         self.observe_prompt(prompt_tokens)
 
     @property
@@ -75,22 +99,31 @@ class Sampler:
         return self._stop_ids
 
     def sample(self, logits: mx.array) -> int:
-        """One token id from `logits` of shape [vocab] (or [1, vocab]); records it."""
+        """One token id from `logits` of shape [vocab] (or [1, vocab]); records it, keeps
+        its log-probability (when asked for) and advances the constraint with it."""
         token = int(self.draw(logits).item())
         self.record(token)
+        if self.params.logprobs is not None:
+            raw = self._vector(logits).astype(mx.float32)
+            self._logprobs.append(self.logprob_of(raw, token, self.params.logprobs))
+        if self.constraint is not None:
+            self.constraint.advance(token)
         return token
 
     @property
     def lazy_ok(self) -> bool:
         """Whether `draw` may run before the previous token is known on the host.
 
-        Penalties read the generated tokens' counts on the host, so with penalties each
-        draw needs the last token first; without them a draw depends only on the logits
-        and the RNG stream, and decode can be pipelined.
+        Penalties read the generated tokens' counts on the host, a constraint's mask
+        depends on the previous token, and log-probabilities are read per sampled token,
+        so with any of them each draw needs the last token first (`sample`); without them
+        a draw depends only on the logits and the RNG stream (logit_bias is static), and
+        decode can be pipelined.
         """
         p = self.params
         return (p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-                and p.presence_penalty == 0.0)
+                and p.presence_penalty == 0.0 and p.constraint is None
+                and p.logprobs is None)
 
     def draw(self, logits: mx.array) -> mx.array:
         """The next token as a lazy [] array (not recorded: see `record`).
@@ -98,17 +131,21 @@ class Sampler:
         Splits the RNG key once, as `sample` does; `key` / `restore_key` let a caller that
         throws a draw away redraw it identically.
         """
+        logits = self._vector(logits)
+        self._key, step_key = mx.random.split(self._key)
+        x = self.process(logits.astype(mx.float32))
+        if self.params.greedy:
+            return mx.argmax(x)
+        return mx.random.categorical(x, key=step_key)
+
+    def _vector(self, logits: mx.array) -> mx.array:
         if logits.ndim == 2 and logits.shape[0] == 1:
             logits = logits[0]
         if logits.ndim != 1 or logits.shape[0] != self.vocab_size:
             raise ValueError(
                 f"logits must have shape [{self.vocab_size}], got {list(logits.shape)}"
             )
-        self._key, step_key = mx.random.split(self._key)
-        x = self.process(logits.astype(mx.float32))
-        if self.params.greedy:
-            return mx.argmax(x)
-        return mx.random.categorical(x, key=step_key)
+        return logits
 
     @property
     def key(self) -> mx.array:
@@ -117,6 +154,23 @@ class Sampler:
     def restore_key(self, key: mx.array) -> None:
         self._key = key
 
+    def take_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The log-probabilities of the tokens sampled since the last call (empty when off)."""
+        out = tuple(self._logprobs)
+        self._logprobs.clear()
+        return out
+
+    @staticmethod
+    def logprob_of(logits: mx.array, token: int, top: int) -> TokenLogprob:
+        lp = logits - mx.logsumexp(logits)
+        best: tuple[tuple[int, float], ...] = ()
+        if top > 0:
+            ids = mx.argpartition(-lp, kth=top - 1)[:top]
+            values = lp[ids].tolist()
+            pairs = sorted(zip(ids.tolist(), values, strict=True), key=lambda p: -p[1])
+            best = tuple((int(i), float(v)) for i, v in pairs)
+        return TokenLogprob(token, float(lp[token].item()), best)
+
     def process(self, logits: mx.array) -> mx.array:
         """Penalties, temperature and filters; returns float32 logits (-inf = excluded).
 
@@ -124,6 +178,12 @@ class Sampler:
         """
         p = self.params
         x = self.apply_penalties(logits.astype(mx.float32))
+        if p.logit_bias:
+            x = mx.put_along_axis(x, self._bias_ids, x[self._bias_ids] + self._bias, axis=0)
+        if self.constraint is not None:
+            allowed = self.constraint.allowed()
+            if allowed is not None:
+                x = mx.where(mx.array(allowed[: self.vocab_size]), x, _NEG_INF)
         if p.greedy:
             return x
         if p.temperature != 1.0:

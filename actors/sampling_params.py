@@ -5,6 +5,7 @@ body both say it. Plain data with its range checks; no MLX, so configs and the C
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import msgspec
 
@@ -27,6 +28,14 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # (token id, bias) pairs added to the logits before anything else samples (OpenAI).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: no log-probabilities; k >= 0: the chosen token's and the k most likely ones'.
+    logprobs: int | None = None
+    # Per request, set by the server, never by a config file: an `actors.sampler.TokenConstraint`
+    # (a grammar's token masks). A field here so that it reaches the sampler with the other
+    # knobs; typed Any because msgspec cannot decode a protocol.
+    constraint: Any = None
 
     def __post_init__(self) -> None:
         _check_range("temperature", self.temperature, 0.0, 2.0)
@@ -49,6 +58,15 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for t in self.stop_token_ids:
             if t < 0:
                 raise ValueError(f"stop_token_ids must be >= 0, got {t!r}")
+        for t, bias in self.logit_bias:
+            if t < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {t!r}")
+            _check_range("logit_bias", bias, -100.0, 100.0)
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20] or unset, got {self.logprobs!r}")
+        if self.constraint is not None and not callable(getattr(self.constraint, "allowed", None)):
+            raise ValueError("constraint is a grammar object the server sets per request; "
+                             "it cannot come from a config file")
 
     @property
     def greedy(self) -> bool:

@@ -6,12 +6,17 @@ from typing import Literal
 
 import msgspec
 
+from actors.token_logprob import TokenLogprob
+
 FinishReason = Literal["stop", "length"]
 
 
 class TextDelta(msgspec.Struct, frozen=True, tag="delta"):
     text: str
     token_ids: tuple[int, ...]
+    # With `SamplingParams.logprobs`: every token sampled since the previous delta (a token
+    # whose text is held back, e.g. half a character, comes with the next delta).
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class GenerationStats(msgspec.Struct, kw_only=True):

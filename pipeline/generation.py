@@ -75,12 +75,19 @@ class Generation:
     async def _prefill(self, cache: list[Any], start: int) -> mx.array:
         compute = self.engine.compute
         chunk = self.engine.prefill_chunk
-        logits = None
-        for i in range(start, len(self.tokens), chunk):
-            with timeline.span("compute", "prefill-chunk", tokens=len(self.tokens[i : i + chunk])):
-                logits = await compute.forward(self.tokens[i : i + chunk], cache, "prefill")
-        assert logits is not None
-        return logits
+        # All prompt tokens but the last, then the last one alone; checkpoints of the state
+        # (see PrefixCache.wants) let a prompt sent again, extended, or sharing a long
+        # start with this one restart from there.
+        end = len(self.tokens) - 1
+        prefixes = self.engine.prefix_cache
+        for i in range(start, end, chunk):
+            part = self.tokens[i : min(i + chunk, end)]
+            with timeline.span("compute", "prefill-chunk", tokens=len(part)):
+                await compute.forward(part, cache, "prefill")
+            if prefixes.wants(i, i + len(part), end):
+                await self.engine.worker.run(prefixes.checkpoint, self.tokens[: i + len(part)], cache)
+        with timeline.span("compute", "prefill-chunk", tokens=1):
+            return await compute.forward(self.tokens[end:], cache, "prefill")
 
     async def run(self) -> AsyncIterator[Event]:
         """Submit this generation to the compute task and stream what it produces.
@@ -126,7 +133,7 @@ class Generation:
         detok.reset()
         stream = TextStream(detok, self.params.stop, stop_token_ids=eos | sampler.stop_ids)
         max_tokens = self._max_tokens()
-        cache, cached = engine.prefix_cache.take(self.tokens)
+        cache, cached = await worker.run(engine.prefix_cache.take, self.tokens)
         if cache is None:
             cache = engine.model.make_cache()
         await worker.run(mx.reset_peak_memory)
@@ -136,8 +143,11 @@ class Generation:
         finish = "length"
 
         async def emit(text: str, token: int | None) -> None:
+            # Log-probabilities of every token sampled since the last delta (a token whose
+            # text is held back comes with the next one; see `TextDelta.logprobs`).
             text_parts.append(text)
-            await events.send(TextDelta(text, () if token is None else (token,)))
+            tokens = () if token is None else (token,)
+            await events.send(TextDelta(text, tokens, sampler.take_logprobs()))
 
         ok = False
         try:
@@ -158,6 +168,9 @@ class Generation:
                     break
                 decode_rss = max(decode_rss, current_rss_mb())
             await engine.sampling.finish(stream, emit)
+            left = sampler.take_logprobs()
+            if left:  # tokens that never showed text (a stop id, a held-back tail)
+                await events.send(TextDelta("", (), left))
             # A step queued on the last token is undone: the caches hold prompt +
             # generated[:-1], as the prefix cache below expects.
             await decoder.close()

@@ -25,14 +25,15 @@ def own_copy(container: Path, tmp_path_factory: pytest.TempPathFactory, name: st
 
 @asynccontextmanager
 async def serving(container: Path, server: dict[str, Any] | None = None,
-                  **serve_kw: Any) -> AsyncIterator[tuple[Engine, int]]:
+                  prefill_chunk: int = 4, **serve_kw: Any) -> AsyncIterator[tuple[Engine, int]]:
     """An engine on `container` served on a free loopback port; yields (engine, port).
 
     `server` is the config's [server] section (e.g. context_limit); `serve_kw` goes to
-    serve_engine (api_key, max_queue, max_body_bytes, ...).
+    serve_engine (api_key, max_queue, max_body_bytes, ...). A larger `prefill_chunk` makes
+    long prompts (tool definitions) cheaper.
     """
     cfg = config_from_dict({"model": {"path": str(container)}, "pool": {"slots": 16},
-                            "compute": {"prefill_chunk": 4}, "prefetch": {"strategy": "next-gate"},
+                            "compute": {"prefill_chunk": prefill_chunk}, "prefetch": {"strategy": "next-gate"},
                             "server": server or {}})
     async with open_engine(cfg) as engine, trio.open_nursery() as nursery:
         port = await nursery.start(lambda task_status: serve_engine(

@@ -39,6 +39,15 @@ async def test_max_tokens_over_the_limit_is_a_400(container: Path) -> None:
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 3
         ok = await http.post(CHAT, json=body(max_tokens=3))
         assert ok.status_code == 200
+        # The other APIs and the unprefixed routes share the limit.
+        err = error_of(await http.post("/chat/completions", json=body(max_tokens=4)), 400)
+        assert err["param"] == "max_tokens"
+        resp = await http.post("/v1/messages", json={"model": "tiny", "max_tokens": 4,
+                                                     "messages": [{"role": "user", "content": "hi"}]})
+        assert resp.status_code == 400 and "limit of 3" in resp.json()["error"]["message"]
+        assert resp.json()["type"] == "error"
+        resp = await http.post("/v1/responses", json={"model": "tiny", "input": "hi"})
+        assert resp.status_code == 200 and resp.json()["usage"]["output_tokens"] <= 3
 
 
 async def test_health_reports_an_unreadable_layer_file(container: Path, tmp_path: Path) -> None:
@@ -67,13 +76,24 @@ async def test_shutdown_503s_the_queue_and_ends_running_streams_with_an_error_ev
         async def post(name: str, payload: dict) -> None:
             results[name] = await http.post(CHAT, json=payload)
 
+        anthropic: list[str] = []
+
+        async def queued_anthropic_stream() -> None:
+            # Its status line is out before it is queued: the refusal is its error event.
+            async with http.stream("POST", "/v1/messages", json={
+                    "model": "tiny", "max_tokens": 2, "stream": True,
+                    "messages": [{"role": "user", "content": "hi"}]}) as resp:
+                assert resp.status_code == 200
+                anthropic.extend([line async for line in resp.aiter_lines()])
+
         async with trio.open_nursery() as nursery, \
                 http.stream("POST", CHAT, json=body(max_tokens=3000, stream=True)) as a:
             assert a.status_code == 200
             lines = a.aiter_lines()
             await sse_chunks(lines, 3)  # A is producing tokens
             nursery.start_soon(post, "queued", body(max_tokens=2))
-            await until(lambda: engine.waiting == 1)
+            nursery.start_soon(queued_anthropic_stream)
+            await until(lambda: engine.waiting == 2)
 
             stop.set()  # SIGTERM's job: the same path the signal takes
             started = time.monotonic()
@@ -84,6 +104,9 @@ async def test_shutdown_503s_the_queue_and_ends_running_streams_with_an_error_ev
             health = await http.get("/health")
             assert health.status_code == 503 and health.json()["status"] == "shutting_down"
             error_of(await http.post(CHAT, json=body()), 503)  # nothing new is admitted
+            await until(lambda: "event: error" in anthropic)
+            error = json.loads(anthropic[anthropic.index("event: error") + 1][6:])
+            assert error["error"]["type"] == "api_error" and "shutting down" in error["error"]["message"]
 
             # A keeps streaming through the grace period, then gets one error event.
             rest = [line async for line in lines]

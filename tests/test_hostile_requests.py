@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from pipeline.config.schema import ServerConfig
 from pipeline.engine import Engine
-from pipeline.server import app as server_module
+from pipeline.server import api as server_api
 from pipeline.server.app import serve_engine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -244,7 +244,7 @@ def test_defaults_bind_loopback_only():
 
 
 def test_api_key_is_compared_in_constant_time():
-    source = inspect.getsource(server_module.Api.check_auth)
+    source = inspect.getsource(server_api.Api.check_auth)
     assert "hmac.compare_digest(" in source
     assert "== key" not in source and "key ==" not in source and "!= key" not in source
 

@@ -220,6 +220,10 @@ def test_stop_token_ids_and_bad_token_ids() -> None:
         ({"max_tokens": 0}, "max_tokens must be >= 1"),
         ({"stop": ("",)}, "stop must not contain an empty string"),
         ({"stop_token_ids": (-1,)}, "stop_token_ids must be >= 0"),
+        ({"logit_bias": ((1, 101.0),)}, "logit_bias must be in [-100, 100]"),
+        ({"logit_bias": ((-1, 1.0),)}, "logit_bias token ids must be >= 0"),
+        ({"logprobs": 21}, "logprobs must be in [0, 20]"),
+        ({"constraint": "json"}, "constraint is a grammar object the server sets"),
     ],
 )
 def test_validation_names_the_field(kwargs: dict[str, object], message: str) -> None:

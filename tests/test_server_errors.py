@@ -58,7 +58,7 @@ async def until(predicate: Any) -> None:
 
 async def test_refusals_name_what_is_wrong(container: Path) -> None:
     async with running_server(container, {"context_limit": 48}, api_key=KEY,
-                              max_body_bytes=4096) as (engine, http):
+                              max_body_bytes=4096, strict_model=True) as (engine, http):
         # Auth: missing and wrong keys; /health stays open for probes.
         error_of(await http.post(CHAT, json=body()), 401)
         err = error_of(await http.post(CHAT, json=body(), headers={"Authorization": "Bearer no"}),
@@ -76,9 +76,18 @@ async def test_refusals_name_what_is_wrong(container: Path) -> None:
         assert (await refused(400, json=body(top_p=0)))["param"] == "top_p"
         assert (await refused(400, json=body(max_tokens=0)))["param"] == "max_tokens"
         assert (await refused(400, json=body(stop=[""])))["param"] == "stop"
-        assert (await refused(400, json=body(n=2)))["param"] == "n"
-        assert (await refused(400, json=body(logprobs=True)))["param"] == "logprobs"
-        assert (await refused(400, json=body(temprature=1)))["param"] == "temprature"
+        assert (await refused(400, json=body(n=99)))["param"] == "n"
+        err = await refused(400, json=body(logprobs=True, top_logprobs=50))
+        assert err["param"] == "top_logprobs"
+        assert (await refused(400, json=body(logit_bias={"x": 1})))["param"] == "logit_bias"
+        assert (await refused(400, json=body(logit_bias={"5": 500})))["param"] == "logit_bias"
+        # Unknown fields are ignored, but a known field of the wrong type is still refused.
+        assert (await refused(400, json=body(n_predict=3, stream="yes")))["param"] == "stream"
+        err = await refused(400, json=body(chat_template_kwargs={"tools": []}))
+        assert err["param"] == "chat_template_kwargs.tools"
+        assert "chat_template_kwargs.tools" in err["message"]
+        err = await refused(400, json=body(chat_template_kwargs={"enable_thinking": "no"}))
+        assert err["param"] == "chat_template_kwargs.enable_thinking"
         assert (await refused(400, json={"model": "tiny"}))["param"] == "messages"
         assert (await refused(400, json=body(messages=[])))["param"] == "messages"
         err = await refused(400, json=body(messages=[{"role": "wizard", "content": "x"}]))
@@ -94,7 +103,16 @@ async def test_refusals_name_what_is_wrong(container: Path) -> None:
                                                         "function": {"name": "ghost"}}))
         assert err["param"] == "tool_choice"
 
-        # Unknown model and route.
+        # Anthropic clients send the key as x-api-key, and get Anthropic-shaped errors.
+        msgs = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+        assert (await http.post("/v1/messages", json=msgs,
+                                headers={"x-api-key": KEY})).status_code == 200
+        wrong = await http.post("/v1/messages", json=msgs, headers={"x-api-key": "nope"})
+        assert wrong.status_code == 401
+        assert wrong.json() == {"type": "error", "error": {
+            "type": "authentication_error", "message": wrong.json()["error"]["message"]}}
+
+        # Unknown model (the server is strict here) and route.
         err = await refused(404, json=body(model="gpt-4"))
         assert err["param"] == "model" and err["code"] == "model_not_found"
         error_of(await http.get("/v1/models/gpt-4", headers=AUTH), 404)

@@ -16,7 +16,20 @@ from pipeline.cli.failures import refused
 from pipeline.cli.term import err
 
 _SERVER_FLAGS = ("host", "port", "api_key", "max_queue", "max_body_bytes", "context_limit",
-                 "max_tokens_limit")
+                 "max_tokens_limit", "strict_model", "aliases", "cors_origins")
+
+
+def server_overrides(args: argparse.Namespace) -> list[str]:
+    """The server flags given, as `server.key=value` config overrides (TOML values)."""
+    overrides: list[str] = []
+    for flag in _SERVER_FLAGS:
+        value: Any = getattr(args, flag)
+        if value is not None and value != []:
+            # JSON's string, bool and list forms are TOML's too; numbers stay bare.
+            text = str(value) if isinstance(value, int) and not isinstance(value, bool) \
+                else json.dumps(value)
+            overrides.append(f"server.{flag}={text}")
+    return overrides
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -26,14 +39,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pipeline.prepare import ensure_container
     from pipeline.server.serve import check_bindable, serve_config
 
-    overrides: list[str] = []
-    for flag in _SERVER_FLAGS:
-        value: Any = getattr(args, flag)
-        if value is not None:
-            # TOML syntax for the override: a quoted string for text, bare for numbers.
-            text = json.dumps(value) if isinstance(value, str) else str(value)
-            overrides.append(f"server.{flag}={text}")
-    args.overrides = [*overrides, *args.overrides]
+    args.overrides = [*server_overrides(args), *args.overrides]
     try:
         cfg = engine_config(args, args.model)
     except (ConfigError, ValueError) as exc:
@@ -45,14 +51,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return refused(exc)
     err.print(f"loading {cfg.model.path}, then serving on http://{cfg.server.host}:{cfg.server.port} ...")
     return trio.run(lambda: serve_config(cfg, hide_reasoning=args.hide_reasoning,
-                                         aliases=(args.model,)))
+                                         accepted=(args.model,)))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (chat, completions, tools, SSE)",
         description="Serve MODEL over an OpenAI-compatible API: POST /v1/chat/completions, "
-        "POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus). "
+        "POST /v1/completions, POST /v1/responses, POST /v1/messages (Anthropic), "
+        "POST /tokenize and /detokenize, GET /v1/models (each also without /v1), "
+        "GET /health, GET /metrics (Prometheus). "
         "Stops cleanly on Ctrl-C / SIGTERM.")
     p.add_argument("model", help="path of a .qpack container (its name is the model id)")
     h = p.add_argument_group("server")
@@ -65,6 +73,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default 1 MiB)")
     h.add_argument("--context-limit", type=int, help="prompt + completion tokens at most "
                    "(default: the model's max_position_embeddings)")
+    h.add_argument("--alias", dest="aliases", action="append", default=[],
+                   help="another model name to answer to and list in /v1/models; repeatable")
+    h.add_argument("--strict-model", action="store_true", default=None,
+                   help="404 for a request naming another model (default: serve it anyway)")
+    h.add_argument("--cors-origin", dest="cors_origins", action="append", default=[],
+                   help="a browser origin allowed to call the API (CORS), e.g. "
+                   "http://localhost:3000, or * for any; repeatable; none by default")
     h.add_argument("--max-tokens-limit", type=int, help="most tokens one request may generate; "
                    "more get 400 (default 8192)")
     h.add_argument("--hide-reasoning", action="store_true",

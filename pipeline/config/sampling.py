@@ -31,6 +31,8 @@ class SamplingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    logprobs: int | None = None  # the chosen token's and this many alternatives'
 
     def __post_init__(self) -> None:
         self.params()  # the range checks (and their messages) are SamplingParams'

@@ -144,6 +144,9 @@ class ServerConfig(_Section):
     max_queue: PositiveInt = 16  # requests waiting beyond this get 429
     max_body_bytes: PositiveInt = 1 << 20
     context_limit: PositiveInt | None = None  # None = the model's max_position_embeddings
+    aliases: tuple[str, ...] = ()  # more model names, listed by /v1/models
+    strict_model: bool = False  # 404 for a request naming another model (else served anyway)
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed (CORS); none by default
     # On SIGINT/SIGTERM, requests in flight get this long to finish before they are cut.
     shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     # Most tokens one request may generate; a request asking for more gets a 400 (as

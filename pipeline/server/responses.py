@@ -1,9 +1,12 @@
 """The server's replies: chat and text completions as one JSON body or as SSE chunks.
 
-A request that passed every check (pipeline.server) gets a `ChatReply` or a `TextReply`;
-`respond` streams it or, for a one-shot request, runs it to the end unless the client
-goes away first. Errors after a stream has started cannot change the status any more,
-so they become one final SSE error event.
+A request that passed every check (api.py, routes_openai.py) gets a `ChatReply` or a
+`TextReply` over its `Choice`s (n per prompt, generated one after another); `respond`
+streams it or, for a one-shot request, runs it to the end unless the client goes away
+first. Errors after a stream has started cannot change the status any more, so they
+become one final SSE error event. With logprobs requested, each choice (or chunk) carries
+the log-probabilities of its tokens. The Responses and Anthropic routes reuse
+`ChatReply.parts` and write their own wire forms.
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Send
 
 from actors.sampling_params import SamplingParams
+from actors.token_logprob import TokenLogprob
 from pipeline.engine import Engine
 from pipeline.events import Done, TextDelta
 from pipeline.server import schema as s
+from pipeline.server import schema_out as o
 from pipeline.server.call_formats import Schemas
 from pipeline.server.drain import Drain, shutting_down
+from pipeline.server.logprobs import TextLogprobs, TokenTexts, chat_logprobs, text_logprobs
 from pipeline.server.metrics import Metrics
 from pipeline.server.tool_calls import Call, Content, OutputParser, Part, Reasoning
 
@@ -51,23 +57,12 @@ class ClosingStreamingResponse(StreamingResponse):
             await super().stream_response(send)
 
 
-def _usage(done: Done) -> s.Usage:
-    st = done.stats
-    return s.Usage(st.prompt_tokens, st.completion_tokens, st.prompt_tokens + st.completion_tokens,
-                   s.PromptTokensDetails(st.cached_tokens))
-
-
-def _sse(obj: Any) -> bytes:
+def sse(obj: Any) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
 def _sse_error(exc: BaseException) -> bytes:
-    if isinstance(exc, s.APIError):  # a refusal with its own body (e.g. shutting down)
-        log.info("server.stream_ended", status=exc.status, reason=exc.message)
-        return _sse(exc.body())
-    log.error("server.stream_failed", exc_info=exc)
-    body = s.APIError(500, "internal error while generating", type="server_error").body()
-    return _sse(body)
+    return sse(s.stream_failure(exc).body())
 
 
 async def unless_disconnected(request: Request, run: Callable[[], Awaitable[Response]]) -> Response:
@@ -95,24 +90,43 @@ async def unless_disconnected(request: Request, run: Callable[[], Awaitable[Resp
     return result[0] if result else Response(status_code=499)
 
 
+class Choice(msgspec.Struct, frozen=True):
+    """One generation of a reply: choice `index` of prompt `tokens` (n > 1 and prompt lists
+    give several, run one after another)."""
+
+    index: int
+    tokens: list[int]
+    params: SamplingParams
+    first_of_prompt: bool = True  # counts the prompt in usage (once per prompt, not per n)
+
+
+def _usage_of(dones: list[tuple[Choice, Done]]) -> o.Usage:
+    prompt = sum(len(c.tokens) for c, _ in dones if c.first_of_prompt)
+    cached = sum(d.stats.cached_tokens for c, d in dones if c.first_of_prompt)
+    completion = sum(d.stats.completion_tokens for _, d in dones)
+    return o.Usage(prompt, completion, prompt + completion, o.PromptTokensDetails(cached))
+
+
 class Reply:
     prefix = "cmpl"
     drain: Drain | None = None  # the server's shutdown state, set by the app
 
-    def __init__(self, engine: Engine, metrics: Metrics,
-                 req: s.ChatRequest | s.CompletionRequest) -> None:
+    def __init__(self, engine: Engine, metrics: Metrics, req: s.ChatRequest | s.CompletionRequest,
+                 model: str, choices: list[Choice]) -> None:
         self.engine = engine
         self.metrics = metrics
         self.req = req
         self.id = f"{self.prefix}-{secrets.token_hex(12)}"
         self.created = int(time.time())
-        self.model = req.model
+        self.model = model
+        self.choices = choices
+        self.texts = TokenTexts(engine.tokenizer)
 
-    async def run(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[TextDelta | Done]:
+    async def run(self, choice: Choice) -> AsyncIterator[TextDelta | Done]:
         drain = self.drain or Drain()
         drain.started()
         try:
-            async with aclosing(self.engine.generate(tokens, params)) as events:
+            async with aclosing(self.engine.generate(choice.tokens, choice.params)) as events:
                 producing = False
                 while True:
                     # Each wait for the next event is cancellable by a shutdown; the yield
@@ -137,14 +151,14 @@ class Reply:
     def include_usage(self) -> bool:
         return bool(self.req.stream_options and self.req.stream_options.include_usage)
 
-    async def complete(self, tokens: list[int], params: SamplingParams) -> Response:
+    async def complete(self) -> Response:
         raise NotImplementedError
 
-    async def stream(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
+    async def stream(self) -> AsyncIterator[bytes]:
         """The SSE body: the reply's chunks, then `[DONE]`; a failure mid-stream ends it with
         one error event instead (the status line has long been sent)."""
         try:
-            async with aclosing(self.chunks(tokens, params)) as chunks:
+            async with aclosing(self.chunks()) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except Exception as exc:
@@ -152,117 +166,200 @@ class Reply:
             return
         yield b"data: [DONE]\n\n"
 
-    def chunks(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
+    def chunks(self) -> AsyncIterator[bytes]:
         raise NotImplementedError
 
 
 class ChatReply(Reply):
     prefix = "chatcmpl"
 
-    def __init__(self, engine: Engine, metrics: Metrics, req: s.ChatRequest, *, tools: bool,
-                 in_reasoning: bool, hide_reasoning: bool,
-                 schemas: Schemas | None = None) -> None:
-        super().__init__(engine, metrics, req)
+    def __init__(self, engine: Engine, metrics: Metrics, req: s.ChatRequest, model: str,
+                 choices: list[Choice], *, tools: bool, in_reasoning: bool,
+                 hide_reasoning: bool, schemas: Schemas | None = None) -> None:
+        super().__init__(engine, metrics, req, model, choices)
         self.tools = tools
         self.schemas = schemas  # tool name -> parameters schema: types XML-style arguments
         self.in_reasoning = in_reasoning
         self.hide_reasoning = hide_reasoning
+        self.logprobs = bool(req.logprobs)
 
     def finish_reason(self, done: Done, parser: OutputParser) -> str:
         return "tool_calls" if parser.calls and done.finish_reason == "stop" else done.finish_reason
 
-    async def complete(self, tokens: list[int], params: SamplingParams) -> Response:
-        parser = OutputParser(tools=self.tools, in_reasoning=self.in_reasoning,
-                              schemas=self.schemas)
+    def parser(self) -> OutputParser:
+        return OutputParser(tools=self.tools, in_reasoning=self.in_reasoning,
+                            schemas=self.schemas)
+
+    async def parts(self, choice: Choice) -> AsyncIterator[Part | Done]:
+        """The choice's output as parsed parts, then its `Done` (for the other APIs' replies)."""
+        parser = self.parser()
+        async with aclosing(self.run(choice)) as events:
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    for part in parser.feed(event.text):
+                        yield part
+                else:
+                    for part in parser.finish():
+                        yield part
+                    yield event
+
+    async def one(self, choice: Choice) -> tuple[o.ChatChoice, Done]:
+        parser = self.parser()
         parts: list[Part] = []
+        entries: list[TokenLogprob] = []
         done = None
-        async with aclosing(self.run(tokens, params)) as events:
+        async with aclosing(self.run(choice)) as events:
             async for event in events:
                 if isinstance(event, TextDelta):
                     parts += parser.feed(event.text)
+                    entries += event.logprobs
                 else:
                     done = event
         assert done is not None
         parts += parser.finish()
         content = "".join(p.text for p in parts if isinstance(p, Content))
         reasoning = "".join(p.text for p in parts if isinstance(p, Reasoning))
-        calls = [s.OutToolCall(c.id, s.OutFunction(c.name, c.arguments))
+        calls = [o.OutToolCall(c.id, o.OutFunction(c.name, c.arguments))
                  for c in parts if isinstance(c, Call)]
-        message = s.OutMessage(
+        message = o.OutMessage(
             role="assistant",
             content=(content.strip() or None) if calls else content,
             reasoning_content=None if self.hide_reasoning else (reasoning or None),
             tool_calls=calls or None,
         )
-        choice = s.ChatChoice(0, message, self.finish_reason(done, parser))
-        return json_response(s.ChatCompletion(self.id, self.created, self.model, [choice],
-                                              _usage(done)))
+        lp = chat_logprobs(entries, self.texts) if self.logprobs else None
+        return o.ChatChoice(choice.index, message, self.finish_reason(done, parser), lp), done
 
-    def chunk(self, delta: s.Delta, finish: str | None = None) -> bytes:
-        return _sse(s.ChatChunk(self.id, self.created, self.model,
-                                [s.ChunkChoice(0, delta, finish)]))
+    async def complete(self) -> Response:
+        out, dones = [], []
+        for choice in self.choices:
+            made, done = await self.one(choice)
+            out.append(made)
+            dones.append((choice, done))
+        return json_response(o.ChatCompletion(self.id, self.created, self.model, out,
+                                              _usage_of(dones)))
 
-    def delta(self, part: Part) -> s.Delta | None:
+    def chunk(self, index: int, delta: o.Delta, finish: str | None = None,
+              entries: list[TokenLogprob] | None = None) -> bytes:
+        lp = chat_logprobs(entries, self.texts) if self.logprobs and entries else None
+        return sse(o.ChatChunk(self.id, self.created, self.model,
+                                [o.ChunkChoice(index, delta, finish, lp)]))
+
+    def delta(self, part: Part) -> o.Delta | None:
         if isinstance(part, Content):
-            return s.Delta(content=part.text)
+            return o.Delta(content=part.text)
         if isinstance(part, Reasoning):
-            return None if self.hide_reasoning else s.Delta(reasoning_content=part.text)
-        call = s.DeltaToolCall(part.index, part.id, "function", s.OutFunction(part.name, part.arguments))
-        return s.Delta(tool_calls=[call])
+            return None if self.hide_reasoning else o.Delta(reasoning_content=part.text)
+        call = o.DeltaToolCall(part.index, part.id, "function", o.OutFunction(part.name, part.arguments))
+        return o.Delta(tool_calls=[call])
 
-    async def chunks(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
-        parser = OutputParser(tools=self.tools, in_reasoning=self.in_reasoning,
-                              schemas=self.schemas)
-        yield self.chunk(s.Delta(role="assistant", content=""))
-        async with aclosing(self.run(tokens, params)) as events:
-            async for event in events:
-                parts = parser.feed(event.text) if isinstance(event, TextDelta) else parser.finish()
-                for part in parts:
-                    delta = self.delta(part)
-                    if delta is not None:
-                        yield self.chunk(delta)
-                if isinstance(event, Done):
-                    yield self.chunk(s.Delta(), self.finish_reason(event, parser))
-                    if self.include_usage():
-                        yield _sse(s.ChatChunk(self.id, self.created, self.model, [],
-                                               usage=_usage(event)))
+    async def chunks(self) -> AsyncIterator[bytes]:
+        dones = []
+        for choice in self.choices:
+            parser = self.parser()
+            # Log-probabilities ride on the next chunk sent (held-back text delays them).
+            pending: list[TokenLogprob] = []
+            yield self.chunk(choice.index, o.Delta(role="assistant", content=""))
+            async with aclosing(self.run(choice)) as events:
+                async for event in events:
+                    if isinstance(event, TextDelta):
+                        parts = parser.feed(event.text)
+                        pending += event.logprobs
+                    else:
+                        parts = parser.finish()
+                    for part in parts:
+                        delta = self.delta(part)
+                        if delta is not None:
+                            yield self.chunk(choice.index, delta, None, pending)
+                            pending = []
+                    if isinstance(event, Done):
+                        dones.append((choice, event))
+                        yield self.chunk(choice.index, o.Delta(),
+                                         self.finish_reason(event, parser), pending)
+        if self.include_usage():
+            yield sse(o.ChatChunk(self.id, self.created, self.model, [],
+                                   usage=_usage_of(dones)))
 
 
 class TextReply(Reply):
-    async def complete(self, tokens: list[int], params: SamplingParams) -> Response:
-        texts: list[str] = []
-        done = None
-        async with aclosing(self.run(tokens, params)) as events:
-            async for event in events:
-                if isinstance(event, TextDelta):
-                    texts.append(event.text)
-                else:
-                    done = event
-        assert done is not None
-        choice = s.TextChoice(0, "".join(texts), done.finish_reason)
-        return json_response(s.Completion(self.id, self.created, self.model, [choice],
-                                          _usage(done)))
+    def __init__(self, engine: Engine, metrics: Metrics, req: s.CompletionRequest, model: str,
+                 choices: list[Choice]) -> None:
+        super().__init__(engine, metrics, req, model, choices)
+        self.logprobs = req.logprobs is not None
+        self.echo = bool(req.echo)
 
-    async def chunks(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[bytes]:
-        async with aclosing(self.run(tokens, params)) as events:
-            async for event in events:
-                if isinstance(event, TextDelta):
-                    if event.text:
-                        yield _sse(s.Completion(self.id, self.created, self.model,
-                                                [s.TextChoice(0, event.text)]))
-                    continue
-                yield _sse(s.Completion(self.id, self.created, self.model,
-                                        [s.TextChoice(0, "", event.finish_reason)]))
-                if self.include_usage():
-                    yield _sse(s.Completion(self.id, self.created, self.model, [],
-                                            usage=_usage(event)))
+    def echoed(self, choice: Choice) -> str:
+        return self.engine.tokenizer.decode(choice.tokens) if self.echo else ""
+
+    def text_logprobs(self, choice: Choice, entries: list[TokenLogprob], first: bool,
+                      offset: int) -> TextLogprobs | None:
+        if not self.logprobs:
+            return None
+        # Echoed prompt tokens come first, without log-probabilities (none are computed).
+        lead: list[TokenLogprob | int] = list(choice.tokens) if self.echo and first else []
+        return text_logprobs([*lead, *entries], self.texts, offset)
+
+    async def complete(self) -> Response:
+        out, dones = [], []
+        for choice in self.choices:
+            texts: list[str] = []
+            entries: list[TokenLogprob] = []
+            done = None
+            async with aclosing(self.run(choice)) as events:
+                async for event in events:
+                    if isinstance(event, TextDelta):
+                        texts.append(event.text)
+                        entries += event.logprobs
+                    else:
+                        done = event
+            assert done is not None
+            dones.append((choice, done))
+            out.append(o.TextChoice(choice.index, self.echoed(choice) + "".join(texts),
+                                    done.finish_reason,
+                                    self.text_logprobs(choice, entries, True, 0)))
+        return json_response(o.Completion(self.id, self.created, self.model, out,
+                                          _usage_of(dones)))
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        dones = []
+        for choice in self.choices:
+            first, offset = True, 0
+            if self.echo:
+                echoed = self.echoed(choice)
+                lp = self.text_logprobs(choice, [], True, 0)
+                yield sse(o.Completion(self.id, self.created, self.model,
+                                        [o.TextChoice(choice.index, echoed, None, lp)]))
+                first, offset = False, len(echoed)
+            # Log-probabilities of tokens without text ride on the next chunk sent.
+            pending: list[TokenLogprob] = []
+            async with aclosing(self.run(choice)) as events:
+                async for event in events:
+                    if isinstance(event, TextDelta):
+                        pending += event.logprobs
+                        if event.text:
+                            lp = self.text_logprobs(choice, pending, first, offset)
+                            first, offset, pending = False, offset + len(event.text), []
+                            yield sse(o.Completion(self.id, self.created, self.model,
+                                                    [o.TextChoice(choice.index, event.text,
+                                                                  None, lp)]))
+                        continue
+                    dones.append((choice, event))
+                    lp = self.text_logprobs(choice, pending, first, offset) if pending else None
+                    yield sse(o.Completion(self.id, self.created, self.model,
+                                            [o.TextChoice(choice.index, "",
+                                                          event.finish_reason, lp)]))
+        if self.include_usage():
+            yield sse(o.Completion(self.id, self.created, self.model, [],
+                                    usage=_usage_of(dones)))
 
 
-async def respond(request: Request, reply: Reply, tokens: list[int],
-                  params: SamplingParams) -> Response:
+def sse_response(body: AsyncIterator[bytes]) -> Response:
+    return ClosingStreamingResponse(body, media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache"})
+
+
+async def respond(request: Request, reply: Reply) -> Response:
     """SSE for a streaming request; otherwise the whole reply, unless the client leaves."""
     if reply.req.stream:
-        return ClosingStreamingResponse(reply.stream(tokens, params),
-                                        media_type="text/event-stream",
-                                        headers={"Cache-Control": "no-cache"})
-    return await unless_disconnected(request, lambda: reply.complete(tokens, params))
+        return sse_response(reply.stream())
+    return await unless_disconnected(request, reply.complete)

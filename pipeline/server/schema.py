@@ -1,10 +1,11 @@
-"""The OpenAI wire format: request and response structs, decoding with errors that name the field.
+"""The OpenAI wire format, requests: structs, decoding that names the failing field, errors.
 
-Requests are decoded strictly (msgspec, `forbid_unknown_fields`): a typo such as
-`temprature` is a 400 naming the field rather than a silently ignored knob. Fields
-that clients commonly send but this server has no use for are accepted and checked
-for values it can honour (`n` 1, `logprobs` false, ...). `APIError` carries the
-OpenAI error body `{"error": {"message", "type", "param", "code"}}` and its status.
+Known fields are decoded with their types checked (a wrong type is a 400 naming the
+field); unknown fields are accepted and ignored, as OpenAI's own server and the usual
+local servers do, because agent frameworks send vendor fields (`cache_prompt`,
+`n_predict`, ...). `unknown_fields` names them for a debug log line. `APIError`
+carries the OpenAI error body `{"error": {"message", "type", "param", "code"}}` and
+its status.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 from typing import Any, Literal
 
 import msgspec
+import structlog
 
 from actors.sampling_params import SamplingParams
 
@@ -44,11 +46,18 @@ class APIError(Exception):
             }
         }
 
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                413: "request_too_large", 429: "rate_limit_error"}.get(self.status)
+        if kind is None:
+            kind = "api_error" if self.status >= 500 else "invalid_request_error"
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
 
 # --- requests ----------------------------------------------------------------------------
 
 
-class _Req(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class _Req(msgspec.Struct, kw_only=True):
     pass
 
 
@@ -105,8 +114,21 @@ class StreamOptions(_Req, kw_only=True):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Req, kw_only=True):
+    name: str = "response"
+    description: str | None = None
+    # `schema` shadows nothing on msgspec structs, but keep the wire name explicit.
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Req, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampling(_Req, kw_only=True):
-    model: str
+    model: str | None = None  # optional: this server serves one model
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -122,6 +144,7 @@ class _Sampling(_Req, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     # Accepted and ignored: they change nothing a client can observe here.
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -136,13 +159,16 @@ class ChatRequest(_Sampling, kw_only=True):
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    # Template variables, e.g. {"enable_thinking": false} (vLLM's and SGLang's field).
+    # vLLM/SGLang: extra variables for the chat template (e.g. enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM: False leaves the assistant turn unopened (e.g. with continue_final_message).
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | list[str | int]  # one string, a list of one string, or token ids
+    # One string, token ids, or a list of either (one choice set per prompt).
+    prompt: str | list[str | int | list[int]]
     logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None
@@ -159,45 +185,102 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        text = str(exc)
-        match = _PATH.search(text)
-        param = match.group("path") if match else None
-        missing = re.match(r"Object missing required field `(\w+)`", text)
-        if missing:
-            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
-        unknown = re.match(r"Object contains unknown field `(\w+)`", text)
-        if unknown:
-            param = f"{param}.{unknown.group(1)}" if param else unknown.group(1)
-            text = f"unrecognized request argument supplied: {param}"
-        raise APIError(400, f"invalid request: {text}", param=param) from None
+        raise _invalid(exc) from None
     except msgspec.DecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # an ignored field nested thousands deep
+        raise APIError(400, "the request body is nested too deeply") from None
+
+
+def convert_request(obj: Any, kind: type[msgspec.Struct]) -> Any:
+    """`obj` (built from another API's request) as `kind`; failures as `decode_request`'s."""
+    try:
+        return msgspec.convert(obj, type=kind)
+    except msgspec.ValidationError as exc:
+        raise _invalid(exc) from None
+
+
+def _invalid(exc: msgspec.ValidationError) -> APIError:
+    text = str(exc)
+    match = _PATH.search(text)
+    param = match.group("path") if match else None
+    missing = re.match(r"Object missing required field `(\w+)`", text)
+    if missing:
+        param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+    return APIError(400, f"invalid request: {text}", param=param)
+
+
+def stream_failure(exc: BaseException) -> APIError:
+    """What a stream that fails after its status line reports in its last event: a refusal
+    with its own body as it is (e.g. the server shutting down), anything else as a logged,
+    generic 500."""
+    log = structlog.get_logger("moestream.server")
+    if isinstance(exc, APIError):
+        log.info("server.stream_ended", status=exc.status, reason=exc.message)
+        return exc
+    log.error("server.stream_failed", exc_info=exc)
+    return APIError(500, "internal error while generating", type="server_error")
+
+
+def unknown_fields(body: bytes, kind: type[msgspec.Struct]) -> list[str]:
+    """Top-level keys of a decoded-ok `body` that `kind` does not know (for a debug log)."""
+    try:
+        # Values stay raw: an ignored field's value is never checked (not even its UTF-8).
+        raw = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except (msgspec.DecodeError, RecursionError):  # an ignored key that is not valid text
+        return ["<undecodable>"]
+    known = set(kind.__struct_encode_fields__)
+    return sorted(k for k in raw if k not in known)
+
+
+MAX_N = 8  # choices per request: each one is a whole generation, served in turn
+MAX_TOP_LOGPROBS = 20
 
 
 def check_unsupported(req: ChatRequest | CompletionRequest) -> None:
-    """Options the API defines that this server cannot honour: refuse rather than ignore."""
-    if req.n is not None and req.n != 1:
-        raise APIError(400, f"n must be 1 (one choice per request), got {req.n}", param="n")
+    """Options the API defines with values this server cannot honour: refuse, never ignore."""
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
     if isinstance(req, ChatRequest):
-        if req.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
-        if req.top_logprobs:
-            raise APIError(400, "top_logprobs are not supported", param="top_logprobs")
-        fmt = (req.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise APIError(400, f"response_format {fmt!r} is not supported (only 'text')",
-                           param="response_format")
+        if req.top_logprobs is not None:
+            if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise APIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                               f"{req.top_logprobs}", param="top_logprobs")
+            if not req.logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     else:
-        if req.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                           f"{req.logprobs}", param="logprobs")
         if req.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix")
-        if req.best_of not in (None, 1):
-            raise APIError(400, f"best_of must be 1, got {req.best_of}", param="best_of")
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+            raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
+        if req.best_of not in (None, req.n or 1):
+            raise APIError(400, f"best_of must equal n (no ranking of extra candidates), got "
+                           f"{req.best_of}", param="best_of")
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_schema" and (
+            fmt.json_schema is None or fmt.json_schema.schema_ is None):
+        raise APIError(400, "response_format json_schema needs json_schema.schema",
+                       param="response_format.json_schema")
+
+
+def logit_bias(req: ChatRequest | CompletionRequest, vocab: int) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (token id, bias) pairs; ids must be in the vocabulary, bias in [-100, 100]."""
+    out = []
+    for key, bias in (req.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias keys are token ids, got {key!r}",
+                           param="logit_bias") from None
+        if not 0 <= token < vocab:
+            raise APIError(400, f"logit_bias token id {token} is outside the vocabulary "
+                           f"[0, {vocab})", param="logit_bias")
+        if not -100 <= bias <= 100:
+            raise APIError(400, f"logit_bias values must be in [-100, 100], got {bias!r}",
+                           param="logit_bias")
+        out.append((token, float(bias)))
+    return tuple(out)
 
 
 _PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -223,107 +306,17 @@ def sampling_params(req: ChatRequest | CompletionRequest, defaults: SamplingPara
         raise APIError(400, text, param=param if known else None) from None
 
 
-# --- responses ---------------------------------------------------------------------------
+class TokenizeRequest(_Req, kw_only=True):
+    """vLLM's (`prompt` or `messages`) and llama.cpp's (`content`) forms."""
 
-
-class PromptTokensDetails(msgspec.Struct):
-    cached_tokens: int
-
-
-class Usage(msgspec.Struct):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class OutFunction(msgspec.Struct):
-    name: str
-    arguments: str
-
-
-class OutToolCall(msgspec.Struct):
-    id: str
-    function: OutFunction
-    type: str = "function"
-
-
-class OutMessage(msgspec.Struct, omit_defaults=True, kw_only=True):
-    role: str  # no default: omit_defaults would drop it
-    content: str | None
-    reasoning_content: str | None = None
-    tool_calls: list[OutToolCall] | None = None
-
-
-class ChatChoice(msgspec.Struct):
-    index: int
-    message: OutMessage
-    finish_reason: str
-    logprobs: None = None
-
-
-class ChatCompletion(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    object: str = "chat.completion"
-
-
-class DeltaToolCall(msgspec.Struct, omit_defaults=True):
-    index: int
-    id: str | None = None
-    type: str | None = None
-    function: OutFunction | None = None
-
-
-class Delta(msgspec.Struct, omit_defaults=True):
-    role: str | None = None
+    model: str | None = None
+    prompt: str | None = None
     content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
+    messages: list[Message] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
-class ChunkChoice(msgspec.Struct):
-    index: int
-    delta: Delta
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatChunk(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: Usage | None = None
-    object: str = "chat.completion.chunk"
-
-
-class TextChoice(msgspec.Struct):
-    index: int
-    text: str
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class Completion(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[TextChoice]
-    usage: Usage | None = None
-    object: str = "text_completion"
-
-
-class ModelCard(msgspec.Struct):
-    id: str
-    created: int
-    owned_by: str = "moestream"
-    object: str = "model"
-
-
-class ModelList(msgspec.Struct):
-    data: list[ModelCard]
-    object: str = "list"
+class DetokenizeRequest(_Req, kw_only=True):
+    model: str | None = None
+    tokens: list[int]

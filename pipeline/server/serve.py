@@ -62,7 +62,7 @@ async def _wait_for_signal() -> None:
 
 
 async def serve_config(cfg: PipelineConfig, *, hide_reasoning: bool = False,
-                       aliases: tuple[str, ...] = ()) -> int:
+                       accepted: tuple[str, ...] = ()) -> int:
     server = cfg.server
     check_bindable(server.host, server.port)
     if not is_loopback(server.host) and server.api_key is None:
@@ -73,7 +73,8 @@ async def serve_config(cfg: PipelineConfig, *, hide_reasoning: bool = False,
             engine, server.host, server.port, api_key=server.api_key,
             max_queue=server.max_queue, max_body_bytes=server.max_body_bytes,
             max_tokens_limit=server.max_tokens_limit,
-            hide_reasoning=hide_reasoning, aliases=aliases,
+            hide_reasoning=hide_reasoning, aliases=server.aliases, accepted=accepted,
+            strict_model=server.strict_model, cors_origins=server.cors_origins,
             shutdown_trigger=_wait_for_signal, shutdown_grace_s=server.shutdown_grace_s,
         )
     log.info("server.stopped")
