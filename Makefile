@@ -24,7 +24,7 @@ demo: $(RUNTIME)
 
 test: $(TESTING)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x -n 2 --durations=15
 
 lint: $(TESTING)
 	$(BIN)/ruff check .
