@@ -150,8 +150,10 @@ class Compute:
         """Before a forward's bookkeeping: the recorder and the scorer start a token."""
         await self.prefetcher.send(TokenStart(phase))
 
-    async def forward(self, tokens: Sequence[int], cache: list[Any], phase: Phase) -> mx.array:
-        """Run `tokens` through the model (updating `cache`); the last position's logits.
+    async def forward(self, tokens: Sequence[int], cache: list[Any], phase: Phase,
+                      all_positions: bool = False) -> mx.array:
+        """Run `tokens` through the model (updating `cache`); the last position's logits
+        (every position's, [tokens, vocab], with `all_positions`: prefill only).
 
         Decode tokens run ahead (one host sync for the whole token) when the policy
         expects every expert to be in the pool, and fall back to one sync per MoE layer
@@ -159,7 +161,7 @@ class Compute:
         """
         await self.begin_token(phase)
         misses0 = self.router.table.misses
-        ahead = phase == "decode" and self.run_ahead.wanted()
+        ahead = phase == "decode" and not all_positions and self.run_ahead.wanted()
         if ahead:
             step, result = await self._mlx(self._run_ahead, tokens, cache)
             miss = await self.account(result, phase)
@@ -168,7 +170,7 @@ class Compute:
                 return result.logits
             return await self.finish_from(step, miss, phase)
         step, routing, preds = await self._mlx(self._start, tokens, cache, phase)
-        logits = await self.layered(step, routing, preds, phase)
+        logits = await self.layered(step, routing, preds, phase, all_positions)
         if phase == "decode":
             self.run_ahead.after_layered(hit=self.router.table.misses == misses0)
         return logits
@@ -212,7 +214,7 @@ class Compute:
 
     async def layered(
         self, step: ForwardStepper, routing: Routing | None, preds: Predictions | None,
-        phase: Phase,
+        phase: Phase, all_positions: bool = False,
     ) -> mx.array:
         """Step the forward on, one MoE layer at a time: demand, prefetch, advance."""
         while routing is not None:
@@ -226,4 +228,4 @@ class Compute:
                 Routed(routing.layer, _rows(routing.ids), ids, self.tick, phase, predicted=preds)
             )
             routing, preds = await self._mlx(self._advance, step, slot_of, phase)
-        return await self._mlx(step.logits)
+        return await self._mlx(step.logits, all_positions)

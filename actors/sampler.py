@@ -248,3 +248,23 @@ def _min_p(x: mx.array, min_p: float) -> mx.array:
     # p >= min_p * p_max  <=>  logit >= log(min_p) + logit_max (no softmax needed).
     threshold = mx.max(x) + math.log(min_p)
     return mx.where(x >= threshold, x, _NEG_INF)
+
+
+def prompt_logprobs(logits: mx.array, targets: list[int], top: int) -> list[TokenLogprob]:
+    """`targets[i]`'s log-probability under `logits[i]` ([n, vocab], all positions of a
+    prefill chunk), with the `top` most likely tokens there; the model's own numbers."""
+    lp = logits.astype(mx.float32)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    ids = mx.array(targets, dtype=mx.uint32)[:, None]
+    chosen = mx.take_along_axis(lp, ids, axis=-1)[:, 0].tolist()
+    best_ids: list[list[int]] = [[] for _ in targets]
+    best_lp: list[list[float]] = [[] for _ in targets]
+    if top > 0:
+        order = mx.argpartition(-lp, kth=top - 1, axis=-1)[:, :top]
+        best_ids = order.tolist()
+        best_lp = mx.take_along_axis(lp, order, axis=-1).tolist()
+    out = []
+    for t, c, bi, bl in zip(targets, chosen, best_ids, best_lp, strict=True):
+        pairs = sorted(zip(bi, bl, strict=True), key=lambda p: -p[1])
+        out.append(TokenLogprob(int(t), float(c), tuple((int(i), float(v)) for i, v in pairs)))
+    return out

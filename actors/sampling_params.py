@@ -32,6 +32,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     logit_bias: tuple[tuple[int, float], ...] = ()
     # None: no log-probabilities; k >= 0: the chosen token's and the k most likely ones'.
     logprobs: int | None = None
+    # None: none; k >= 0: each prompt token's log-probability given the tokens before it,
+    # and the k most likely there (`echo` with `logprobs` on /v1/completions). The prompt
+    # is then computed in full (no prefix-cache reuse): every position needs its logits.
+    prompt_logprobs: int | None = None
     # Per request, set by the server, never by a config file: an `actors.sampler.TokenConstraint`
     # (a grammar's token masks). A field here so that it reaches the sampler with the other
     # knobs; typed Any because msgspec cannot decode a protocol.
@@ -62,6 +66,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if t < 0:
                 raise ValueError(f"logit_bias token ids must be >= 0, got {t!r}")
             _check_range("logit_bias", bias, -100.0, 100.0)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20] or unset, got {self.prompt_logprobs!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20] or unset, got {self.logprobs!r}")
         if self.constraint is not None and not callable(getattr(self.constraint, "allowed", None)):

@@ -17,6 +17,9 @@ class TextDelta(msgspec.Struct, frozen=True, tag="delta"):
     # With `SamplingParams.logprobs`: every token sampled since the previous delta (a token
     # whose text is held back, e.g. half a character, comes with the next delta).
     logprobs: tuple[TokenLogprob, ...] = ()
+    # With `SamplingParams.prompt_logprobs`, on the first delta only (an empty one sent
+    # right after the prompt): one entry per prompt token after the first.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class GenerationStats(msgspec.Struct, kw_only=True):

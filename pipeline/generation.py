@@ -22,9 +22,10 @@ import trio
 from actors import timeline
 from actors.compute_task import ComputeTask, Job
 from actors.decode import Decoder
-from actors.sampler import Sampler
+from actors.sampler import Sampler, prompt_logprobs
 from actors.sampling_params import SamplingParams
 from actors.text_stream import TextStream
+from actors.token_logprob import TokenLogprob
 from pipeline.events import Done, Event, GenerationStats, TextDelta
 from pipeline.resident_map import current_rss_mb, peak_rss_mb
 
@@ -32,6 +33,12 @@ if TYPE_CHECKING:
     from pipeline.engine import Engine
 
 log = structlog.get_logger("moestream.generation")
+
+
+def _score_chunk(every: mx.array, targets: list[int], top: int) -> tuple[list[TokenLogprob], mx.array]:
+    """On the MLX thread: a chunk's prompt log-probabilities and its last position's logits."""
+    scored = prompt_logprobs(every[: len(targets)], targets, top) if targets else []
+    return scored, every[-1]
 
 
 class PromptTooLong(ValueError):
@@ -89,6 +96,25 @@ class Generation:
         with timeline.span("compute", "prefill-chunk", tokens=1):
             return await compute.forward(self.tokens[end:], cache, "prefill")
 
+    async def _prefill_scored(self, cache: list[Any]) -> tuple[mx.array, tuple[TokenLogprob, ...]]:
+        """Prefill keeping every position's logits: the log-probability of each prompt
+        token after the first (`SamplingParams.prompt_logprobs`). Chunks of at most 256
+        tokens bound the [tokens, vocab] logits held at once."""
+        compute, worker = self.engine.compute, self.engine.worker
+        chunk = min(self.engine.prefill_chunk, 256)
+        top = self.params.prompt_logprobs or 0
+        entries: list[TokenLogprob] = []
+        logits = None
+        for i in range(0, len(self.tokens), chunk):
+            part = self.tokens[i : i + chunk]
+            with timeline.span("compute", "prefill-chunk", tokens=len(part)):
+                every = await compute.forward(part, cache, "prefill", all_positions=True)
+            targets = self.tokens[i + 1 : i + 1 + len(part)]  # the last position has none
+            scored, logits = await worker.run(_score_chunk, every, targets, top)
+            entries += scored
+        assert logits is not None
+        return logits, tuple(entries)
+
     async def run(self) -> AsyncIterator[Event]:
         """Submit this generation to the compute task and stream what it produces.
 
@@ -133,7 +159,9 @@ class Generation:
         detok.reset()
         stream = TextStream(detok, self.params.stop, stop_token_ids=eos | sampler.stop_ids)
         max_tokens = self._max_tokens()
-        cache, cached = await worker.run(engine.prefix_cache.take, self.tokens)
+        scored = self.params.prompt_logprobs is not None
+        cache, cached = (None, 0) if scored else await worker.run(engine.prefix_cache.take,
+                                                                  self.tokens)
         if cache is None:
             cache = engine.model.make_cache()
         await worker.run(mx.reset_peak_memory)
@@ -151,7 +179,11 @@ class Generation:
 
         ok = False
         try:
-            logits = await self._prefill(cache, cached)
+            if scored:
+                logits, entries = await self._prefill_scored(cache)
+                await events.send(TextDelta("", (), (), entries))
+            else:
+                logits = await self._prefill(cache, cached)
             t_first = time.perf_counter()
             stall_prefill = router.stats.stall_seconds
             prefill_device = await worker.run(mx.get_peak_memory)

@@ -111,7 +111,8 @@ async def test_logprobs_echo_and_logit_bias(container: Path) -> None:
         plain = {k: v for k, v in kw.items() if k not in ("logprobs", "top_logprobs")}
         assert (await v1.chat.completions.create(**plain)).choices[0].logprobs is None
 
-        # Legacy completions: logprobs=k, echo puts the prompt (without logprobs) first.
+        # Legacy completions: logprobs=k, echo puts the prompt first, with the model's own
+        # log-probabilities for every prompt token but the first (which has no context).
         prompt = "The weather in Paris"
         text = await v1.completions.create(model="tiny", prompt=prompt, max_tokens=4,
                                            temperature=0, logprobs=2, echo=True)
@@ -119,10 +120,23 @@ async def test_logprobs_echo_and_logit_bias(container: Path) -> None:
         n_prompt = len(engine.encode(prompt))
         assert choice.text.startswith(prompt)
         lp = choice.logprobs
-        assert len(lp.tokens) == n_prompt + 4 and lp.token_logprobs[:n_prompt] == [None] * n_prompt
-        assert all(v <= 0 for v in lp.token_logprobs[n_prompt:])
-        assert all(len(top) <= 2 for top in lp.top_logprobs[n_prompt:])
+        assert len(lp.tokens) == n_prompt + 4 and lp.token_logprobs[0] is None
+        assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+        assert all(len(top) == 2 for top in lp.top_logprobs[1:])
         assert lp.text_offset[n_prompt] == len(prompt)
+        # The prompt's numbers agree with the decode path's: echo the prompt plus its first
+        # greedy token, and that token's prompt log-probability is the one it was sampled
+        # with (prefill over all positions vs one decode step; rounding may differ).
+        ids = engine.encode(prompt)
+        again = await v1.completions.create(model="tiny", prompt=ids + [engine.encode(lp.tokens[n_prompt])[0]],
+                                            max_tokens=1, temperature=0, logprobs=0, echo=True)
+        assert again.choices[0].logprobs.token_logprobs[n_prompt] == pytest.approx(
+            lp.token_logprobs[n_prompt], abs=2e-3)
+        streamed = [c async for c in await v1.completions.create(
+            model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True,
+            stream=True)]
+        head = streamed[0].choices[0]
+        assert head.text == prompt and head.logprobs.token_logprobs[1:] == lp.token_logprobs[1:n_prompt]
 
         # logit_bias: +100 on one token makes greedy pick it every time; -100 bans it.
         token = engine.encode(" Lyon")[0]

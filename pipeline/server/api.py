@@ -146,13 +146,16 @@ class Api:
     def params(self, req: s.ChatRequest | s.CompletionRequest) -> SamplingParams:
         params = self.limit_tokens(req, s.sampling_params(req, self.settings.defaults))
         logprobs: int | None = None
+        prompt: int | None = None
         if isinstance(req, s.ChatRequest):
             if req.logprobs:
                 logprobs = req.top_logprobs or 0
         else:
             logprobs = req.logprobs
+            if req.echo:  # the echoed prompt's log-probabilities are the model's too
+                prompt = logprobs
         return msgspec.structs.replace(params, logit_bias=s.logit_bias(req, self.vocab),
-                                       logprobs=logprobs)
+                                       logprobs=logprobs, prompt_logprobs=prompt)
 
     async def constraint(self, grammar_text: str | Callable[[], str],
                          param: str) -> Callable[[], Any]:

@@ -292,11 +292,14 @@ class TextReply(Reply):
         return self.engine.tokenizer.decode(choice.tokens) if self.echo else ""
 
     def text_logprobs(self, choice: Choice, entries: list[TokenLogprob], first: bool,
-                      offset: int) -> TextLogprobs | None:
+                      offset: int, prompt: tuple[TokenLogprob, ...] = ()) -> TextLogprobs | None:
         if not self.logprobs:
             return None
-        # Echoed prompt tokens come first, without log-probabilities (none are computed).
-        lead: list[TokenLogprob | int] = list(choice.tokens) if self.echo and first else []
+        # Echoed prompt tokens come first: the first has no log-probability (nothing comes
+        # before it), the others the model's, computed for this request (`prompt`).
+        lead: list[TokenLogprob | int] = []
+        if self.echo and first:
+            lead = [*choice.tokens[:1], *prompt] if prompt else list(choice.tokens)
         return text_logprobs([*lead, *entries], self.texts, offset)
 
     async def complete(self) -> Response:
@@ -304,19 +307,21 @@ class TextReply(Reply):
         for choice in self.choices:
             texts: list[str] = []
             entries: list[TokenLogprob] = []
+            prompt: tuple[TokenLogprob, ...] = ()
             done = None
             async with aclosing(self.run(choice)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
                         texts.append(event.text)
                         entries += event.logprobs
+                        prompt = prompt or event.prompt_logprobs
                     else:
                         done = event
             assert done is not None
             dones.append((choice, done))
             out.append(o.TextChoice(choice.index, self.echoed(choice) + "".join(texts),
                                     done.finish_reason,
-                                    self.text_logprobs(choice, entries, True, 0)))
+                                    self.text_logprobs(choice, entries, True, 0, prompt)))
         return json_response(o.Completion(self.id, self.created, self.model, out,
                                           _usage_of(dones)))
 
@@ -324,16 +329,25 @@ class TextReply(Reply):
         dones = []
         for choice in self.choices:
             first, offset = True, 0
-            if self.echo:
+            # With logprobs the echo waits for the prompt's own (the first event, sent
+            # after prefill); without, it goes out at once.
+            echo_now = self.echo and not self.logprobs
+            if echo_now:
                 echoed = self.echoed(choice)
-                lp = self.text_logprobs(choice, [], True, 0)
                 yield sse(o.Completion(self.id, self.created, self.model,
-                                        [o.TextChoice(choice.index, echoed, None, lp)]))
+                                        [o.TextChoice(choice.index, echoed, None, None)]))
                 first, offset = False, len(echoed)
             # Log-probabilities of tokens without text ride on the next chunk sent.
             pending: list[TokenLogprob] = []
             async with aclosing(self.run(choice)) as events:
                 async for event in events:
+                    if first and self.echo and not echo_now:
+                        echoed = self.echoed(choice)
+                        prompt = event.prompt_logprobs if isinstance(event, TextDelta) else ()
+                        lp = self.text_logprobs(choice, [], True, 0, prompt)
+                        yield sse(o.Completion(self.id, self.created, self.model,
+                                                [o.TextChoice(choice.index, echoed, None, lp)]))
+                        first, offset = False, len(echoed)
                     if isinstance(event, TextDelta):
                         pending += event.logprobs
                         if event.text:
