@@ -123,14 +123,18 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         on_prefill: Callable[[int, int], None] | None = None,
+        admitted: trio.Event | None = None,
     ) -> AsyncIterator[Event]:
         """Text deltas as they are decoded, then `Done` with stats.
 
-        `on_prefill(done, total)` is called after each prefill chunk (progress bars). Wrap in `contextlib.aclosing` when you may stop early, so the pool is handed
-        back at once rather than when the generator is collected.
+        `on_prefill(done, total)` is called after each prefill chunk (progress bars);
+        `admitted` is set when the generation leaves the queue and starts. Wrap in
+        `contextlib.aclosing` when you may stop early, so the pool is handed back at once
+        rather than when the generator is collected.
         """
         tokens = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         generation = Generation(self, tokens, params or default_params(self), on_prefill)
+        generation.admitted = admitted
         generation.check()
         self.waiting += 1
         try:

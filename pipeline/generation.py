@@ -55,6 +55,7 @@ class Generation:
     ) -> None:
         self.engine = engine
         self.on_prefill = on_prefill  # (tokens done, tokens to do) after each chunk
+        self.admitted: trio.Event | None = None  # set when the job starts (left the queue)
         self.tokens = tokens
         self.params = params
         self.started = False
@@ -139,6 +140,8 @@ class Generation:
     async def _body(self, events: trio.MemorySendChannel[Event]) -> None:
         self.started = True
         self.engine.waiting -= 1
+        if self.admitted is not None:
+            self.admitted.set()
         async with events:
             await self._generate(events)
 

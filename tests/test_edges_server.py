@@ -78,6 +78,12 @@ async def test_shutdown_503s_the_queue_and_ends_running_streams_with_an_error_ev
 
         anthropic: list[str] = []
 
+        async def queued_stream() -> None:
+            # The status line waits for admission: refused while queued, it is a real 503.
+            async with http.stream("POST", CHAT, json=body(max_tokens=2, stream=True)) as resp:
+                await resp.aread()
+                results["queued-stream"] = resp
+
         async def queued_anthropic_stream() -> None:
             # Its status line is out before it is queued: the refusal is its error event.
             async with http.stream("POST", "/v1/messages", json={
@@ -93,13 +99,16 @@ async def test_shutdown_503s_the_queue_and_ends_running_streams_with_an_error_ev
             await sse_chunks(lines, 3)  # A is producing tokens
             nursery.start_soon(post, "queued", body(max_tokens=2))
             nursery.start_soon(queued_anthropic_stream)
-            await until(lambda: engine.waiting == 2)
+            nursery.start_soon(queued_stream)
+            await until(lambda: engine.waiting == 3)
 
             stop.set()  # SIGTERM's job: the same path the signal takes
             started = time.monotonic()
             await until(lambda: "queued" in results)
             queued = error_of(results["queued"], 503)
             assert queued["code"] == "server_shutting_down"
+            await until(lambda: "queued-stream" in results)
+            assert error_of(results["queued-stream"], 503)["code"] == "server_shutting_down"
             assert time.monotonic() - started < 2  # at once, not after the grace period
             health = await http.get("/health")
             assert health.status_code == 503 and health.json()["status"] == "shutting_down"

@@ -49,12 +49,72 @@ class ClosingStreamingResponse(StreamingResponse):
 
     Starlette leaves an unfinished iterator to the garbage collector; ours holds the
     engine's lock and pinned experts, so it must be closed now.
+
+    With `ready`, the status line waits until the generation is admitted (leaves the
+    engine's queue): a request refused while queued (the server shutting down) then gets
+    its real status (503), not a 200 and an error event. What the body yields meanwhile
+    is held and sent after.
     """
+
+    def __init__(self, content: AsyncIterator[bytes], *, ready: trio.Event | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.ready = ready
 
     async def stream_response(self, send: Send) -> None:
         async with aclosing(self.body_iterator) as body:  # type: ignore[type-var]
-            self.body_iterator = body
-            await super().stream_response(send)
+            if self.ready is None:
+                self.body_iterator = body
+                await super().stream_response(send)
+                return
+            chunks_in, chunks_out = trio.open_memory_channel[bytes](16)
+            refused: list[s.APIError] = []
+            pulled = trio.Event()
+
+            async def pull() -> None:
+                try:
+                    async with chunks_in:
+                        async for chunk in body:
+                            await chunks_in.send(chunk)
+                except s.APIError as exc:  # raised only before admission (`Reply.stream`)
+                    refused.append(exc)
+                finally:
+                    pulled.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pull)
+                await _first_of(self.ready, pulled)
+                if refused and not self.ready.is_set():
+                    await _send_json(send, refused[0])
+                    return
+
+                async def held() -> AsyncIterator[bytes]:
+                    async with chunks_out:
+                        async for chunk in chunks_out:
+                            yield chunk
+
+                self.body_iterator = held()
+                await super().stream_response(send)
+
+
+async def _first_of(*events: trio.Event) -> None:
+    """Return as soon as any of `events` is set."""
+    with trio.CancelScope() as scope:
+        async def wait(event: trio.Event) -> None:
+            await event.wait()
+            scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for event in events:
+                nursery.start_soon(wait, event)
+
+
+async def _send_json(send: Send, error: s.APIError) -> None:
+    payload = msgspec.json.encode(error.body())
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})
 
 
 def sse(obj: Any) -> bytes:
@@ -121,12 +181,14 @@ class Reply:
         self.model = model
         self.choices = choices
         self.texts = TokenTexts(engine.tokenizer)
+        self.admitted = trio.Event()  # the first generation left the engine's queue
 
     async def run(self, choice: Choice) -> AsyncIterator[TextDelta | Done]:
         drain = self.drain or Drain()
         drain.started()
         try:
-            async with aclosing(self.engine.generate(choice.tokens, choice.params)) as events:
+            async with aclosing(self.engine.generate(choice.tokens, choice.params,
+                                                     admitted=self.admitted)) as events:
                 producing = False
                 while True:
                     # Each wait for the next event is cancellable by a shutdown; the yield
@@ -162,6 +224,8 @@ class Reply:
                 async for chunk in chunks:
                     yield chunk
         except Exception as exc:
+            if isinstance(exc, s.APIError) and not self.admitted.is_set():
+                raise  # still queued: the response can answer with its own status
             yield _sse_error(exc)
             return
         yield b"data: [DONE]\n\n"
@@ -367,13 +431,13 @@ class TextReply(Reply):
                                     usage=_usage_of(dones)))
 
 
-def sse_response(body: AsyncIterator[bytes]) -> Response:
-    return ClosingStreamingResponse(body, media_type="text/event-stream",
+def sse_response(body: AsyncIterator[bytes], ready: trio.Event | None = None) -> Response:
+    return ClosingStreamingResponse(body, ready=ready, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache"})
 
 
 async def respond(request: Request, reply: Reply) -> Response:
     """SSE for a streaming request; otherwise the whole reply, unless the client leaves."""
     if reply.req.stream:
-        return sse_response(reply.stream())
+        return sse_response(reply.stream(), ready=reply.admitted)
     return await unless_disconnected(request, reply.complete)
