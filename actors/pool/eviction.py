@@ -30,6 +30,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
+from actors.pool.heap_scan import lazy_heap_victim
+from actors.pool.heap_scan import missing as _missing
+
 ExpertKey = tuple[int, int]
 Evictable = Callable[[ExpertKey], bool]
 
@@ -55,10 +58,6 @@ class EvictionPolicy(Protocol):
     def __len__(self) -> int: ...
 
     def __contains__(self, key: object) -> bool: ...
-
-
-def _missing(policy: str, key: ExpertKey) -> KeyError:
-    return KeyError(f"{policy}: expert {key} (layer, expert) is not resident")
 
 
 class LRU:
@@ -174,20 +173,7 @@ class LFUDecay:
         return self._score[key] / math.exp((tick - self._base_tick) * self._log_growth)
 
     def victim(self, evictable: Evictable) -> ExpertKey | None:
-        skipped: list[tuple[float, int, ExpertKey]] = []
-        found: ExpertKey | None = None
-        while self._heap:
-            _, seq, key = self._heap[0]
-            if self._last.get(key) != seq:
-                heapq.heappop(self._heap)  # stale: the key was touched or removed since
-                continue
-            if evictable(key):
-                found = key
-                break
-            skipped.append(heapq.heappop(self._heap))
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
-        return found
+        return lazy_heap_victim(self._heap, self._last, evictable)
 
     def __len__(self) -> int:
         return len(self._last)

@@ -27,12 +27,11 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 
+from actors.pool.heap_scan import lazy_heap_victim
+from actors.pool.heap_scan import missing as _missing
+
 ExpertKey = tuple[int, int]
 Evictable = Callable[[ExpertKey], bool]
-
-
-def _missing(policy: str, key: ExpertKey) -> KeyError:
-    return KeyError(f"{policy}: expert {key} (layer, expert) is not resident")
 
 
 class _TokenClock:
@@ -97,20 +96,7 @@ class FreqLRU:
         del self._uses[key]
 
     def victim(self, evictable: Evictable) -> ExpertKey | None:
-        skipped = []
-        found = None
-        while self._heap:
-            _, seq, key = self._heap[0]
-            if self._seq.get(key) != seq:
-                heapq.heappop(self._heap)  # stale entry
-                continue
-            if evictable(key):
-                found = key
-                break
-            skipped.append(heapq.heappop(self._heap))
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
-        return found
+        return lazy_heap_victim(self._heap, self._seq, evictable)
 
     def __len__(self) -> int:
         return len(self._seq)
