@@ -28,6 +28,7 @@ from actors.forward import ForwardStepper, Presync, Routing, SteppedModel
 from actors.mlx_worker import MlxWorker
 from actors.prefetch import PrefetchScorer, PrefetchStrategy
 from actors.prefetch.actor import Prefetcher, Routed, TokenStart
+from actors.prefetch.strategies import as_prediction
 from actors.router import ExpertRouter
 from actors.routing_trace import TraceRecorder
 from actors.run_ahead import RunAheadPolicy
@@ -41,10 +42,6 @@ class ComputeStats:
     mlx_seconds: float = 0.0
     run_ahead_tokens: int = 0  # decode tokens that tried the one-sync path
     run_ahead_misses: int = 0  # ... and fell back at their first missing layer
-
-
-def _rows(ids: np.ndarray) -> list[list[int]]:
-    return [[int(e) for e in row] for row in ids]
 
 
 def unique_in_order(ids: np.ndarray) -> list[int]:
@@ -96,8 +93,7 @@ class Compute:
         # Gate strategies predict in prefill too: from every token of the chunk, the next
         # layer's union (its reads then overlap this layer's compute).
         chosen = [int(e) for e in routing.ids[0]]
-        preds = self.strategy.predict(routing.layer, chosen, routing.hidden)
-        return [(int(layer), [int(e) for e in ids]) for layer, ids in preds]
+        return as_prediction(self.strategy.predict(routing.layer, chosen, routing.hidden))
 
     def _presync(self, phase: Phase) -> Presync | None:
         # Gate strategies stage their prediction so it is evaluated with the routing.
@@ -197,14 +193,23 @@ class Compute:
             await self.router.demand_all([(layer, ids, tick) for layer, ids, tick, _ in done])
             for layer, ids, tick, rows in done:
                 await self.prefetcher.send(
-                    Routed(layer, _rows(rows), ids, tick, phase, predicted=[], predict=False)
+                    Routed(layer, rows, ids, tick, phase, predicted=[], predict=False)
                 )
             return miss
         for layer, ids, tick, rows in done:
-            await self.prefetcher.caught_up()
-            await self.router.demand(layer, ids, tick)
-            await self.prefetcher.send(Routed(layer, _rows(rows), ids, tick, phase))
+            await self._demand(Routed(layer, rows, ids, tick, phase))
         return miss
+
+    async def _demand(self, routed: Routed) -> np.ndarray:
+        """One MoE layer's demand, then its routing to the prefetch task.
+
+        The prefetch orders of the layer before go first: a fixed order of requests at
+        the router, the one `replay` reproduces.
+        """
+        await self.prefetcher.caught_up()
+        slot_of = await self.router.demand(routed.layer, routed.ids, routed.tick)
+        await self.prefetcher.send(routed)
+        return slot_of
 
     async def finish_from(self, step: ForwardStepper, miss: int, phase: Phase) -> mx.array:
         """A run-ahead missed at layer `miss`: redo it from there, one sync per layer."""
@@ -220,12 +225,8 @@ class Compute:
         while routing is not None:
             self.tick += 1
             ids = unique_in_order(routing.ids)
-            # The prefetch orders of the layer before go first: a fixed order of requests
-            # at the router, the one `replay` reproduces.
-            await self.prefetcher.caught_up()
-            slot_of = await self.router.demand(routing.layer, ids, self.tick)
-            await self.prefetcher.send(
-                Routed(routing.layer, _rows(routing.ids), ids, self.tick, phase, predicted=preds)
+            slot_of = await self._demand(
+                Routed(routing.layer, routing.ids, ids, self.tick, phase, predicted=preds)
             )
             routing, preds = await self._mlx(self._advance, step, slot_of, phase)
         return await self._mlx(step.logits, all_positions)

@@ -70,9 +70,11 @@ class Decoder:
         launched = self._launch(token) if more else None
         return int(token.item()), launched
 
-    def _step(self, current: _Launched, more: bool) -> tuple[Any, _Launched | None]:
+    def _step(self, current: _Launched, more: bool) -> tuple[Any, int, _Launched | None]:
+        """Queue the next step, then read this one: its routing, flags and token (the
+        token is meaningless when the step missed; reading it costs nothing more)."""
         launched = self._launch(current.token) if more else None
-        return current.lazy.result(), launched
+        return current.lazy.result(), int(current.token.item()), launched
 
     def _undo_next(self, current: _Launched, nxt: _Launched | None, miss: int) -> None:
         """`current` missed at `miss`: wait for `nxt` (queued on a wrong token), undo it."""
@@ -108,12 +110,11 @@ class Decoder:
 
     async def _consume(self, current: _Launched, more: bool) -> int:
         c = self.compute
-        result, nxt = await c._mlx(self._step, current, more)
+        result, token, nxt = await c._mlx(self._step, current, more)
         await c.begin_token("decode")
         miss = await c.account(result, "decode")
         c.run_ahead.after_run_ahead(hit=miss is None)
         if miss is None:
-            token = int(await c._mlx(current.token.item))
             self.sampler.record(token)
             self.launched = nxt
             if nxt is None:

@@ -18,14 +18,14 @@ added for them either.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import trio
 
 from actors.prefetch.scorer import PrefetchScorer
-from actors.prefetch.strategies import Prediction, PrefetchStrategy
+from actors.prefetch.strategies import Prediction, PrefetchStrategy, as_prediction
 from actors.router import ExpertRouter
 from actors.routing_trace import TraceRecorder
 
@@ -42,7 +42,7 @@ class Routed:
     """Layer `layer`'s true routing for one forward (rows: one per token)."""
 
     layer: int
-    rows: list[list[int]]
+    rows: np.ndarray  # [tokens, top_k] expert ids, as the router chose them
     ids: list[int]  # the layer's experts, each once, in the router's order
     tick: int
     phase: Phase
@@ -96,12 +96,13 @@ class Prefetcher:
             return
         if not self.gate:
             for row in event.rows:
-                self.strategy.observe(event.layer, row)
+                self.strategy.observe(event.layer, [int(e) for e in row])
         preds: Prediction = []
         if event.predicted is not None:
             preds = event.predicted
         elif event.predict and event.phase == "decode" and not self.gate:
-            preds = _ints(self.strategy.predict(event.layer, event.rows[0], None))
+            chosen = [int(e) for e in event.rows[0]]
+            preds = as_prediction(self.strategy.predict(event.layer, chosen, None))
         if event.phase == "decode":
             self.scorer.score(event.layer, event.ids)
             self.scorer.record(preds)
@@ -109,6 +110,3 @@ class Prefetcher:
         if self.recorder is not None:
             self.recorder.record(event.layer, event.ids, preds, tokens=event.rows)
 
-
-def _ints(preds: Sequence[tuple[int, Sequence[int]]]) -> Prediction:
-    return [(int(layer), [int(e) for e in ids]) for layer, ids in preds]

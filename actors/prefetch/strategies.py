@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 Prediction = list[tuple[int, list[int]]]
 
 
+def as_prediction(preds: Sequence[tuple[int, Sequence[int]]]) -> Prediction:
+    """A strategy's output as plain ints (numpy scalars and MLX lists included)."""
+    return [(int(layer), [int(e) for e in ids]) for layer, ids in preds]
+
+
 @runtime_checkable
 class PrefetchStrategy(Protocol):
     name: str
