@@ -41,7 +41,7 @@ from pipeline.server import schema as s
 from pipeline.server.api import Api, ServerSettings
 from pipeline.server.drain import Drain
 from pipeline.server.metrics import Metrics
-from pipeline.server.responses import json_response
+from pipeline.server.transport import json_response
 from qpack.checked_files import unreadable_files
 
 log = structlog.get_logger("moestream.server")

@@ -18,7 +18,8 @@ from pipeline.server import schema as s
 from pipeline.server import schema_out as o
 from pipeline.server.api import Api
 from pipeline.server.prompting import Prompt, render, template_kwargs, template_messages
-from pipeline.server.responses import ChatReply, Choice, TextReply, json_response, respond
+from pipeline.server.responses import ChatReply, Choice, TextReply, respond
+from pipeline.server.transport import json_response
 
 
 async def models(api: Api, request: Request) -> Response:

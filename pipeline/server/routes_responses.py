@@ -23,9 +23,10 @@ from starlette.responses import Response
 from pipeline.events import Done
 from pipeline.server import schema as s
 from pipeline.server.api import Api
-from pipeline.server.responses import ChatReply, json_response, sse_response, unless_disconnected
+from pipeline.server.responses import ChatReply
 from pipeline.server.routes_openai import plan_chat
 from pipeline.server.tool_calls import Call, Content, Reasoning
+from pipeline.server.transport import json_response, sse_response, unless_disconnected
 
 
 class Item(msgspec.Struct, kw_only=True):
