@@ -71,7 +71,6 @@ class Compute:
         self.tick = 0
         self.stats = ComputeStats()
         self.run_ahead = run_ahead or RunAheadPolicy("off")
-        self.run_ahead.stats = self.stats
         self._row_of = {layer: i for i, layer in enumerate(moe_layers)}
         self._map: mx.array | None = None
         self._map_version = -1
@@ -159,6 +158,7 @@ class Compute:
         misses0 = self.router.table.misses
         ahead = phase == "decode" and not all_positions and self.run_ahead.wanted()
         if ahead:
+            self.stats.run_ahead_tokens += 1
             step, result = await self._mlx(self._run_ahead, tokens, cache)
             miss = await self.account(result, phase)
             self.run_ahead.after_run_ahead(hit=miss is None)

@@ -12,7 +12,7 @@ with it), "off" (always one sync per MoE layer).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 RunAheadMode = Literal["auto", "on", "off"]
 
@@ -23,21 +23,17 @@ class RunAheadPolicy:
         self.cooldown = cooldown
         self._wait = 0
         self._last_hit = True  # optimistic: a miss costs one wasted pass, then a cooldown
-        self.stats: Any = None  # ComputeStats, set by the compute actor
-
-    def wanted(self) -> bool:
-        if self.mode == "off":
-            return False
-        want = self.mode == "on" or (self._last_hit and self._wait == 0)
-        if self._wait:
-            self._wait -= 1
-        if want and self.stats is not None:
-            self.stats.run_ahead_tokens += 1
-        return want
 
     def ready(self) -> bool:
-        """Whether the next token should run ahead (no side effect; `wanted` counts it)."""
+        """Whether the next token should run ahead."""
         return self.mode == "on" or (self.mode == "auto" and self._last_hit and self._wait == 0)
+
+    def wanted(self) -> bool:
+        """`ready`, for a decode token about to be computed: counts down the cooldown."""
+        want = self.ready()
+        if self._wait:
+            self._wait -= 1
+        return want
 
     def after_run_ahead(self, hit: bool) -> None:
         self._last_hit = hit
