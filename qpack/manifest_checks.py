@@ -18,9 +18,12 @@ def check_files(root: Path, manifest: spec.Manifest) -> None:
         if f.path in listed:
             raise QpackError(root / spec.MANIFEST, f"file {f.path!r} is listed twice")
         listed.add(f.path)
-        if not path.is_file():
+        try:  # a listed name can be too long for the filesystem (ENAMETOOLONG), etc.
+            size = path.stat().st_size if path.is_file() else None
+        except OSError as exc:
+            raise QpackError(path, f"listed in the manifest but cannot be read: {exc.strerror}") from None
+        if size is None:
             raise QpackError(path, "listed in the manifest but missing")
-        size = path.stat().st_size
         if size != f.size:
             raise QpackError(path, f"is {size} bytes, manifest says {f.size} (truncated or replaced)")
     for required in (spec.CONFIG, spec.DENSE):
