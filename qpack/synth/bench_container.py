@@ -39,10 +39,11 @@ import structlog
 from qpack import spec
 from qpack.output_guard import require_free_space
 from qpack.quantize import Rule, quantized_shapes
-from qpack.synth.checkpoint import _Writer, dense_inits
+from qpack.synth.checkpoint import WeightWriter
 from qpack.synth.init_weights import NORM_STD, Init, WeightSource, f32_to_bf16_bits, rng_for
 from qpack.synth.presets import ModelDims, get_preset, hf_config
 from qpack.synth.st_write import TensorEntry, write_safetensors
+from qpack.synth.tensor_inits import dense_inits
 
 log = structlog.get_logger("qpack.synth.bench_container")
 NIBBLE_MEAN = 7.5
@@ -79,7 +80,7 @@ def _sha256_file(path: Path) -> str:
 def dense_entries(dims: ModelDims, bits: int, group_size: int, seed: int) -> tuple[list[TensorEntry], dict]:
     """Every non-expert tensor as `synth --bits` writes it, and the quantization overrides."""
     src = WeightSource(seed, dims.num_experts, dims.hidden_size)
-    writer = _Writer(dims, "bfloat16", "hub", bits, group_size, src)
+    writer = WeightWriter(dims, "bfloat16", "hub", bits, group_size, src)
     h, v = dims.hidden_size, dims.vocab_size
     entries = writer.entries("embed_tokens.weight", Init("embed_tokens.weight", (v, h), "normal", 1.0))
     for layer in range(dims.num_hidden_layers):
@@ -244,7 +245,7 @@ def estimated_sizes(family: str | None, preset: str, bits: int = 4, group_size: 
     from qpack.synth.init_weights import WeightSource
 
     dims = get_preset(family, preset)
-    writer = _Writer(dims, "bfloat16", "hub", None, group_size, WeightSource(0, dims.num_experts, dims.hidden_size))
+    writer = WeightWriter(dims, "bfloat16", "hub", None, group_size, WeightSource(0, dims.num_experts, dims.hidden_size))
     synth = sum(e.nbytes for e in checkpoint_entries(writer, dims))
     entries, _ = dense_entries(dims, bits, group_size, 0)
     _, stride = expert_layout(dims, bits, group_size)
