@@ -35,6 +35,17 @@ from actors.run_ahead import RunAheadPolicy
 
 Phase = Literal["prefill", "decode"]
 Predictions = list[tuple[int, list[int]]]
+# One sequence's ids, or a batch's [rows, tokens] (nested lists, or an array).
+Tokens = Sequence[int] | Sequence[Sequence[int]] | mx.array
+
+
+def _ids(tokens: Tokens) -> list[int] | mx.array:
+    """On the MLX thread (arrays are made where they are used)."""
+    if isinstance(tokens, mx.array):
+        return tokens
+    if tokens and not isinstance(tokens[0], int):
+        return mx.array([list(row) for row in tokens])  # type: ignore[arg-type]
+    return list(tokens)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -99,9 +110,9 @@ class Compute:
         return getattr(self.strategy, "prepare", None) if phase == "decode" else None
 
     def _start(
-        self, tokens: Sequence[int], cache: list[Any], phase: Phase
+        self, tokens: Tokens, cache: list[Any], phase: Phase
     ) -> tuple[ForwardStepper, Routing | None, Predictions | None]:
-        step = self.model.step(list(tokens), cache)
+        step = self.model.step(_ids(tokens), cache)
         routing = step.run_to_routing(self._presync(phase))
         return step, routing, self._learn(routing, phase)
 
@@ -131,8 +142,8 @@ class Compute:
             self._map, self._map_version = mx.array(host), table.version
         return self._map
 
-    def _run_ahead(self, tokens: Sequence[int], cache: list[Any]) -> tuple[ForwardStepper, Any]:
-        step = self.model.step(list(tokens), cache)
+    def _run_ahead(self, tokens: Tokens, cache: list[Any]) -> tuple[ForwardStepper, Any]:
+        step = self.model.step(_ids(tokens), cache)
         return step, step.run_ahead(self._slot_map(), self._row_of)
 
     def _resume(
@@ -145,10 +156,11 @@ class Compute:
         """Before a forward's bookkeeping: the recorder and the scorer start a token."""
         await self.prefetcher.send(TokenStart(phase))
 
-    async def forward(self, tokens: Sequence[int], cache: list[Any], phase: Phase,
+    async def forward(self, tokens: Tokens, cache: list[Any], phase: Phase,
                       all_positions: bool = False) -> mx.array:
         """Run `tokens` through the model (updating `cache`); the last position's logits
-        (every position's, [tokens, vocab], with `all_positions`: prefill only).
+        (every position's, [tokens, vocab], with `all_positions`: prefill only). A
+        [rows, 1] array decodes a batch (merged caches): logits [rows, vocab].
 
         Decode tokens run ahead (one host sync for the whole token) when the policy
         expects every expert to be in the pool, and fall back to one sync per MoE layer

@@ -1,24 +1,28 @@
-"""The compute task: runs generations one at a time, each as a job with its own cancel scope.
+"""The compute task: admits generations, each a job with its own cancel scope.
 
 A generation's body (prefill, decode, bookkeeping: `pipeline/generation.py`) runs here,
-in the engine's nursery, not in the task of whoever asked for it. The asker submits a
-`Job` and reads what the job produces from a channel; when the asker goes away (client
+in a nursery of the engine's, not in the task of whoever asked for it. The asker submits
+a `Job` and reads what the job produces from a channel; when the asker goes away (client
 gone, consumer cancelled) it cancels the job's scope and waits for the job to finish
-cleaning up, so the next job starts on a clean pool. Jobs run in submission order (FIFO),
-one at a time: they share the pool, whose slots are the scarce resource.
+cleaning up. Jobs are admitted in submission order (FIFO) while the decode batch has
+room: at most `capacity` run at once, and their model state (`Job.cost` bytes) stays
+within `budget`; the rest wait. Running jobs share the MLX thread turn by turn (prefill
+chunks, batch steps: `actors/decode_batch.py`).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     body: Callable[[], Awaitable[None]]
+    cost: int = 0  # bytes of model state it may grow to (admission)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     started: trio.Event = field(default_factory=trio.Event)
     finished: trio.Event = field(default_factory=trio.Event)
@@ -27,49 +31,80 @@ class Job:
 
 
 class ComputeTask:
-    def __init__(self, lock: trio.Lock, queue_size: int = 1024) -> None:
-        # The engine's lock: held while a job runs, so direct users of the compute actor
-        # (tests, `Engine.warm`) never overlap a generation.
-        self.lock = lock
-        self._send, self._receive = trio.open_memory_channel[Job](queue_size)
+    def __init__(self, capacity: int = 1, budget: int = 0) -> None:
+        self.capacity = capacity
+        self.budget = budget  # bytes; 0 = no limit
+        self.running: set[Job] = set()
+        self._queue: deque[Job] = deque()
+        self._changed = trio.Event()
+        self._closed = False
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
+
+    def _fits(self, job: Job) -> bool:
+        if not self.running:
+            return True  # alone, a job always runs (its own limits are checked before)
+        if len(self.running) >= self.capacity:
+            return False
+        used = sum(j.cost for j in self.running)
+        return not self.budget or used + job.cost <= self.budget
 
     async def run(self) -> None:
         try:
-            async with self._receive:
-                async for job in self._receive:
-                    if job.abandoned:
-                        job.finished.set()
-                        continue
-                    try:
-                        async with self.lock:
-                            job.started.set()
-                            with job.scope:
-                                try:
-                                    await job.body()
-                                except Exception as exc:  # the asker re-raises it
-                                    job.error = exc
-                    finally:
-                        job.finished.set()
+            async with trio.open_nursery() as nursery:
+                while True:
+                    while self._queue and (self._queue[0].abandoned or self._fits(self._queue[0])):
+                        job = self._queue.popleft()
+                        if job.abandoned:
+                            job.finished.set()
+                            continue
+                        self.running.add(job)
+                        job.started.set()
+                        nursery.start_soon(self._run_job, job)
+                    await self._changed.wait()
+                    self._changed = trio.Event()
         finally:
             # The engine is closing: jobs still queued will never run; let their askers go.
-            while True:
-                try:
-                    job = self._receive.receive_nowait()
-                except (trio.WouldBlock, trio.ClosedResourceError, trio.EndOfChannel):
-                    break
+            self._closed = True
+            while self._queue:
+                job = self._queue.popleft()
                 job.error = RuntimeError("the engine closed before this generation ran")
                 job.finished.set()
 
-    async def submit(self, job: Job) -> None:
-        await self._send.send(job)
+    async def _run_job(self, job: Job) -> None:
+        try:
+            with job.scope:
+                try:
+                    await job.body()
+                except Exception as exc:  # the asker re-raises it
+                    job.error = exc
+        finally:
+            self.running.discard(job)
+            job.finished.set()
+            self._changed.set()
 
-    @staticmethod
-    async def abandon(job: Job) -> None:
+    def submit(self, job: Job) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        self._queue.append(job)
+        self._changed.set()
+
+    def abandon_now(self, job: Job) -> bool:
+        """Skip a job still queued; False if it already started."""
+        if job.started.is_set():
+            return False
+        job.abandoned = True
+        job.scope.cancel()
+        self._changed.set()
+        return True
+
+    async def abandon(self, job: Job) -> None:
         """The asker is gone: a queued job is skipped at once; a running one is cancelled
         and waited for (its clean-up hands the pool back)."""
-        job.scope.cancel()
-        if not job.started.is_set():
-            job.abandoned = True
+        if self.abandon_now(job):
             return
+        job.scope.cancel()
         with trio.CancelScope(shield=True):
             await job.finished.wait()

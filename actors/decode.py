@@ -18,7 +18,12 @@ Speculation is undone exactly:
 The pool sees exactly the demand sequence of the unpipelined loop: a step's bookkeeping
 happens when its token is consumed, never for a step that is rolled back.
 
-Used only when the sampler can draw lazily (no penalties, grammar or logprobs: they need
+The decoder works on rows: one sequence, or a batch whose caches were merged
+(`DecodeBatch`); every token is a list with one id per row, and each row has its own
+sampler (`RowSamplers`). `park` undoes a queued step and leaves each row's last token to
+be fed, so rows can join or leave between two steps.
+
+Used only when every row's sampler can draw lazily (no penalties, grammar or logprobs: they need
 the previous token on the host) and the run-ahead policy wants it; otherwise each `next`
 is sample + forward.
 """
@@ -32,32 +37,41 @@ import mlx.core as mx
 
 from actors.compute import Compute
 from actors.forward import ForwardStepper
-from actors.sampler import Sampler
+from actors.row_samplers import RowSamplers
 
 
 @dataclass
 class _Launched:
     step: Any  # ForwardStep with launch/restore/snapshot/resume
     lazy: Any  # LazyRunAhead
-    token: mx.array  # lazy: drawn from lazy.logits
-    key: mx.array  # the sampler's key before that draw
+    tokens: mx.array  # lazy [rows]: drawn from lazy.logits
+    key: list[mx.array]  # the samplers' keys before that draw
+
+
+def rows_of(tokens: mx.array) -> mx.array:
+    """Lazy token ids [rows] as the model's [rows, 1] input: one decode token per row."""
+    return tokens.reshape(-1, 1)
 
 
 class Decoder:
-    def __init__(self, compute: Compute, cache: list[Any], sampler: Sampler, logits: mx.array):
+    def __init__(self, compute: Compute, cache: list[Any], sampler: RowSamplers,
+                 logits: mx.array | None = None, feed: list[int] | None = None):
+        """Start from `logits` ([rows, vocab], evaluated, not yet sampled) or from `feed`
+        (a token per row, sampled and recorded, not yet run through the model)."""
         self.compute = compute
         self.cache = cache
         self.sampler = sampler
-        self.logits: mx.array | None = logits  # evaluated, not yet sampled
-        self.feed: int | None = None  # sampled, not yet run through the model
+        self.logits: mx.array | None = logits
+        self.feed: list[int] | None = feed
         self.launched: _Launched | None = None
+        self.last: list[int] | None = None  # the tokens `next` returned last
 
     # -- on the MLX thread ------------------------------------------------------------------
 
-    def _launch(self, token: mx.array) -> _Launched:
-        """Queue the forward of lazy `token` and the draw of the token after it."""
+    def _launch(self, tokens: mx.array) -> _Launched:
+        """Queue the forward of lazy `tokens` and the draw of the tokens after them."""
         c = self.compute
-        step = c.model.step(token, self.cache)
+        step = c.model.step(rows_of(tokens), self.cache)
         lazy = step.launch(c._slot_map(), c._row_of)
         key = self.sampler.key
         drawn = self.sampler.draw(lazy.logits)
@@ -65,71 +79,85 @@ class Decoder:
         c.stats.run_ahead_tokens += 1
         return _Launched(step, lazy, drawn, key)
 
-    def _start(self, logits: mx.array, more: bool) -> tuple[int, _Launched | None]:
-        token = self.sampler.draw(logits)
-        launched = self._launch(token) if more else None
-        return int(token.item()), launched
+    def _start(self, logits: mx.array, more: bool) -> tuple[list[int], _Launched | None]:
+        tokens = self.sampler.draw(logits)
+        launched = self._launch(tokens) if more else None
+        return tokens.tolist(), launched
 
-    def _step(self, current: _Launched, more: bool) -> tuple[Any, int, _Launched | None]:
-        """Queue the next step, then read this one: its routing, flags and token (the
-        token is meaningless when the step missed; reading it costs nothing more)."""
-        launched = self._launch(current.token) if more else None
-        return current.lazy.result(), int(current.token.item()), launched
+    def _step(self, current: _Launched, more: bool) -> tuple[Any, list[int], _Launched | None]:
+        """Queue the next step, then read this one: its routing, flags and tokens (the
+        tokens are meaningless when the step missed; reading them costs nothing more)."""
+        launched = self._launch(current.tokens) if more else None
+        return current.lazy.result(), current.tokens.tolist(), launched
 
     def _undo_next(self, current: _Launched, nxt: _Launched | None, miss: int) -> None:
-        """`current` missed at `miss`: wait for `nxt` (queued on a wrong token), undo it."""
+        """`current` missed at `miss`: wait for `nxt` (queued on wrong tokens), undo it."""
         if nxt is not None:
-            mx.eval(nxt.token, *nxt.lazy.arrays())
+            mx.eval(nxt.tokens, *nxt.lazy.arrays())
             current.step.restore(nxt.step.snapshot(), range(0, miss))
         self.sampler.restore_key(current.key)
 
     def _rollback(self, launched: _Launched) -> None:
-        mx.eval(launched.token, *launched.lazy.arrays())
+        mx.eval(launched.tokens, *launched.lazy.arrays())
         launched.step.restore(launched.step.snapshot(), range(len(self.cache)))
+        self.sampler.restore_key(launched.key)  # its draw is made again, identically
 
     # -- on the trio side -------------------------------------------------------------------
 
-    async def next(self, more: bool) -> int:
-        """The next token (recorded in the sampler). `more`: another may be wanted after it."""
+    async def next(self, more: bool) -> list[int]:
+        """The next token of every row (recorded in the samplers). `more`: another step
+        may be wanted after this one (False: nothing is queued behind it)."""
+        tokens = await self._next(more)
+        self.last = tokens
+        return tokens
+
+    async def _next(self, more: bool) -> list[int]:
         c = self.compute
         if self.launched is not None:
             return await self._consume(self.launched, more)
         if self.feed is not None:
-            self.logits = await c.forward([self.feed], self.cache, "decode")
+            self.logits = await c.forward([[t] for t in self.feed], self.cache, "decode")
             self.feed = None
         assert self.logits is not None
         logits, self.logits = self.logits, None
         if more and self.sampler.lazy_ok and c.run_ahead.ready():
-            token, self.launched = await c._mlx(self._start, logits, True)
+            tokens, self.launched = await c._mlx(self._start, logits, True)
         else:
-            token = await c._mlx(self.sampler.sample, logits)
-            self.feed = token
-            return token
-        self.sampler.record(token)
-        return token
+            tokens = await c._mlx(self.sampler.sample, logits)
+            self.feed = tokens
+            return tokens
+        self.sampler.record(tokens)
+        return tokens
 
-    async def _consume(self, current: _Launched, more: bool) -> int:
+    async def _consume(self, current: _Launched, more: bool) -> list[int]:
         c = self.compute
-        result, token, nxt = await c._mlx(self._step, current, more)
+        result, tokens, nxt = await c._mlx(self._step, current, more)
         await c.begin_token("decode")
         miss = await c.account(result, "decode")
         c.run_ahead.after_run_ahead(hit=miss is None)
         if miss is None:
-            self.sampler.record(token)
+            self.sampler.record(tokens)
             self.launched = nxt
             if nxt is None:
-                self.feed = token
-            return token
+                self.feed = tokens
+            return tokens
         self.launched = None
         await c._mlx(self._undo_next, current, nxt, miss)
         step: ForwardStepper = current.step
         logits = await c.finish_from(step, miss, "decode")
-        token = await c._mlx(self.sampler.sample, logits)
-        self.feed = token
-        return token
+        tokens = await c._mlx(self.sampler.sample, logits)
+        self.feed = tokens
+        return tokens
 
-    async def close(self) -> None:
-        """Undo a step queued on a token that was never consumed (the generation ended)."""
+    def park_now(self) -> None:
+        """Undo a step queued on the last tokens (on the MLX thread): the caches hold
+        every token but the last, which is left in `feed` (rows may then join or leave; a
+        generation that ends leaves its caches as the prefix cache expects)."""
         if self.launched is not None:
             launched, self.launched = self.launched, None
-            await self.compute._mlx(self._rollback, launched)
+            self._rollback(launched)
+            self.feed = self.last
+
+    async def park(self) -> None:
+        if self.launched is not None:
+            await self.compute._mlx(self.park_now)

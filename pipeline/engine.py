@@ -24,6 +24,7 @@ import trio
 
 from actors.compute import Compute
 from actors.compute_task import ComputeTask
+from actors.decode_batch import DecodeBatch
 from actors.mlx_worker import MlxWorker
 from actors.pool.eviction import make_policy
 from actors.pool.layout import PoolLayout
@@ -49,7 +50,7 @@ from pipeline.events import Event
 from pipeline.generation import Generation
 from pipeline.generation_config import default_params
 from pipeline.heap_trim import HeapTrimmer
-from pipeline.memory_budget import check_pool_fits
+from pipeline.memory_budget import batch_budget, check_pool_fits
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_cache import PrefixCache
@@ -80,21 +81,33 @@ class Engine:
         self.tokenizer = tokenizer
         self.prefix_cache = PrefixCache()
         self.heap_trimmer = HeapTrimmer()
-        # Held by the compute task while a generation runs (and by direct users of the
-        # compute actor): generations run one at a time, in the order they were asked for.
+        # The compute turn: held for each prefill chunk and batch step (and by direct
+        # users of the compute actor); fair, so prefill and decode alternate.
         self.lock = trio.Lock()
-        self.compute_task = ComputeTask(self.lock)
+        self.batch = DecodeBatch(compute, model.batch_caches(), self.lock)
+        # A batch step pins the union of its rows' experts for a layer at once: at most
+        # slots // top_k rows fit for sure, whatever they route to.
+        manifest = container.manifest
+        self.max_batch = max(1, min(config.compute.max_batch,
+                                    router.table.num_slots // manifest.top_k))
+        self.compute_task = ComputeTask(
+            self.max_batch,
+            batch_budget(config.compute.batch_memory_mb, manifest.dense_bytes))
         self.sampling = SamplingTask()
         self.context_limit = config.server.context_limit or int(
             _text_config(container.config).get("max_position_embeddings", 1 << 20)
         )
         self.waiting = 0
         self.generations = 0
-        manifest = container.manifest
         self.prefill_chunk = prefill_chunk_for(
             config.compute.prefill_chunk, config.compute.prefill_max_tokens,
             router.table.num_slots, manifest.num_experts, manifest.top_k,
         )
+
+    @property
+    def busy(self) -> bool:
+        """A generation is running (prefilling or decoding)."""
+        return self.compute_task.busy
 
     @property
     def name(self) -> str:
@@ -132,19 +145,26 @@ class Engine:
         `contextlib.aclosing` when you may stop early, so the pool is handed back at once
         rather than when the generator is collected.
         """
+        generation = self.start(prompt, params, on_prefill, admitted)
+        async with aclosing(generation.run()) as events:
+            async for event in events:
+                yield event
+
+    def start(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        on_prefill: Callable[[int, int], None] | None = None,
+        admitted: trio.Event | None = None,
+    ) -> Generation:
+        """Submit a generation now, to run concurrently with others (one decode batch);
+        read it with `generation.run()`, or `await generation.close()` if you never do."""
         tokens = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         generation = Generation(self, tokens, params or default_params(self), on_prefill)
         generation.admitted = admitted
         generation.check()
-        self.waiting += 1
-        try:
-            async with aclosing(generation.run()) as events:
-                async for event in events:
-                    yield event
-        finally:
-            if not generation.started:
-                self.waiting -= 1
-            self.generations += 1
+        generation.submit()
+        return generation
 
     async def chat(
         self,
@@ -174,7 +194,7 @@ class Engine:
                 f"{self.router.table.num_slots}"
             )
         misses = self.router.table.misses
-        async with self.lock:
+        async with self.batch.exclusive():
             try:
                 for layer in self.model.moe_layers:
                     self.compute.tick += 1
@@ -194,6 +214,9 @@ class Engine:
             "pool_bytes": self.pool_bytes,
             "loads_in_flight": len(self.router.loads),
             "generations": self.generations,
+            "batch_size": self.batch.size,
+            "batch_steps": self.batch.stats.steps,
+            "batch_rows_stepped": self.batch.stats.rows_stepped,
             "expert_reads": self.router.reader.stats.reads,
             "expert_read_bytes": self.router.reader.stats.bytes_read,
             "stall_seconds": self.router.stats.stall_seconds,
@@ -324,6 +347,7 @@ def _start_actors(
     nursery.start_soon(compute.prefetcher.run)
     engine = Engine(config, container, worker, model, storage, router, compute, tokenizer)
     nursery.start_soon(engine.compute_task.run)
+    nursery.start_soon(engine.batch.run)
     nursery.start_soon(engine.sampling.run)
     log.info(
         "engine.open",
@@ -335,6 +359,7 @@ def _start_actors(
         strategy=strategy_name,
         eviction=config.pool.eviction,
         readers=reader.concurrency,
+        max_batch=engine.max_batch,
         stage_in_threads=stage_in_threads,
         seconds=round(time.perf_counter() - started, 2),
     )

@@ -20,8 +20,7 @@ import structlog
 import trio
 
 from actors import timeline
-from actors.compute_task import ComputeTask, Job
-from actors.decode import Decoder
+from actors.compute_task import Job
 from actors.sampler import Sampler, prompt_logprobs
 from actors.sampling_params import SamplingParams
 from actors.text_stream import TextStream
@@ -59,6 +58,8 @@ class Generation:
         self.tokens = tokens
         self.params = params
         self.started = False
+        self.closed = False
+        self.job: Job | None = None
 
     def check(self) -> None:
         """Refuse what cannot run before taking the engine's lock."""
@@ -75,27 +76,41 @@ class Generation:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
 
+    def state_bytes(self) -> int:
+        """The most model state this generation can grow to (batch admission)."""
+        return self.engine.model.state_bytes(len(self.tokens) + self._max_tokens())
+
     def _max_tokens(self) -> int:
         room = self.engine.context_limit - len(self.tokens)
         wanted = self.params.max_tokens if self.params.max_tokens is not None else room
         return max(0, min(wanted, room))
 
     async def _prefill(self, cache: list[Any], start: int) -> mx.array:
-        compute = self.engine.compute
-        chunk = self.engine.prefill_chunk
+        engine = self.engine
+        compute, batch = engine.compute, engine.batch
         # All prompt tokens but the last, then the last one alone; checkpoints of the state
         # (see PrefixCache.wants) let a prompt sent again, extended, or sharing a long
-        # start with this one restart from there.
+        # start with this one restart from there. One chunk per compute turn: while other
+        # sequences decode, chunks are capped so their steps come between (no starving).
         end = len(self.tokens) - 1
-        prefixes = self.engine.prefix_cache
-        for i in range(start, end, chunk):
-            part = self.tokens[i : min(i + chunk, end)]
-            with timeline.span("compute", "prefill-chunk", tokens=len(part)):
-                await compute.forward(part, cache, "prefill")
-            if prefixes.wants(i, i + len(part), end):
-                await self.engine.worker.run(prefixes.checkpoint, self.tokens[: i + len(part)], cache)
-        with timeline.span("compute", "prefill-chunk", tokens=1):
-            return await compute.forward(self.tokens[end:], cache, "prefill")
+        prefixes = engine.prefix_cache
+        i = start
+        while i < end:
+            async with batch.exclusive():
+                chunk = engine.prefill_chunk
+                if batch.size:
+                    chunk = min(chunk, engine.config.compute.batch_prefill_chunk)
+                part = self.tokens[i : min(i + chunk, end)]
+                with timeline.span("compute", "prefill-chunk", tokens=len(part)):
+                    await compute.forward(part, cache, "prefill")
+            i += len(part)
+            if prefixes.wants(i - len(part), i, end):
+                await engine.worker.run(prefixes.checkpoint, self.tokens[:i], cache)
+            if self.on_prefill is not None:
+                self.on_prefill(i, end + 1)
+        async with batch.exclusive():
+            with timeline.span("compute", "prefill-chunk", tokens=1):
+                return await compute.forward(self.tokens[end:], cache, "prefill")
 
     async def _prefill_scored(self, cache: list[Any]) -> tuple[mx.array, tuple[TokenLogprob, ...]]:
         """Prefill keeping every position's logits: the log-probability of each prompt
@@ -108,34 +123,60 @@ class Generation:
         logits = None
         for i in range(0, len(self.tokens), chunk):
             part = self.tokens[i : i + chunk]
-            with timeline.span("compute", "prefill-chunk", tokens=len(part)):
-                every = await compute.forward(part, cache, "prefill", all_positions=True)
+            async with self.engine.batch.exclusive():
+                with timeline.span("compute", "prefill-chunk", tokens=len(part)):
+                    every = await compute.forward(part, cache, "prefill", all_positions=True)
             targets = self.tokens[i + 1 : i + 1 + len(part)]  # the last position has none
             scored, logits = await worker.run(_score_chunk, every, targets, top)
             entries += scored
         assert logits is not None
         return logits, tuple(entries)
 
+    def submit(self) -> None:
+        """Queue this generation now (it runs once admitted, whether or not anyone reads
+        yet); `run` reads it. Its events are buffered up to max_tokens + a few, so a row
+        whose reader lags never holds up the rest of the decode batch."""
+        if self.job is not None:
+            return
+        engine = self.engine
+        self._send, self._receive = trio.open_memory_channel[Event](self._max_tokens() + 8)
+        send = self._send
+        self.job = Job(body=lambda: self._body(send), cost=self.state_bytes())
+        engine.waiting += 1
+        engine.compute_task.submit(self.job)
+
     async def run(self) -> AsyncIterator[Event]:
-        """Submit this generation to the compute task and stream what it produces.
+        """Submit (if not yet) and stream what the generation produces.
 
         Leaving early (a break, a cancel, a client gone) cancels the job and waits for it
         to clean up, so the engine is free for the next request within one step.
         """
-        engine = self.engine
-        send, receive = trio.open_memory_channel[Event](16)
-        job = Job(body=lambda: self._body(send))
-        await engine.compute_task.submit(job)
+        self.submit()
+        assert self.job is not None
+        job = self.job
         try:
-            async with receive:
-                async for event in receive:
+            async with self._receive:
+                async for event in self._receive:
                     yield event
             await job.finished.wait()
             if job.error is not None:
                 raise job.error
         finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Stop a submitted generation (queued: skipped; running: cancelled and waited for)."""
+        job, engine = self.job, self.engine
+        if job is None or self.closed:
+            return
+        self.closed = True
+        try:
             if not job.finished.is_set():
-                await ComputeTask.abandon(job)
+                await engine.compute_task.abandon(job)
+        finally:
+            if not self.started:
+                engine.waiting -= 1
+            engine.generations += 1
 
     async def _body(self, events: trio.MemorySendChannel[Event]) -> None:
         self.started = True
@@ -187,15 +228,24 @@ class Generation:
                 await events.send(TextDelta("", (), (), entries))
             else:
                 logits = await self._prefill(cache, cached)
-            t_first = time.perf_counter()
-            stall_prefill = router.stats.stall_seconds
-            prefill_device = await worker.run(mx.get_peak_memory)
-            await worker.run(mx.reset_peak_memory)
-            decode_rss = current_rss_mb()
-            decoder = Decoder(engine.compute, cache, sampler, logits)
+        except BaseException:
+            # Cancelled or failed mid-prompt: drop the reads this prefill left in flight
+            # and its pins, in a compute turn of its own, before anyone steps again.
+            with trio.CancelScope(shield=True):
+                async with engine.batch.exclusive():
+                    await router.drain()
+            raise
+        t_first = time.perf_counter()
+        stall_prefill = router.stats.stall_seconds
+        prefill_device = await worker.run(mx.get_peak_memory)
+        await worker.run(mx.reset_peak_memory)
+        decode_rss = current_rss_mb()
+        batch = engine.batch
+        row = batch.join(cache, sampler, logits)
+        try:
             while len(generated) < max_tokens:
                 with timeline.span("compute", "decode-step", index=len(generated)):
-                    token = await decoder.next(more=len(generated) + 1 < max_tokens)
+                    token = await batch.next(row, more=len(generated) + 1 < max_tokens)
                 generated.append(token)
                 reason = await engine.sampling.add(stream, token, emit)
                 if reason is not None:
@@ -206,20 +256,17 @@ class Generation:
             left = sampler.take_logprobs()
             if left:  # tokens that never showed text (a stop id, a held-back tail)
                 await events.send(TextDelta("", (), left))
-            # A step queued on the last token is undone: the caches hold prompt +
-            # generated[:-1], as the prefix cache below expects.
-            await decoder.close()
-            # Nothing runs until the next request: let the last layer's experts go.
-            await router.end_layer()
-            await engine.compute.prefetcher.caught_up()
+            # Leaving the batch undoes a step queued on the last token: the caches
+            # come back holding prompt + generated[:-1], as the prefix cache expects.
+            cache = await batch.leave(row, want_cache=True)
             ok = True
         finally:
             if not ok:
-                with trio.CancelScope(shield=True):
-                    await router.drain()
+                await batch.leave(row, want_cache=False)
         t_end = time.perf_counter()
         # The state after prompt + all generated tokens but the last (never fed back).
-        engine.prefix_cache.put(self.tokens + generated[:-1], cache)
+        if cache is not None:
+            engine.prefix_cache.put(self.tokens + generated[:-1], cache)
         table = router.table.snapshot()
         reads = rstats.reads - reader0[0]
         nbytes = rstats.bytes_read - reader0[1]

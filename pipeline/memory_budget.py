@@ -46,3 +46,12 @@ def check_pool_fits(pool_bytes: int, dense_bytes: int, explicit: bool) -> None:
             f"({_mib(dense_bytes)}) and {_mib(RESERVE_BYTES)} for the rest of the process, leaves "
             f"{_mib(max(room, 0))}; lower pool.budget_mb (--pool-mb) or pool.slots, or leave both "
             "unset to size the pool from available memory")
+
+
+def batch_budget(batch_memory_mb: int, dense_bytes: int) -> int:
+    """Bytes the decode batch's model state may take (`compute.batch_memory_mb`; 0: a
+    quarter of the memory left now, the pool allocated, but at least 256 MiB)."""
+    if batch_memory_mb:
+        return batch_memory_mb * 2**20
+    room, _ = pool_memory_room(dense_bytes)
+    return max(room // 4, 256 * 2**20)

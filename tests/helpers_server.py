@@ -25,15 +25,17 @@ def own_copy(container: Path, tmp_path_factory: pytest.TempPathFactory, name: st
 
 @asynccontextmanager
 async def serving(container: Path, server: dict[str, Any] | None = None,
-                  prefill_chunk: int = 4, **serve_kw: Any) -> AsyncIterator[tuple[Engine, int]]:
+                  prefill_chunk: int = 4, max_batch: int = 8,
+                  **serve_kw: Any) -> AsyncIterator[tuple[Engine, int]]:
     """An engine on `container` served on a free loopback port; yields (engine, port).
 
     `server` is the config's [server] section (e.g. context_limit); `serve_kw` goes to
     serve_engine (api_key, max_queue, max_body_bytes, ...). A larger `prefill_chunk` makes
-    long prompts (tool definitions) cheaper.
+    long prompts (tool definitions) cheaper; `max_batch` 1 makes requests queue one
+    behind the other.
     """
     cfg = config_from_dict({"model": {"path": str(container)}, "pool": {"slots": 16},
-                            "compute": {"prefill_chunk": prefill_chunk}, "prefetch": {"strategy": "next-gate"},
+                            "compute": {"prefill_chunk": prefill_chunk, "max_batch": max_batch}, "prefetch": {"strategy": "next-gate"},
                             "server": server or {}})
     async with open_engine(cfg) as engine, trio.open_nursery() as nursery:
         port = await nursery.start(lambda task_status: serve_engine(

@@ -70,7 +70,7 @@ async def test_health_reports_an_unreadable_layer_file(container: Path, tmp_path
 
 async def test_shutdown_503s_the_queue_and_ends_running_streams_with_an_error_event(container: Path) -> None:
     stop = trio.Event()
-    async with running_server(container, shutdown_trigger=stop.wait) as (engine, http):
+    async with running_server(container, shutdown_trigger=stop.wait, max_batch=1) as (engine, http):
         results: dict[str, httpx2.Response] = {}
 
         async def post(name: str, payload: dict) -> None:
@@ -124,4 +124,4 @@ async def test_shutdown_503s_the_queue_and_ends_running_streams_with_an_error_ev
         assert events[-1]["error"]["code"] == "server_shutting_down", events[-1]
         assert all("choices" in e for e in events[:-1])
         assert time.monotonic() - started >= 2  # the grace period was given
-    assert engine.waiting == 0 and not engine.lock.locked()
+    assert engine.waiting == 0 and not engine.busy

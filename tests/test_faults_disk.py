@@ -78,7 +78,7 @@ def assert_pool_clean(engine: Engine) -> None:
     assert snap["loads_in_flight"] == 0, snap
     assert [k for k in table.resident() if table.state(k) == "loading"] == []
     assert engine.waiting == 0
-    assert not engine.lock.locked()
+    assert not engine.busy
 
 
 async def test_transient_faults_are_retried_and_invisible(tiny_qpack, reference):

@@ -44,14 +44,14 @@ def assert_idle(engine: Engine) -> None:
     assert snapshot["pinned"] == 0, snapshot
     assert snapshot["loads_in_flight"] == 0, snapshot
     assert [k for k in table.resident() if table.state(k) == "loading"] == []
-    assert engine.waiting == 0 and not engine.lock.locked()
+    assert engine.waiting == 0 and not engine.busy
 
 
 async def settle(engine: Engine) -> int:
     """Until the engine is free and the task count has not moved for half a second (closed
     connections take a moment to end their server tasks); returns that count."""
     with trio.fail_after(30):
-        while engine.lock.locked():
+        while engine.busy:
             await trio.sleep(0.05)
         counts = [-1]
         while len(counts) < 5 or len(set(counts[-5:])) > 1:

@@ -143,7 +143,7 @@ async def test_refusals_name_what_is_wrong(container: Path) -> None:
         # Still serving, and the engine is idle and clean.
         ok = await http.post(CHAT, headers=AUTH, json=body())
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
-        assert engine.waiting == 0 and not engine.lock.locked()
+        assert engine.waiting == 0 and not engine.busy
         metrics = (await http.get("/metrics")).text
         assert 'moestream_requests_total{path="/v1/chat/completions",status="400"}' in metrics
         assert 'status="413"' in metrics and 'status="401"' in metrics
@@ -160,7 +160,7 @@ async def sse_chunks(lines: AsyncIterator[str], n: int) -> list[dict[str, Any]]:
 
 
 async def test_queue_full_and_disconnects(container: Path) -> None:
-    async with running_server(container, max_queue=1) as (engine, http):
+    async with running_server(container, max_queue=1, max_batch=1) as (engine, http):
         # A streams a long answer and holds the engine; B waits for it; C finds the queue full.
         long = body(max_tokens=2000, stream=True)
         results: dict[str, httpx2.Response] = {}
@@ -188,14 +188,14 @@ async def test_queue_full_and_disconnects(container: Path) -> None:
                                                    "max_tokens": 2000, "stream": True})):
             async with http.stream("POST", path, json=payload) as a:
                 await sse_chunks(a.aiter_lines(), 2)
-            await until(lambda: not engine.lock.locked())
+            await until(lambda: not engine.busy)
             snapshot = engine.pool_snapshot()
             assert snapshot["pinned"] == 0 and snapshot["loads_in_flight"] == 0
 
         # A non-streaming request whose client gives up is cancelled too.
         with trio.move_on_after(1.5):
             await http.post(CHAT, json=body(max_tokens=2000))
-        await until(lambda: not engine.lock.locked())
+        await until(lambda: not engine.busy)
         assert engine.pool_snapshot()["pinned"] == 0
 
         ok = await http.post(CHAT, json=body(max_tokens=3))

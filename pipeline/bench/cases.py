@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -27,95 +26,9 @@ from typing import Any
 
 import msgspec
 
-Kind = str  # "moestream" | "resident" | "io"
+from pipeline.bench.spec import Case, Result, backend, engine_dict, prompt_ids
 
-
-class Case(msgspec.Struct, kw_only=True):
-    """One configuration to measure (sent to the worker process as JSON)."""
-
-    name: str
-    model: str
-    kind: Kind = "moestream"
-    config: dict[str, Any] = {}  # PipelineConfig sections over the defaults
-    prompt_tokens: int = 16
-    max_tokens: int = 32
-    cold: bool = True
-    trace: str | None = None
-    seed: int = 0
-    # warm-all: a pool of every expert, read in before measuring (decode never waits for
-    # the disk), then mlx-lm fully resident in the same process as the reference.
-    warm_all: bool = False
-
-
-class Result(msgspec.Struct, kw_only=True):
-    name: str
-    kind: Kind
-    prompt_tokens: int = 0
-    max_tokens: int = 0
-    completion_tokens: int = 0
-    decode_tok_s: float = 0.0
-    prefill_tok_s: float = 0.0
-    ttft_s: float = 0.0
-    peak_rss_mb: float = 0.0
-    peak_device_mb: float = 0.0
-    decode_rss_mb: float = 0.0
-    decode_device_mb: float = 0.0
-    pool_mb: float = 0.0
-    slots: int = 0
-    readers: int = 0
-    strategy: str = ""
-    overlap: bool = True
-    o_direct: bool = False
-    hit_rate: float = 0.0
-    decode_hit_rate: float = 0.0
-    bytes_read_per_token: float = 0.0
-    decode_bytes_per_token: float = 0.0
-    prefetch_precision: float = 0.0
-    prefetch_recall: float = 0.0
-    stall_fraction: float = 0.0
-    read_gb_s: float = 0.0  # "io" only
-    # OS threads after the generation: each thread that ever touched MLX leaves a stream
-    # (and on Linux a thread) behind, so growth here means something leaks them.
-    os_threads: int = 0
-    # After the generation: the kernel's split of RSS, and the largest mappings by RSS.
-    rss_kinds: dict[str, float] = {}
-    rss_by_mapping: dict[str, float] = {}
-    open_s: float = 0.0  # engine open (dense core, pool), then the warm-up generation:
-    warmup_s: float = 0.0  # where a case's time goes besides the measured generation
-    prefill_chunk: int = 0
-    prefill_bytes: int = 0  # expert bytes read before the first decode step
-    run_ahead_tokens: int = 0  # decode tokens that tried one sync per token ...
-    run_ahead_misses: int = 0  # ... and fell back to one per layer
-    resident_decode_tok_s: float = 0.0  # warm-all: mlx-lm resident, same process
-    backend: str = ""
-    seconds: float = 0.0
-    error: str | None = None
-
-
-def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
-    """A fixed random prompt of ordinary tokens (below the special-token range)."""
-    rng = random.Random(seed)
-    return [rng.randrange(100, min(vocab, 150_000)) for _ in range(n)]
-
-
-def _backend() -> str:
-    import mlx.core as mx
-
-    return str(mx.default_device())
-
-
-def engine_dict(case: Case) -> dict[str, Any]:
-    raw: dict[str, Any] = {k: dict(v) for k, v in case.config.items()}
-    raw.setdefault("model", {})["path"] = case.model
-    raw["model"].setdefault("verify", "off")
-    if case.warm_all:
-        from qpack.reader import Container
-
-        with Container.open(case.model, verify="off") as c:
-            total = c.manifest.num_experts * len(c.manifest.layers)
-        raw["pool"] = {**{k: v for k, v in raw.get("pool", {}).items() if k != "budget_mb"},
-                       "slots": total}
-    return raw
+__all__ = ["Case", "Report", "Result", "engine_dict", "machine_info", "prompt_ids", "run_case"]
 
 
 async def measure_engine(case: Case) -> Result:
@@ -190,7 +103,7 @@ async def measure_engine(case: Case) -> Result:
             bytes_read_per_token=s.bytes_read_per_token,
             decode_bytes_per_token=d_bytes / decoded if decoded else 0.0,
             prefetch_precision=s.prefetch_precision, prefetch_recall=s.prefetch_recall,
-            stall_fraction=s.stall_fraction, backend=_backend(),
+            stall_fraction=s.stall_fraction, backend=backend(),
             os_threads=_os_threads(), rss_kinds=resident_kinds(), rss_by_mapping=resident_by_mapping(),
             prefill_chunk=engine.prefill_chunk,
             prefill_bytes=int(mark.get("bytes", 0) - bytes0),
@@ -219,6 +132,10 @@ def measure(case: Case) -> Result:
     from pipeline.bench.refs import read_bandwidth, resident_decode
 
     started = time.perf_counter()
+    if case.kind == "moestream" and case.concurrency:
+        from pipeline.bench.batch import measure_batch
+
+        return trio.run(measure_batch, case)
     if case.kind == "moestream":
         result = trio.run(measure_engine, case)
         if case.warm_all:
@@ -244,7 +161,7 @@ def measure(case: Case) -> Result:
                       max_tokens=case.max_tokens, completion_tokens=r.tokens,
                       decode_tok_s=r.decode_tok_s, prefill_tok_s=r.prefill_tok_s, ttft_s=r.ttft_s,
                       peak_rss_mb=peak_rss_mb(), peak_device_mb=r.peak_device_mb,
-                      pool_mb=r.model_bytes / 2**20, backend=_backend(),
+                      pool_mb=r.model_bytes / 2**20, backend=backend(),
                       seconds=time.perf_counter() - started)
     if case.kind == "io":
         reader = case.config.get("reader", {})
@@ -313,6 +230,9 @@ class Report:
                 key = name.replace("-", "_")
                 out[f"{key}_prefill_ceiling_tok_s"] = ceiling
                 out[f"{key}_prefill_over_ceiling"] = long.prefill_tok_s / ceiling
+        from pipeline.bench.batch import batch_derived
+
+        out.update(batch_derived({r.name: r for r in self.results if r.error is None}))
         if default is not None:
             budget = self.container["dense_mb"] + default.pool_mb + 256
             gpu = "gpu" in default.backend

@@ -13,7 +13,9 @@ from pipeline.bench.cases import Case, Report, machine_info, run_case
 # The default run; warm-all (every expert pooled, vs mlx-lm resident in the same
 # process) and the long-prompt pair are asked for by name.
 CASES = ("default", "serial", "resident", "io")
-ALL_CASES = (*CASES, "warm-all", "long-prompt", "long-prompt-c256")
+# batch-N / batch-warm-N: N sequences in one decode batch (cold pool / every expert pooled).
+BATCHES = tuple(f"batch{w}-{n}" for w in ("", "-warm") for n in (1, 2, 4, 8))
+ALL_CASES = (*CASES, "warm-all", "long-prompt", "long-prompt-c256", *BATCHES)
 DEFAULT_POOL_MB = 1024
 
 
@@ -50,6 +52,11 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
             fixed = {**base, "compute": {**base["compute"], "prefill_chunk": 256}}
             cases.append(Case(name="long-prompt-c256", config=fixed,
                               **{**common, "prompt_tokens": args.long_prompt, "max_tokens": 8}))
+        elif name in BATCHES:
+            warm = name.startswith("batch-warm")
+            cases.append(Case(name=name, config=base, warm_all=warm,
+                              concurrency=int(name.rsplit("-", 1)[1]),
+                              **{**common, "cold": common["cold"] and not warm}))
     return cases
 
 

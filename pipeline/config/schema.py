@@ -121,6 +121,16 @@ class ComputeConfig(_Section):
     # Activation dtype. "auto": float32 on MLX's CPU backend (its bfloat16 kernels are ~10x
     # slower than float32 there), the model's own dtype on GPUs; "model": always the model's.
     dtype: Literal["auto", "model", "float32", "bfloat16", "float16"] = "auto"
+    # Sequences decoded together in one batch (concurrent requests, n > 1, prompt lists);
+    # more wait in the queue. 1 = one generation at a time.
+    max_batch: PositiveInt = 8
+    # While others decode, a newcomer's prompt is prefilled this many tokens per compute
+    # turn, one batch step between turns (neither starves the other).
+    batch_prefill_chunk: PositiveInt = 512
+    # The batch's model state (KV caches grow with prompt + completion) is kept within
+    # this many MiB: a request whose state would not fit waits. 0 = a quarter of the
+    # memory left after the pool, as estimated when the engine opens.
+    batch_memory_mb: NonNegInt = 0
 
 
 class ChatMessage(_Section):

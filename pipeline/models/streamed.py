@@ -19,6 +19,7 @@ import numpy as np
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
 from actors.forward import Presync, Routing
+from pipeline.models.batch_caches import BatchCaches
 from pipeline.models.moe import moe_output, route, routed_experts
 from pipeline.models.text_parts import TextParts, moe_layers, text_parts
 from qpack.spec import ExpertFormat
@@ -53,6 +54,15 @@ class LazyRunAhead:
 
     def result(self) -> RunAhead:
         return RunAhead(self.layers, np.asarray(self.ids), np.asarray(self.present), self.logits)
+
+
+def _arrays(state: Any) -> list[mx.array]:
+    """The arrays in a cache's `state` (a batched cache's state nests lists and ints)."""
+    if isinstance(state, mx.array):
+        return [state]
+    if isinstance(state, (list, tuple)):
+        return [a for part in state for a in _arrays(part)]
+    return []
 
 
 def _snapshot(cache: Any) -> dict[str, Any]:
@@ -92,6 +102,27 @@ class StreamedModel:
     def step(self, tokens: list[int] | mx.array, cache: list[Any]) -> ForwardStep:
         return ForwardStep(self, tokens, cache)
 
+    def batch_caches(self) -> BatchCaches:
+        return BatchCaches()
+
+    def state_bytes(self, tokens: int) -> int:
+        """About how many bytes one sequence's model state holds after `tokens` tokens:
+        keys and values per attention layer (allocated 256 positions at a time), the
+        conv and recurrent state per Gated DeltaNet layer (fixed size)."""
+        embed = self.parts.embed_tokens  # a quantized one keeps the dtype in its scales
+        itemsize = (self.activation_dtype or getattr(embed, "scales", embed.weight).dtype).size
+        positions = -(-tokens // 256) * 256
+        total = 0
+        for block in self.parts.layers:
+            if block.is_linear:
+                la = block.linear_attn
+                total += (la.conv_kernel_size - 1) * la.conv_dim * itemsize
+                total += la.num_v_heads * la.head_v_dim * la.head_k_dim * 4  # float32 state
+            else:
+                at = block.self_attn
+                total += 2 * positions * at.num_key_value_heads * at.head_dim * itemsize
+        return total
+
     def make_cache(self) -> list[Any]:
         return self.parts.make_cache()
 
@@ -114,10 +145,17 @@ class ForwardStep:
     """One forward call over `tokens` (a prefill chunk or one decode token)."""
 
     def __init__(self, model: StreamedModel, tokens: list[int] | mx.array, cache: list[Any]):
-        """`tokens`: ids, or a lazy [1] array (a token not yet read back: pipelined decode)."""
+        """`tokens`: one sequence's ids (a list, or a lazy 1-D array: a token not yet read
+        back, pipelined decode), or a [rows, tokens] array: one row per sequence of a
+        batch whose caches were merged (`BatchCaches`); its logits are then [rows, vocab].
+        """
         self.m = model
         self.cache = cache
-        ids = tokens.reshape(1, -1) if isinstance(tokens, mx.array) else mx.array([tokens])
+        self.rows = isinstance(tokens, mx.array) and tokens.ndim == 2
+        if isinstance(tokens, mx.array):
+            ids = tokens if self.rows else tokens.reshape(1, -1)
+        else:
+            ids = mx.array([tokens])
         h = model.parts.embed_tokens(ids)
         if model.activation_dtype is not None:
             h = h.astype(model.activation_dtype)
@@ -163,7 +201,7 @@ class ForwardStep:
         if block is None:
             return None
         h_mid, x, inds, scores = self._mix_and_route(block)
-        hidden = h_mid[0]
+        hidden = h_mid.reshape(-1, h_mid.shape[-1])  # [rows * tokens, H]
         extra = presync(self.layer, hidden) if presync is not None else []
         mx.eval(inds, *extra)
         self._pending = (h_mid, x, inds, scores)
@@ -214,10 +252,14 @@ class ForwardStep:
             present.append((found >= 0).all())
             layers.append(self.layer)
             self.layer += 1
-        out = self.m.parts.head(self.m.parts.norm(self.h[:, -1:, :]))[0]
-        states = [a for c in self.cache for a in c.state if a is not None]
-        return LazyRunAhead(layers, mx.stack(ids), mx.stack(present), out[0],
+        states = [a for c in self.cache for a in _arrays(c.state)]
+        return LazyRunAhead(layers, mx.stack(ids), mx.stack(present), self._last_logits(),
                             [*self._h_in.values(), *states])
+
+    def _last_logits(self) -> mx.array:
+        """The last position's logits: [vocab], or [rows, vocab] for a batch of rows."""
+        out = self.m.parts.head(self.m.parts.norm(self.h[:, -1:, :]))
+        return out[:, 0] if self.rows else out[0, 0]
 
     def restore(self, snapshot: list[dict[str, Any]], layers: range) -> None:
         """Put `layers`' caches back as `snapshot` (a `snapshot()`) had them."""
@@ -248,8 +290,9 @@ class ForwardStep:
 
     def logits(self, all_positions: bool = False) -> mx.array:
         """Final logits, [vocab] for the last position (or [tokens, vocab]); evaluated."""
-        h = self.h if all_positions else self.h[:, -1:, :]
-        out = self.m.parts.head(self.m.parts.norm(h))[0]
-        states = [a for c in self.cache for a in c.state if a is not None]
-        mx.eval(out, states)
-        return out if all_positions else out[0]
+        if all_positions:
+            out = self.m.parts.head(self.m.parts.norm(self.h))[0]
+        else:
+            out = self._last_logits()
+        mx.eval(out, [a for c in self.cache for a in _arrays(c.state)])
+        return out

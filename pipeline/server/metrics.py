@@ -62,6 +62,13 @@ class Metrics:
         metric("time_to_first_token_seconds", "gauge", "TTFT of the last finished request.",
                [("", self.last_ttft_s)])
         metric("queue_depth", "gauge", "Requests waiting for the engine.", [("", engine.waiting)])
+        metric("batch_size", "gauge", "Sequences in the decode batch now.", [("", pool["batch_size"])])
+        metric("running_generations", "gauge", "Generations admitted (prefilling or decoding).",
+               [("", len(engine.compute_task.running))])
+        metric("batch_steps_total", "counter", "Decode batch steps.", [("", pool["batch_steps"])])
+        metric("batch_rows_stepped_total", "counter",
+               "Sequence-steps decoded (batch size summed over steps).",
+               [("", pool["batch_rows_stepped"])])
         metric("pool_bytes", "gauge", "Bytes of the expert pool.", [("", pool["pool_bytes"])])
         metric("pool_slots", "gauge", "Expert slots in the pool.", [("", pool["slots"])])
         metric("pool_resident_experts", "gauge", "Experts resident in the pool.",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 
 import msgspec
 import structlog
@@ -26,6 +26,7 @@ from actors.sampling_params import SamplingParams
 from actors.token_logprob import TokenLogprob
 from pipeline.engine import Engine
 from pipeline.events import Done, TextDelta
+from pipeline.generation import Generation
 from pipeline.server import schema as s
 from pipeline.server import schema_out as o
 from pipeline.server.call_formats import Schemas
@@ -45,7 +46,7 @@ def _sse_error(exc: BaseException) -> bytes:
 
 class Choice(msgspec.Struct, frozen=True):
     """One generation of a reply: choice `index` of prompt `tokens` (n > 1 and prompt lists
-    give several, run one after another)."""
+    give several; they are submitted together and decode in one batch)."""
 
     index: int
     tokens: list[int]
@@ -75,13 +76,30 @@ class Reply:
         self.choices = choices
         self.texts = TokenTexts(engine.tokenizer)
         self.admitted = trio.Event()  # the first generation left the engine's queue
+        self.started: dict[int, Generation] = {}
+
+    @asynccontextmanager
+    async def batched(self) -> AsyncIterator[None]:
+        """Submit every choice's generation at once (they decode in one batch, each read
+        in turn); whichever way the reply ends, the ones not read to the end are stopped."""
+        if len(self.choices) > 1:
+            for choice in self.choices:
+                self.started[choice.index] = self.engine.start(
+                    choice.tokens, choice.params, admitted=self.admitted)
+        try:
+            yield
+        finally:
+            with trio.CancelScope(shield=True):
+                for generation in self.started.values():
+                    await generation.close()
 
     async def run(self, choice: Choice) -> AsyncIterator[TextDelta | Done]:
         drain = self.drain or Drain()
         drain.started()
+        generation = self.started.get(choice.index) or self.engine.start(
+            choice.tokens, choice.params, admitted=self.admitted)
         try:
-            async with aclosing(self.engine.generate(choice.tokens, choice.params,
-                                                     admitted=self.admitted)) as events:
+            async with aclosing(generation.run()) as events:
                 producing = False
                 while True:
                     # Each wait for the next event is cancellable by a shutdown; the yield
@@ -189,10 +207,11 @@ class ChatReply(Reply):
 
     async def complete(self) -> Response:
         out, dones = [], []
-        for choice in self.choices:
-            made, done = await self.one(choice)
-            out.append(made)
-            dones.append((choice, done))
+        async with self.batched():
+            for choice in self.choices:
+                made, done = await self.one(choice)
+                out.append(made)
+                dones.append((choice, done))
         return json_response(o.ChatCompletion(self.id, self.created, self.model, out,
                                               _usage_of(dones)))
 
@@ -212,27 +231,28 @@ class ChatReply(Reply):
 
     async def chunks(self) -> AsyncIterator[bytes]:
         dones = []
-        for choice in self.choices:
-            parser = self.parser()
-            # Log-probabilities ride on the next chunk sent (held-back text delays them).
-            pending: list[TokenLogprob] = []
-            yield self.chunk(choice.index, o.Delta(role="assistant", content=""))
-            async with aclosing(self.run(choice)) as events:
-                async for event in events:
-                    if isinstance(event, TextDelta):
-                        parts = parser.feed(event.text)
-                        pending += event.logprobs
-                    else:
-                        parts = parser.finish()
-                    for part in parts:
-                        delta = self.delta(part)
-                        if delta is not None:
-                            yield self.chunk(choice.index, delta, None, pending)
-                            pending = []
-                    if isinstance(event, Done):
-                        dones.append((choice, event))
-                        yield self.chunk(choice.index, o.Delta(),
-                                         self.finish_reason(event, parser), pending)
+        async with self.batched():
+            for choice in self.choices:
+                parser = self.parser()
+                # Log-probabilities ride on the next chunk sent (held-back text delays them).
+                pending: list[TokenLogprob] = []
+                yield self.chunk(choice.index, o.Delta(role="assistant", content=""))
+                async with aclosing(self.run(choice)) as events:
+                    async for event in events:
+                        if isinstance(event, TextDelta):
+                            parts = parser.feed(event.text)
+                            pending += event.logprobs
+                        else:
+                            parts = parser.finish()
+                        for part in parts:
+                            delta = self.delta(part)
+                            if delta is not None:
+                                yield self.chunk(choice.index, delta, None, pending)
+                                pending = []
+                        if isinstance(event, Done):
+                            dones.append((choice, event))
+                            yield self.chunk(choice.index, o.Delta(),
+                                             self.finish_reason(event, parser), pending)
         if self.include_usage():
             yield sse(o.ChatChunk(self.id, self.created, self.model, [],
                                    usage=_usage_of(dones)))
@@ -261,64 +281,66 @@ class TextReply(Reply):
 
     async def complete(self) -> Response:
         out, dones = [], []
-        for choice in self.choices:
-            texts: list[str] = []
-            entries: list[TokenLogprob] = []
-            prompt: tuple[TokenLogprob, ...] = ()
-            done = None
-            async with aclosing(self.run(choice)) as events:
-                async for event in events:
-                    if isinstance(event, TextDelta):
-                        texts.append(event.text)
-                        entries += event.logprobs
-                        prompt = prompt or event.prompt_logprobs
-                    else:
-                        done = event
-            assert done is not None
-            dones.append((choice, done))
-            out.append(o.TextChoice(choice.index, self.echoed(choice) + "".join(texts),
-                                    done.finish_reason,
-                                    self.text_logprobs(choice, entries, True, 0, prompt)))
+        async with self.batched():
+            for choice in self.choices:
+                texts: list[str] = []
+                entries: list[TokenLogprob] = []
+                prompt: tuple[TokenLogprob, ...] = ()
+                done = None
+                async with aclosing(self.run(choice)) as events:
+                    async for event in events:
+                        if isinstance(event, TextDelta):
+                            texts.append(event.text)
+                            entries += event.logprobs
+                            prompt = prompt or event.prompt_logprobs
+                        else:
+                            done = event
+                assert done is not None
+                dones.append((choice, done))
+                out.append(o.TextChoice(choice.index, self.echoed(choice) + "".join(texts),
+                                        done.finish_reason,
+                                        self.text_logprobs(choice, entries, True, 0, prompt)))
         return json_response(o.Completion(self.id, self.created, self.model, out,
                                           _usage_of(dones)))
 
     async def chunks(self) -> AsyncIterator[bytes]:
         dones = []
-        for choice in self.choices:
-            first, offset = True, 0
-            # With logprobs the echo waits for the prompt's own (the first event, sent
-            # after prefill); without, it goes out at once.
-            echo_now = self.echo and not self.logprobs
-            if echo_now:
-                echoed = self.echoed(choice)
-                yield sse(o.Completion(self.id, self.created, self.model,
-                                        [o.TextChoice(choice.index, echoed, None, None)]))
-                first, offset = False, len(echoed)
-            # Log-probabilities of tokens without text ride on the next chunk sent.
-            pending: list[TokenLogprob] = []
-            async with aclosing(self.run(choice)) as events:
-                async for event in events:
-                    if first and self.echo and not echo_now:
-                        echoed = self.echoed(choice)
-                        prompt = event.prompt_logprobs if isinstance(event, TextDelta) else ()
-                        lp = self.text_logprobs(choice, [], True, 0, prompt)
-                        yield sse(o.Completion(self.id, self.created, self.model,
-                                                [o.TextChoice(choice.index, echoed, None, lp)]))
-                        first, offset = False, len(echoed)
-                    if isinstance(event, TextDelta):
-                        pending += event.logprobs
-                        if event.text:
-                            lp = self.text_logprobs(choice, pending, first, offset)
-                            first, offset, pending = False, offset + len(event.text), []
-                            yield sse(o.Completion(self.id, self.created, self.model,
-                                                    [o.TextChoice(choice.index, event.text,
-                                                                  None, lp)]))
-                        continue
-                    dones.append((choice, event))
-                    lp = self.text_logprobs(choice, pending, first, offset) if pending else None
+        async with self.batched():
+            for choice in self.choices:
+                first, offset = True, 0
+                # With logprobs the echo waits for the prompt's own (the first event, sent
+                # after prefill); without, it goes out at once.
+                echo_now = self.echo and not self.logprobs
+                if echo_now:
+                    echoed = self.echoed(choice)
                     yield sse(o.Completion(self.id, self.created, self.model,
-                                            [o.TextChoice(choice.index, "",
-                                                          event.finish_reason, lp)]))
+                                            [o.TextChoice(choice.index, echoed, None, None)]))
+                    first, offset = False, len(echoed)
+                # Log-probabilities of tokens without text ride on the next chunk sent.
+                pending: list[TokenLogprob] = []
+                async with aclosing(self.run(choice)) as events:
+                    async for event in events:
+                        if first and self.echo and not echo_now:
+                            echoed = self.echoed(choice)
+                            prompt = event.prompt_logprobs if isinstance(event, TextDelta) else ()
+                            lp = self.text_logprobs(choice, [], True, 0, prompt)
+                            yield sse(o.Completion(self.id, self.created, self.model,
+                                                    [o.TextChoice(choice.index, echoed, None, lp)]))
+                            first, offset = False, len(echoed)
+                        if isinstance(event, TextDelta):
+                            pending += event.logprobs
+                            if event.text:
+                                lp = self.text_logprobs(choice, pending, first, offset)
+                                first, offset, pending = False, offset + len(event.text), []
+                                yield sse(o.Completion(self.id, self.created, self.model,
+                                                        [o.TextChoice(choice.index, event.text,
+                                                                      None, lp)]))
+                            continue
+                        dones.append((choice, event))
+                        lp = self.text_logprobs(choice, pending, first, offset) if pending else None
+                        yield sse(o.Completion(self.id, self.created, self.model,
+                                                [o.TextChoice(choice.index, "",
+                                                              event.finish_reason, lp)]))
         if self.include_usage():
             yield sse(o.Completion(self.id, self.created, self.model, [],
                                     usage=_usage_of(dones)))

@@ -1,0 +1,280 @@
+"""The decode batch: every sequence that is decoding advances in one forward per step.
+
+A trio task of the engine. Sequences (`Row`s) are prefilled alone by their generations,
+then join; each asks for its next token (`next`) and the task runs one step for all rows
+once every row has asked, so a step's layers demand the union of the rows' experts: each
+expert is read and pinned once for the whole batch, and the disk serves every row per
+pass. Rows join and leave only between steps (`_regroup`): the decoder is parked (a step
+queued on the last tokens is undone exactly), leavers' caches are cut out, newcomers'
+merged in (`CacheBatcher`), and a new decoder starts from each row's last token.
+
+A lone sequence keeps its own plain caches and the one-row decoder: alone, a generation
+computes exactly what it computed before batching existed. In a batch, each row's tokens
+are those it would get alone (its own sampler and RNG stream; the batched kernels give
+the same logits up to rounding, see the README).
+
+Compute turns: the engine's `turn` lock is held for each step and for each prefill
+chunk of a newcomer, so prefill and decode interleave, chunk by step (the lock is fair);
+a prefill that finds a step queued parks the decoder first (`exclusive`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import structlog
+import trio
+
+from actors.compute import Compute
+from actors.decode import Decoder
+from actors.forward import CacheBatcher
+from actors.row_samplers import RowSamplers
+from actors.sampler import Sampler
+
+log = structlog.get_logger("moestream.batch")
+
+
+@dataclass(eq=False)
+class Row:
+    """One decoding sequence, as the batch sees it."""
+
+    sampler: Sampler
+    cache: list[Any]  # its own caches, while it is not merged into a batch
+    logits: mx.array | None  # [vocab]: its first token is still to be drawn from these
+    asked: bool = False  # waiting for its next token
+    more: bool = True  # may ask again after this token
+    leaving: bool = False
+    want_cache: bool = False  # its caches are handed back when it leaves
+    token: int | None = None
+    error: BaseException | None = None
+    delivered: trio.Event = field(default_factory=trio.Event)
+    left: trio.Event = field(default_factory=trio.Event)
+
+    def deliver(self, token: int | None, error: BaseException | None = None) -> None:
+        self.asked = False
+        self.token, self.error = token, error
+        self.delivered.set()
+
+
+@dataclass
+class BatchStats:
+    steps: int = 0
+    rows_stepped: int = 0  # sum over steps of the batch size
+    regroups: int = 0
+    largest: int = 0
+
+
+class DecodeBatch:
+    def __init__(self, compute: Compute, caches: CacheBatcher, turn: trio.Lock) -> None:
+        self.compute = compute
+        self.caches = caches
+        self.turn = turn
+        self.members: list[Row] = []
+        self.joiners: list[Row] = []
+        self.decoder: Decoder | None = None
+        self.cache: list[Any] | None = None  # the members' (merged, when more than one)
+        self.prefill_waiting = 0
+        self.closed = False
+        self.stats = BatchStats()
+        self._poke = trio.Event()
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def _wake(self) -> None:
+        self._poke.set()
+
+    # -- the generations' side ---------------------------------------------------------------
+
+    def join(self, cache: list[Any], sampler: Sampler, logits: mx.array) -> Row:
+        """A prefilled sequence: its caches, sampler and last-position logits [vocab]."""
+        row = Row(sampler, cache, logits)
+        self.joiners.append(row)
+        return row
+
+    async def next(self, row: Row, more: bool) -> int:
+        """`row`'s next token (recorded in its sampler). `more`: it may ask again."""
+        if row.leaving:
+            raise RuntimeError("next() after leave()")
+        row.delivered = trio.Event()
+        row.asked, row.more = True, more
+        self._wake()
+        await row.delivered.wait()
+        if row.error is not None:
+            raise row.error
+        assert row.token is not None
+        return row.token
+
+    async def leave(self, row: Row, want_cache: bool) -> list[Any] | None:
+        """`row` is done: returns once the batch has let it go (within one step), with its
+        caches (every token but the last fed) if `want_cache`. Shielded: a cancelled
+        generation still waits, so the engine is clean when it is gone."""
+        row.leaving, row.want_cache = True, want_cache
+        self._wake()
+        with trio.CancelScope(shield=True):
+            if not self.closed:
+                await row.left.wait()
+        return row.cache if want_cache and row.error is None and not self.closed else None
+
+    @asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """A compute turn for something else (a prefill chunk, warming): no step queued."""
+        self.prefill_waiting += 1
+        try:
+            async with self.turn:
+                self.prefill_waiting -= 1
+                if self.decoder is not None:
+                    with trio.CancelScope(shield=True):  # the rows' state must stay whole
+                        await self.decoder.park()
+                yield
+        finally:
+            self._wake()
+
+    # -- the task ------------------------------------------------------------------------------
+
+    def _due(self) -> bool:
+        if any(r.leaving for r in self.members) or any(r.asked or r.leaving for r in self.joiners):
+            return True
+        return bool(self.members) and all(r.asked for r in self.members)
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await self._poke.wait()
+                self._poke = trio.Event()
+                if not self._due():
+                    continue
+                async with self.turn:
+                    tokens = await self._step()
+                if tokens is not None:
+                    for row, token in zip(self.members, tokens, strict=True):
+                        row.deliver(token)
+        finally:
+            # The engine is closing: nobody waits on a batch that will not step again.
+            self.closed = True
+            closed = RuntimeError("the engine closed")
+            for row in [*self.members, *self.joiners]:
+                row.deliver(None, closed)
+                row.left.set()
+
+    async def _step(self) -> list[int] | None:
+        try:
+            await self._regroup()
+            if not self.members or not all(r.asked for r in self.members):
+                return None
+            assert self.decoder is not None
+            more = (all(r.more for r in self.members) and not self.prefill_waiting
+                    and not self.joiners)
+            tokens = await self.decoder.next(more)
+        except Exception as exc:
+            # A failed step (a read that kept failing) leaves the rows' state half
+            # updated: every row ends with the error, the next request starts clean.
+            log.warning("batch.step_failed", rows=len(self.members), error=repr(exc))
+            with trio.CancelScope(shield=True):
+                await self.compute.router.drain()
+            for row in [*self.members, *self.joiners]:
+                row.deliver(None, exc)
+                row.left.set()
+            self.members, self.joiners, self.decoder, self.cache = [], [], None, None
+            return None
+        self.stats.steps += 1
+        self.stats.rows_stepped += len(self.members)
+        return tokens
+
+    async def _regroup(self) -> None:
+        """Apply pending leaves and joins between two steps."""
+        leaving = [r for r in self.members if r.leaving]
+        joining = [r for r in self.joiners if r.asked and not r.leaving]
+        gone = [r for r in self.joiners if r.leaving]
+        self.joiners = [r for r in self.joiners if r not in joining and r not in gone]
+        for row in gone:
+            row.left.set()
+        if not leaving and not joining:
+            if gone and not self.members:
+                await self._idle()
+            return
+        self.stats.regroups += 1
+        firsts = await self.compute._mlx(self._regroup_mlx, leaving, joining)
+        for row, token in firsts:
+            row.deliver(token)
+        for row in leaving:
+            row.left.set()
+        self.stats.largest = max(self.stats.largest, len(self.members))
+        if not self.members:
+            await self._idle()
+        log.debug("batch.regroup", rows=len(self.members), left=len(leaving), joined=len(joining))
+
+    async def _idle(self) -> None:
+        # Nothing decodes until the next request: let the last layer's experts go.
+        await self.compute.router.end_layer()
+        await self.compute.prefetcher.caught_up()
+
+    def _regroup_mlx(self, leaving: list[Row], joining: list[Row]) -> list[tuple[Row, int]]:
+        """On the MLX thread: park, cut out leavers, draw newcomers' first tokens, merge.
+
+        Returns the first tokens drawn, to deliver on the trio side.
+        """
+        feed: list[int] = []
+        firsts: list[tuple[Row, int]] = []
+        if self.decoder is not None:
+            self.decoder.park_now()
+            if self.decoder.feed is None:  # a lone row that never stepped: logits pending
+                assert self.decoder.logits is not None and len(self.members) == 1
+                self.members[0].logits = self.decoder.logits[0]
+            else:
+                feed = list(self.decoder.feed)
+        old, merged = self.members, len(self.members) > 1
+        keep = [i for i, r in enumerate(old) if r not in leaving]
+        if merged:
+            assert self.cache is not None
+            for i, row in enumerate(old):
+                if row in leaving and row.want_cache:
+                    row.cache = self.caches.extract(self.cache, i)
+            if len(keep) == 1:
+                old[keep[0]].cache = self.caches.extract(self.cache, keep[0])
+            elif 1 < len(keep) < len(old):
+                self.caches.keep(self.cache, keep)
+        members = [old[i] for i in keep]
+        feed = [feed[i] for i in keep] if feed else []
+        if not members and len(joining) == 1:
+            # Alone: the one-row decoder draws its first token, as a lone generation does.
+            row = joining[0]
+            self._start([row], row.cache, Decoder(self.compute, row.cache,
+                                                 RowSamplers([row.sampler]),
+                                                 logits=row.logits[None]))
+            row.logits = None
+            return firsts
+        # Rows whose first token is still to draw (newcomers; a lone row that never
+        # stepped) draw it from their own logits and get it now, as they would alone.
+        for row in [*members, *joining]:
+            if row.logits is not None:
+                token = row.sampler.sample(row.logits)
+                row.logits = None
+                if row in members:
+                    feed = [token]  # the lone row: its only feed
+                firsts.append((row, token))
+        feed += [token for row, token in firsts if row in joining]
+        members += joining
+        if not members:
+            self._start([], None, None)
+            return firsts
+        if len(members) == 1:
+            cache = members[0].cache
+        elif merged and len(keep) > 1:
+            assert self.cache is not None
+            cache = self.cache
+            if joining:
+                self.caches.extend(cache, [r.cache for r in joining])
+        else:
+            cache = self.caches.merge([r.cache for r in members])
+        sampler = RowSamplers([r.sampler for r in members])
+        self._start(members, cache, Decoder(self.compute, cache, sampler, feed=feed))
+        return firsts
+
+    def _start(self, members: list[Row], cache: list[Any] | None, decoder: Decoder | None) -> None:
+        self.members, self.cache, self.decoder = members, cache, decoder

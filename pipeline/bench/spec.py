@@ -1,0 +1,104 @@
+"""What one bench case is (sent to its worker process as JSON) and what it measured."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import msgspec
+
+Kind = str  # "moestream" | "resident" | "io"
+
+
+class Case(msgspec.Struct, kw_only=True):
+    """One configuration to measure (sent to the worker process as JSON)."""
+
+    name: str
+    model: str
+    kind: Kind = "moestream"
+    config: dict[str, Any] = {}  # PipelineConfig sections over the defaults
+    prompt_tokens: int = 16
+    max_tokens: int = 32
+    cold: bool = True
+    trace: str | None = None
+    seed: int = 0
+    # warm-all: a pool of every expert, read in before measuring (decode never waits for
+    # the disk), then mlx-lm fully resident in the same process as the reference.
+    warm_all: bool = False
+    concurrency: int = 0  # batch cases (pipeline/bench/batch.py): sequences decoding at once
+
+
+class Result(msgspec.Struct, kw_only=True):
+    name: str
+    kind: Kind
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    completion_tokens: int = 0
+    decode_tok_s: float = 0.0
+    prefill_tok_s: float = 0.0
+    ttft_s: float = 0.0
+    peak_rss_mb: float = 0.0
+    peak_device_mb: float = 0.0
+    decode_rss_mb: float = 0.0
+    decode_device_mb: float = 0.0
+    pool_mb: float = 0.0
+    slots: int = 0
+    readers: int = 0
+    strategy: str = ""
+    overlap: bool = True
+    o_direct: bool = False
+    hit_rate: float = 0.0
+    decode_hit_rate: float = 0.0
+    bytes_read_per_token: float = 0.0
+    decode_bytes_per_token: float = 0.0
+    prefetch_precision: float = 0.0
+    prefetch_recall: float = 0.0
+    stall_fraction: float = 0.0
+    read_gb_s: float = 0.0  # "io" only
+    # OS threads after the generation: each thread that ever touched MLX leaves a stream
+    # (and on Linux a thread) behind, so growth here means something leaks them.
+    os_threads: int = 0
+    # After the generation: the kernel's split of RSS, and the largest mappings by RSS.
+    rss_kinds: dict[str, float] = {}
+    rss_by_mapping: dict[str, float] = {}
+    open_s: float = 0.0  # engine open (dense core, pool), then the warm-up generation:
+    warmup_s: float = 0.0  # where a case's time goes besides the measured generation
+    prefill_chunk: int = 0
+    prefill_bytes: int = 0  # expert bytes read before the first decode step
+    run_ahead_tokens: int = 0  # decode tokens that tried one sync per token ...
+    run_ahead_misses: int = 0  # ... and fell back to one per layer
+    resident_decode_tok_s: float = 0.0  # warm-all: mlx-lm resident, same process
+    # Batch cases: decode_tok_s is the aggregate over the rows.
+    concurrency: int = 0
+    per_seq_ms_per_token: float = 0.0  # the slowest row's
+    per_seq_ms_per_token_mean: float = 0.0
+    batch_rows_per_step: float = 0.0
+    backend: str = ""
+    seconds: float = 0.0
+    error: str | None = None
+
+
+def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
+    """A fixed random prompt of ordinary tokens (below the special-token range)."""
+    rng = random.Random(seed)
+    return [rng.randrange(100, min(vocab, 150_000)) for _ in range(n)]
+
+
+def backend() -> str:
+    import mlx.core as mx
+
+    return str(mx.default_device())
+
+
+def engine_dict(case: Case) -> dict[str, Any]:
+    raw: dict[str, Any] = {k: dict(v) for k, v in case.config.items()}
+    raw.setdefault("model", {})["path"] = case.model
+    raw["model"].setdefault("verify", "off")
+    if case.warm_all:
+        from qpack.reader import Container
+
+        with Container.open(case.model, verify="off") as c:
+            total = c.manifest.num_experts * len(c.manifest.layers)
+        raw["pool"] = {**{k: v for k, v in raw.get("pool", {}).items() if k != "budget_mb"},
+                       "slots": total}
+    return raw

@@ -1,0 +1,51 @@
+"""Several sequences' model states as one batch: merge, split, grow, shrink.
+
+A sequence is prefilled alone, in its own caches (mlx-lm's `KVCache` per attention
+layer, `ArraysCache` of conv + recurrent state per Gated DeltaNet layer). To decode
+several at once their caches are merged per layer with mlx-lm's own batch machinery:
+`BatchKVCache` left-pads the shorter key/value histories and masks the padding (its
+per-row offsets drive RoPE), and the DeltaNet states, fixed-size, simply stack. A
+sequence that leaves is cut out (`filter`), one that joins is appended (`extend`), and
+a sequence's own caches are taken back out (`extract`) when it leaves, so the prefix
+cache and a lone sequence keep working on the plain single-row caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+
+def _merge_layer(caches: Sequence[Any]) -> Any:
+    first = caches[0]
+    if isinstance(first, ArraysCache):
+        return ArraysCache.merge(list(caches))
+    if isinstance(first, KVCache):
+        return BatchKVCache.merge(list(caches))
+    raise TypeError(f"cannot batch a {type(first).__name__}")
+
+
+class BatchCaches:
+    """The cache operations a decode batch needs (`actors.forward.CacheBatcher`)."""
+
+    def merge(self, caches: Sequence[list[Any]]) -> list[Any]:
+        """One batched cache per layer from several sequences' caches (rows in order)."""
+        return [_merge_layer([c[i] for c in caches]) for i in range(len(caches[0]))]
+
+    def extend(self, batch: list[Any], caches: Sequence[list[Any]]) -> None:
+        """Append sequences (their own caches) as new rows of `batch`, in place."""
+        for i, layer in enumerate(self.merge(caches)):
+            batch[i].extend(layer)
+
+    def extract(self, batch: list[Any], row: int) -> list[Any]:
+        """Row `row`'s caches, as the plain caches of a sequence decoded alone."""
+        return [c.extract(row) for c in batch]
+
+    def keep(self, batch: list[Any], rows: Sequence[int]) -> None:
+        """Keep only `rows` (in that order), in place."""
+        index = mx.array(list(rows), dtype=mx.int32)
+        for c in batch:
+            c.filter(index)
