@@ -45,6 +45,9 @@ class Case(msgspec.Struct, kw_only=True):
     # warm-all: a pool of every expert, read in before measuring (decode never waits for
     # the disk), then mlx-lm fully resident in the same process as the reference.
     warm_all: bool = False
+    # Who picks the experts: "router" (the container's), "calibrated" or "calibrated-gate"
+    # (the routing model's ids, benchmark only; see pipeline/bench/routing.py).
+    routing: str = "router"
 
 
 class Result(msgspec.Struct, kw_only=True):
@@ -88,6 +91,7 @@ class Result(msgspec.Struct, kw_only=True):
     run_ahead_misses: int = 0  # ... and fell back to one per layer
     resident_decode_tok_s: float = 0.0  # warm-all: mlx-lm resident, same process
     backend: str = ""
+    routing: str = "router"  # what chose the experts (a calibrated label: benchmark only)
     seconds: float = 0.0
     error: str | None = None
 
@@ -123,6 +127,7 @@ async def measure_engine(case: Case) -> Result:
     from actors import timeline
     from actors.sampling_params import SamplingParams
     from pipeline.bench.refs import drop_page_cache
+    from pipeline.bench.routing import calibrate
     from pipeline.config.schema import config_from_dict
     from pipeline.engine import open_engine
     from pipeline.events import Done
@@ -135,6 +140,7 @@ async def measure_engine(case: Case) -> Result:
         if case.warm_all:
             await engine.warm()
         phases["open_s"] = time.perf_counter() - started
+        override = calibrate(engine.model, case.routing, case.seed)
         vocab = engine.model.parts.args.vocab_size
         # Warm-up with the measured prompt's length: MLX's CUDA backend JIT-compiles a
         # kernel per new shape (tens of seconds the first time), which is not TTFT.
@@ -146,6 +152,8 @@ async def measure_engine(case: Case) -> Result:
         phases["warmup_s"] = time.perf_counter() - started - phases["open_s"]
         if case.cold and not case.warm_all:
             drop_page_cache(case.model)
+        if override is not None:
+            override.begin_request(1)  # the warm-up was request 0, the other domain
         router, compute = engine.router, engine.compute
         mark: dict[str, float] = {}
         original = compute.begin_token
@@ -191,6 +199,7 @@ async def measure_engine(case: Case) -> Result:
             decode_bytes_per_token=d_bytes / decoded if decoded else 0.0,
             prefetch_precision=s.prefetch_precision, prefetch_recall=s.prefetch_recall,
             stall_fraction=s.stall_fraction, backend=_backend(),
+            routing=override.label if override is not None else "router",
             os_threads=_os_threads(), rss_kinds=resident_kinds(), rss_by_mapping=resident_by_mapping(),
             prefill_chunk=engine.prefill_chunk,
             prefill_bytes=int(mark.get("bytes", 0) - bytes0),

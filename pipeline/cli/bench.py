@@ -8,7 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from pipeline.bench.cases import Case, Report, machine_info, run_case
+from pipeline.bench.routing import ROUTINGS
 
 # The default run; warm-all (every expert pooled, vs mlx-lm resident in the same
 # process) and the long-prompt pair are asked for by name.
@@ -27,6 +30,16 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
     }
     common = dict(model=str(args.model), prompt_tokens=args.prompt_tokens,
                   max_tokens=args.max_tokens, cold=not args.warm, seed=args.seed)
+    cases: list[Case] = []
+    for i, routing in enumerate(args.routing):
+        # The first routing's cases keep their names (the derived ratios use them).
+        suffix = "" if i == 0 else f"@{routing}"
+        for case in _cases(args, base, {**common, "routing": routing}):
+            cases.append(msgspec.structs.replace(case, name=case.name + suffix))
+    return cases
+
+
+def _cases(args: argparse.Namespace, base: dict[str, Any], common: dict[str, Any]) -> list[Case]:
     cases: list[Case] = []
     for name in args.cases:
         if name == "default":
@@ -77,6 +90,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     unknown = [c for c in args.cases if c not in ALL_CASES]
     if unknown:
         print(f"error: unknown case(s) {unknown}; choose from {list(ALL_CASES)}", file=sys.stderr)
+        return 2
+    bad = [r for r in args.routing if r not in ROUTINGS]
+    if bad or not args.routing:
+        print(f"error: unknown routing {bad or args.routing}; choose from {list(ROUTINGS)}", file=sys.stderr)
         return 2
     if args.pool_mb is not None and args.slots is not None:
         print("error: --pool-mb and --slots are exclusive: give one", file=sys.stderr)
@@ -135,6 +152,12 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--o-direct", action="store_true", help="read experts with O_DIRECT")
     p.add_argument("--warm", action="store_true", help="keep the page cache (default: cold runs)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--routing", type=lambda s: s.split(","), default=["router"],
+                   help="who picks the experts, comma-separated, each case runs once per "
+                   "value: router (the container's own; default), calibrated (the routing "
+                   "model fitted to trained routers, benchmark only; next-gate still applies "
+                   "the container's routers), calibrated-gate (and gate strategies see the "
+                   "model's emulated gate-ahead); cases of the 2nd and later get ' [routing]'")
     p.add_argument("--case-timeout", type=float, default=None, help="seconds per case before giving up")
 
 
