@@ -67,6 +67,7 @@ class Result(msgspec.Struct, kw_only=True):
     slots: int = 0
     readers: int = 0
     strategy: str = ""
+    eviction: str = ""
     overlap: bool = True
     o_direct: bool = False
     hit_rate: float = 0.0
@@ -193,7 +194,7 @@ async def measure_engine(case: Case) -> Result:
             decode_device_mb=s.decode_device_mb, pool_mb=engine.pool_bytes / 2**20,
             slots=engine.storage.num_slots, readers=router.reader.concurrency,
             strategy=_strategy_label(cfg.prefetch) if cfg.compute.overlap else "none",
-            overlap=cfg.compute.overlap, o_direct=engine.container.o_direct, hit_rate=s.hit_rate,
+            eviction=cfg.pool.eviction, overlap=cfg.compute.overlap, o_direct=engine.container.o_direct, hit_rate=s.hit_rate,
             decode_hit_rate=d_hits / (d_hits + d_misses) if d_hits + d_misses else 0.0,
             bytes_read_per_token=s.bytes_read_per_token,
             decode_bytes_per_token=d_bytes / decoded if decoded else 0.0,

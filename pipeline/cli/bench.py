@@ -22,8 +22,11 @@ DEFAULT_POOL_MB = 1024
 
 def plan_cases(args: argparse.Namespace) -> list[Case]:
     """default = as configured; serial = overlap off; resident = mlx-lm; io = disk bandwidth."""
+    pool: dict[str, Any] = {"slots": args.slots} if args.slots else {"budget_mb": args.pool_mb or DEFAULT_POOL_MB}
+    if args.eviction:
+        pool["eviction"] = args.eviction
     base: dict[str, Any] = {
-        "pool": {"slots": args.slots} if args.slots else {"budget_mb": args.pool_mb or DEFAULT_POOL_MB},
+        "pool": pool,
         "reader": {"concurrency": args.readers, "o_direct": args.o_direct},
         "prefetch": {"strategy": args.strategy, "depth": args.depth},
         "compute": {"prefill_chunk": args.prefill_chunk},
@@ -139,6 +142,7 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-mb", type=int, default=None,
                    help=f"expert pool budget in MiB (default {DEFAULT_POOL_MB})")
     p.add_argument("--slots", type=int, default=None, help="expert pool size in experts (instead of --pool-mb)")
+    p.add_argument("--eviction", default=None, help="pool eviction policy (default: the config's, reuse)")
     p.add_argument("--readers", type=int, default=4, help="expert reads in flight (default 4)")
     p.add_argument("--strategy", default="next-gate", help="prefetch strategy of the default case")
     p.add_argument("--depth", type=int, default=1,
