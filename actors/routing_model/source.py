@@ -58,9 +58,12 @@ class CalibratedSource:
     def label(self) -> str:
         return f"calibrated-model {self.family}, seed {self.seed} (benchmark only)"
 
-    def begin_request(self, index: int) -> None:
-        """Route the following forwards as request `index` (domain index % 2)."""
+    def begin_request(self, index: int, rows: int = 0) -> None:
+        """Route the following forwards as request `index` (domain index % 2); `rows`
+        positions are drawn now, so a measured generation does not pay for them."""
         self.request = index
+        if rows:
+            self._rows(rows)
 
     def _rows(self, end: int) -> tuple[np.ndarray, np.ndarray]:
         table = self._tables.get(self.request)

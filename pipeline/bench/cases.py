@@ -154,7 +154,8 @@ async def measure_engine(case: Case) -> Result:
         if case.cold and not case.warm_all:
             drop_page_cache(case.model)
         if override is not None:
-            override.begin_request(1)  # the warm-up was request 0, the other domain
+            # The warm-up was request 0, the other domain; this one's table drawn now.
+            override.begin_request(1, rows=case.prompt_tokens + case.max_tokens)
         router, compute = engine.router, engine.compute
         mark: dict[str, float] = {}
         original = compute.begin_token

@@ -50,8 +50,8 @@ class RoutingOverride:
         gate = ", emulated gate" if self.emulate_gate else ""
         return self.source.label + gate
 
-    def begin_request(self, index: int) -> None:
-        self.source.begin_request(index)
+    def begin_request(self, index: int, rows: int = 0) -> None:
+        self.source.begin_request(index, rows)
 
     def ids(self, layer: int, start: int, count: int) -> mx.array:
         """uint32 [1, count, k] (the router's argpartition dtype) for `layer` at start.. ."""
