@@ -124,7 +124,8 @@ def info_dict(path: Path, prefill_chunk: int | None = None, advice: bool = False
         # chunk 0 (the default) follows the pool: any pool that holds one token's
         # experts works, prefill then runs in chunks of slots // top_k tokens.
         slots = min(m.num_experts, max(chunk, 1) * m.top_k)
-        extra = {"pool_advice": _advice(len(m.layers), m.num_experts, m.top_k, slot_bytes)} if advice else {}
+        extra = ({"pool_advice": _advice(len(m.layers), m.num_experts, m.top_k, slot_bytes)}
+                 if advice and m.layers and slot_bytes > 0 else {})
         return {**extra,
             "path": str(path),
             "model_type": m.model_type,
