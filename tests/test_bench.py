@@ -118,3 +118,32 @@ def test_o_direct_reads_match_buffered(tiny_bench: Path) -> None:
         direct.read_expert(1, 7, a)  # falls back (with a warning) where O_DIRECT is refused
         plain.read_expert(1, 7, b)
         assert np.array_equal(a, b)
+
+
+def test_bench_routing_cases_are_named_labelled_and_checked(tiny_bench: Path, capsys) -> None:
+    import argparse
+
+    import moestream_bench
+
+    from pipeline.bench.cases import measure
+    from pipeline.cli import bench as bench_cli
+
+    parser = argparse.ArgumentParser()
+    bench_cli.register(parser.add_subparsers())
+    args = parser.parse_args([
+        "bench", str(tiny_bench), "--cases", "default,serial", "--routing", "calibrated-gate,router",
+        "--slots", "8", "--prefill-chunk", "2", "--prompt-tokens", "6", "--max-tokens", "4",
+    ])
+    cases = bench_cli.plan_cases(args)
+    assert [(c.name, c.routing) for c in cases] == [
+        ("default", "calibrated-gate"), ("serial", "calibrated-gate"),
+        ("default@router", "router"), ("serial@router", "router")]
+    # One calibrated case in this process: the result says where its routing came from.
+    result = measure(cases[0])
+    assert result.error is None and result.completion_tokens == 4
+    assert "benchmark only" in result.routing and "emulated gate" in result.routing
+    assert result.eviction == "reuse" and 0.0 <= result.decode_hit_rate <= 1.0
+
+    capsys.readouterr()
+    assert moestream_bench.main(["bench", str(tiny_bench), "--routing", "calibrated,nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown routing ['nope']")

@@ -98,9 +98,15 @@ def test_info_reports_the_minimum_the_default_prefill_chunk_needs(tiny, capsys):
     assert main(["info", str(tiny)]) == 0
     out = capsys.readouterr().out
     assert "prefill chunks follow the pool" in out and "decode only" in out
+    assert "pool advice (reuse)" in out and "hits with next-gate" in out
     assert main(["info", str(tiny), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["prefill_chunk"] == 0  # the default: chunks follow the pool
+    rows = info["pool_advice"]["rows"]
+    assert rows and all(r["slots_per_layer"] >= info["top_k"] for r in rows)
+    assert rows[-1]["pool_mb"] * 2**20 >= rows[-1]["slots_per_layer"] * info["moe_layers"] * info["expert_nbytes"]
+    assert main(["info", str(tiny), "--json", "--no-advice"]) == 0
+    assert "pool_advice" not in json.loads(capsys.readouterr().out)
     assert info["smallest_workable_slots"] == min(info["num_experts"], info["top_k"])
     assert main(["info", str(tiny), "--json", "--prefill-chunk", "256"]) == 0
     info = json.loads(capsys.readouterr().out)

@@ -34,6 +34,7 @@ Everything is numpy, seeded, and independent of qpack and MLX.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import msgspec
 import numpy as np
@@ -66,7 +67,16 @@ class RoutingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class RoutingModel:
     """Draw routing for requests: `tokens(domain, n)` -> int32 [n, layers, top_k]."""
 
-    def __init__(self, shape: RoutingShape, params: RoutingParams, seed: int = 0) -> None:
+    def __init__(
+        self,
+        shape: RoutingShape,
+        params: RoutingParams,
+        seed: int = 0,
+        depths: Sequence[float] | None = None,
+    ) -> None:
+        """`depths`: each layer's relative depth in 0..1 (default evenly from 0 to 1); a few
+        layers standing for a deep model take depths spread over it (the domain mix moves
+        with depth). Nothing else depends on it: the random draws are the same."""
         if not 0 < shape.top_k <= shape.num_experts:
             raise ValueError(f"routing model: top_k {shape.top_k} not in 1..{shape.num_experts}")
         if not 0.0 <= params.persistence < 1.0 or not 0.0 <= params.reuse_decay < 1.0:
@@ -74,7 +84,12 @@ class RoutingModel:
         self.shape, self.params, self.seed = shape, params, seed
         L, E, p = shape.num_layers, shape.num_experts, params
         rng = np.random.default_rng([seed, 0x5EED])
-        depth = np.linspace(0.0, 1.0, L)[:, None] if L > 1 else np.zeros((1, 1))
+        if depths is not None and len(depths) != L:
+            raise ValueError(f"routing model: {len(depths)} depths for {L} layers")
+        if depths is not None:
+            depth = np.asarray(depths, dtype=float)[:, None]
+        else:
+            depth = np.linspace(0.0, 1.0, L)[:, None] if L > 1 else np.zeros((1, 1))
         mix = p.domain_mix_late + (p.domain_mix_early - p.domain_mix_late) * (1 - depth) ** p.domain_mix_power
         shared = rng.standard_normal((L, E))
         per_domain = rng.standard_normal((p.num_domains, L, E))

@@ -49,20 +49,31 @@ def parse_workload(text: str) -> Workload:
 
 
 def workload_trace(
-    w: Workload, *, num_slots: int = 0, policy: str = "lru", params: RoutingParams | None = None
+    w: Workload,
+    *,
+    num_slots: int = 0,
+    policy: str = "lru",
+    params: RoutingParams | None = None,
+    shape: RoutingShape | None = None,
+    stride: int = 0,
+    depths: list[float] | None = None,
 ) -> RoutingTrace:
     """Generate the workload's routing as a trace (num_slots 0 = a tenth of all experts).
 
-    `params` replaces the family's fitted parameters (e.g. all zero: uniform routing)."""
-    shape, fitted = FAMILIES[w.family]
+    `params` replaces the family's fitted parameters (e.g. all zero: uniform routing);
+    `shape` and `stride` another model's experts, top-k and expert bytes (a container's,
+    routed with this family's parameters); `depths` the layers' relative depths (see
+    RoutingModel)."""
+    family_shape, fitted = FAMILIES[w.family]
+    shape = shape or family_shape
     params = params or fitted
     layers = w.layers or shape.num_layers
     shape = RoutingShape(shape.name, min(layers, shape.num_layers), shape.num_experts, shape.top_k)
-    model = RoutingModel(shape, params, seed=w.seed)
+    model = RoutingModel(shape, params, seed=w.seed, depths=depths)
     L, E = shape.num_layers, shape.num_experts
     trace_model = TraceModel(
         num_layers=L, moe_layers=list(range(L)), num_experts=E, top_k=shape.top_k,
-        stride=STRIDES[w.family],
+        stride=stride or STRIDES[w.family],
     )
     pool = TracePool(
         num_slots=num_slots or max(1, L * E // 10),

@@ -39,6 +39,11 @@ async def measure_batch(case: Case) -> Result:
     from pipeline.engine import open_engine
 
     n = case.concurrency
+    if case.routing != "router":
+        # The calibrated routing source keys its tables by one request's token positions;
+        # rows of a batch would all route as that one request.
+        raise ValueError(f"{case.name}: batch cases take --routing router only, "
+                         f"not {case.routing!r}")
     raw = engine_dict(case)
     raw.setdefault("compute", {})["max_batch"] = max(n, 1)
     cfg = config_from_dict(raw, source=f"<bench {case.name}>")

@@ -36,6 +36,7 @@ async def measure_engine(case: Case) -> Result:
     from actors import timeline
     from actors.sampling_params import SamplingParams
     from pipeline.bench.refs import drop_page_cache
+    from pipeline.bench.routing import calibrate
     from pipeline.config.schema import config_from_dict
     from pipeline.engine import open_engine
     from pipeline.events import Done
@@ -48,6 +49,7 @@ async def measure_engine(case: Case) -> Result:
         if case.warm_all:
             await engine.warm()
         phases["open_s"] = time.perf_counter() - started
+        override = calibrate(engine.model, case.routing, case.seed)
         vocab = engine.model.parts.args.vocab_size
         # Warm-up with the measured prompt's length: MLX's CUDA backend JIT-compiles a
         # kernel per new shape (tens of seconds the first time), which is not TTFT.
@@ -59,6 +61,9 @@ async def measure_engine(case: Case) -> Result:
         phases["warmup_s"] = time.perf_counter() - started - phases["open_s"]
         if case.cold and not case.warm_all:
             drop_page_cache(case.model)
+        if override is not None:
+            # The warm-up was request 0, the other domain; this one's table drawn now.
+            override.begin_request(1, rows=case.prompt_tokens + case.max_tokens)
         router, compute = engine.router, engine.compute
         mark: dict[str, float] = {}
         original = compute.begin_token
@@ -98,12 +103,14 @@ async def measure_engine(case: Case) -> Result:
             decode_device_mb=s.decode_device_mb, pool_mb=engine.pool_bytes / 2**20,
             slots=engine.storage.num_slots, readers=router.reader.concurrency,
             strategy=_strategy_label(cfg.prefetch) if cfg.compute.overlap else "none",
-            overlap=cfg.compute.overlap, o_direct=engine.container.o_direct, hit_rate=s.hit_rate,
+            eviction=cfg.pool.eviction, overlap=cfg.compute.overlap,
+            o_direct=engine.container.o_direct, hit_rate=s.hit_rate,
             decode_hit_rate=d_hits / (d_hits + d_misses) if d_hits + d_misses else 0.0,
             bytes_read_per_token=s.bytes_read_per_token,
             decode_bytes_per_token=d_bytes / decoded if decoded else 0.0,
             prefetch_precision=s.prefetch_precision, prefetch_recall=s.prefetch_recall,
             stall_fraction=s.stall_fraction, backend=backend(),
+            routing=override.label if override is not None else "router",
             os_threads=_os_threads(), rss_kinds=resident_kinds(), rss_by_mapping=resident_by_mapping(),
             prefill_chunk=engine.prefill_chunk,
             prefill_bytes=int(mark.get("bytes", 0) - bytes0),

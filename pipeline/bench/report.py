@@ -25,6 +25,14 @@ def _peak_dec(r: dict[str, Any], what: str) -> str:
     return f"{peak:.0f}/{dec:.0f}" if dec else f"{peak:.0f}"
 
 
+def _routing_tag(r: dict[str, Any]) -> str:
+    """Benchmark-only calibrated routing is marked on every row that used it."""
+    label = r.get("routing", "router")
+    if label == "router":
+        return ""
+    return " @calibrated+gate" if "emulated gate" in label else " @calibrated"
+
+
 def results_table(report: dict[str, Any]):  # -> rich.table.Table
     from rich.table import Table
 
@@ -47,7 +55,7 @@ def results_table(report: dict[str, Any]):  # -> rich.table.Table
         table.add_row(
             r["name"], _f(r["decode_tok_s"]), _f(r["prefill_tok_s"], "{:.1f}"), _f(r["ttft_s"]),
             _f(r["pool_mb"], "{:.0f}"), str(r["readers"]) if stream else "-",
-            r["strategy"] if stream else "resident",
+            (f"{r['strategy']}, {r.get('eviction') or '?'}{_routing_tag(r)}") if stream else "resident",
             _f(r["hit_rate"], "{:.1%}") if stream else "-",
             _f(r["decode_hit_rate"], "{:.1%}") if stream else "-",
             _f(r["decode_bytes_per_token"] / 2**20) if stream else "-",

@@ -25,6 +25,9 @@ class Case(msgspec.Struct, kw_only=True):
     # warm-all: a pool of every expert, read in before measuring (decode never waits for
     # the disk), then mlx-lm fully resident in the same process as the reference.
     warm_all: bool = False
+    # Who picks the experts: "router" (the container's), "calibrated" or "calibrated-gate"
+    # (the routing model's ids, benchmark only; see pipeline/bench/routing.py).
+    routing: str = "router"
     concurrency: int = 0  # batch cases (pipeline/bench/batch.py): sequences decoding at once
 
 
@@ -45,6 +48,7 @@ class Result(msgspec.Struct, kw_only=True):
     slots: int = 0
     readers: int = 0
     strategy: str = ""
+    eviction: str = ""
     overlap: bool = True
     o_direct: bool = False
     hit_rate: float = 0.0
@@ -74,6 +78,7 @@ class Result(msgspec.Struct, kw_only=True):
     per_seq_ms_per_token_mean: float = 0.0
     batch_rows_per_step: float = 0.0
     backend: str = ""
+    routing: str = "router"  # what chose the experts (a calibrated label: benchmark only)
     seconds: float = 0.0
     error: str | None = None
 

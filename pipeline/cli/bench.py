@@ -8,7 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from pipeline.bench.cases import Case, Report, machine_info, run_case
+from pipeline.bench.routing import ROUTINGS
 
 # The default run; warm-all (every expert pooled, vs mlx-lm resident in the same
 # process) and the long-prompt pair are asked for by name.
@@ -21,14 +24,27 @@ DEFAULT_POOL_MB = 1024
 
 def plan_cases(args: argparse.Namespace) -> list[Case]:
     """default = as configured; serial = overlap off; resident = mlx-lm; io = disk bandwidth."""
+    pool: dict[str, Any] = {"slots": args.slots} if args.slots else {"budget_mb": args.pool_mb or DEFAULT_POOL_MB}
+    if args.eviction:
+        pool["eviction"] = args.eviction
     base: dict[str, Any] = {
-        "pool": {"slots": args.slots} if args.slots else {"budget_mb": args.pool_mb or DEFAULT_POOL_MB},
+        "pool": pool,
         "reader": {"concurrency": args.readers, "o_direct": args.o_direct},
         "prefetch": {"strategy": args.strategy, "depth": args.depth},
         "compute": {"prefill_chunk": args.prefill_chunk},
     }
     common = dict(model=str(args.model), prompt_tokens=args.prompt_tokens,
                   max_tokens=args.max_tokens, cold=not args.warm, seed=args.seed)
+    cases: list[Case] = []
+    for i, routing in enumerate(args.routing):
+        # The first routing's cases keep their names (the derived ratios use them).
+        suffix = "" if i == 0 else f"@{routing}"
+        for case in _cases(args, base, {**common, "routing": routing}):
+            cases.append(msgspec.structs.replace(case, name=case.name + suffix))
+    return cases
+
+
+def _cases(args: argparse.Namespace, base: dict[str, Any], common: dict[str, Any]) -> list[Case]:
     cases: list[Case] = []
     for name in args.cases:
         if name == "default":
@@ -85,6 +101,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if unknown:
         print(f"error: unknown case(s) {unknown}; choose from {list(ALL_CASES)}", file=sys.stderr)
         return 2
+    bad = [r for r in args.routing if r not in ROUTINGS]
+    if bad or not args.routing:
+        print(f"error: unknown routing {bad or args.routing}; choose from {list(ROUTINGS)}", file=sys.stderr)
+        return 2
     if args.pool_mb is not None and args.slots is not None:
         print("error: --pool-mb and --slots are exclusive: give one", file=sys.stderr)
         return 2
@@ -129,6 +149,7 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-mb", type=int, default=None,
                    help=f"expert pool budget in MiB (default {DEFAULT_POOL_MB})")
     p.add_argument("--slots", type=int, default=None, help="expert pool size in experts (instead of --pool-mb)")
+    p.add_argument("--eviction", default=None, help="pool eviction policy (default: the config's, reuse)")
     p.add_argument("--readers", type=int, default=4, help="expert reads in flight (default 4)")
     p.add_argument("--strategy", default="next-gate", help="prefetch strategy of the default case")
     p.add_argument("--depth", type=int, default=1,
@@ -142,6 +163,12 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--o-direct", action="store_true", help="read experts with O_DIRECT")
     p.add_argument("--warm", action="store_true", help="keep the page cache (default: cold runs)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--routing", type=lambda s: s.split(","), default=["router"],
+                   help="who picks the experts, comma-separated, each case runs once per "
+                   "value: router (the container's own; default), calibrated (the routing "
+                   "model fitted to trained routers, benchmark only; next-gate still applies "
+                   "the container's routers), calibrated-gate (and gate strategies see the "
+                   "model's emulated gate-ahead); cases of the 2nd and later get ' [routing]'")
     p.add_argument("--case-timeout", type=float, default=None, help="seconds per case before giving up")
 
 

@@ -56,6 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens per prefill step to size the smallest pool for "
                         "(default: compute.prefill_chunk's default)")
+    i.add_argument("--no-advice", action="store_true",
+                   help="skip the pool advice (a ~1 s replay of calibrated routing)")
     i.set_defaults(func=cmd_info)
 
 
@@ -107,8 +109,8 @@ def _verify_progress():  # noqa: ANN202 - a rich progress callback, or None off 
     return byte_progress("verify")
 
 
-def info_dict(path: Path, prefill_chunk: int | None = None) -> dict:
-    """What `info` shows, as plain data."""
+def info_dict(path: Path, prefill_chunk: int | None = None, advice: bool = False) -> dict:
+    """What `info` shows, as plain data (with `advice`, the pool advice too)."""
     from pipeline.config.schema import ComputeConfig
     from qpack.reader import Container
 
@@ -122,7 +124,9 @@ def info_dict(path: Path, prefill_chunk: int | None = None) -> dict:
         # chunk 0 (the default) follows the pool: any pool that holds one token's
         # experts works, prefill then runs in chunks of slots // top_k tokens.
         slots = min(m.num_experts, max(chunk, 1) * m.top_k)
-        return {
+        extra = ({"pool_advice": _advice(len(m.layers), m.num_experts, m.top_k, slot_bytes)}
+                 if advice and m.layers and slot_bytes > 0 else {})
+        return {**extra,
             "path": str(path),
             "model_type": m.model_type,
             "source": m.source,
@@ -148,13 +152,38 @@ def info_dict(path: Path, prefill_chunk: int | None = None) -> dict:
         }
 
 
+def _advice(moe_layers: int, num_experts: int, top_k: int, slot_bytes: int) -> dict:
+    import msgspec
+
+    from pipeline.config.schema import PoolConfig
+    from pipeline.pool_advice import pool_advice
+
+    return msgspec.to_builtins(pool_advice(moe_layers, num_experts, top_k, slot_bytes,
+                                           eviction=PoolConfig().eviction))
+
+
+def _advice_rows(a: dict) -> list[tuple[str, str]]:
+    rows = []
+    for r in a["rows"]:
+        gib = " (1 GiB)" if r["one_gib"] else ""
+        rows.append((f"  --pool-mb {r['pool_mb']}{gib}",
+                     f"{r['slots_per_layer']} experts per layer ({r['share']:.1%}): {r['hit_default']:.0%} "
+                     f"hits with next-gate, {r['hit_no_prefetch']:.0%} without (random routing ~{r['share']:.0%})"))
+    first = a["rows"][0]["pool_mb"] if a["rows"] else None
+    want = ", ".join(f"{k}: " + ("more than the largest row" if v is None else
+                                 f"--pool-mb {v} or less" if v == first else f"--pool-mb {v}")
+                     for k, v in a["pool_mb_for_hits"].items())
+    rows.append(("  pool for a hit rate", want))
+    return rows
+
+
 def _mb(n: int) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
 def cmd_info(args: argparse.Namespace) -> int:
     try:
-        info = info_dict(args.container, args.prefill_chunk)
+        info = info_dict(args.container, args.prefill_chunk, advice=not args.no_advice)
     except QpackError as exc:
         return _error(exc)
     if args.json:
@@ -185,6 +214,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("smallest pool (decode only)", f"{_mb(info['smallest_pool_bytes'])} = top-k x slot "
                                         "(largest stride; every variant when layers differ)"),
     ]
+    if "pool_advice" in info:
+        a = info["pool_advice"]
+        rows.append((f"pool advice ({a['eviction']})", "expected decode hits on trained-like routing "
+                     f"(calibrated model, {a['family']} parameters; a replay, not a measurement)"))
+        rows += _advice_rows(a)
     for k, v in rows:
         table.add_row(k, v)
     Console(width=None if sys.stdout.isatty() else 160).print(table)  # no wrapping in pipes and logs

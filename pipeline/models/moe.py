@@ -18,11 +18,20 @@ from qpack.spec import ExpertFormat
 SORT_THRESHOLD = 64
 
 
-def route(mlp: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
-    """Top-k expert ids and their weights, exactly as mlx-lm's Qwen3NextSparseMoeBlock."""
+def route(mlp: nn.Module, x: mx.array, forced: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """Top-k expert ids and their weights, exactly as mlx-lm's Qwen3NextSparseMoeBlock.
+
+    `forced` (benchmark-only calibrated routing, pipeline/models/routing_override.py)
+    replaces the ids; their weights are still the router's softmax at those ids."""
     gates = mx.softmax(mlp.gate(x), axis=-1, precise=True)
     k = mlp.top_k
-    inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
+    if forced is None:
+        inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
+    else:
+        # Evaluating the ids must still evaluate everything before this router (the
+        # per-layer sync is what finishes the layers that read pool slots before the
+        # pool overwrites them): constant ids would leave that graph lazy.
+        inds = mx.depends(forced, gates)
     scores = mx.take_along_axis(gates, inds, axis=-1)
     if mlp.norm_topk_prob:
         scores = scores / scores.sum(axis=-1, keepdims=True)

@@ -21,6 +21,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from actors.forward import Presync, Routing
 from pipeline.models.batch_caches import BatchCaches
 from pipeline.models.moe import moe_output, route, routed_experts
+from pipeline.models.routing_override import RoutingOverride, position
 from pipeline.models.text_parts import TextParts, moe_layers, text_parts
 from qpack.spec import ExpertFormat
 
@@ -80,6 +81,8 @@ def _restore(cache: Any, snapshot: dict[str, Any]) -> None:
 class StreamedModel:
     """The resident dense core plus a view of the pool's slot arrays."""
 
+    routing: RoutingOverride | None = None  # benchmark-only calibrated routing (bench --routing)
+
     def __init__(
         self,
         model: nn.Module,
@@ -128,6 +131,8 @@ class StreamedModel:
 
     def router_logits(self, layer: int, hidden: mx.array) -> mx.array:
         """Layer `layer`'s router applied to a residual-stream state (for next-gate prefetch)."""
+        if self.routing is not None and self.routing.emulate_gate:
+            return self.routing.gate_logits(layer, hidden)
         block = self.parts.layers[layer]
         return block.mlp.gate(block.post_attention_layernorm(hidden))
 
@@ -164,6 +169,7 @@ class ForwardStep:
         self.fa_mask = None if first_fa is None else create_attention_mask(h, cache[first_fa])
         self.ssm_mask = None if first_ssm is None else create_ssm_mask(h, cache[first_ssm])
         self.h = h
+        self.pos = position(cache) if model.routing is not None else 0  # before this step's tokens
         self.layer = 0
         self._pending: tuple[mx.array, mx.array, mx.array, mx.array] | None = None
         self._snapshot: list[dict[str, Any]] | None = None
@@ -188,7 +194,8 @@ class ForwardStep:
         h_mid = self.h + mixer(block.input_layernorm(self.h), self._mask(block),
                                self.cache[self.layer])
         x = block.post_attention_layernorm(h_mid)
-        inds, scores = route(block.mlp, x)
+        forced = None if self.m.routing is None else self.m.routing.ids(self.layer, self.pos, x.shape[-2])
+        inds, scores = route(block.mlp, x, forced)
         return h_mid, x, inds, scores
 
     def run_to_routing(self, presync: Presync | None = None) -> Routing | None:

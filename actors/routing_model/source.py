@@ -1,0 +1,84 @@
+"""Calibrated routing for a live engine: the routing model's trace per (request, position).
+
+Benchmark only. A random-weight container's router picks experts almost uniformly, so its
+pool hits at about slots / experts; this gives the engine, for each request, the routing
+model's ids (and the emulated gate-ahead's predictions) at every token position and MoE
+layer, so the real reads and the real compute follow calibrated routing. Ids are a
+function of (seed, request, position, layer) only, never of the pool, the prefetcher or
+the tokens: a token recomputed after a miss, or a step undone and redone, routes
+identically, and results do not depend on the pool (see pipeline/models/routing_override).
+
+Tables grow by regeneration (doubling): the model draws token after token from one seeded
+stream, so the first n rows of a longer draw equal a shorter draw's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from actors.routing_model.families import FAMILIES
+from actors.routing_model.model import RoutingModel, RoutingParams, RoutingShape
+
+DOMAINS = 2  # requests alternate between two prompt domains, as the replay workloads do
+MIN_ROWS = 256
+
+
+def family_for(num_experts: int, top_k: int) -> str:
+    """The fitted family for a container shape: an exact (experts, top-k) match, else the
+    top-10 (Qwen3-Next) parameters for wide routers and the Qwen3.5 ones for narrow."""
+    for name, (shape, _) in FAMILIES.items():
+        if (shape.num_experts, shape.top_k) == (num_experts, top_k):
+            return name
+    return "qwen3-next-80b" if top_k >= 10 else "qwen3.5-397b"
+
+
+class CalibratedSource:
+    """Routing tables for `num_layers` MoE layers of `num_experts` experts, top-`top_k`."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        family: str | None = None,
+        params: RoutingParams | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.family = family or family_for(num_experts, top_k)
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown routing family {self.family!r}; valid: {', '.join(FAMILIES)}")
+        shape = RoutingShape(self.family, num_layers, num_experts, top_k)
+        self.model = RoutingModel(shape, params or FAMILIES[self.family][1], seed=seed)
+        self.seed = seed
+        self.request = 0
+        self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    @property
+    def label(self) -> str:
+        return f"calibrated-model {self.family}, seed {self.seed} (benchmark only)"
+
+    def begin_request(self, index: int, rows: int = 0) -> None:
+        """Route the following forwards as request `index` (domain index % 2); `rows`
+        positions are drawn now, so a measured generation does not pay for them."""
+        self.request = index
+        if rows:
+            self._rows(rows)
+
+    def _rows(self, end: int) -> tuple[np.ndarray, np.ndarray]:
+        table = self._tables.get(self.request)
+        if table is None or len(table[0]) < end:
+            n = max(MIN_ROWS, 1 << max(end - 1, 1).bit_length())
+            rng = np.random.default_rng([self.seed, self.request, 0x0DE])
+            ids, gates = self.model.tokens(self.request % DOMAINS, n, rng, gate=True)
+            assert gates is not None
+            table = self._tables[self.request] = (ids, gates)
+        return table
+
+    def ids(self, layer: int, start: int, count: int) -> np.ndarray:
+        """int32 [count, top_k]: MoE layer `layer` (0-based) at positions start.. ."""
+        return self._rows(start + count)[0][start : start + count, layer]
+
+    def gate(self, layer: int, start: int, count: int) -> np.ndarray:
+        """The emulated gate-ahead's prediction of MoE layer `layer` (>= 1) from layer-1."""
+        return self._rows(start + count)[1][start : start + count, layer]

@@ -1,0 +1,102 @@
+"""Benchmark-only calibrated routing drives the real engine and never changes its results.
+
+`bench --routing calibrated` replaces each MoE layer's top-k ids by the routing model's
+trace for (request, position, layer). The engine must then (a) route exactly those ids,
+every decode token and prefill chunk, and (b) produce identical tokens whatever the pool
+size and prefetch strategy (the pool never changes results); with the emulated gate, a
+gate strategy's recorded predictions are the model's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers_engine import engine_config, generate
+from helpers_forward import tiny_pair
+
+from actors.routing_model.source import CalibratedSource, family_for
+from pipeline.bench.routing import calibrate
+from pipeline.engine import open_engine
+
+PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999]
+TOKENS = 10
+
+
+async def _run(qpack: Any, routing: str, request: int = 1, **sections: dict[str, Any]):
+    config = engine_config(qpack, **sections)
+    async with open_engine(config, record_routing=True) as engine:
+        override = calibrate(engine.model, routing, seed=3)
+        if override is not None:
+            override.begin_request(request)
+        done = await generate(engine, PROMPT, TOKENS)
+        return done.token_ids, engine.compute.recorder.trace, override, engine.model.moe_layers
+
+
+@pytest.fixture(scope="module")
+def qpack(synth_checkpoint, packed):
+    return tiny_pair(synth_checkpoint, packed, "qwen3_5_moe", None)[1]
+
+
+async def test_calibrated_routing_routes_the_model_ids_and_pool_settings_do_not_change_tokens(
+    qpack,
+) -> None:
+    small, trace, override, moe = await _run(
+        qpack, "calibrated", pool={"slots": 8, "eviction": "lru"}, prefetch={"strategy": "next-gate"})
+    big, _, _, _ = await _run(
+        qpack, "calibrated", pool={"slots": 48, "eviction": "reuse"}, prefetch={"strategy": "history"},
+        compute={"prefill_chunk": 3})
+    gated, gtrace, _, _ = await _run(qpack, "calibrated-gate", pool={"slots": 16})
+    assert small == big == gated
+    # Every decode step routed the table's ids at its position (prompt, then tokens).
+    source = override.source
+    decode = [s for s in trace.steps if s.phase == "decode"]
+    assert len(decode) == TOKENS - 1
+    for i, step in enumerate(decode):
+        pos = len(PROMPT) + i
+        for entry in step.layers:
+            want = source.ids(moe.index(entry.layer), pos, 1)[0]
+            assert sorted(entry.chosen) == sorted(want.tolist()), (pos, entry.layer)
+    # Prefill: each token's row is the table's row at its position.
+    pos = 0
+    for step in (s for s in trace.steps if s.phase == "prefill"):
+        count = len(step.layers[0].observed())
+        for entry in step.layers:
+            rows = source.ids(moe.index(entry.layer), pos, count)
+            assert [sorted(r) for r in entry.observed()] == [sorted(r) for r in rows.tolist()]
+        pos += count
+    assert pos == len(PROMPT)
+    # The emulated gate's predictions are what the gate strategy recorded.
+    checked = 0
+    for i, step in enumerate(s for s in gtrace.steps if s.phase == "decode"):
+        pos = len(PROMPT) + i
+        for entry in step.layers:
+            for layer, ids in entry.predictions:
+                want = source.gate(moe.index(layer), pos, 1)[0]
+                assert sorted(ids[: len(want)]) == sorted(want.tolist())
+                checked += 1
+    assert checked >= 3
+
+
+async def test_the_routers_own_choice_differs_and_requests_route_differently(qpack) -> None:
+    _, own, _, _ = await _run(qpack, "router")
+    _, first, _, _ = await _run(qpack, "calibrated", request=0)
+    _, second, _, _ = await _run(qpack, "calibrated", request=1)
+
+    def decode_ids(trace: Any) -> list[list[int]]:
+        return [sorted(e.chosen) for s in trace.steps if s.phase == "decode" for e in s.layers]
+
+    assert decode_ids(own) != decode_ids(second)
+    assert decode_ids(first) != decode_ids(second)
+
+
+def test_tables_are_prefix_stable_and_families_match_shapes() -> None:
+    src = CalibratedSource(3, 16, 4, seed=1)
+    head = src.ids(2, 0, 10).copy()
+    src.ids(0, 1000, 1)  # grows the table by regeneration
+    assert np.array_equal(src.ids(2, 0, 10), head)
+    assert family_for(256, 8) == "qwen3.6-35b" and family_for(512, 10) == "qwen3-next-80b"
+    assert family_for(16, 4) == "qwen3.5-397b" and family_for(64, 12) == "qwen3-next-80b"
+    with pytest.raises(ValueError, match="unknown routing family"):
+        CalibratedSource(3, 16, 4, family="nope")
