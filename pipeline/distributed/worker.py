@@ -1,0 +1,101 @@
+"""A later rank's loop: receive a residual stream, run this rank's layers, send on.
+
+Rank r > 0 waits (on its link thread, so its MLX thread stays free) for rank r-1's
+header. `FORWARD`: it takes the residual stream, runs its layers through its own compute
+actor (its own pool, router, readers and prefetcher, exactly as one process steps its
+layers), and sends the result on: the residual stream to rank r+1, or from the last rank
+the logits to rank 0. `SHUTDOWN`: passed on, and the loop ends.
+
+Caches are kept per sequence id, the `max_sequences` most recent: a new id is a new
+sequence (rank 0 made a new cache: a new request, or one after a cancel).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from functools import partial
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import structlog
+
+from pipeline.distributed import wire
+from pipeline.distributed.stage import Stage
+from pipeline.engine import Engine
+
+log = structlog.get_logger("moestream.distributed")
+
+
+class StageLoop:
+    def __init__(self, engine: Engine, stage: Stage) -> None:
+        self.engine = engine
+        self.stage = stage
+        self.caches: OrderedDict[int, list[Any]] = OrderedDict()
+
+    def _cache(self, seq: int) -> list[Any]:
+        cache = self.caches.pop(seq, None)
+        if cache is None:
+            cache = self.engine.model.make_cache()
+        self.caches[seq] = cache
+        while len(self.caches) > self.stage.settings.max_sequences:
+            self.caches.popitem(last=False)
+        return cache
+
+    async def run(self) -> None:
+        """Serve forwards until rank 0 says `SHUTDOWN` (RankLost if a neighbour goes)."""
+        stage, link, plan = self.stage, self.stage.link, self.stage.plan
+        src = plan.rank - 1
+        while True:
+            header, bits = await link.run(lambda: _receive(src), None, "waiting for work")
+            if header.command == wire.Command.SHUTDOWN:
+                if not plan.last:
+                    await link.run(partial(wire.send, header.encode(), plan.rank + 1),
+                                   stage.settings.peer_timeout_s, "shutdown")
+                log.info("distributed.stage_done", rank=plan.rank, forwards=stage.stats.forwards)
+                return
+            start = time.perf_counter()
+            out = await self._forward(header, bits)
+            await link.run(partial(_send_on, plan.last, plan.rank, header, out),
+                           stage.settings.peer_timeout_s, "forward")
+            stage.stats.busy_seconds += time.perf_counter() - start
+            stage.stats.forwards += 1
+            stage.stats.tokens += header.tokens
+            stage.stats.bytes_sent += out.nbytes
+
+    async def _forward(self, header: wire.Header, bits: np.ndarray) -> np.ndarray:
+        engine = self.engine
+        cache = self._cache(header.seq)
+        dtype = wire.DTYPES[header.dtype]
+
+        def inbox() -> None:
+            engine.model.inbox = wire.from_bits(bits, dtype)  # type: ignore[attr-defined]
+
+        await engine.worker.run(inbox)
+        phase = "decode" if header.decode else "prefill"
+        placeholders = [0] * header.tokens  # the count only: the stream is in the inbox
+        async with engine.lock:
+            out = await engine.compute.forward(placeholders, cache, phase, header.all_positions)
+        return await engine.worker.run(_rows, out)
+
+
+def _rows(out: mx.array) -> np.ndarray:
+    """On the MLX thread: what to send, as bits ([vocab] logits as one row)."""
+    return wire.to_bits(out.reshape(1, -1) if out.ndim == 1 else out)
+
+
+def _send_on(last: bool, rank: int, header: wire.Header, out: np.ndarray) -> None:
+    """The logits to rank 0 (from the last rank), else the residual stream to rank+1."""
+    if last:
+        wire.send(out, 0)
+    else:
+        wire.send_forward(header, out, rank + 1)
+
+
+def _receive(src: int) -> tuple[wire.Header, np.ndarray]:
+    header = wire.recv_header(src)
+    if header.command != wire.Command.FORWARD:
+        return header, np.zeros(0, np.uint32)
+    kind = wire.bits_dtype(wire.DTYPES[header.dtype])
+    return header, wire.recv((1, header.tokens, header.hidden), kind, src)
