@@ -244,7 +244,8 @@ async def open_engine(
             guarded, container.dense_path, stage.load_dense if stage else load_dense,
             container.config, container.dense_path,
         )
-        tokenizer = await trio.to_thread.run_sync(
+        # A later pipeline rank never sees text: no tokenizer (seconds for a 150k vocabulary).
+        tokenizer = None if stage and not stage.plan.first else await trio.to_thread.run_sync(
             guarded, container.root / "tokenizer.json", lambda: cached_tokenizer(container.tokenizer_dir())
         )
         storage = await worker.run(PoolStorage, layout, slots)

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import structlog
 import trio
 
+from pipeline.distributed.doorbell import Doorbell
 from pipeline.distributed.errors import DistributedSetupError, RankLost
 
 log = structlog.get_logger("moestream.distributed")
@@ -41,15 +42,12 @@ class Link:
         self.broken: str | None = None
         self.on_broken: Callable[[], None] | None = None  # told once, when the link breaks
         self.seconds = 0.0  # wall time spent in calls (the boundary's cost, with the wait)
-        try:
-            self.group: Any = self.call(lambda: _init(backend), timeout=None, what="init")
-        except RankLost as exc:
-            raise DistributedSetupError(
-                f"cannot join the distributed job ({backend} backend): {exc.__cause__}; "
-                "start every rank with `mlx.launch` (README \"Distributed\")") from None
-        self.broken = None
+        self.group: Any = self.call(lambda: _init(backend), timeout=None, what="init")
         self.rank: int = self.group.rank()
         self.size: int = self.group.size()
+        # Receives wait here first (no spinning); see doorbell.py.
+        self.doorbell = Doorbell.for_rank(self.rank) if self.size > 1 and backend == "ring" \
+            else Doorbell([])
 
     def _loop(self) -> None:
         while True:
@@ -106,7 +104,9 @@ class Link:
 def _init(backend: str) -> Any:
     import mlx.core as mx
 
-    if not mx.distributed.is_available():
-        raise RuntimeError("this MLX build has no distributed backend")
-    group = mx.distributed.init(strict=True, backend=backend)
-    return group
+    try:
+        return mx.distributed.init(strict=True, backend=backend)
+    except RuntimeError as exc:  # not a lost rank: this process was started wrong
+        raise DistributedSetupError(
+            f"cannot join the distributed job ({backend} backend): {exc}; start every rank "
+            "with `mlx.launch` (README \"Distributed\")") from None

@@ -49,7 +49,7 @@ def weighted_boundaries(num_layers: int, weights: Sequence[float]) -> list[int]:
     """First layer of ranks 1.. with counts proportional to `weights`, each rank >= 1 layer.
 
     Largest-remainder rounding, so the counts add up to `num_layers` and no rank is off
-    its exact share by a whole layer.
+    its exact share by a whole layer (unless raised to its one layer).
     """
     size = len(weights)
     if size > num_layers:
@@ -58,14 +58,15 @@ def weighted_boundaries(num_layers: int, weights: Sequence[float]) -> list[int]:
     if any(w <= 0 for w in weights):
         raise PlanError(f"rank weights must be positive, got {list(weights)}")
     total = sum(weights)
-    # One layer each first, the rest by weight.
-    spare = num_layers - size
-    exact = [spare * w / total for w in weights]
-    counts = [1 + int(x) for x in exact]
-    left = num_layers - sum(counts)
+    exact = [num_layers * w / total for w in weights]
+    counts = [max(1, int(x)) for x in exact]
+    # Largest remainders take the layers left; a rank raised to its one layer gives back.
     order = sorted(range(size), key=lambda r: (-(exact[r] - int(exact[r])), r))
-    for r in order[:left]:
+    for r in order[: max(0, num_layers - sum(counts))]:
         counts[r] += 1
+    while sum(counts) > num_layers:
+        r = max((r for r in range(size) if counts[r] > 1), key=lambda r: counts[r] - exact[r])
+        counts[r] -= 1
     bounds, at = [], 0
     for c in counts[:-1]:
         at += c

@@ -78,6 +78,7 @@ class Stage:
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self.logits_dtype: mx.Dtype | None = None  # rank 0: learnt from the last rank
+        self.head_dtype: int | None = None  # the last rank: its logits' code, until sent
         self.stats = BoundaryStats()
         self.engine: Engine | None = None
 
@@ -134,19 +135,15 @@ class Stage:
         return sum(1 for e in container.manifest.layers if e.index in self.plan.layers)
 
     async def attach(self, engine: Engine) -> None:
-        """After the actors start: per-rank settings, and the logits dtype handshake."""
+        """After the actors start: the settings a rank needs (and the last rank its logits'
+        dtype, which it tells rank 0 before its first logits: no wait here for the others)."""
         self.engine = engine
         engine.prefix_cache = NoPrefixCache()
         # One sync per layer: a run-ahead token is rolled back at times, which the later
         # ranks would have to mirror; the boundary is crossed once per forward either way.
         engine.compute.run_ahead = RunAheadPolicy("off")
-        code = -1.0
-        if self.plan.last:
-            code = float(await engine.worker.run(self._head_dtype, engine.model))
-        row = np.array([code])
-        table = await self.link.run(lambda: wire.all_rows(row, self.link.rank, self.link.size),
-                                    self.settings.peer_timeout_s, "handshake")
-        self.logits_dtype = wire.DTYPES[int(table[-1, 0])]
+        if self.plan.last and self.plan.size > 1:
+            self.head_dtype = await engine.worker.run(self._head_dtype, engine.model)
 
     @staticmethod
     def _head_dtype(model: StageModel) -> int:
@@ -168,19 +165,21 @@ class Stage:
 
     def exchange(self, h: mx.array, seq: int, all_positions: bool, decode: bool) -> mx.array:
         """Send the residual stream on; the last rank's logits ([vocab] or [tokens, vocab])."""
-        assert self.logits_dtype is not None, "exchange() before attach()"
         tokens = h.shape[1]
         header = wire.Header(wire.Command.FORWARD, seq, tokens, all_positions, decode,
                              wire.dtype_code(h.dtype), h.shape[2])
         bits = wire.to_bits(h)
-        rows = tokens if all_positions else 1
-        shape = (rows, self.vocab_size)
-        kind = wire.bits_dtype(self.logits_dtype)
+        shape = (tokens if all_positions else 1, self.vocab_size)
         last = self.plan.size - 1
 
         def cross() -> np.ndarray:
             wire.send_forward(header, bits, 1)
-            return wire.recv(shape, kind, last)
+            self.link.doorbell.wait()
+            if self.logits_dtype is None:  # the first logits come after their dtype's code
+                code = wire.recv((1,), np.int32, last)
+                self.logits_dtype = wire.DTYPES[int(code[0])]
+                self.link.doorbell.wait()
+            return wire.recv(shape, wire.bits_dtype(self.logits_dtype), last)
 
         start = time.perf_counter()
         out = self.link.call(cross, timeout=self.settings.peer_timeout_s, what="forward")
@@ -188,6 +187,7 @@ class Stage:
         self.stats.forwards += 1
         self.stats.tokens += tokens
         self.stats.bytes_sent += bits.nbytes
+        assert self.logits_dtype is not None
         logits = wire.from_bits(out, self.logits_dtype)
         return logits if all_positions else logits[0]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -48,7 +49,8 @@ class StageLoop:
         stage, link, plan = self.stage, self.stage.link, self.stage.plan
         src = plan.rank - 1
         while True:
-            header, bits = await link.run(lambda: _receive(src), None, "waiting for work")
+            header, bits = await link.run(partial(_receive, src, link.doorbell.wait), None,
+                                          "waiting for work")
             if header.command == wire.Command.SHUTDOWN:
                 if not plan.last:
                     await link.run(partial(wire.send, header.encode(), plan.rank + 1),
@@ -57,7 +59,8 @@ class StageLoop:
                 return
             start = time.perf_counter()
             out = await self._forward(header, bits)
-            await link.run(partial(_send_on, plan.last, plan.rank, header, out),
+            code, stage.head_dtype = stage.head_dtype, None  # the last rank's first logits
+            await link.run(partial(_send_on, plan.last, plan.rank, header, out, code),
                            stage.settings.peer_timeout_s, "forward")
             stage.stats.busy_seconds += time.perf_counter() - start
             stage.stats.forwards += 1
@@ -85,15 +88,20 @@ def _rows(out: mx.array) -> np.ndarray:
     return wire.to_bits(out.reshape(1, -1) if out.ndim == 1 else out)
 
 
-def _send_on(last: bool, rank: int, header: wire.Header, out: np.ndarray) -> None:
-    """The logits to rank 0 (from the last rank), else the residual stream to rank+1."""
+def _send_on(last: bool, rank: int, header: wire.Header, out: np.ndarray,
+             code: int | None) -> None:
+    """The logits to rank 0 (from the last rank, the first time after their dtype's code),
+    else the residual stream to rank+1."""
     if last:
+        if code is not None:
+            wire.send(np.array([code], np.int32), 0)
         wire.send(out, 0)
     else:
         wire.send_forward(header, out, rank + 1)
 
 
-def _receive(src: int) -> tuple[wire.Header, np.ndarray]:
+def _receive(src: int, ready: Callable[[], object]) -> tuple[wire.Header, np.ndarray]:
+    ready()  # sleeps until rank src writes (MLX's own receive would spin meanwhile)
     header = wire.recv_header(src)
     if header.command != wire.Command.FORWARD:
         return header, np.zeros(0, np.uint32)

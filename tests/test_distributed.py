@@ -1,0 +1,182 @@
+"""Pipeline-parallel ranks (pipeline/distributed): the split, the wire, and real jobs.
+
+The jobs are real processes on localhost joined by mlx.distributed's ring backend, as
+`mlx.launch -n N --backend ring` starts them (tests/forked_ranks.py): three ranks must
+give the logits and greedy tokens of one process for both families; two ranks serve the
+OpenAI API, and when one is killed the request gets a 503 and rank 0 exits.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import trio
+from distributed_ranks import GREEDY, PROMPT, collect, exact_job
+from forked_cli import ForkedCLI
+from forked_ranks import Job
+from helpers_server import serving
+
+from pipeline.config.schema import ConfigError, config_from_dict
+from pipeline.distributed import wire
+from pipeline.distributed.plan import (
+    PlanError,
+    check_boundaries,
+    equal_boundaries,
+    plan_for,
+    share_weights,
+    weighted_boundaries,
+)
+from pipeline.engine import open_engine
+
+TIMEOUT = 120  # generous: the ranks share two cores with the rest of the suite
+
+
+# -- the split and the wire (no processes) -------------------------------------------------
+
+
+def test_layers_split_by_count_weight_or_boundaries() -> None:
+    assert equal_boundaries(48, 2) == [24]
+    assert equal_boundaries(4, 3) == [2, 3]  # the extra layer goes to the first rank
+    assert equal_boundaries(40, 3) == [14, 27]
+    assert weighted_boundaries(48, [1.0, 3.0]) == [12]
+    assert weighted_boundaries(4, [100.0, 1.0]) == [3]  # every rank keeps one layer
+    assert check_boundaries(48, 3, [10, 30]) == [10, 30]
+    plan = plan_for(1, 3, 48, [10, 30])
+    assert plan.layers == range(10, 30) and not plan.first and not plan.last
+    # Half memory, half disk: a rank with twice the memory and the same disk gets 2/3 + 1/2.
+    assert share_weights([64000, 128000], [2000, 2000]) == pytest.approx([5 / 12, 7 / 12])
+    with pytest.raises(PlanError, match="only 4 layers"):
+        equal_boundaries(4, 5)
+    with pytest.raises(PlanError, match="rise strictly"):
+        check_boundaries(48, 3, [30, 10])
+    with pytest.raises(PlanError, match="2 ranks need 1"):
+        check_boundaries(48, 2, [10, 20])
+
+
+def test_the_header_and_the_bits_round_trip() -> None:
+    header = wire.Header(wire.Command.FORWARD, seq=7, tokens=3, all_positions=True, decode=False,
+                         dtype=1, hidden=2048)
+    assert wire.Header.decode_from(header.encode()) == header
+    for dtype in wire.DTYPES:
+        x = (mx.arange(12, dtype=mx.float32) / 7).astype(dtype).reshape(1, 3, 4)
+        back = wire.from_bits(wire.to_bits(x), dtype)
+        assert back.dtype == dtype and mx.array_equal(back, x).item()
+
+
+def test_the_distributed_section_is_checked() -> None:
+    cfg = config_from_dict({"model": {"path": "synth:tiny"},
+                            "distributed": {"enabled": True, "boundaries": [24]}})
+    assert cfg.distributed.enabled and cfg.distributed.boundaries == (24,)
+    with pytest.raises(ConfigError, match="distributed.split"):
+        config_from_dict({"model": {"path": "synth:tiny"}, "distributed": {"split": "random"}})
+
+
+def test_distributed_without_a_launcher_is_one_error_line(fork_server, synth_checkpoint,
+                                                          packed) -> None:
+    container = packed(synth_checkpoint("qwen3_next"), bits=None)
+    env = {k: os.environ.pop(k) for k in ("MLX_RANK", "MLX_HOSTFILE") if k in os.environ}
+    try:
+        proc = ForkedCLI(fork_server, ["generate", str(container), "--distributed"])
+        out = proc.stdout.read()
+        assert proc.wait(60) == 1
+    finally:
+        os.environ.update(env)
+    assert out.startswith("error: cannot join the distributed job"), out
+    assert "mlx.launch" in out and "Traceback" not in out
+
+
+# -- real jobs ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def containers(synth_checkpoint, packed) -> list[Path]:
+    return [packed(synth_checkpoint("qwen3_next"), bits=None),
+            packed(synth_checkpoint("qwen3_5_moe", dtype="bfloat16"), bits=4)]
+
+
+async def _one_process(path: Path) -> dict[str, np.ndarray]:
+    from distributed_ranks import config
+
+    async with open_engine(config(path, distributed=False)) as engine:
+        return await collect(engine)
+
+
+def test_three_ranks_give_one_process_logits(fork_server, containers, tmp_path) -> None:
+    # Qwen3-Next here; the Qwen3.5 MoE family (4-bit) in the two-rank test below.
+    paths = containers[:1]
+    job = Job(fork_server, 3, tmp_path, ([str(p) for p in paths], str(tmp_path)),
+              target=exact_job)
+    try:
+        # The reference runs here meanwhile, on the whole model in this process.
+        expected = [trio.run(_one_process, path) for path in paths]
+        assert job.wait(TIMEOUT) == [0, 0, 0], job.outputs()
+    finally:
+        job.kill()
+    for path, want in zip(paths, expected, strict=True):
+        got = np.load(tmp_path / f"{path.parent.name}.npz")
+        assert sorted(got.files) == sorted(want)
+        for name in want:  # bit for bit: the same kernels over the same weights
+            assert np.array_equal(got[name], want[name]), (path, name)
+        assert len(got["greedy"]) == GREEDY
+    stats = np.load(tmp_path / f"{containers[0].parent.name}.stats.npz")
+    assert list(stats["layers"]) == [0, 1]  # rank 0's slice of 4 layers among 3 ranks
+    log = job.outputs()
+    assert "distributed.stats" in log and "distributed.stage_done" in log
+
+
+async def _served_by_one_process(container: Path, body: dict) -> dict:
+    async with serving(container, prefill_chunk=2) as (_, port):
+        status, reply = await trio.to_thread.run_sync(_post, port, body)
+    assert status == 200, reply
+    return reply
+
+
+def _post(port: int, body: dict) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_two_ranks_serve_and_a_killed_rank_ends_with_503(fork_server, containers,
+                                                          tmp_path) -> None:
+    from forked_ranks import free_ports
+
+    container = containers[1]
+    port = free_ports(1)[0]
+    argv = ["--log-level", "info", "serve", str(container), "--distributed", "--port", str(port),
+            "--slots", "8", "--prefill-chunk", "2"]
+    job = Job(fork_server, 2, tmp_path, (argv,))
+    try:
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": GREEDY, "temperature": 0,
+                "logprobs": 3}
+        expected = trio.run(_served_by_one_process, container, body)
+        job.ranks[0].wait_for("server.listening", TIMEOUT)
+        status, reply = _post(port, body)
+        assert status == 200, reply
+        assert reply["usage"]["completion_tokens"] == GREEDY
+        # The text and every log-probability one process serves: the same logits.
+        assert reply["choices"] == expected["choices"]
+
+        os.kill(job.ranks[1].proc.pid, signal.SIGKILL)
+        assert job.ranks[1].wait(30) == -signal.SIGKILL
+        start = time.monotonic()
+        status, reply = _post(port, body)
+        assert status == 503, reply
+        assert reply["error"]["code"] == "rank_lost" and "rank" in reply["error"]["message"]
+        assert job.ranks[0].wait(30) == 1, job.outputs()  # no hang: it stops by itself
+        assert time.monotonic() - start < 30
+        assert "error: rank 0: a rank was lost" in job.ranks[0].output(), job.outputs()
+    finally:
+        job.kill()
