@@ -37,14 +37,23 @@ def config(path: Path, distributed: bool = True) -> Any:
 
 def exact_job(paths: list[str], out_dir: str) -> int:
     """One rank: for each container, join, run (rank 0 collects), finish together."""
+    from mlx.utils import tree_flatten
+
+    from pipeline.distributed.active import active_stage
     from pipeline.distributed.job import run_distributed
     from pipeline.engine import open_engine
 
     async def rank0(cfg: Any, dest: Path) -> int:
         async with open_engine(cfg) as engine:
             np.savez(dest, **await collect(engine))
+            parts = engine.model.parts
+            others = [p for i in range(len(parts.layers)) if i not in engine.model.layers
+                      for _, p in tree_flatten(parts.layers[i].parameters())]
             np.savez(dest.with_suffix(".stats.npz"), slots=engine.router.table.num_slots,
-                     layers=np.array(list(engine.model.layers)))
+                     layers=np.array(list(engine.model.layers)),
+                     other_layers_elements=sum(p.size for p in others) + parts.norm.weight.size,
+                     dense_bytes=active_stage().dense_bytes,
+                     container_dense_bytes=engine.container.manifest.dense_bytes)
         return 0
 
     for path in paths:

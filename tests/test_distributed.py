@@ -128,6 +128,9 @@ def test_three_ranks_give_one_process_logits(fork_server, containers, tmp_path) 
         assert len(got["greedy"]) == GREEDY
     stats = np.load(tmp_path / f"{containers[0].parent.name}.stats.npz")
     assert list(stats["layers"]) == [0, 1]  # rank 0's slice of 4 layers among 3 ranks
+    # Rank 0 loaded only its layers and the embedding (no other layer, no final norm, no head).
+    assert stats["other_layers_elements"] == 0
+    assert 0 < stats["dense_bytes"] < 0.8 * stats["container_dense_bytes"]
     log = job.outputs()
     assert "distributed.stats" in log and "distributed.stage_done" in log
 

@@ -8,9 +8,12 @@ ranks that differ by a few percent.
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 from qpack.reader import Container
@@ -54,3 +57,12 @@ def read_speed_mb_s(container: Container, limit: int = PROBE_BYTES) -> float:
 def fingerprint(container: Container) -> int:
     """The manifest's crc32, cut to 24 bits (exact in the float32 the handshake sums)."""
     return zlib.crc32((container.root / "manifest.json").read_bytes()) & 0xFFFFFF
+
+
+def kept_bytes(dense_path: Path, keep: Callable[[str], bool]) -> int:
+    """Bytes of the dense tensors `keep` selects, from the safetensors header alone."""
+    with open(dense_path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return sum(end - start for name, entry in header.items() if name != "__metadata__"
+               and keep(name) for start, end in [entry["data_offsets"]])

@@ -35,7 +35,7 @@ from pipeline.distributed.plan import (
     share_weights,
     weighted_boundaries,
 )
-from pipeline.distributed.probe import fingerprint, free_memory_mb, read_speed_mb_s
+from pipeline.distributed.probe import fingerprint, free_memory_mb, kept_bytes, read_speed_mb_s
 from pipeline.models.dense import load_dense
 from pipeline.prefix_cache import PrefixCache
 from qpack.reader import Container
@@ -71,8 +71,9 @@ class NoPrefixCache(PrefixCache):
 
 class Stage:
     def __init__(self, link: Link, plan: StagePlan, settings: DistributedConfig,
-                 hidden_size: int, vocab_size: int) -> None:
+                 hidden_size: int, vocab_size: int, tied: bool) -> None:
         self.link = link
+        self.tied = tied  # the head is the embedding (the last rank then loads it)
         self.plan = plan
         self.settings = settings
         self.hidden_size = hidden_size
@@ -80,6 +81,7 @@ class Stage:
         self.logits_dtype: mx.Dtype | None = None  # rank 0: learnt from the last rank
         self.head_dtype: int | None = None  # the last rank: its logits' code, until sent
         self.stats = BoundaryStats()
+        self.dense_bytes = 0  # this rank's share of dense.safetensors
         self.engine: Engine | None = None
 
     # -- setting up ----------------------------------------------------------------------
@@ -108,7 +110,10 @@ class Stage:
         text = container.config.get("text_config", container.config)
         log.info("distributed.plan", rank=plan.rank, size=plan.size, layers=f"{plan.start}-{plan.stop - 1}",
                  boundaries=bounds, free_mb=[round(v) for v in table[:, 2]])
-        return cls(link, plan, settings, int(text["hidden_size"]), int(text["vocab_size"]))
+        stage = cls(link, plan, settings, int(text["hidden_size"]), int(text["vocab_size"]),
+                    bool(text.get("tie_word_embeddings", container.config.get("tie_word_embeddings"))))
+        stage.dense_bytes = kept_bytes(container.dense_path, stage.keep)
+        return stage
 
     def keep(self, name: str) -> bool:
         """Which dense tensors this rank loads: its layers', rank 0 the embedding, the last
@@ -119,7 +124,7 @@ class Stage:
             if i + 1 < len(parts) and parts[i + 1].isdigit():
                 return int(parts[i + 1]) in self.plan.layers
         if "embed_tokens" in parts:
-            return self.plan.first or self.plan.last  # the last: for a tied head
+            return self.plan.first or (self.plan.last and self.tied)
         if parts[-2:-1] == ["norm"] or "lm_head" in parts:
             return self.plan.last
         return True
