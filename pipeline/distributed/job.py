@@ -39,8 +39,8 @@ log = structlog.get_logger("moestream.distributed")
 
 EXIT_RANK_LOST = 1
 # Counters each rank reports at the end (rows of `distributed.stats`).
-STATS_FIELDS = ("forwards", "tokens", "boundary_s", "busy_s", "bytes_sent", "hits", "misses",
-                "reads", "bytes_read")
+STATS_FIELDS = ("forwards", "tokens", "boundary_s", "busy_s", "bytes_sent", "decode_forwards",
+                "decode_boundary_s", "decode_busy_s", "hits", "misses", "reads", "bytes_read")
 
 _link: Link | None = None
 
@@ -103,7 +103,8 @@ def finish(stage: Stage) -> np.ndarray:
     """Every rank's counters (the same [size, fields] table on every rank)."""
     s = stage.stats
     table = stage.pool_counters()
-    row = np.array([s.forwards, s.tokens, s.seconds, s.busy_seconds, s.bytes_sent, *table])
+    row = np.array([s.forwards, s.tokens, s.seconds, s.busy_seconds, s.bytes_sent,
+                    s.decode_forwards, s.decode_seconds, s.decode_busy_seconds, *table])
     link = stage.link
     return link.call(lambda: wire.all_rows(row, link.rank, link.size),
                      timeout=stage.settings.peer_timeout_s, what="final counters")

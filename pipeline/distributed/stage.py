@@ -13,7 +13,7 @@ ranks in their stage loop (`pipeline/distributed/worker.py`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +53,10 @@ class BoundaryStats:
     seconds: float = 0.0  # rank 0: send until logits back (the later ranks' work included)
     busy_seconds: float = 0.0  # a later rank: hidden state in until its output sent
     bytes_sent: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
+    # The same for decode forwards (one token each) alone: the boundary's cost per token.
+    decode_forwards: int = 0
+    decode_seconds: float = 0.0
+    decode_busy_seconds: float = 0.0
 
 
 class NoPrefixCache(PrefixCache):
@@ -188,8 +191,12 @@ class Stage:
 
         start = time.perf_counter()
         out = self.link.call(cross, timeout=self.settings.peer_timeout_s, what="forward")
-        self.stats.seconds += time.perf_counter() - start
+        took = time.perf_counter() - start
+        self.stats.seconds += took
         self.stats.forwards += 1
+        if decode:
+            self.stats.decode_forwards += 1
+            self.stats.decode_seconds += took
         self.stats.tokens += tokens
         self.stats.bytes_sent += bits.nbytes
         assert self.logits_dtype is not None

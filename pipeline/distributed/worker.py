@@ -62,7 +62,11 @@ class StageLoop:
             code, stage.head_dtype = stage.head_dtype, None  # the last rank's first logits
             await link.run(partial(_send_on, plan.last, plan.rank, header, out, code),
                            stage.settings.peer_timeout_s, "forward")
-            stage.stats.busy_seconds += time.perf_counter() - start
+            took = time.perf_counter() - start
+            stage.stats.busy_seconds += took
+            if header.decode:
+                stage.stats.decode_forwards += 1
+                stage.stats.decode_busy_seconds += took
             stage.stats.forwards += 1
             stage.stats.tokens += header.tokens
             stage.stats.bytes_sent += out.nbytes
@@ -72,15 +76,36 @@ class StageLoop:
         cache = self._cache(header.seq)
         dtype = wire.DTYPES[header.dtype]
 
-        def inbox() -> None:
-            engine.model.inbox = wire.from_bits(bits, dtype)  # type: ignore[attr-defined]
+        first = engine.model.moe_layers[0]
+        predict = engine.compute.strategy.name != "none"
 
-        await engine.worker.run(inbox)
+        def inbox() -> list[int]:
+            h = wire.from_bits(bits, dtype)
+            engine.model.inbox = h  # type: ignore[attr-defined]
+            return _first_layer_guess(engine, first, h) if predict else []
+
+        guess = await engine.worker.run(inbox)
+        if guess:
+            # One process would have predicted this layer from the layer before it (on
+            # the rank before): predict it from what arrived, ahead of its attention.
+            await engine.router.prefetch([(first, guess)], engine.compute.tick)
         phase = "decode" if header.decode else "prefill"
         placeholders = [0] * header.tokens  # the count only: the stream is in the inbox
         async with engine.lock:
             out = await engine.compute.forward(placeholders, cache, phase, header.all_positions)
         return await engine.worker.run(_rows, out)
+
+
+def _first_layer_guess(engine: Engine, layer: int, h: mx.array) -> list[int]:
+    """On the MLX thread: layer `layer`'s router applied to the residual stream entering
+    it (next-gate prefetch, from one step closer than one process can); in prefill the
+    union over the chunk's tokens, as the gate strategies predict there."""
+    logits = engine.model.router_logits(layer, h[0])
+    k = engine.model.top_k
+    top = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+    ids = list(dict.fromkeys(int(e) for e in np.array(top).reshape(-1)))
+    cap = engine.config.prefetch.max_per_layer
+    return ids[:cap] if cap else ids
 
 
 def _rows(out: mx.array) -> np.ndarray:
