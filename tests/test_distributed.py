@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import trio
 from distributed_ranks import GREEDY, PROMPT, collect, exact_job
-from forked_cli import ForkedCLI
 from forked_ranks import Job
 from helpers_server import serving
 
@@ -79,18 +78,18 @@ def test_the_distributed_section_is_checked() -> None:
         config_from_dict({"model": {"path": "synth:tiny"}, "distributed": {"split": "random"}})
 
 
-def test_distributed_without_a_launcher_is_one_error_line(fork_server, synth_checkpoint,
-                                                          packed) -> None:
+def test_distributed_without_a_launcher_is_one_error_line(synth_checkpoint, packed, capsys,
+                                                          monkeypatch) -> None:
+    from pipeline.cli import main
+
     container = packed(synth_checkpoint("qwen3_next"), bits=None)
-    env = {k: os.environ.pop(k) for k in ("MLX_RANK", "MLX_HOSTFILE") if k in os.environ}
-    try:
-        proc = ForkedCLI(fork_server, ["generate", str(container), "--distributed"])
-        out = proc.stdout.read()
-        assert proc.wait(60) == 1
-    finally:
-        os.environ.update(env)
-    assert out.startswith("error: cannot join the distributed job"), out
-    assert "mlx.launch" in out and "Traceback" not in out
+    monkeypatch.delenv("MLX_RANK", raising=False)
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    capsys.readouterr()  # the fixtures' logs
+    assert main(["generate", str(container), "--distributed"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot join the distributed job"), err
+    assert "mlx.launch" in err and "Traceback" not in err and err.count("\n") == 1
 
 
 # -- real jobs ---------------------------------------------------------------------------------
