@@ -35,8 +35,14 @@ def config(path: Path, distributed: bool = True) -> Any:
     return engine_config(path, distributed={"enabled": distributed})
 
 
+def generate_argv(path: Path) -> list[str]:
+    return ["generate", str(path), "--prompt", "Hello there", "--max-tokens", "6",
+            "--temperature", "0", "--slots", "8", "--prefill-chunk", "2"]
+
+
 def exact_job(paths: list[str], out_dir: str) -> int:
-    """One rank: for each container, join, run (rank 0 collects), finish together."""
+    """One rank: for each container, join, run (rank 0 collects), finish together; then
+    `moestream generate --distributed` on the first (the CLI face, in the same processes)."""
     from mlx.utils import tree_flatten
 
     from pipeline.distributed.active import active_stage
@@ -62,4 +68,6 @@ def exact_job(paths: list[str], out_dir: str) -> int:
         status = run_distributed(cfg, lambda c, dest=dest: trio.run(rank0, c, dest))
         if status:
             return status
-    return 0
+    from pipeline.cli import main
+
+    return main([*generate_argv(Path(paths[0])), "--distributed"])

@@ -19,10 +19,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import trio
-from distributed_ranks import GREEDY, PROMPT, collect, exact_job
+from distributed_ranks import GREEDY, PROMPT, collect, exact_job, generate_argv
 from forked_ranks import Job
 from helpers_server import serving
 
+from pipeline.cli import main
 from pipeline.config.schema import ConfigError, config_from_dict
 from pipeline.distributed import wire
 from pipeline.distributed.plan import (
@@ -60,6 +61,21 @@ def test_layers_split_by_count_weight_or_boundaries() -> None:
         check_boundaries(48, 2, [10, 20])
 
 
+def test_the_probes_a_weighted_split_uses(synth_checkpoint, packed) -> None:
+    from pipeline.distributed.probe import free_memory_mb, kept_bytes, read_speed_mb_s
+    from qpack.reader import Container
+
+    container = Container.open(packed(synth_checkpoint("qwen3_next"), bits=None))
+    try:
+        assert free_memory_mb() > 0 and read_speed_mb_s(container) > 0
+        dense = container.manifest.dense_bytes
+        assert kept_bytes(container.dense_path, lambda name: True) == dense
+        layers = kept_bytes(container.dense_path, lambda name: ".layers." in name)
+        assert 0 < layers < dense
+    finally:
+        container.close()
+
+
 def test_the_header_and_the_bits_round_trip() -> None:
     header = wire.Header(wire.Command.FORWARD, seq=7, tokens=3, all_positions=True, decode=False,
                          dtype=1, hidden=2048)
@@ -80,8 +96,6 @@ def test_the_distributed_section_is_checked() -> None:
 
 def test_distributed_without_a_launcher_is_one_error_line(synth_checkpoint, packed, capsys,
                                                           monkeypatch) -> None:
-    from pipeline.cli import main
-
     container = packed(synth_checkpoint("qwen3_next"), bits=None)
     monkeypatch.delenv("MLX_RANK", raising=False)
     monkeypatch.delenv("MLX_HOSTFILE", raising=False)
@@ -108,7 +122,7 @@ async def _one_process(path: Path) -> dict[str, np.ndarray]:
         return await collect(engine)
 
 
-def test_three_ranks_give_one_process_logits(fork_server, containers, tmp_path) -> None:
+def test_three_ranks_give_one_process_logits(fork_server, containers, tmp_path, capsys) -> None:
     # Qwen3-Next here; the Qwen3.5 MoE family (4-bit) in the two-rank test below.
     paths = containers[:1]
     job = Job(fork_server, 3, tmp_path, ([str(p) for p in paths], str(tmp_path)),
@@ -116,6 +130,9 @@ def test_three_ranks_give_one_process_logits(fork_server, containers, tmp_path) 
     try:
         # The reference runs here meanwhile, on the whole model in this process.
         expected = [trio.run(_one_process, path) for path in paths]
+        capsys.readouterr()
+        assert main(generate_argv(paths[0])) == 0  # the CLI face, one process
+        text = capsys.readouterr().out.strip()
         assert job.wait(TIMEOUT) == [0, 0, 0], job.outputs()
     finally:
         job.kill()
@@ -132,6 +149,7 @@ def test_three_ranks_give_one_process_logits(fork_server, containers, tmp_path) 
     assert 0 < stats["dense_bytes"] < 0.8 * stats["container_dense_bytes"]
     log = job.outputs()
     assert "distributed.stats" in log and "distributed.stage_done" in log
+    assert text and text in job.ranks[0].output()  # `generate --distributed` printed the same
 
 
 async def _served_by_one_process(container: Path, body: dict) -> dict:

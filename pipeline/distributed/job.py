@@ -73,13 +73,17 @@ def run_distributed(cfg: PipelineConfig, face: Callable[[PipelineConfig], int], 
     try:
         with activate(stage):
             if stage.plan.first:
-                status = face(cfg)
-                stage.shutdown()
+                try:
+                    status = face(cfg)
+                finally:
+                    # Also after the face failed (a bad prompt, Ctrl-C): the later ranks
+                    # then stop cleanly instead of finding rank 0 gone.
+                    if stage.link.broken is None:
+                        stage.shutdown()
+                        report(finish(stage))
             else:
                 trio.run(_stage_loop, cfg, stage)
-            table = finish(stage)
-            if stage.plan.first:
-                report(table)
+                finish(stage)
     except RankLost as exc:
         _exit_lost(stage, str(exc))
     except BaseException:

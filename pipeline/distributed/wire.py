@@ -78,7 +78,7 @@ def send(bits: np.ndarray, dst: int) -> None:
 
 
 def recv(shape: tuple[int, ...], dtype: type[np.generic], src: int) -> np.ndarray:
-    like = mx.zeros(shape, dtype=mx.array(np.zeros((), dtype=dtype)).dtype)
+    like = mx.zeros(shape, dtype=mx.array(np.zeros((), dtype=dtype)).dtype, stream=mx.cpu)
     out = mx.distributed.recv_like(like, src, stream=mx.cpu)
     mx.eval(out)
     return np.array(out, copy=True)
