@@ -12,6 +12,7 @@ import http.client
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from helpers_server import serving
 from pipeline.cli import main
 from pipeline.config.schema import ConfigError, config_from_dict
 from pipeline.distributed import wire
+from pipeline.distributed.errors import RankLost
+from pipeline.distributed.link import Link
 from pipeline.distributed.plan import (
     PlanError,
     check_boundaries,
@@ -74,6 +77,32 @@ def test_the_probes_a_weighted_split_uses(synth_checkpoint, packed) -> None:
         assert 0 < layers < dense
     finally:
         container.close()
+
+
+def test_a_peer_that_never_answers_breaks_the_link_once() -> None:
+    # What rank 0 sees when a rank hangs: the wait ends at the deadline with RankLost,
+    # the link is marked broken (the stuck thread is abandoned), later calls fail at once.
+    told: list[str] = []
+    link = Link()
+    link.on_broken = lambda: told.append("lost")
+    assert link.call(lambda: 7, timeout=5, what="test") == 7
+    release = threading.Event()
+    with pytest.raises(RankLost, match="no answer from the other ranks within 0.2 s"):
+        link.call(release.wait, timeout=0.2, what="forward")
+    start = time.monotonic()
+    with pytest.raises(RankLost):
+        link.call(lambda: 7, timeout=5, what="test")
+    assert time.monotonic() - start < 0.1 and told == ["lost"]
+    release.set()
+    # A distributed op failing (the ring's "connection to a peer was lost") breaks it too.
+    other = Link()
+
+    def lost() -> None:
+        raise RuntimeError("[ring] connection to a peer was lost")
+
+    with pytest.raises(RankLost, match="peer was lost"):
+        other.call(lost, timeout=5, what="forward")
+    assert other.broken is not None
 
 
 def test_the_header_and_the_bits_round_trip() -> None:

@@ -49,7 +49,7 @@ def process_link(backend: str) -> Link:
     """The process's link, made once: a process is one rank for its whole life."""
     global _link
     if _link is None:
-        _link = Link(backend)
+        _link = Link.join(backend)
     return _link
 
 

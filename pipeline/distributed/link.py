@@ -35,19 +35,27 @@ T = TypeVar("T")
 class Link:
     """This process's group (`mx.distributed.init`) and the thread that talks to it."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self) -> None:
+        """The thread only; `join` makes the group (tests drive the thread alone)."""
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="moestream-link", daemon=True)
         self._thread.start()
         self.broken: str | None = None
         self.on_broken: Callable[[], None] | None = None  # told once, when the link breaks
         self.seconds = 0.0  # wall time spent in calls (the boundary's cost, with the wait)
-        self.group: Any = self.call(lambda: _init(backend), timeout=None, what="init")
-        self.rank: int = self.group.rank()
-        self.size: int = self.group.size()
-        # Receives wait here first (no spinning); see doorbell.py.
-        self.doorbell = Doorbell.for_rank(self.rank) if self.size > 1 and backend == "ring" \
-            else Doorbell([])
+        self.group: Any = None
+        self.rank, self.size = 0, 1
+        self.doorbell = Doorbell([])
+
+    @classmethod
+    def join(cls, backend: str) -> Link:
+        """This process's link, joined to the job `mlx.launch` started."""
+        link = cls()
+        link.group = link.call(lambda: _init(backend), timeout=None, what="init")
+        link.rank, link.size = link.group.rank(), link.group.size()
+        if link.size > 1 and backend == "ring":
+            link.doorbell = Doorbell.for_rank(link.rank)  # receives wait here, not spinning
+        return link
 
     def _loop(self) -> None:
         while True:
