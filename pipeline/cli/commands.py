@@ -106,6 +106,10 @@ def engine_config(args: argparse.Namespace, model: str | None = None, *,
 
 def distributed(cfg: PipelineConfig, face: Any, *, server: bool = False) -> int:
     """`face(cfg)` on rank 0 of a distributed job, the stage loop on the other ranks."""
+    if cfg.distributed.gpu_per_rank:  # before anything below loads MLX
+        from pipeline.distributed.gpu import pin_gpu_per_rank
+
+        pin_gpu_per_rank()
     from pipeline.distributed.job import run_distributed
 
     return run_distributed(cfg, face, stop_on_loss=server)

@@ -172,6 +172,8 @@ class DistributedConfig(_Section):
     peer_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 300.0
     # Sequences whose caches a later rank keeps (one generation runs at a time today).
     max_sequences: PositiveInt = 4
+    # One host with several GPUs: rank r sees only GPU r (CUDA_VISIBLE_DEVICES=r).
+    gpu_per_rank: bool = False
 
 
 class LogConfig(_Section):
