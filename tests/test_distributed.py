@@ -105,6 +105,15 @@ def test_a_peer_that_never_answers_breaks_the_link_once() -> None:
     assert other.broken is not None
 
 
+def test_gpu_per_rank_shows_rank_r_only_gpu_r(monkeypatch) -> None:
+    from pipeline.distributed.gpu import pin_gpu_per_rank
+
+    monkeypatch.setenv("MLX_RANK", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    pin_gpu_per_rank()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+
+
 def test_the_header_and_the_bits_round_trip() -> None:
     header = wire.Header(wire.Command.FORWARD, seq=7, tokens=3, all_positions=True, decode=False,
                          dtype=1, hidden=2048)

@@ -1,7 +1,7 @@
 """What a rank measures about itself before the layers are split (`split = "weighted"`).
 
 Free memory decides how much dense core and pool fit; disk read speed how fast its
-experts stream. Both are rough (one short read, one look at /proc/meminfo): they weigh
+experts stream. Both are rough (one short read, one look at free memory): they weigh
 ranks that differ a lot (a 64 GB and a 128 GB Mac, an SSD and a network disk), not
 ranks that differ by a few percent.
 """
@@ -22,14 +22,12 @@ PROBE_BYTES = 32 << 20
 
 
 def free_memory_mb() -> float:
-    """MemAvailable (Linux), else physical memory (macOS has no cheap 'available')."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+    """The memory an expert pool may take here: the GPU's on CUDA, else available RAM
+    (less what the engine keeps aside), as the pool's own sizing counts it."""
+    from pipeline.memory_budget import pool_memory_room
+
+    room, _ = pool_memory_room(0)
+    return max(room, 1) / 2**20
 
 
 def read_speed_mb_s(container: Container, limit: int = PROBE_BYTES) -> float:
