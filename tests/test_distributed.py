@@ -227,10 +227,17 @@ def test_two_ranks_serve_and_a_killed_rank_ends_with_503(fork_server, containers
         # The text and every log-probability one process serves: the same logits.
         assert reply["choices"] == expected["choices"]
 
+        # A long request in flight when rank 1 dies: it ends with a 503, not a hang.
+        long = {**body, "max_tokens": 2000, "logprobs": None}
+        answer: list[tuple[int, dict]] = []
+        asker = threading.Thread(target=lambda: answer.append(_post(port, long)), daemon=True)
+        asker.start()
+        time.sleep(1.0)  # well into its decode (tens of tokens a second here)
         os.kill(job.ranks[1].proc.pid, signal.SIGKILL)
         assert job.ranks[1].wait(30) == -signal.SIGKILL
         start = time.monotonic()
-        status, reply = _post(port, body)
+        asker.join(60)
+        status, reply = answer[0]
         assert status == 503, reply
         assert reply["error"]["code"] == "rank_lost" and "rank" in reply["error"]["message"]
         assert job.ranks[0].wait(30) == 1, job.outputs()  # no hang: it stops by itself

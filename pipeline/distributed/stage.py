@@ -112,7 +112,8 @@ class Stage:
         plan = plan_for(link.rank, link.size, m.num_layers, bounds)
         text = container.config.get("text_config", container.config)
         log.info("distributed.plan", rank=plan.rank, size=plan.size, layers=f"{plan.start}-{plan.stop - 1}",
-                 boundaries=bounds, free_mb=[round(v) for v in table[:, 2]])
+                 boundaries=bounds, free_mb=[round(v) for v in table[:, 2]],
+                 read_mb_s=[round(v) for v in table[:, 3]] if weighted else None)
         stage = cls(link, plan, settings, int(text["hidden_size"]), int(text["vocab_size"]),
                     bool(text.get("tie_word_embeddings", container.config.get("tie_word_embeddings"))))
         stage.dense_bytes = kept_bytes(container.dense_path, stage.keep)
