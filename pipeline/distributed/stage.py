@@ -82,7 +82,7 @@ class Stage:
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self.logits_dtype: mx.Dtype | None = None  # rank 0: learnt from the last rank
-        self.head_dtype: int | None = None  # the last rank: its logits' code, until sent
+        self.dtype_sent = False  # the last rank: rank 0 knows its logits' dtype
         self.stats = BoundaryStats()
         self.dense_bytes = 0  # this rank's share of dense.safetensors
         self.engine: Engine | None = None
@@ -144,23 +144,13 @@ class Stage:
         return sum(1 for e in container.manifest.layers if e.index in self.plan.layers)
 
     async def attach(self, engine: Engine) -> None:
-        """After the actors start: the settings a rank needs (and the last rank its logits'
-        dtype, which it tells rank 0 before its first logits: no wait here for the others)."""
+        """After the actors start: the settings a rank needs. (The last rank tells rank 0
+        its logits' dtype with its first logits: no wait here for the others.)"""
         self.engine = engine
         engine.prefix_cache = NoPrefixCache()
         # One sync per layer: a run-ahead token is rolled back at times, which the later
         # ranks would have to mirror; the boundary is crossed once per forward either way.
         engine.compute.run_ahead = RunAheadPolicy("off")
-        if self.plan.last and self.plan.size > 1:
-            self.head_dtype = await engine.worker.run(self._head_dtype, engine.model)
-
-    @staticmethod
-    def _head_dtype(model: StageModel) -> int:
-        dtype = model.activation_dtype or model.parts.embed_tokens.weight.dtype
-        if dtype not in wire.DTYPES:
-            dtype = mx.float32
-        x = mx.zeros((1, 1, model.parts.args.hidden_size), dtype)
-        return wire.dtype_code(model.parts.head(model.parts.norm(x)).dtype)
 
     def pool_counters(self) -> list[float]:
         """hits, misses, reads, bytes read of this rank's pool (zeros before an engine)."""

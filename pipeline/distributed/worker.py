@@ -19,6 +19,7 @@ from functools import partial
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 import numpy as np
 import structlog
 
@@ -58,8 +59,11 @@ class StageLoop:
                 log.info("distributed.stage_done", rank=plan.rank, forwards=stage.stats.forwards)
                 return
             start = time.perf_counter()
-            out = await self._forward(header, bits)
-            code, stage.head_dtype = stage.head_dtype, None  # the last rank's first logits
+            out, dtype = await self._forward(header, bits)
+            code = None if stage.dtype_sent or not plan.last else wire.dtype_code(dtype)
+            stage.dtype_sent = True
+            # What this rank sends on is in its own output's dtype.
+            header = msgspec.structs.replace(header, dtype=wire.dtype_code(dtype))
             await link.run(partial(_send_on, plan.last, plan.rank, header, out, code),
                            stage.settings.peer_timeout_s, "forward")
             took = time.perf_counter() - start
@@ -71,7 +75,7 @@ class StageLoop:
             stage.stats.tokens += header.tokens
             stage.stats.bytes_sent += out.nbytes
 
-    async def _forward(self, header: wire.Header, bits: np.ndarray) -> np.ndarray:
+    async def _forward(self, header: wire.Header, bits: np.ndarray) -> tuple[np.ndarray, mx.Dtype]:
         engine = self.engine
         cache = self._cache(header.seq)
         dtype = wire.DTYPES[header.dtype]
@@ -108,9 +112,10 @@ def _first_layer_guess(engine: Engine, layer: int, h: mx.array) -> list[int]:
     return ids[:cap] if cap else ids
 
 
-def _rows(out: mx.array) -> np.ndarray:
-    """On the MLX thread: what to send, as bits ([vocab] logits as one row)."""
-    return wire.to_bits(out.reshape(1, -1) if out.ndim == 1 else out)
+def _rows(out: mx.array) -> tuple[np.ndarray, mx.Dtype]:
+    """On the MLX thread: what to send, as bits ([vocab] logits as one row), and the dtype
+    they are the bits of (rank 0 learns the logits' from the first: whatever the head gives)."""
+    return wire.to_bits(out.reshape(1, -1) if out.ndim == 1 else out), out.dtype
 
 
 def _send_on(last: bool, rank: int, header: wire.Header, out: np.ndarray,
