@@ -226,6 +226,21 @@ def test_two_ranks_serve_and_a_killed_rank_ends_with_503(fork_server, containers
         assert reply["usage"]["completion_tokens"] == GREEDY
         # The text and every log-probability one process serves: the same logits.
         assert reply["choices"] == expected["choices"]
+        # A client that leaves mid-stream cancels the generation between two forwards; the
+        # next request starts fresh caches on both ranks (a new sequence id): same reply.
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "max_tokens": 500,
+                     "stream": True, "logprobs": None}), {"Content-Type": "application/json"})
+        stream = conn.getresponse()
+        assert stream.status == 200
+        chunks = 0
+        while chunks < 4:  # a few tokens in, then gone
+            line = stream.readline()
+            assert line, "the stream ended early"
+            chunks += line.startswith(b"data: ")
+        conn.close()
+        status, again = _post(port, body)
+        assert status == 200 and again["choices"] == expected["choices"], again
 
         # A long request in flight when rank 1 dies: it ends with a 503, not a hang.
         long = {**body, "max_tokens": 2000, "logprobs": None}
