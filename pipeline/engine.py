@@ -39,6 +39,7 @@ from actors.sampling_params import SamplingParams
 from actors.sampling_task import SamplingTask
 from pipeline.chat_template import template_kwargs
 from pipeline.config.schema import PipelineConfig
+from pipeline.distributed.active import active_stage
 from pipeline.engine_parts import cached_tokenizer, guarded, installer, staging_probe
 from pipeline.engine_sizing import (
     PoolTooSmall,
@@ -90,6 +91,9 @@ class Engine:
         manifest = container.manifest
         self.max_batch = max(1, min(config.compute.max_batch,
                                     router.table.num_slots // manifest.top_k))
+        if active_stage() is not None:
+            # The ranks' boundary carries one sequence per forward (see pipeline/distributed).
+            self.max_batch = 1
         self.compute_task = ComputeTask(
             self.max_batch,
             batch_budget(config.compute.batch_memory_mb, manifest.dense_bytes))
@@ -240,14 +244,17 @@ async def open_engine(
     `io` replaces the container's positional-read layer (fault injection in tests).
     """
     started = time.perf_counter()
+    stage = active_stage()  # a pipeline-parallel rank: its slice of the layers only
     container = Container.open(Path(config.model.path), verify=config.model.verify, io=io,
                                o_direct=config.reader.o_direct)
     manifest = container.manifest
     layout = PoolLayout.of(manifest.layers)  # one format, or one per layer (mixed precision)
     fmt = layout.formats[next(iter(layout.formats))]
     storage_probe = layout.slot_nbytes
-    slots = min(num_slots(config, container, storage_probe), manifest.num_experts * len(manifest.layers))
-    check_pool_fits(slots * storage_probe, manifest.dense_bytes, config.pool.slots is not None or config.pool.budget_mb is not None)
+    layers = stage.expert_layers(container) if stage else len(manifest.layers)
+    slots = min(num_slots(config, container, storage_probe), manifest.num_experts * layers)
+    dense_bytes = stage.dense_bytes if stage else manifest.dense_bytes
+    check_pool_fits(slots * storage_probe, dense_bytes, config.pool.slots is not None or config.pool.budget_mb is not None)
     need = smallest_workable_slots(manifest.num_experts, manifest.top_k, config.compute.prefill_chunk)
     if slots < need:
         raise PoolTooSmall(
@@ -261,20 +268,26 @@ async def open_engine(
         # Loaded before the actors' nursery opens, so a bad container surfaces as one
         # QpackError naming the file rather than inside an exception group.
         dense = await worker.run(
-            guarded, container.dense_path, load_dense, container.config, container.dense_path
+            guarded, container.dense_path, stage.load_dense if stage else load_dense,
+            container.config, container.dense_path,
         )
-        tokenizer = await trio.to_thread.run_sync(
+        # A later pipeline rank never sees text: no tokenizer (seconds for a 150k vocabulary).
+        tokenizer = None if stage and not stage.plan.first else await trio.to_thread.run_sync(
             guarded, container.root / "tokenizer.json", lambda: cached_tokenizer(container.tokenizer_dir())
         )
         storage = await worker.run(PoolStorage, layout, slots)
         stage_in_threads = await staging_probe(config.reader.stage_in_threads, worker)
         dtype = await worker.run(activation_dtype, config.compute.dtype)
-        model = StreamedModel(dense, fmt, storage.arrays, dtype, views=storage.view)
+        model = (stage.model if stage else StreamedModel)(
+            dense, fmt, storage.arrays, dtype, views=storage.view)
         async with trio.open_nursery() as nursery:
-            yield _start_actors(
+            engine = _start_actors(
                 config, container, worker, nursery, model, storage, tokenizer, slots,
                 record_routing, started, stage_in_threads,
             )
+            if stage:
+                await stage.attach(engine)
+            yield engine
             nursery.cancel_scope.cancel()
     finally:
         container.close()

@@ -18,6 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import forked_cli  # noqa: E402
+import forked_ranks  # noqa: E402
 import packjob  # noqa: E402
 
 from qpack.synth.checkpoint import synthesize  # noqa: E402
@@ -70,7 +71,7 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 def _start_fork_server() -> BaseContext:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(packjob.PRELOAD + forked_cli.PRELOAD)
+    ctx.set_forkserver_preload(packjob.PRELOAD + forked_cli.PRELOAD + forked_ranks.PRELOAD)
     forkserver.ensure_running()  # returns at once; the server imports PRELOAD on its own
     return ctx
 

@@ -28,6 +28,9 @@ def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) ->
     g.add_argument("--no-overlap", action="store_true", help="serial streamer: no prefetch or overlap")
     g.add_argument("--verify", choices=["off", "first-use", "full", "always"],
                    help="expert checksums: at first read (default), all at open, every read, or off")
+    g.add_argument("--distributed", action="store_true", default=None,
+                   help="run as one rank of an `mlx.launch` job: each rank holds a slice of "
+                   "the layers with its own expert pool ([distributed] in the config)")
     g.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="override any config key; repeatable")
     s = p.add_argument_group("sampling")
@@ -58,6 +61,7 @@ _FLAG_KEYS = {
     "seed": ("sampling", "seed"),
     "max_tokens": ("sampling", "max_tokens"),
     "enable_thinking": ("chat", "enable_thinking"),
+    "distributed": ("distributed", "enabled"),
 }
 
 
@@ -100,6 +104,17 @@ def engine_config(args: argparse.Namespace, model: str | None = None, *,
                             overrides=args.overrides, check_paths=check_paths)
 
 
+def distributed(cfg: PipelineConfig, face: Any, *, server: bool = False) -> int:
+    """`face(cfg)` on rank 0 of a distributed job, the stage loop on the other ranks."""
+    if cfg.distributed.gpu_per_rank:  # before anything below loads MLX
+        from pipeline.distributed.gpu import pin_gpu_per_rank
+
+        pin_gpu_per_rank()
+    from pipeline.distributed.job import run_distributed
+
+    return run_distributed(cfg, face, stop_on_loss=server)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     import msgspec
     import trio
@@ -112,12 +127,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     args.config = args.config_file
     try:
         cfg = engine_config(args, check_paths=False)
-        ensure_container(cfg.model)
+        if not cfg.distributed.enabled:  # ranks do not pack: one would race the others
+            ensure_container(cfg.model)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         return refused(exc)
     if args.record_routing:
         cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, record_routing=args.record_routing))
     with timeline.recording(args.trace or cfg.run.trace):
+        if cfg.distributed.enabled:
+            return distributed(cfg, lambda c: trio.run(run_pipeline, c, args.trace))
         return trio.run(run_pipeline, cfg, args.trace)
 
 
@@ -135,6 +153,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompts = tuple(args.prompt or ["Hello"])
     cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(
         cfg.run, prompts=prompts, stats=args.stats, record_routing=args.record_routing))
+    if cfg.distributed.enabled:
+        return distributed(cfg, lambda c: trio.run(run_pipeline, c, None, "generate"))
     return trio.run(run_pipeline, cfg, None, "generate")
 
 
@@ -148,6 +168,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         cfg = engine_config(args, args.model)
     except (ConfigError, ValueError) as exc:
         return refused(exc)
+    if cfg.distributed.enabled:
+        return distributed(cfg, lambda c: trio.run(chat, c, list(args.turns)))
     return trio.run(chat, cfg, list(args.turns))
 
 

@@ -19,7 +19,8 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports when the reader we
 # Types whose message is the whole story; any other gets its class name in front, so
 # `KeyError: 'x'` does not shrink to a bare `'x'`.
 _SELF_EXPLAINING = ("QpackError", "ConfigError", "PoolTooSmall", "PoolExhausted", "PoolBudgetError",
-                    "ExpertReadError", "ExpertCorrupt", "HubError", "PortInUse", "DiskSpaceError")
+                    "ExpertReadError", "ExpertCorrupt", "HubError", "PortInUse", "DiskSpaceError",
+                    "RankLost")
 
 
 def leaf_errors(exc: BaseException) -> list[BaseException]:

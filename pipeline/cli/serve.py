@@ -44,6 +44,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         cfg = engine_config(args, args.model)
     except (ConfigError, ValueError) as exc:
         return refused(exc)
+    if cfg.distributed.enabled:  # rank 0 serves; the others run their layers
+        from pipeline.cli.commands import distributed
+
+        def face(c: Any) -> int:
+            check_bindable(c.server.host, c.server.port)
+            err.print(f"rank 0 of a distributed job: serving on http://{c.server.host}:{c.server.port} ...")
+            return trio.run(lambda: serve_config(c, hide_reasoning=args.hide_reasoning,
+                                                 accepted=(args.model,)))
+
+        return distributed(cfg, face, server=True)
     check_bindable(cfg.server.host, cfg.server.port)  # before minutes of packing or loading
     try:
         ensure_container(cfg.model)

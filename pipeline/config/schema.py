@@ -165,6 +165,27 @@ class ServerConfig(_Section):
     max_tokens_limit: PositiveInt = 8192
 
 
+class DistributedConfig(_Section):
+    """Pipeline-parallel ranks over mlx.distributed (README "Distributed")."""
+
+    # Set by `--distributed`: this process is one rank of an `mlx.launch` job.
+    enabled: bool = False
+    # mlx.distributed's backend: "ring" (TCP; also on CUDA hosts: NCCL has no send/recv),
+    # "jaccl" (RDMA over Thunderbolt 5), "mpi", or "any" (MLX picks).
+    backend: Literal["ring", "jaccl", "mpi", "any"] = "ring"
+    # How layers are split: "layers" (equal counts), "weighted" (each rank's share follows
+    # its measured free memory and disk read speed), or explicit first layers of ranks 1..
+    split: Literal["layers", "weighted"] = "layers"
+    boundaries: tuple[PositiveInt, ...] = ()
+    # A reply from the next ranks that takes longer than this means they are lost: the
+    # request fails (503) and every rank exits. Covers a cold prefill chunk on a slow disk.
+    peer_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 300.0
+    # Sequences whose caches a later rank keeps (one generation runs at a time today).
+    max_sequences: PositiveInt = 4
+    # One host with several GPUs: rank r sees only GPU r (CUDA_VISIBLE_DEVICES=r).
+    gpu_per_rank: bool = False
+
+
 class LogConfig(_Section):
     level: str = "info"
     json: bool = False
@@ -183,6 +204,7 @@ class PipelineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     chat: ChatConfig = ChatConfig()
     run: RunConfig = RunConfig()
     server: ServerConfig = ServerConfig()
+    distributed: DistributedConfig = DistributedConfig()
     log: LogConfig = LogConfig()
 
     def to_toml_dict(self) -> dict[str, Any]:

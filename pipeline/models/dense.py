@@ -8,6 +8,7 @@ evaluated and the core costs exactly the bytes of dense.safetensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +55,13 @@ def _quantize(model: nn.Module, config: dict[str, Any], weights: dict[str, mx.ar
     )
 
 
-def load_dense(config: dict[str, Any], dense_path: Path) -> nn.Module:
-    """The mlx-lm model holding every dense weight of the container, evaluated."""
+def load_dense(config: dict[str, Any], dense_path: Path,
+               keep: Callable[[str], bool] | None = None) -> nn.Module:
+    """The mlx-lm model holding every dense weight of the container, evaluated.
+
+    `keep(name)`: load only those tensors (a pipeline rank's layers); the others become
+    empty arrays, never read from the file (mx.load is lazy), so a stray use fails loudly.
+    """
     weights = mx.load(str(dense_path))
     model = build_model(config)
     _quantize(model, config, weights)
@@ -69,7 +75,9 @@ def load_dense(config: dict[str, Any], dense_path: Path) -> nn.Module:
             f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}",
         )
-    model.load_weights(list(weights.items()), strict=True)
+    if keep is not None:
+        weights = {name: (w if keep(name) else mx.zeros((0,), w.dtype)) for name, w in weights.items()}
+    model.load_weights(list(weights.items()), strict=keep is None)
     model.eval()
     mx.eval(model.parameters())
     return model

@@ -90,6 +90,7 @@ class StreamedModel:
         slot_arrays: dict[str, mx.array],
         activation_dtype: mx.Dtype | None = None,
         views: Callable[[int], tuple[dict[str, mx.array], ExpertFormat]] | None = None,
+        layers: range | None = None,
     ):
         self.model = model
         self.activation_dtype = activation_dtype  # None: whatever the embedding yields
@@ -97,8 +98,10 @@ class StreamedModel:
         self.fmt = fmt
         self.slot_arrays = slot_arrays  # owned by the pool, updated in place on install
         self.views = views  # layer -> (its slot arrays, its format) when layers differ
-        self.moe_layers = moe_layers(self.parts)
         self.num_layers = len(self.parts.layers)
+        # The layers this process runs (pipeline-parallel ranks run a slice: pipeline/distributed).
+        self.layers = layers if layers is not None else range(self.num_layers)
+        self.moe_layers = [i for i in moe_layers(self.parts) if i in self.layers]
         self.num_experts = self.parts.layers[self.moe_layers[0]].mlp.num_experts
         self.top_k = self.parts.layers[self.moe_layers[0]].mlp.top_k
 
@@ -126,6 +129,11 @@ class StreamedModel:
                 total += 2 * positions * at.num_key_value_heads * at.head_dim * itemsize
         return total
 
+    def step_from(self, hidden: mx.array, cache: list[Any]) -> ForwardStep:
+        """A forward over `self.layers` that starts from the residual stream `hidden`
+        [1, tokens, H] (another rank's output) instead of embedding tokens."""
+        return ForwardStep(self, [], cache, hidden=hidden)
+
     def make_cache(self) -> list[Any]:
         return self.parts.make_cache()
 
@@ -149,28 +157,35 @@ def activation_dtype(setting: str) -> mx.Dtype | None:
 class ForwardStep:
     """One forward call over `tokens` (a prefill chunk or one decode token)."""
 
-    def __init__(self, model: StreamedModel, tokens: list[int] | mx.array, cache: list[Any]):
+    def __init__(self, model: StreamedModel, tokens: list[int] | mx.array, cache: list[Any],
+                 hidden: mx.array | None = None):
         """`tokens`: one sequence's ids (a list, or a lazy 1-D array: a token not yet read
         back, pipelined decode), or a [rows, tokens] array: one row per sequence of a
         batch whose caches were merged (`BatchCaches`); its logits are then [rows, vocab].
+        Or `hidden`, the residual stream entering `model.layers` (a later pipeline rank).
         """
         self.m = model
         self.cache = cache
         self.rows = isinstance(tokens, mx.array) and tokens.ndim == 2
-        if isinstance(tokens, mx.array):
-            ids = tokens if self.rows else tokens.reshape(1, -1)
+        if hidden is None:
+            if isinstance(tokens, mx.array):
+                ids = tokens if self.rows else tokens.reshape(1, -1)
+            else:
+                ids = mx.array([tokens])
+            h = model.parts.embed_tokens(ids)
+            if model.activation_dtype is not None:
+                h = h.astype(model.activation_dtype)
         else:
-            ids = mx.array([tokens])
-        h = model.parts.embed_tokens(ids)
-        if model.activation_dtype is not None:
-            h = h.astype(model.activation_dtype)
-        first_fa = next((i for i, b in enumerate(model.parts.layers) if not b.is_linear), None)
-        first_ssm = next((i for i, b in enumerate(model.parts.layers) if b.is_linear), None)
+            h = hidden
+        # Masks from this process's own layers' caches: a rank never updates the others'.
+        local = [(i, model.parts.layers[i]) for i in model.layers]
+        first_fa = next((i for i, b in local if not b.is_linear), None)
+        first_ssm = next((i for i, b in local if b.is_linear), None)
         self.fa_mask = None if first_fa is None else create_attention_mask(h, cache[first_fa])
         self.ssm_mask = None if first_ssm is None else create_ssm_mask(h, cache[first_ssm])
         self.h = h
         self.pos = position(cache) if model.routing is not None else 0  # before this step's tokens
-        self.layer = 0
+        self.layer = model.layers.start
         self._pending: tuple[mx.array, mx.array, mx.array, mx.array] | None = None
         self._snapshot: list[dict[str, Any]] | None = None
         self._h_in: dict[int, mx.array] = {}
@@ -180,7 +195,7 @@ class ForwardStep:
 
     def _to_next_moe(self) -> nn.Module | None:
         """Run the dense layers up to the next MoE layer (lazily); that block, or None."""
-        while self.layer < self.m.num_layers:
+        while self.layer < self.m.layers.stop:
             block = self.m.parts.layers[self.layer]
             if self.layer in self.m.moe_layers:
                 return block
@@ -287,7 +302,7 @@ class ForwardStep:
         kernels (bit-identical to never having run ahead).
         """
         assert self._snapshot is not None, "resume() without run_ahead()"
-        for i in range(layer, self.m.num_layers):
+        for i in range(layer, self.m.layers.stop):
             _restore(self.cache[i], self._snapshot[i])
         self.h = self._h_in[layer]
         self.layer = layer

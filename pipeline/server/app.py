@@ -34,6 +34,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actors.sampling_params import SamplingParams
+from pipeline.distributed.errors import RankLost
 from pipeline.engine import Engine
 from pipeline.generation_config import default_params
 from pipeline.server import routes_anthropic, routes_openai, routes_responses
@@ -93,6 +94,9 @@ def _guarded(handler: Callable[[Request], Awaitable[Response]],
         except s.APIError as exc:
             log.info("server.refused", path=request.url.path, status=exc.status, reason=exc.message)
             return _error(exc, anthropic)
+        except RankLost as exc:  # a distributed job lost a rank: the model is gone, not the request wrong
+            return _error(s.APIError(503, f"the model is unavailable: {exc}", type="server_error",
+                                     code="rank_lost"), anthropic)
         except Exception as exc:
             log.error("server.internal_error", path=request.url.path, exc_info=exc)
             return _error(s.APIError(500, "internal server error", type="server_error"), anthropic)

@@ -1,0 +1,132 @@
+"""One rank's life in a distributed job: join, run, finish together.
+
+    mlx.launch --hostfile hosts.json -- moestream serve MODEL --distributed
+
+Every rank runs the same command. Each joins the group, shakes hands, and learns its
+layers (`Stage.join`); then rank 0 runs the command's face (serve, generate, run, chat:
+they open the engine as usual, which then holds rank 0's layers) while the later ranks
+run their stage loop. When the face returns, rank 0 sends `SHUTDOWN` down the chain and
+every rank reports its counters to rank 0 (one all_sum), logged as `distributed.stats`.
+
+A lost rank (`RankLost`) ends the job on every rank that notices: the request in flight
+fails (503 from the server), the server stops, and the process exits 1 with one
+`error:` line, through `os._exit`: a thread blocked in a receive that will never finish
+must not hold the exit up.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import structlog
+import trio
+
+from pipeline.config.schema import PipelineConfig
+from pipeline.distributed import wire
+from pipeline.distributed.active import activate
+from pipeline.distributed.errors import RankLost
+from pipeline.distributed.link import Link
+from pipeline.distributed.stage import Stage
+from qpack.reader import Container
+
+log = structlog.get_logger("moestream.distributed")
+
+EXIT_RANK_LOST = 1
+# Counters each rank reports at the end (rows of `distributed.stats`).
+STATS_FIELDS = ("forwards", "tokens", "boundary_s", "busy_s", "bytes_sent", "decode_forwards",
+                "decode_boundary_s", "decode_busy_s", "hits", "misses", "reads", "bytes_read")
+
+_link: Link | None = None
+
+
+def process_link(backend: str) -> Link:
+    """The process's link, made once: a process is one rank for its whole life."""
+    global _link
+    if _link is None:
+        _link = Link.join(backend)
+    return _link
+
+
+def join(cfg: PipelineConfig) -> Stage:
+    link = process_link(cfg.distributed.backend)
+    container = Container.open(Path(cfg.model.path), verify="off")
+    try:
+        return Stage.join(link, container, cfg.distributed)
+    finally:
+        container.close()
+
+
+def run_distributed(cfg: PipelineConfig, face: Callable[[PipelineConfig], int], *,
+                    stop_on_loss: bool = False) -> int:
+    """Run this rank's part of `face`; its exit status. `stop_on_loss`: a lost rank
+    sends this process SIGTERM (a server then stops as on Ctrl-C, after its 503s)."""
+    stage = join(cfg)
+    if stop_on_loss and stage.plan.first:
+        stage.link.on_broken = _terminate_soon
+    status = 0
+    try:
+        with activate(stage):
+            if stage.plan.first:
+                try:
+                    status = face(cfg)
+                finally:
+                    # Also after the face failed (a bad prompt, Ctrl-C): the later ranks
+                    # then stop cleanly instead of finding rank 0 gone.
+                    if stage.link.broken is None:
+                        stage.shutdown()
+                        report(finish(stage))
+            else:
+                trio.run(_stage_loop, cfg, stage)
+                finish(stage)
+    except RankLost as exc:
+        _exit_lost(stage, str(exc))
+    except BaseException:
+        if stage.link.broken is None:
+            raise
+        _exit_lost(stage, stage.link.broken)
+    if stage.link.broken is not None:
+        _exit_lost(stage, stage.link.broken)
+    return status
+
+
+async def _stage_loop(cfg: PipelineConfig, stage: Stage) -> None:
+    from pipeline.distributed.worker import StageLoop
+    from pipeline.engine import open_engine
+
+    async with open_engine(cfg) as engine:
+        await StageLoop(engine, stage).run()
+
+
+def finish(stage: Stage) -> np.ndarray:
+    """Every rank's counters (the same [size, fields] table on every rank)."""
+    s = stage.stats
+    table = stage.pool_counters()
+    row = np.array([s.forwards, s.tokens, s.seconds, s.busy_seconds, s.bytes_sent,
+                    s.decode_forwards, s.decode_seconds, s.decode_busy_seconds, *table])
+    link = stage.link
+    return link.call(lambda: wire.all_rows(row, link.rank, link.size),
+                     timeout=stage.settings.peer_timeout_s, what="final counters")
+
+
+def report(table: np.ndarray) -> list[dict[str, float]]:
+    rows = [dict(zip(STATS_FIELDS, (float(v) for v in row), strict=True)) for row in table]
+    for rank, row in enumerate(rows):
+        log.info("distributed.stats", rank=rank, **{k: round(v, 4) for k, v in row.items()})
+    return rows
+
+
+def _terminate_soon() -> None:
+    # After a beat, so the request that found the loss gets its 503 out first.
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+
+def _exit_lost(stage: Stage, reason: str) -> None:
+    print(f"error: rank {stage.plan.rank}: {reason}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_RANK_LOST)

@@ -1,0 +1,92 @@
+"""A rank's streamed model: its slice of the layers, with the boundary at the end.
+
+The compute actor drives it exactly as it drives the whole model (`step`, then
+`run_to_routing` / `advance` per MoE layer, then `logits`): the pool, the router and the
+prefetcher of each rank see only that rank's layers. Only `logits` differs:
+- rank 0 (embeds): sends the residual stream on and waits for the last rank's logits;
+- a middle rank: hands its residual stream back to the stage loop, which sends it on;
+- the last rank: the head, as in one process.
+A later rank's `step` starts from the residual stream the stage loop received
+(`StageModel.inbox`); the token ids it is given are placeholders for their count.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from pipeline.models.streamed import ForwardStep, StreamedModel
+
+if TYPE_CHECKING:
+    from pipeline.distributed.stage import Stage
+
+
+class SequenceCache(list):  # type: ignore[type-arg]
+    """A sequence's caches (one per layer), tagged with the id the later ranks key theirs by."""
+
+    seq: int = 0
+
+
+_SEQUENCES = itertools.count(1)
+
+
+class StageModel(StreamedModel):
+    def __init__(self, stage: Stage, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, layers=stage.plan.layers, **kwargs)
+        self.stage = stage
+        self.inbox: mx.array | None = None  # a later rank: the residual stream received
+
+    def make_cache(self) -> list[Any]:
+        cache = SequenceCache(super().make_cache())
+        cache.seq = next(_SEQUENCES)
+        return cache
+
+    def step(self, tokens: list[int] | mx.array, cache: list[Any]) -> StageStep:
+        if self.stage.plan.first:
+            inner = super().step(tokens, cache)
+        else:
+            assert self.inbox is not None, "a later rank's step without a residual stream"
+            inner, self.inbox = self.step_from(self.inbox, cache), None
+        return StageStep(inner, self.stage, cache, phase_decode=_is_decode(tokens))
+
+
+def _is_decode(tokens: list[int] | mx.array) -> bool:
+    return isinstance(tokens, mx.array) or len(tokens) == 1
+
+
+class StageStep:
+    """A `ForwardStep` whose `logits` crosses the boundary; everything else is the step's."""
+
+    def __init__(self, inner: ForwardStep, stage: Stage, cache: list[Any], phase_decode: bool):
+        self.inner = inner
+        self.stage = stage
+        self.cache = cache
+        self.decode = phase_decode
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def run_to_routing(self, *args: Any) -> Any:
+        return self.inner.run_to_routing(*args)
+
+    def advance(self, *args: Any) -> Any:
+        return self.inner.advance(*args)
+
+    def _evaluated_stream(self) -> mx.array:
+        states = [a for c in self.cache for a in c.state if a is not None]
+        mx.eval(self.inner.h, states)
+        return self.inner.h
+
+    def logits(self, all_positions: bool = False) -> mx.array:
+        plan = self.stage.plan
+        if plan.last:
+            return self.inner.logits(all_positions)
+        h = self._evaluated_stream()
+        if not plan.first:
+            return h  # the stage loop sends it on
+        seq = getattr(self.cache, "seq", 0)
+        out = self.stage.exchange(h, seq, all_positions, self.decode)
+        # A decode step fed as rows ([1, 1]: the decoder's shape) wants [rows, vocab].
+        return out[None] if self.inner.rows and out.ndim == 1 else out

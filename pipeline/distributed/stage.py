@@ -1,0 +1,203 @@
+"""This process's part of a pipeline-parallel job: its rank, its layers, its link.
+
+Made once per model (`Stage.join`): the ranks shake hands (same container? each rank's
+free memory and disk speed for a weighted split), every rank computes the same plan, and
+`open_engine` then loads only this rank's dense weights and sizes the pool for its
+layers. After the actors start (`attach`) the ranks shake hands once more: the last rank
+tells rank 0 the dtype its logits come in.
+
+Rank 0 crosses the boundary inside a forward, on the MLX thread (`exchange`); the later
+ranks in their stage loop (`pipeline/distributed/worker.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import numpy as np
+import structlog
+
+from actors.run_ahead import RunAheadPolicy
+from pipeline.config.schema import DistributedConfig
+from pipeline.distributed import wire
+from pipeline.distributed.errors import DistributedSetupError
+from pipeline.distributed.link import Link
+from pipeline.distributed.model import StageModel
+from pipeline.distributed.plan import (
+    StagePlan,
+    check_boundaries,
+    equal_boundaries,
+    plan_for,
+    share_weights,
+    weighted_boundaries,
+)
+from pipeline.distributed.probe import fingerprint, free_memory_mb, kept_bytes, read_speed_mb_s
+from pipeline.models.dense import load_dense
+from pipeline.prefix_cache import PrefixCache
+from qpack.reader import Container
+
+if TYPE_CHECKING:
+    from pipeline.engine import Engine
+
+log = structlog.get_logger("moestream.distributed")
+
+
+@dataclass
+class BoundaryStats:
+    forwards: int = 0  # forwards that crossed (prefill chunks and decode tokens)
+    tokens: int = 0
+    seconds: float = 0.0  # rank 0: send until logits back (the later ranks' work included)
+    busy_seconds: float = 0.0  # a later rank: hidden state in until its output sent
+    bytes_sent: int = 0
+    # The same for decode forwards (one token each) alone: the boundary's cost per token.
+    decode_forwards: int = 0
+    decode_seconds: float = 0.0
+    decode_busy_seconds: float = 0.0
+
+
+class NoPrefixCache(PrefixCache):
+    """The prefix cache stays off: the later ranks' caches could not follow a restore."""
+
+    def take(self, tokens: list[int]) -> tuple[None, int]:  # type: ignore[override]
+        return None, 0
+
+    def put(self, tokens: list[int], cache: Any) -> None:
+        return None
+
+    def wants(self, start: int, end: int, total: int) -> bool:
+        return False
+
+
+class Stage:
+    def __init__(self, link: Link, plan: StagePlan, settings: DistributedConfig,
+                 hidden_size: int, vocab_size: int, tied: bool) -> None:
+        self.link = link
+        self.tied = tied  # the head is the embedding (the last rank then loads it)
+        self.plan = plan
+        self.settings = settings
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.logits_dtype: mx.Dtype | None = None  # rank 0: learnt from the last rank
+        self.dtype_sent = False  # the last rank: rank 0 knows its logits' dtype
+        self.stats = BoundaryStats()
+        self.dense_bytes = 0  # this rank's share of dense.safetensors
+        self.engine: Engine | None = None
+
+    # -- setting up ----------------------------------------------------------------------
+
+    @classmethod
+    def join(cls, link: Link, container: Container, settings: DistributedConfig) -> Stage:
+        """Handshake and plan, for the model in `container` (blocking; before the engine)."""
+        m = container.manifest
+        weighted = settings.split == "weighted" and not settings.boundaries
+        row = np.array([fingerprint(container), m.num_layers, free_memory_mb(),
+                        read_speed_mb_s(container) if weighted else 0.0])
+        table = link.call(lambda: wire.all_rows(row, link.rank, link.size),
+                          timeout=settings.peer_timeout_s, what="handshake")
+        odd = [r for r in range(link.size) if table[r, 0] != table[0, 0]]
+        if odd:
+            raise DistributedSetupError(
+                f"ranks {odd} opened another container than rank 0 ({container.root} here): "
+                "every rank needs the same .qpack (a copy, or a shared filesystem)")
+        if settings.boundaries:
+            bounds = check_boundaries(m.num_layers, link.size, settings.boundaries)
+        elif weighted:
+            bounds = weighted_boundaries(m.num_layers, share_weights(table[:, 2], table[:, 3]))
+        else:
+            bounds = equal_boundaries(m.num_layers, link.size)
+        plan = plan_for(link.rank, link.size, m.num_layers, bounds)
+        text = container.config.get("text_config", container.config)
+        log.info("distributed.plan", rank=plan.rank, size=plan.size, layers=f"{plan.start}-{plan.stop - 1}",
+                 boundaries=bounds, free_mb=[round(v) for v in table[:, 2]],
+                 read_mb_s=[round(v) for v in table[:, 3]] if weighted else None)
+        stage = cls(link, plan, settings, int(text["hidden_size"]), int(text["vocab_size"]),
+                    bool(text.get("tie_word_embeddings", container.config.get("tie_word_embeddings"))))
+        stage.dense_bytes = kept_bytes(container.dense_path, stage.keep)
+        return stage
+
+    def keep(self, name: str) -> bool:
+        """Which dense tensors this rank loads: its layers', rank 0 the embedding, the last
+        rank the final norm and head (the embedding too when the head is tied to it)."""
+        parts = name.split(".")
+        if "layers" in parts:
+            i = parts.index("layers")
+            if i + 1 < len(parts) and parts[i + 1].isdigit():
+                return int(parts[i + 1]) in self.plan.layers
+        if "embed_tokens" in parts:
+            return self.plan.first or (self.plan.last and self.tied)
+        if parts[-2:-1] == ["norm"] or "lm_head" in parts:
+            return self.plan.last
+        return True
+
+    def load_dense(self, config: dict[str, Any], path: Path) -> Any:
+        return load_dense(config, path, keep=self.keep)
+
+    def model(self, *args: Any, **kwargs: Any) -> StageModel:
+        return StageModel(self, *args, **kwargs)
+
+    def expert_layers(self, container: Container) -> int:
+        """MoE layers this rank streams (the pool's upper bound)."""
+        return sum(1 for e in container.manifest.layers if e.index in self.plan.layers)
+
+    async def attach(self, engine: Engine) -> None:
+        """After the actors start: the settings a rank needs. (The last rank tells rank 0
+        its logits' dtype with its first logits: no wait here for the others.)"""
+        self.engine = engine
+        engine.prefix_cache = NoPrefixCache()
+        # One sync per layer: a run-ahead token is rolled back at times, which the later
+        # ranks would have to mirror; the boundary is crossed once per forward either way.
+        engine.compute.run_ahead = RunAheadPolicy("off")
+
+    def pool_counters(self) -> list[float]:
+        """hits, misses, reads, bytes read of this rank's pool (zeros before an engine)."""
+        if self.engine is None:
+            return [0.0] * 4
+        table = self.engine.router.table.snapshot()
+        reader = self.engine.router.reader.stats
+        return [table.hits, table.misses, reader.reads, reader.bytes_read]
+
+    # -- rank 0, on the MLX thread -------------------------------------------------------
+
+    def exchange(self, h: mx.array, seq: int, all_positions: bool, decode: bool) -> mx.array:
+        """Send the residual stream on; the last rank's logits ([vocab] or [tokens, vocab])."""
+        tokens = h.shape[1]
+        header = wire.Header(wire.Command.FORWARD, seq, tokens, all_positions, decode,
+                             wire.dtype_code(h.dtype), h.shape[2])
+        bits = wire.to_bits(h)
+        shape = (tokens if all_positions else 1, self.vocab_size)
+        last = self.plan.size - 1
+
+        def cross() -> np.ndarray:
+            wire.send_forward(header, bits, 1)
+            self.link.doorbell.wait()
+            if self.logits_dtype is None:  # the first logits come after their dtype's code
+                code = wire.recv((1,), np.int32, last)
+                self.logits_dtype = wire.DTYPES[int(code[0])]
+                self.link.doorbell.wait()
+            return wire.recv(shape, wire.bits_dtype(self.logits_dtype), last)
+
+        start = time.perf_counter()
+        out = self.link.call(cross, timeout=self.settings.peer_timeout_s, what="forward")
+        took = time.perf_counter() - start
+        self.stats.seconds += took
+        self.stats.forwards += 1
+        if decode:
+            self.stats.decode_forwards += 1
+            self.stats.decode_seconds += took
+        self.stats.tokens += tokens
+        self.stats.bytes_sent += bits.nbytes
+        assert self.logits_dtype is not None
+        logits = wire.from_bits(out, self.logits_dtype)
+        return logits if all_positions else logits[0]
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Rank 0, when done: tell the later ranks to finish (they exit their loop)."""
+        if self.plan.size == 1 or self.link.broken is not None:
+            return
+        header = wire.Header(wire.Command.SHUTDOWN).encode()
+        self.link.call(lambda: wire.send(header, 1), timeout=timeout, what="shutdown")
+

@@ -1,0 +1,73 @@
+"""What each rank of the exactness test runs, and what the test compares.
+
+`collect(engine)` gives the logits of a prompt (in chunks, one all-positions chunk) and
+of decode steps, and greedy tokens: run in the test's own process on the whole model,
+and by rank 0 of a distributed job (`exact_job`) on its slice, they must be identical.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+from helpers_engine import engine_config, forward_logits, generate
+
+PROMPT = [11, 400, 7, 1023, 5]
+DECODE = [42, 9000, 3]
+GREEDY = 6
+
+
+async def collect(engine: Any) -> dict[str, np.ndarray]:
+    out = {f"step{i}": x for i, x in enumerate(await forward_logits(engine, PROMPT, DECODE))}
+    cache = engine.model.make_cache()
+    async with engine.lock:
+        every = await engine.compute.forward(PROMPT[:2], cache, "prefill", all_positions=True)
+        out["every"] = await engine.worker.run(np.array, every)
+    done = await generate(engine, PROMPT, GREEDY)
+    out["greedy"] = np.array(done.token_ids)
+    out["text"] = np.array(done.text)
+    return out
+
+
+def config(path: Path, distributed: bool = True) -> Any:
+    return engine_config(path, distributed={"enabled": distributed})
+
+
+def generate_argv(path: Path) -> list[str]:
+    return ["generate", str(path), "--prompt", "Hello there", "--max-tokens", "6",
+            "--temperature", "0", "--slots", "8", "--prefill-chunk", "2"]
+
+
+def exact_job(paths: list[str], out_dir: str) -> int:
+    """One rank: for each container, join, run (rank 0 collects), finish together; then
+    `moestream generate --distributed` on the first (the CLI face, in the same processes)."""
+    from mlx.utils import tree_flatten
+
+    from pipeline.distributed.active import active_stage
+    from pipeline.distributed.job import run_distributed
+    from pipeline.engine import open_engine
+
+    async def rank0(cfg: Any, dest: Path) -> int:
+        async with open_engine(cfg) as engine:
+            np.savez(dest, **await collect(engine))
+            parts = engine.model.parts
+            others = [p for i in range(len(parts.layers)) if i not in engine.model.layers
+                      for _, p in tree_flatten(parts.layers[i].parameters())]
+            np.savez(dest.with_suffix(".stats.npz"), slots=engine.router.table.num_slots,
+                     layers=np.array(list(engine.model.layers)),
+                     other_layers_elements=sum(p.size for p in others) + parts.norm.weight.size,
+                     dense_bytes=active_stage().dense_bytes,
+                     container_dense_bytes=engine.container.manifest.dense_bytes)
+        return 0
+
+    for path in paths:
+        cfg = config(Path(path))
+        dest = Path(out_dir) / f"{Path(path).parent.name}.npz"
+        status = run_distributed(cfg, lambda c, dest=dest: trio.run(rank0, c, dest))
+        if status:
+            return status
+    from pipeline.cli import main
+
+    return main([*generate_argv(Path(paths[0])), "--distributed"])

@@ -1,0 +1,262 @@
+"""Pipeline-parallel ranks (pipeline/distributed): the split, the wire, and real jobs.
+
+The jobs are real processes on localhost joined by mlx.distributed's ring backend, as
+`mlx.launch -n N --backend ring` starts them (tests/forked_ranks.py): three ranks must
+give the logits and greedy tokens of one process for both families; two ranks serve the
+OpenAI API, and when one is killed the request gets a 503 and rank 0 exits.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import trio
+from distributed_ranks import GREEDY, PROMPT, collect, exact_job, generate_argv
+from forked_ranks import Job
+from helpers_server import serving
+
+from pipeline.cli import main
+from pipeline.config.schema import ConfigError, config_from_dict
+from pipeline.distributed import wire
+from pipeline.distributed.errors import RankLost
+from pipeline.distributed.link import Link
+from pipeline.distributed.plan import (
+    PlanError,
+    check_boundaries,
+    equal_boundaries,
+    plan_for,
+    share_weights,
+    weighted_boundaries,
+)
+from pipeline.engine import open_engine
+
+TIMEOUT = 120  # generous: the ranks share two cores with the rest of the suite
+
+
+# -- the split and the wire (no processes) -------------------------------------------------
+
+
+def test_layers_split_by_count_weight_or_boundaries() -> None:
+    assert equal_boundaries(48, 2) == [24]
+    assert equal_boundaries(4, 3) == [2, 3]  # the extra layer goes to the first rank
+    assert equal_boundaries(40, 3) == [14, 27]
+    assert weighted_boundaries(48, [1.0, 3.0]) == [12]
+    assert weighted_boundaries(4, [100.0, 1.0]) == [3]  # every rank keeps one layer
+    assert check_boundaries(48, 3, [10, 30]) == [10, 30]
+    plan = plan_for(1, 3, 48, [10, 30])
+    assert plan.layers == range(10, 30) and not plan.first and not plan.last
+    # Half memory, half disk: a rank with twice the memory and the same disk gets 2/3 + 1/2.
+    assert share_weights([64000, 128000], [2000, 2000]) == pytest.approx([5 / 12, 7 / 12])
+    with pytest.raises(PlanError, match="only 4 layers"):
+        equal_boundaries(4, 5)
+    with pytest.raises(PlanError, match="rise strictly"):
+        check_boundaries(48, 3, [30, 10])
+    with pytest.raises(PlanError, match="2 ranks need 1"):
+        check_boundaries(48, 2, [10, 20])
+
+
+def test_the_probes_a_weighted_split_uses(synth_checkpoint, packed) -> None:
+    from pipeline.distributed.probe import free_memory_mb, kept_bytes, read_speed_mb_s
+    from qpack.reader import Container
+
+    container = Container.open(packed(synth_checkpoint("qwen3_next"), bits=None))
+    try:
+        assert free_memory_mb() > 0 and read_speed_mb_s(container) > 0
+        dense = container.manifest.dense_bytes
+        assert 0 <= dense - kept_bytes(container.dense_path, lambda name: True) < 65536  # header
+        layers = kept_bytes(container.dense_path, lambda name: ".layers." in name)
+        assert 0 < layers < dense
+    finally:
+        container.close()
+
+
+def test_a_peer_that_never_answers_breaks_the_link_once() -> None:
+    # What rank 0 sees when a rank hangs: the wait ends at the deadline with RankLost,
+    # the link is marked broken (the stuck thread is abandoned), later calls fail at once.
+    told: list[str] = []
+    link = Link()
+    link.on_broken = lambda: told.append("lost")
+    assert link.call(lambda: 7, timeout=5, what="test") == 7
+    release = threading.Event()
+    with pytest.raises(RankLost, match="no answer from the other ranks within 0.2 s"):
+        link.call(release.wait, timeout=0.2, what="forward")
+    start = time.monotonic()
+    with pytest.raises(RankLost):
+        link.call(lambda: 7, timeout=5, what="test")
+    assert time.monotonic() - start < 0.1 and told == ["lost"]
+    release.set()
+    # A distributed op failing (the ring's "connection to a peer was lost") breaks it too.
+    other = Link()
+
+    def lost() -> None:
+        raise RuntimeError("[ring] connection to a peer was lost")
+
+    with pytest.raises(RankLost, match="peer was lost"):
+        other.call(lost, timeout=5, what="forward")
+    assert other.broken is not None
+
+
+def test_gpu_per_rank_shows_rank_r_only_gpu_r(monkeypatch) -> None:
+    from pipeline.distributed.gpu import pin_gpu_per_rank
+
+    monkeypatch.setenv("MLX_RANK", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    pin_gpu_per_rank()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_the_header_and_the_bits_round_trip() -> None:
+    header = wire.Header(wire.Command.FORWARD, seq=7, tokens=3, all_positions=True, decode=False,
+                         dtype=1, hidden=2048)
+    assert wire.Header.decode_from(header.encode()) == header
+    for dtype in wire.DTYPES:
+        x = (mx.arange(12, dtype=mx.float32) / 7).astype(dtype).reshape(1, 3, 4)
+        back = wire.from_bits(wire.to_bits(x), dtype)
+        assert back.dtype == dtype and mx.array_equal(back, x).item()
+
+
+def test_the_distributed_section_is_checked() -> None:
+    cfg = config_from_dict({"model": {"path": "synth:tiny"},
+                            "distributed": {"enabled": True, "boundaries": [24]}})
+    assert cfg.distributed.enabled and cfg.distributed.boundaries == (24,)
+    with pytest.raises(ConfigError, match="distributed.split"):
+        config_from_dict({"model": {"path": "synth:tiny"}, "distributed": {"split": "random"}})
+
+
+def test_distributed_without_a_launcher_is_one_error_line(synth_checkpoint, packed, capsys,
+                                                          monkeypatch) -> None:
+    container = packed(synth_checkpoint("qwen3_next"), bits=None)
+    monkeypatch.delenv("MLX_RANK", raising=False)
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    capsys.readouterr()  # the fixtures' logs
+    assert main(["generate", str(container), "--distributed"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot join the distributed job"), err
+    assert "mlx.launch" in err and "Traceback" not in err and err.count("\n") == 1
+
+
+# -- real jobs ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def containers(synth_checkpoint, packed) -> list[Path]:
+    return [packed(synth_checkpoint("qwen3_next"), bits=None),
+            packed(synth_checkpoint("qwen3_5_moe", dtype="bfloat16"), bits=4)]
+
+
+async def _one_process(path: Path) -> dict[str, np.ndarray]:
+    from distributed_ranks import config
+
+    async with open_engine(config(path, distributed=False)) as engine:
+        return await collect(engine)
+
+
+def test_three_ranks_give_one_process_logits(fork_server, containers, tmp_path, capsys) -> None:
+    # Qwen3-Next here; the Qwen3.5 MoE family (4-bit) in the two-rank test below.
+    paths = containers[:1]
+    job = Job(fork_server, 3, tmp_path, ([str(p) for p in paths], str(tmp_path)),
+              target=exact_job)
+    try:
+        # The reference runs here meanwhile, on the whole model in this process.
+        expected = [trio.run(_one_process, path) for path in paths]
+        capsys.readouterr()
+        assert main(generate_argv(paths[0])) == 0  # the CLI face, one process
+        text = capsys.readouterr().out.strip()
+        assert job.wait(TIMEOUT) == [0, 0, 0], job.outputs()
+    finally:
+        job.kill()
+    for path, want in zip(paths, expected, strict=True):
+        got = np.load(tmp_path / f"{path.parent.name}.npz")
+        assert sorted(got.files) == sorted(want)
+        for name in want:  # bit for bit: the same kernels over the same weights
+            assert np.array_equal(got[name], want[name]), (path, name)
+        assert len(got["greedy"]) == GREEDY
+    stats = np.load(tmp_path / f"{containers[0].parent.name}.stats.npz")
+    assert list(stats["layers"]) == [0, 1]  # rank 0's slice of 4 layers among 3 ranks
+    # Rank 0 loaded only its layers and the embedding (no other layer, no final norm, no head).
+    assert stats["other_layers_elements"] == 0
+    assert 0 < stats["dense_bytes"] < 0.8 * stats["container_dense_bytes"]
+    log = job.outputs()
+    assert "distributed.stats" in log and "distributed.stage_done" in log
+    assert text and text in job.ranks[0].output()  # `generate --distributed` printed the same
+
+
+async def _served_by_one_process(container: Path, body: dict) -> dict:
+    async with serving(container, prefill_chunk=2) as (_, port):
+        status, reply = await trio.to_thread.run_sync(_post, port, body)
+    assert status == 200, reply
+    return reply
+
+
+def _post(port: int, body: dict) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_two_ranks_serve_and_a_killed_rank_ends_with_503(fork_server, containers,
+                                                          tmp_path) -> None:
+    from forked_ranks import free_ports
+
+    container = containers[1]
+    port = free_ports(1)[0]
+    argv = ["--log-level", "info", "serve", str(container), "--distributed", "--port", str(port),
+            "--slots", "8", "--prefill-chunk", "2"]
+    job = Job(fork_server, 2, tmp_path, (argv,))
+    try:
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": GREEDY, "temperature": 0,
+                "logprobs": 3}
+        expected = trio.run(_served_by_one_process, container, body)
+        job.ranks[0].wait_for("server.listening", TIMEOUT)
+        status, reply = _post(port, body)
+        assert status == 200, reply
+        assert reply["usage"]["completion_tokens"] == GREEDY
+        # The text and every log-probability one process serves: the same logits.
+        assert reply["choices"] == expected["choices"]
+        # A client that leaves mid-stream cancels the generation between two forwards; the
+        # next request starts fresh caches on both ranks (a new sequence id): same reply.
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "max_tokens": 500,
+                     "stream": True, "logprobs": None}), {"Content-Type": "application/json"})
+        stream = conn.getresponse()
+        assert stream.status == 200
+        chunks = 0
+        while chunks < 4:  # a few tokens in, then gone
+            line = stream.readline()
+            assert line, "the stream ended early"
+            chunks += line.startswith(b"data: ")
+        conn.close()
+        status, again = _post(port, body)
+        assert status == 200 and again["choices"] == expected["choices"], again
+
+        # A long request in flight when rank 1 dies: it ends with a 503, not a hang.
+        long = {**body, "max_tokens": 2000, "logprobs": None}
+        answer: list[tuple[int, dict]] = []
+        asker = threading.Thread(target=lambda: answer.append(_post(port, long)), daemon=True)
+        asker.start()
+        time.sleep(1.0)  # well into its decode (tens of tokens a second here)
+        os.kill(job.ranks[1].proc.pid, signal.SIGKILL)
+        assert job.ranks[1].wait(30) == -signal.SIGKILL
+        start = time.monotonic()
+        asker.join(60)
+        status, reply = answer[0]
+        assert status == 503, reply
+        assert reply["error"]["code"] == "rank_lost" and "rank" in reply["error"]["message"]
+        assert job.ranks[0].wait(30) == 1, job.outputs()  # no hang: it stops by itself
+        assert time.monotonic() - start < 30
+        assert "error: rank 0: a rank was lost" in job.ranks[0].output(), job.outputs()
+    finally:
+        job.kill()
