@@ -228,17 +228,17 @@ class Generation:
                 await events.send(TextDelta("", (), (), entries))
             else:
                 logits = await self._prefill(cache, cached)
+            t_first = time.perf_counter()
+            stall_prefill = router.stats.stall_seconds
+            prefill_device = await worker.run(mx.get_peak_memory)
+            await worker.run(mx.reset_peak_memory)
         except BaseException:
-            # Cancelled or failed mid-prompt: drop the reads this prefill left in flight
-            # and its pins, in a compute turn of its own, before anyone steps again.
+            # Cancelled or failed before joining the batch: drop the reads this prefill
+            # left in flight and its pins, in a compute turn of its own.
             with trio.CancelScope(shield=True):
                 async with engine.batch.exclusive():
                     await router.drain()
             raise
-        t_first = time.perf_counter()
-        stall_prefill = router.stats.stall_seconds
-        prefill_device = await worker.run(mx.get_peak_memory)
-        await worker.run(mx.reset_peak_memory)
         decode_rss = current_rss_mb()
         batch = engine.batch
         row = batch.join(cache, sampler, logits)
