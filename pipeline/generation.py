@@ -204,8 +204,11 @@ class Generation:
         stream = TextStream(detok, self.params.stop, stop_token_ids=eos | sampler.stop_ids)
         max_tokens = self._max_tokens()
         scored = self.params.prompt_logprobs is not None
-        cache, cached = (None, 0) if scored else await worker.run(engine.prefix_cache.take,
-                                                                  self.tokens)
+        # Benchmark-only calibrated routing routes by (request, position): a state kept
+        # from another request was routed as that one, so it is not reused.
+        fresh = scored or engine.model.routing is not None
+        cache, cached = (None, 0) if fresh else await worker.run(engine.prefix_cache.take,
+                                                                 self.tokens)
         if cache is None:
             cache = engine.model.make_cache()
         await worker.run(mx.reset_peak_memory)

@@ -16,9 +16,13 @@ import pytest
 from helpers_engine import engine_config, generate
 from helpers_forward import tiny_pair
 
+import trio
+
 from actors.routing_model.source import CalibratedSource, family_for
+from actors.sampling_params import SamplingParams
 from pipeline.bench.routing import calibrate
 from pipeline.engine import open_engine
+from pipeline.events import Done, TextDelta
 
 PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999]
 TOKENS = 10
@@ -89,6 +93,39 @@ async def test_the_routers_own_choice_differs_and_requests_route_differently(qpa
 
     assert decode_ids(own) != decode_ids(second)
     assert decode_ids(first) != decode_ids(second)
+
+
+async def test_a_decode_batch_routes_each_row_as_its_own_request(qpack) -> None:
+    # One prompt, three requests: alone, each request gives its own tokens; decoded
+    # together (rows join one token apart), each row must still get its request's tokens.
+    config = engine_config(qpack, pool={"slots": 48}, compute={"max_batch": 3})
+    async with open_engine(config) as engine:
+        override = calibrate(engine.model, "calibrated-gate", seed=3)
+        alone = []
+        for i in range(3):
+            override.begin_request(10 + i)
+            alone.append(list((await generate(engine, PROMPT, 2 * TOKENS)).token_ids))
+        assert alone[0] != alone[1] != alone[2], "requests must route differently"
+
+        override.begin_request(10)  # each new sequence's caches take the next request
+        got: list[list[int]] = [[], [], []]
+        started = [trio.Event() for _ in range(3)]
+
+        async def row(i: int) -> None:
+            if i:
+                await started[i - 1].wait()  # caches made in row order: request 10 + i
+            params = SamplingParams(temperature=0.0, max_tokens=2 * TOKENS)
+            async for event in engine.generate(list(PROMPT), params):
+                if isinstance(event, TextDelta) and event.token_ids:
+                    started[i].set()
+                elif isinstance(event, Done):
+                    got[i] = list(event.token_ids)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(row, i)
+        assert engine.batch.stats.largest == 3, engine.batch.stats
+        assert got == alone
 
 
 def test_tables_are_prefix_stable_and_families_match_shapes() -> None:

@@ -58,27 +58,31 @@ class CalibratedSource:
     def label(self) -> str:
         return f"calibrated-model {self.family}, seed {self.seed} (benchmark only)"
 
-    def begin_request(self, index: int, rows: int = 0) -> None:
-        """Route the following forwards as request `index` (domain index % 2); `rows`
-        positions are drawn now, so a measured generation does not pay for them."""
+    def begin_request(self, index: int, rows: int = 0, requests: int = 1) -> None:
+        """Route untagged forwards as request `index` (domain index % 2); `rows` positions
+        of requests index .. index+requests-1 are drawn now, so a measured generation
+        does not pay for them."""
         self.request = index
         if rows:
-            self._rows(rows)
+            for r in range(index, index + requests):
+                self._rows(rows, r)
 
-    def _rows(self, end: int) -> tuple[np.ndarray, np.ndarray]:
-        table = self._tables.get(self.request)
+    def _rows(self, end: int, request: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        request = self.request if request is None else request
+        table = self._tables.get(request)
         if table is None or len(table[0]) < end:
             n = max(MIN_ROWS, 1 << max(end - 1, 1).bit_length())
-            rng = np.random.default_rng([self.seed, self.request, 0x0DE])
-            ids, gates = self.model.tokens(self.request % DOMAINS, n, rng, gate=True)
+            rng = np.random.default_rng([self.seed, request, 0x0DE])
+            ids, gates = self.model.tokens(request % DOMAINS, n, rng, gate=True)
             assert gates is not None
-            table = self._tables[self.request] = (ids, gates)
+            table = self._tables[request] = (ids, gates)
         return table
 
-    def ids(self, layer: int, start: int, count: int) -> np.ndarray:
-        """int32 [count, top_k]: MoE layer `layer` (0-based) at positions start.. ."""
-        return self._rows(start + count)[0][start : start + count, layer]
+    def ids(self, layer: int, start: int, count: int, request: int | None = None) -> np.ndarray:
+        """int32 [count, top_k]: MoE layer `layer` (0-based) at positions start.. of
+        `request` (default: the current one)."""
+        return self._rows(start + count, request)[0][start : start + count, layer]
 
-    def gate(self, layer: int, start: int, count: int) -> np.ndarray:
+    def gate(self, layer: int, start: int, count: int, request: int | None = None) -> np.ndarray:
         """The emulated gate-ahead's prediction of MoE layer `layer` (>= 1) from layer-1."""
-        return self._rows(start + count)[1][start : start + count, layer]
+        return self._rows(start + count, request)[1][start : start + count, layer]

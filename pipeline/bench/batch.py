@@ -38,12 +38,9 @@ async def measure_batch(case: Case) -> Result:
     from pipeline.config.schema import config_from_dict
     from pipeline.engine import open_engine
 
+    from pipeline.bench.routing import calibrate
+
     n = case.concurrency
-    if case.routing != "router":
-        # The calibrated routing source keys its tables by one request's token positions;
-        # rows of a batch would all route as that one request.
-        raise ValueError(f"{case.name}: batch cases take --routing router only, "
-                         f"not {case.routing!r}")
     raw = engine_dict(case)
     raw.setdefault("compute", {})["max_batch"] = max(n, 1)
     cfg = config_from_dict(raw, source=f"<bench {case.name}>")
@@ -52,6 +49,10 @@ async def measure_batch(case: Case) -> Result:
         if case.warm_all:
             await engine.warm()
         open_s = time.perf_counter() - started
+        # Calibrated routing: each generation routes as its own request (tagged when its
+        # caches are made): the warm-up's are requests 0..N-1, the measured N..2N-1, so
+        # the rows alternate between the two prompt domains.
+        override = calibrate(engine.model, case.routing, case.seed)
         vocab = engine.model.parts.args.vocab_size
 
         async def run_all(max_tokens: list[int], seed: int) -> list[tuple[Any, dict[str, float]]]:
@@ -73,6 +74,8 @@ async def measure_batch(case: Case) -> Result:
         warmup_s = time.perf_counter() - started - open_s
         if case.cold and not case.warm_all:
             drop_page_cache(case.model)
+        if override is not None:
+            override.begin_request(n, rows=case.prompt_tokens + case.max_tokens, requests=n)
         reads0 = engine.router.reader.stats.bytes_read
         snap0 = engine.router.table.snapshot()
         steps0, rows0 = engine.batch.stats.steps, engine.batch.stats.rows_stepped
@@ -97,6 +100,7 @@ async def measure_batch(case: Case) -> Result:
         peak_device_mb=max(d.stats.peak_device_mb for d in dones),
         pool_mb=engine.pool_bytes / 2**20, slots=engine.storage.num_slots,
         readers=engine.router.reader.concurrency, strategy=cfg.prefetch.strategy,
+        eviction=cfg.pool.eviction,
         o_direct=engine.container.o_direct,
         hit_rate=hits / (hits + misses) if hits + misses else 0.0,
         bytes_read_per_token=(engine.router.reader.stats.bytes_read - reads0) / max(decoded, 1),
@@ -105,24 +109,27 @@ async def measure_batch(case: Case) -> Result:
         per_seq_ms_per_token=max(per_row_ms, default=0.0),
         per_seq_ms_per_token_mean=sum(per_row_ms) / len(per_row_ms) if per_row_ms else 0.0,
         batch_rows_per_step=(engine.batch.stats.rows_stepped - rows0) / max(steps, 1),
+        routing=override.label if override is not None else "router",
         backend=backend(), open_s=open_s, warmup_s=warmup_s,
         seconds=time.perf_counter() - started,
     )
 
 
 def batch_derived(results: dict[str, Result]) -> dict[str, Any]:
-    """Aggregate tok/s and per-row time per token at N, relative to N = 1."""
+    """Aggregate tok/s and per-row time per token at N, relative to N = 1 of the same
+    routing (`batch-4@router` against `batch-1@router`)."""
     out: dict[str, Any] = {}
-    for prefix in ("batch", "batch-warm"):
-        one = results.get(f"{prefix}-1")
+    for name, r in results.items():
+        base, _, routing = name.partition("@")
+        prefix, _, count = base.rpartition("-")
+        if prefix not in ("batch", "batch-warm") or not count.isdigit():
+            continue
+        suffix = f"@{routing}" if routing else ""
+        one = results.get(f"{prefix}-1{suffix}")
         if one is None or one.decode_tok_s <= 0:
             continue
-        for name, r in results.items():
-            if not name.startswith(prefix + "-") or name.count("-") != prefix.count("-") + 1:
-                continue
-            key = name.replace("-", "_")
-            out[f"{key}_aggregate_over_1"] = r.decode_tok_s / one.decode_tok_s
-            if one.per_seq_ms_per_token > 0:
-                out[f"{key}_ms_per_token_over_1"] = (r.per_seq_ms_per_token
-                                                     / one.per_seq_ms_per_token)
+        key = name.replace("-", "_")
+        out[f"{key}_aggregate_over_1"] = r.decode_tok_s / one.decode_tok_s
+        if one.per_seq_ms_per_token > 0:
+            out[f"{key}_ms_per_token_over_1"] = r.per_seq_ms_per_token / one.per_seq_ms_per_token
     return out

@@ -18,6 +18,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
+from pipeline.models.routing_override import Routed, requests_of, tagged
+
 
 def _merge_layer(caches: Sequence[Any]) -> Any:
     first = caches[0]
@@ -31,21 +33,44 @@ def _merge_layer(caches: Sequence[Any]) -> Any:
 class BatchCaches:
     """The cache operations a decode batch needs (`actors.forward.CacheBatcher`)."""
 
+    # Benchmark-only calibrated routing tags each sequence's caches with its request
+    # (pipeline/models/routing_override.py); the tags follow the rows.
+
     def merge(self, caches: Sequence[list[Any]]) -> list[Any]:
         """One batched cache per layer from several sequences' caches (rows in order)."""
-        return [_merge_layer([c[i] for c in caches]) for i in range(len(caches[0]))]
+        merged = [_merge_layer([c[i] for c in caches]) for i in range(len(caches[0]))]
+        return tagged(merged, _requests(caches))
 
     def extend(self, batch: list[Any], caches: Sequence[list[Any]]) -> None:
         """Append sequences (their own caches) as new rows of `batch`, in place."""
         for i, layer in enumerate(self.merge(caches)):
             batch[i].extend(layer)
+        if isinstance(batch, Routed):
+            batch.requests += _requests(caches) or [None] * len(caches)
 
     def extract(self, batch: list[Any], row: int) -> list[Any]:
         """Row `row`'s caches, as the plain caches of a sequence decoded alone."""
-        return [c.extract(row) for c in batch]
+        mine = requests_of(batch)
+        return tagged([c.extract(row) for c in batch], None if mine is None else [mine[row]])
 
     def keep(self, batch: list[Any], rows: Sequence[int]) -> None:
         """Keep only `rows` (in that order), in place."""
         index = mx.array(list(rows), dtype=mx.int32)
         for c in batch:
             c.filter(index)
+        if isinstance(batch, Routed):
+            batch.requests = [batch.requests[r] for r in rows]
+
+
+def _requests(caches: Sequence[list[Any]]) -> list[int | None] | None:
+    """The rows' requests of several caches in order, or None when none is tagged."""
+    tags = [requests_of(c) for c in caches]
+    if all(t is None for t in tags):
+        return None
+    return [r for c, t in zip(caches, tags, strict=True)
+            for r in (t if t is not None else [None] * _rows(c))]
+
+
+def _rows(cache: list[Any]) -> int:
+    kv = next((c for c in cache if isinstance(c, BatchKVCache)), None)
+    return 1 if kv is None else int(kv.offset.shape[0])

@@ -21,7 +21,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from actors.forward import Presync, Routing
 from pipeline.models.batch_caches import BatchCaches
 from pipeline.models.moe import moe_output, route, routed_experts
-from pipeline.models.routing_override import RoutingOverride, position
+from pipeline.models.routing_override import RoutingOverride
 from pipeline.models.text_parts import TextParts, moe_layers, text_parts
 from qpack.spec import ExpertFormat
 
@@ -135,7 +135,8 @@ class StreamedModel:
         return ForwardStep(self, [], cache, hidden=hidden)
 
     def make_cache(self) -> list[Any]:
-        return self.parts.make_cache()
+        cache = self.parts.make_cache()
+        return cache if self.routing is None else self.routing.tag(cache)
 
     def router_logits(self, layer: int, hidden: mx.array) -> mx.array:
         """Layer `layer`'s router applied to a residual-stream state (for next-gate prefetch)."""
@@ -184,7 +185,8 @@ class ForwardStep:
         self.fa_mask = None if first_fa is None else create_attention_mask(h, cache[first_fa])
         self.ssm_mask = None if first_ssm is None else create_ssm_mask(h, cache[first_ssm])
         self.h = h
-        self.pos = position(cache) if model.routing is not None else 0  # before this step's tokens
+        # Each row's (position, request) before this step's tokens: calibrated routing only.
+        self.where = None if model.routing is None else model.routing.where(cache)
         self.layer = model.layers.start
         self._pending: tuple[mx.array, mx.array, mx.array, mx.array] | None = None
         self._snapshot: list[dict[str, Any]] | None = None
@@ -209,7 +211,10 @@ class ForwardStep:
         h_mid = self.h + mixer(block.input_layernorm(self.h), self._mask(block),
                                self.cache[self.layer])
         x = block.post_attention_layernorm(h_mid)
-        forced = None if self.m.routing is None else self.m.routing.ids(self.layer, self.pos, x.shape[-2])
+        forced = None
+        if self.m.routing is not None:
+            assert self.where is not None
+            forced = self.m.routing.ids(self.layer, self.where, x.shape[-2])
         inds, scores = route(block.mlp, x, forced)
         return h_mid, x, inds, scores
 
