@@ -13,10 +13,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+import trio
 from helpers_engine import engine_config, generate
 from helpers_forward import tiny_pair
-
-import trio
 
 from actors.routing_model.source import CalibratedSource, family_for
 from actors.sampling_params import SamplingParams

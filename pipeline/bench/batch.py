@@ -35,10 +35,9 @@ async def measure_batch(case: Case) -> Result:
 
     from actors.sampling_params import SamplingParams
     from pipeline.bench.refs import drop_page_cache
+    from pipeline.bench.routing import calibrate
     from pipeline.config.schema import config_from_dict
     from pipeline.engine import open_engine
-
-    from pipeline.bench.routing import calibrate
 
     n = case.concurrency
     raw = engine_dict(case)
