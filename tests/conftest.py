@@ -4,7 +4,10 @@ kill tests start packs from (`fork_server`)."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import multiprocessing
+import os
 import sys
 from collections.abc import Callable
 from multiprocessing import forkserver
@@ -25,12 +28,33 @@ from qpack.synth.checkpoint import synthesize  # noqa: E402
 from qpack.writer import pack  # noqa: E402
 
 
+def _shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where session-wide files go: under pytest-xdist every worker has its own basetemp
+    below one directory of the run, so the workers make each checkpoint once between them."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _once(root: Path, key: str, build: Callable[[Path], Path]) -> Path:
+    """`build(directory)` once per key across the workers (a file lock), its result path."""
+    name = hashlib.sha1(key.encode()).hexdigest()[:16]
+    done = root / f"shared-{name}.done"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            out = root / f"shared-{name}"
+            out.mkdir(exist_ok=True)
+            done.write_text(str(build(out)))
+        return Path(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def synth_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory: `synth_checkpoint(family: str, *, dtype="float32", bits=None, layout="hub") -> Path`.
 
     Returns the directory of the `tiny` preset of `family` ("qwen3_next" or "qwen3_5_moe"),
-    seed 0, written once per argument combination per test session. `bits` 4 or 8 gives the
+    seed 0, written once per argument combination per test session (shared by the xdist
+    workers). `bits` 4 or 8 gives the
     MLX-quantized layout (what `mlx_lm.convert -q` writes); `layout="per-expert"` gives
     transformers' text-only Qwen3.5 MoE layout; `variant="thinking"` Qwen3-Next's Thinking
     template and generation_config; `mode` (mxfp4, nvfp4, mxfp8) and `recipe` (mixed_3_6, ...)
@@ -43,9 +67,9 @@ def synth_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., 
              recipe: str | None = None) -> Path:
         key = (family, dtype, bits, layout, variant, mode, recipe)
         if key not in made:
-            out = tmp_path_factory.mktemp(f"synth-{family}-{dtype}-{bits}-{layout}-{variant}-{mode}-{recipe}")
-            made[key] = synthesize(out, family, "tiny", dtype=dtype, bits=bits, layout=layout,
-                                   progress=False, variant=variant, mode=mode, recipe=recipe)
+            made[key] = _once(_shared_root(tmp_path_factory), f"synth {key!r}", lambda out: synthesize(
+                out, family, "tiny", dtype=dtype, bits=bits, layout=layout, progress=False,
+                variant=variant, mode=mode, recipe=recipe))
         return made[key]
 
     return make
@@ -61,9 +85,11 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     def make(source: Path, **options: Any) -> Path:
         key = (str(source), tuple(sorted(options.items())))
         if key not in made:
-            out = tmp_path_factory.mktemp("packed") / "tiny.qpack"
-            pack(source, out, progress=False, **options)
-            made[key] = out
+            def build(out: Path) -> Path:
+                pack(source, out / "tiny.qpack", progress=False, **options)
+                return out / "tiny.qpack"
+
+            made[key] = _once(_shared_root(tmp_path_factory), f"packed {key!r}", build)
         return made[key]
 
     return make
