@@ -147,3 +147,36 @@ def test_bench_routing_cases_are_named_labelled_and_checked(tiny_bench: Path, ca
     capsys.readouterr()
     assert moestream_bench.main(["bench", str(tiny_bench), "--routing", "calibrated,nope"]) == 2
     assert capsys.readouterr().err.startswith("error: unknown routing ['nope']")
+
+
+def test_batch_cases_decode_rows_together_under_calibrated_routing(tiny_bench: Path) -> None:
+    import argparse
+
+    from pipeline.bench.batch import batch_derived
+    from pipeline.bench.cases import measure
+    from pipeline.bench.spec import Result
+    from pipeline.cli import bench as bench_cli
+
+    parser = argparse.ArgumentParser()
+    bench_cli.register(parser.add_subparsers())
+    args = parser.parse_args([
+        "bench", str(tiny_bench), "--cases", "batch-1,batch-2", "--routing", "calibrated-gate,router",
+        "--slots", "8", "--prefill-chunk", "2", "--prompt-tokens", "6", "--max-tokens", "4",
+    ])
+    cases = bench_cli.plan_cases(args)
+    assert [(c.name, c.concurrency) for c in cases] == [
+        ("batch-1", 1), ("batch-2", 2), ("batch-1@router", 1), ("batch-2@router", 2)]
+    # Two rows, each routed as its own calibrated request, in one decode batch.
+    two = measure(cases[1])
+    assert two.error is None, two.error
+    assert two.concurrency == 2 and two.completion_tokens == 8 and two.decode_tok_s > 0
+    assert two.batch_rows_per_step > 1 and two.per_seq_ms_per_token > 0
+    assert "benchmark only" in two.routing and two.eviction == "reuse"
+    # Each batch-N is compared with batch-1 of its own routing.
+    results = {name: Result(name=name, kind="moestream", decode_tok_s=tok_s, per_seq_ms_per_token=ms)
+               for name, tok_s, ms in (("batch-1", 10.0, 100.0), ("batch-2", 15.0, 130.0),
+                                       ("batch-1@router", 5.0, 200.0), ("batch-2@router", 20.0, 100.0))}
+    derived = batch_derived(results)
+    assert derived["batch_2_aggregate_over_1"] == 1.5
+    assert derived["batch_2@router_aggregate_over_1"] == 4.0
+    assert derived["batch_2@router_ms_per_token_over_1"] == 0.5

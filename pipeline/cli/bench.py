@@ -168,7 +168,8 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    "value: router (the container's own; default), calibrated (the routing "
                    "model fitted to trained routers, benchmark only; next-gate still applies "
                    "the container's routers), calibrated-gate (and gate strategies see the "
-                   "model's emulated gate-ahead); cases of the 2nd and later get ' [routing]'")
+                   "model's emulated gate-ahead); in batch-N cases each row routes as its own "
+                   "request; cases of the 2nd value and later are named 'case@routing'")
     p.add_argument("--case-timeout", type=float, default=None, help="seconds per case before giving up")
 
 
