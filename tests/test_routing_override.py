@@ -96,8 +96,9 @@ async def test_the_routers_own_choice_differs_and_requests_route_differently(qpa
 
 async def test_a_decode_batch_routes_each_row_as_its_own_request(qpack) -> None:
     # One prompt, three requests: alone, each request gives its own tokens; decoded
-    # together (rows join one token apart), each row must still get its request's tokens.
-    config = engine_config(qpack, pool={"slots": 48}, compute={"max_batch": 3})
+    # together (rows join one token apart, run-ahead on: steps built before the previous
+    # one is evaluated), each row must still get its request's tokens.
+    config = engine_config(qpack, pool={"slots": 48}, compute={"max_batch": 3, "run_ahead": "on"})
     async with open_engine(config) as engine:
         override = calibrate(engine.model, "calibrated-gate", seed=3)
         alone = []
@@ -124,6 +125,7 @@ async def test_a_decode_batch_routes_each_row_as_its_own_request(qpack) -> None:
             for i in range(3):
                 nursery.start_soon(row, i)
         assert engine.batch.stats.largest == 3, engine.batch.stats
+        assert engine.compute.stats.run_ahead_tokens > 0  # steps queued on lazy tokens too
         assert got == alone
 
 
