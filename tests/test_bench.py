@@ -7,6 +7,7 @@ import json
 import sys
 import zlib
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -120,21 +121,27 @@ def test_o_direct_reads_match_buffered(tiny_bench: Path) -> None:
         assert np.array_equal(a, b)
 
 
-def test_bench_routing_cases_are_named_labelled_and_checked(tiny_bench: Path, capsys) -> None:
+def _planned(model: Path, cases: str) -> list[Any]:
+    """`moestream bench MODEL --cases CASES` on calibrated-gate then router routing, tiny
+    settings: the cases it would run."""
     import argparse
 
-    import moestream_bench
-
-    from pipeline.bench.cases import measure
     from pipeline.cli import bench as bench_cli
 
     parser = argparse.ArgumentParser()
     bench_cli.register(parser.add_subparsers())
-    args = parser.parse_args([
-        "bench", str(tiny_bench), "--cases", "default,serial", "--routing", "calibrated-gate,router",
+    return bench_cli.plan_cases(parser.parse_args([
+        "bench", str(model), "--cases", cases, "--routing", "calibrated-gate,router",
         "--slots", "8", "--prefill-chunk", "2", "--prompt-tokens", "6", "--max-tokens", "4",
-    ])
-    cases = bench_cli.plan_cases(args)
+    ]))
+
+
+def test_bench_routing_cases_are_named_labelled_and_checked(tiny_bench: Path, capsys) -> None:
+    import moestream_bench
+
+    from pipeline.bench.cases import measure
+
+    cases = _planned(tiny_bench, "default,serial")
     assert [(c.name, c.routing) for c in cases] == [
         ("default", "calibrated-gate"), ("serial", "calibrated-gate"),
         ("default@router", "router"), ("serial@router", "router")]
@@ -150,20 +157,11 @@ def test_bench_routing_cases_are_named_labelled_and_checked(tiny_bench: Path, ca
 
 
 def test_batch_cases_decode_rows_together_under_calibrated_routing(tiny_bench: Path) -> None:
-    import argparse
-
     from pipeline.bench.batch import batch_derived
     from pipeline.bench.cases import measure
     from pipeline.bench.spec import Result
-    from pipeline.cli import bench as bench_cli
 
-    parser = argparse.ArgumentParser()
-    bench_cli.register(parser.add_subparsers())
-    args = parser.parse_args([
-        "bench", str(tiny_bench), "--cases", "batch-1,batch-2", "--routing", "calibrated-gate,router",
-        "--slots", "8", "--prefill-chunk", "2", "--prompt-tokens", "6", "--max-tokens", "4",
-    ])
-    cases = bench_cli.plan_cases(args)
+    cases = _planned(tiny_bench, "batch-1,batch-2")
     assert [(c.name, c.concurrency) for c in cases] == [
         ("batch-1", 1), ("batch-2", 2), ("batch-1@router", 1), ("batch-2@router", 2)]
     # Two rows, each routed as its own calibrated request, in one decode batch.
