@@ -103,7 +103,6 @@ async def measure_batch(case: Case) -> Result:
         o_direct=engine.container.o_direct,
         hit_rate=hits / (hits + misses) if hits + misses else 0.0,
         bytes_read_per_token=(engine.router.reader.stats.bytes_read - reads0) / max(decoded, 1),
-        decode_bytes_per_token=(engine.router.reader.stats.bytes_read - reads0) / max(decoded, 1),
         concurrency=n,
         per_seq_ms_per_token=max(per_row_ms, default=0.0),
         per_seq_ms_per_token_mean=sum(per_row_ms) / len(per_row_ms) if per_row_ms else 0.0,

@@ -33,6 +33,12 @@ def _routing_tag(r: dict[str, Any]) -> str:
     return " @calibrated+gate" if "emulated gate" in label else " @calibrated"
 
 
+def _bytes_per_token(r: dict[str, Any]) -> float:
+    """Bytes read per decoded token: the decode's alone, or for a batch case (which does
+    not split them) the whole run's over its decoded tokens."""
+    return r["bytes_read_per_token"] if r.get("concurrency") else r["decode_bytes_per_token"]
+
+
 def results_table(report: dict[str, Any]):  # -> rich.table.Table
     from rich.table import Table
 
@@ -52,15 +58,18 @@ def results_table(report: dict[str, Any]):  # -> rich.table.Table
                           *["-"] * 7)
             continue
         stream = r["kind"] == "moestream"
+        # A batch case measures the whole run (prefills included) and not the decode
+        # alone, the prefetcher or the stalls: those cells stay empty.
+        single = stream and not r.get("concurrency")
         table.add_row(
             r["name"], _f(r["decode_tok_s"]), _f(r["prefill_tok_s"], "{:.1f}"), _f(r["ttft_s"]),
             _f(r["pool_mb"], "{:.0f}"), str(r["readers"]) if stream else "-",
             (f"{r['strategy']}, {r.get('eviction') or '?'}{_routing_tag(r)}") if stream else "resident",
             _f(r["hit_rate"], "{:.1%}") if stream else "-",
-            _f(r["decode_hit_rate"], "{:.1%}") if stream else "-",
-            _f(r["decode_bytes_per_token"] / 2**20) if stream else "-",
-            f"{r['prefetch_precision']:.2f}/{r['prefetch_recall']:.2f}" if stream else "-",
-            _f(r["stall_fraction"], "{:.0%}") if stream else "-",
+            _f(r["decode_hit_rate"], "{:.1%}") if single else "-",
+            _f(_bytes_per_token(r) / 2**20) if stream else "-",
+            f"{r['prefetch_precision']:.2f}/{r['prefetch_recall']:.2f}" if single else "-",
+            _f(r["stall_fraction"], "{:.0%}") if single else "-",
             _peak_dec(r, "rss"), _peak_dec(r, "device"),
         )
     d = report.get("derived", {})
@@ -97,7 +106,7 @@ def plot_sweep(results: Sequence[dict[str, Any]], path: str | Path, title: str =
         if r.get("error") or r["kind"] != "moestream":
             continue
         lines.setdefault(r["strategy"] or "none", []).append(
-            (r["pool_mb"], r["decode_tok_s"], r["decode_bytes_per_token"] / 2**20))
+            (r["pool_mb"], r["decode_tok_s"], _bytes_per_token(r) / 2**20))
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     for name, pts in sorted(lines.items()):
         pts.sort()
