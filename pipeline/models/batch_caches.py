@@ -46,7 +46,7 @@ class BatchCaches:
         for i, layer in enumerate(self.merge(caches)):
             batch[i].extend(layer)
         if isinstance(batch, Routed):
-            batch.requests += _requests(caches) or [None] * len(caches)
+            batch.requests += _requests(caches)
 
     def extract(self, batch: list[Any], row: int) -> list[Any]:
         """Row `row`'s caches, as the plain caches of a sequence decoded alone."""
@@ -62,15 +62,6 @@ class BatchCaches:
             batch.requests = [batch.requests[r] for r in rows]
 
 
-def _requests(caches: Sequence[list[Any]]) -> list[int | None] | None:
-    """The rows' requests of several caches in order, or None when none is tagged."""
-    tags = [requests_of(c) for c in caches]
-    if all(t is None for t in tags):
-        return None
-    return [r for c, t in zip(caches, tags, strict=True)
-            for r in (t if t is not None else [None] * _rows(c))]
-
-
-def _rows(cache: list[Any]) -> int:
-    kv = next((c for c in cache if isinstance(c, BatchKVCache)), None)
-    return 1 if kv is None else int(kv.offset.shape[0])
+def _requests(caches: Sequence[list[Any]]) -> list[int | None]:
+    """The request of each sequence (one row each), in order; None where untagged."""
+    return [r for c in caches for r in requests_of(c) or [None]]

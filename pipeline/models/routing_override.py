@@ -7,9 +7,10 @@ layer) instead of the router's argmax; the weights of those experts are still th
 router's real softmax at those ids (normalized as the model does), so every read and
 every matmul is the real one, only *which* experts is changed. The position is the
 sequence's KV offset, and each sequence is tagged with its request when its caches are
-made (a decode batch routes each row as its own request), so the routing is a function of
-the token's place in its request alone: a miss redone layer by layer, a pipelined step undone and redone, any pool size
-and any prefetch strategy give the same ids, hence the same logits.
+made (a decode batch routes each row as its own request), so the routing is a function
+of the token's place in its request alone: a miss redone layer by layer, a pipelined
+step undone and redone, any pool size and any prefetch strategy give the same ids,
+hence the same logits.
 
 Next-gate under an override: the real routers see the model's hidden state, which no
 longer decides the routing, so its accuracy is honest but poor (it predicts the random
