@@ -192,27 +192,31 @@ class DecodeBatch:
         joining = [r for r in self.joiners if r.asked and not r.leaving]
         gone = [r for r in self.joiners if r.leaving]
         self.joiners = [r for r in self.joiners if r not in joining and r not in gone]
-        for row in gone:
-            row.left.set()
-        if not leaving and not joining:
-            if gone and not self.members:
+        # A leaver is let go only once the engine is idle, if it is the last: a caller that
+        # sees its generation end then finds no read in flight and nothing pinned.
+        try:
+            if not leaving and not joining:
+                if gone and not self.members:
+                    await self._idle()
+                return
+            self.stats.regroups += 1
+            firsts = await self.compute._mlx(self._regroup_mlx, leaving, joining)
+            for row, token in firsts:
+                row.deliver(token)
+            self.stats.largest = max(self.stats.largest, len(self.members))
+            if not self.members:
                 await self._idle()
-            return
-        self.stats.regroups += 1
-        firsts = await self.compute._mlx(self._regroup_mlx, leaving, joining)
-        for row, token in firsts:
-            row.deliver(token)
-        for row in leaving:
-            row.left.set()
-        self.stats.largest = max(self.stats.largest, len(self.members))
-        if not self.members:
-            await self._idle()
+        finally:
+            for row in [*gone, *leaving]:
+                row.left.set()
         log.debug("batch.regroup", rows=len(self.members), left=len(leaving), joined=len(joining))
 
     async def _idle(self) -> None:
-        # Nothing decodes until the next request: let the last layer's experts go.
-        await self.compute.router.end_layer()
+        # Nothing decodes until the next request. The prefetch task may still be ordering
+        # reads for a next token that will not come: once its orders are queued, the
+        # router lands them and lets the last layer's experts go.
         await self.compute.prefetcher.caught_up()
+        await self.compute.router.settle()
 
     def _regroup_mlx(self, leaving: list[Row], joining: list[Row]) -> list[tuple[Row, int]]:
         """On the MLX thread: park, cut out leavers, draw newcomers' first tokens, merge.

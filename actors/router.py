@@ -114,6 +114,19 @@ class ExpertRouter:
         """Unpin the last demanded layer's experts (nothing runs until the next request)."""
         await self._ask(self._end_layer)
 
+    async def settle(self) -> None:
+        """The engine went idle: finish the reads the last prefetch orders started and
+        install them, so no staging buffer is held and no slot stays "loading" between
+        requests (the next request finds those experts ready)."""
+        await self._ask(self._settle)
+
+    async def _settle(self) -> None:
+        for load in list(self.loads.values()):
+            await load.done.wait()
+        await self.install_finished()
+        self.driver.end_layer()
+        self.release_unready()
+
     async def _end_layer(self) -> None:
         self.driver.end_layer()
 

@@ -105,9 +105,12 @@ class DirectForward:
         return slot_of
 
     def forward(
-        self, tokens: Sequence[int], cache: list[Any], *, layer_outputs: bool = False
+        self, tokens: Sequence[int], cache: list[Any], *, layer_outputs: bool = False,
+        all_positions: bool = True,
     ) -> tuple[mx.array, list[mx.array]]:
-        """Logits for every position [T, vocab], and (if asked) each layer's output [1, T, H]."""
+        """Logits for every position [T, vocab] (or the last, [1, vocab]: the head over a
+        real vocab is most of a tiny model's CPU time), and (if asked) each layer's output
+        [1, T, H]."""
         step = ForwardStep(self.model, list(tokens), cache)
         outputs: list[mx.array] = []
         routing = step.run_to_routing()
@@ -120,7 +123,9 @@ class DirectForward:
                 assert len(outputs) < done
                 mx.eval(step.h)
                 outputs.extend([step.h] * (done - len(outputs)))
-        return step.logits(all_positions=True), outputs
+        if all_positions:
+            return step.logits(all_positions=True), outputs
+        return step.logits()[None], outputs
 
 
 def reference_for(src: Path, bits: int | None) -> Reference:
@@ -153,9 +158,11 @@ class Reference:
         return self.text.lm_head(h)
 
     def forward(
-        self, tokens: Sequence[int], cache: list[Any], *, layer_outputs: bool = False
+        self, tokens: Sequence[int], cache: list[Any], *, layer_outputs: bool = False,
+        all_positions: bool = True,
     ) -> tuple[mx.array, list[mx.array]]:
-        """As mlx-lm's Qwen3NextModel.__call__, keeping each layer's output."""
+        """As mlx-lm's Qwen3NextModel.__call__, keeping each layer's output; logits as
+        `DirectForward.forward`'s."""
         d = self.decoder
         h = d.embed_tokens(mx.array([list(tokens)]))
         fa_mask = create_attention_mask(h, cache[d.fa_idx])
@@ -166,7 +173,7 @@ class Reference:
             if layer_outputs:
                 mx.eval(h)
                 outputs.append(h)
-        logits = self.head(d.norm(h))[0]
+        logits = self.head(d.norm(h if all_positions else h[:, -1:]))[0]
         mx.eval(logits)
         return logits, outputs
 

@@ -40,14 +40,14 @@ def tiny_qpack(synth_checkpoint, packed) -> Path:
     return packed(synth_checkpoint("qwen3_next", dtype="float32"), bits=None)
 
 
-def _config(path: Path):  # noqa: ANN202
+def _config(path: Path, strategy: str = "next-gate", readers: int = 4):  # noqa: ANN202
     # The smallest workable pool (prefill_chunk * top_k = 16 of 64 experts): many reads.
     return config_from_dict({
         "model": {"path": str(path)},
         "pool": {"slots": 16},
         "compute": {"prefill_chunk": 4},
-        "prefetch": {"strategy": "next-gate"},
-        "reader": {"retries": RETRIES, "retry_backoff_ms": 1.0},
+        "prefetch": {"strategy": strategy},
+        "reader": {"retries": RETRIES, "retry_backoff_ms": 1.0, "concurrency": readers},
     })
 
 
@@ -150,6 +150,19 @@ async def test_one_bad_expert_and_a_cancelled_slow_read(tiny_qpack, reference):
         io.clear()
         engine.prefix_cache.clear()
         assert await _tokens(engine, PROMPTS[1]) == reference[PROMPTS[1]]
+
+
+async def test_a_generation_ends_with_its_slow_mispredicted_reads_landed(tiny_qpack):
+    """Reads ordered for experts the last layer then did not choose are still on a slow
+    disk when the last token is drawn; the generation ends only once they have landed
+    (installed for the next request), so an idle engine holds no read and no buffer."""
+    io = FaultIO(tiny_qpack)
+    async with open_engine(_config(tiny_qpack, "transition", readers=1), io=io) as engine:
+        last = io.inject("slow", layer=engine.model.moe_layers[-1], delay_s=0.02)
+        for prompt in PROMPTS[:4]:  # from the third on, the transitions seen mispredict
+            await _tokens(engine, prompt)
+            assert_pool_clean(engine)
+        assert last.hits > 0
 
 
 def _flip_on_disk(root: Path, layer: int) -> None:

@@ -63,15 +63,17 @@ def test_every_layer_and_the_logits_match_mlx_lm(pair, ref, family, bits):
     ours_cache, ref_cache = ours.make_cache(), ref.make_cache()
     # A prompt, then two decode steps on the caches it left: masks, KV and DeltaNet state.
     for tokens in (PROMPT, [5], [4242]):
-        logits, layers = ours.forward(tokens, ours_cache, layer_outputs=True)
-        want_logits, want_layers = ref.forward(tokens, ref_cache, layer_outputs=True)
+        # Every position's layer outputs, the last position's logits.
+        logits, layers = ours.forward(tokens, ours_cache, layer_outputs=True, all_positions=False)
+        want_logits, want_layers = ref.forward(tokens, ref_cache, layer_outputs=True,
+                                               all_positions=False)
         assert len(layers) == len(want_layers) == ours.model.num_layers
         for i, (got, want) in enumerate(zip(layers, want_layers, strict=True)):
             assert got.dtype == want.dtype
             assert max_abs(got, want) <= tol, f"layer {i} output, tokens {tokens}"
         assert max_abs(logits, want_logits) <= tol, f"logits, tokens {tokens}"
     # The layer-by-layer reference is mlx-lm's own __call__, read correctly.
-    assert mx.array_equal(ref.logits(PROMPT, ref.make_cache()), ref.forward(PROMPT, ref.make_cache())[0][-1]).item()
+    assert mx.array_equal(ref.logits(PROMPT, ref.make_cache()), ref.forward(PROMPT, ref.make_cache(), all_positions=False)[0][-1]).item()
     assert ours.installs > 0
     ours.close()
 
@@ -107,10 +109,12 @@ def test_chunked_prefill_equals_token_by_token(pair, family):
 
 
 def _run(qpack: Path, num_slots: int | None, seed: int, chunk: int) -> list[mx.array]:
-    """Every logit of a chunked prefill of PROMPT then four decode steps."""
+    """The logits of each chunk of a chunked prefill of PROMPT (its last position, which
+    every earlier one feeds), then of four decode steps."""
     ours = DirectForward(qpack, num_slots=num_slots, seed=seed)
     cache = ours.make_cache()
-    out = [ours.forward(PROMPT[i : i + chunk], cache)[0] for i in range(0, len(PROMPT), chunk)]
+    out = [ours.forward(PROMPT[i : i + chunk], cache, all_positions=False)[0]
+           for i in range(0, len(PROMPT), chunk)]
     for token in (3, 141, 59, 26):
         out.append(ours.forward([token], cache)[0])
     ours.close()
