@@ -1,4 +1,4 @@
-"""Load: 8 concurrent streaming clients x 8 requests on loopback, some hanging up mid-stream.
+"""Load: 8 concurrent streaming clients x 5 requests on loopback, some hanging up mid-stream.
 
 Every request either completes (a whole SSE stream ending in [DONE]) or gets a 429
 (the queue is kept short on purpose), a hang-up never disturbs the others, and after
@@ -22,7 +22,7 @@ from pipeline.config.schema import config_from_dict
 from pipeline.engine import Engine, open_engine
 from pipeline.server.app import serve_engine
 
-CLIENTS, REQUESTS, MAX_TOKENS, MAX_QUEUE = 8, 8, 4, 4
+CLIENTS, REQUESTS, MAX_TOKENS, MAX_QUEUE = 8, 5, 4, 4
 RSS_GROWTH_MB = 200  # generous: allocator caches and httpx state, but not per-request growth
 
 
