@@ -156,7 +156,7 @@ async def test_constrained_decoding_json_and_tool_calls(container: Path) -> None
     async with running(container) as (engine, base):
         v1 = client(f"{base}/v1")
         fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
-        for seed in range(3):
+        for seed in range(2):
             one = await v1.chat.completions.create(model="tiny", messages=USER, max_tokens=60,
                                                    seed=seed, response_format=fmt)
             assert one.choices[0].finish_reason == "stop"
