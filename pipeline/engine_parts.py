@@ -29,7 +29,9 @@ def cached_tokenizer(root: Path) -> Any:
     return _load_tokenizer(str(Path(root).resolve()), stamp)
 
 
-@functools.lru_cache(maxsize=4)
+# Eight: a process that opens many containers (a test worker, a benchmark) meets a handful
+# of tokenizers; reloading one costs 1-2 s (mlx-lm parses tokenizer.json in Python).
+@functools.lru_cache(maxsize=8)
 def _load_tokenizer(root: str, stamp: int) -> Any:
     from mlx_lm.utils import load_tokenizer
 
