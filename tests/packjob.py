@@ -42,6 +42,9 @@ def _child(w: connection.Connection, source: str, out: str, bits: int | None,
            stop_at: str) -> None:
     # The fork server's children inherit *its* environment: the hook is set here.
     os.environ[PAUSE_ENV] = f"{w.fileno()}:{stop_at}"
+    # SIGINT stands for a terminal's Ctrl-C, whatever the runner's disposition: a test run
+    # started in the background by a script inherits SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _quiet()
     try:
         pack(source, out, bits=bits, progress=False)
