@@ -138,10 +138,14 @@ def test_typed_value(text: str, prop: dict | None, expected: object) -> None:
 
 
 @pytest.fixture(scope="module")
-def qwen35_tokenizer(synth_checkpoint):
-    from mlx_lm.utils import load_tokenizer
+def qwen35_tokenizer(synth_checkpoint, packed):
+    """What an engine on the tiny Qwen3.5 container encodes with (mlx-lm's wrapper), the
+    very object when this process has opened one (a load takes seconds)."""
+    from pipeline.engine_parts import cached_tokenizer
+    from qpack.reader import Container
 
-    return load_tokenizer(synth_checkpoint("qwen3_5_moe"))
+    with Container.open(packed(synth_checkpoint("qwen3_5_moe"), bits=None)) as container:
+        return cached_tokenizer(container.tokenizer_dir())
 
 
 def test_template_rendered_calls_parse_back_token_by_token(qwen35_tokenizer) -> None:
