@@ -122,7 +122,8 @@ class Compute:
         routing = step.advance(slot_of, self._presync(phase))
         return routing, self._learn(routing, phase)
 
-    async def _mlx(self, fn: Any, *args: Any) -> Any:
+    async def on_mlx(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` on the MLX thread, timed as compute (the decoders' steps use it too)."""
         start = time.perf_counter()
         try:
             with timeline.span("compute", getattr(fn, "__name__", "mlx")):
@@ -171,13 +172,13 @@ class Compute:
         ahead = phase == "decode" and not all_positions and self.run_ahead.wanted()
         if ahead:
             self.stats.run_ahead_tokens += 1
-            step, result = await self._mlx(self._run_ahead, tokens, cache)
+            step, result = await self.on_mlx(self._run_ahead, tokens, cache)
             miss = await self.account(result, phase)
             self.run_ahead.after_run_ahead(hit=miss is None)
             if miss is None:
                 return result.logits
             return await self.finish_from(step, miss, phase)
-        step, routing, preds = await self._mlx(self._start, tokens, cache, phase)
+        step, routing, preds = await self.on_mlx(self._start, tokens, cache, phase)
         logits = await self.layered(step, routing, preds, phase, all_positions)
         if phase == "decode":
             self.run_ahead.after_layered(hit=self.router.table.misses == misses0)
@@ -226,7 +227,7 @@ class Compute:
     async def finish_from(self, step: ForwardStepper, miss: int, phase: Phase) -> mx.array:
         """A run-ahead missed at layer `miss`: redo it from there, one sync per layer."""
         self.stats.run_ahead_misses += 1
-        routing, preds = await self._mlx(self._resume, step, miss, phase)
+        routing, preds = await self.on_mlx(self._resume, step, miss, phase)
         return await self.layered(step, routing, preds, phase)
 
     async def layered(
@@ -240,5 +241,5 @@ class Compute:
             slot_of = await self._demand(
                 Routed(routing.layer, routing.ids, ids, self.tick, phase, predicted=preds)
             )
-            routing, preds = await self._mlx(self._advance, step, slot_of, phase)
-        return await self._mlx(step.logits, all_positions)
+            routing, preds = await self.on_mlx(self._advance, step, slot_of, phase)
+        return await self.on_mlx(step.logits, all_positions)

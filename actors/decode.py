@@ -121,9 +121,9 @@ class Decoder:
         assert self.logits is not None
         logits, self.logits = self.logits, None
         if more and self.sampler.lazy_ok and c.run_ahead.ready():
-            tokens, self.launched = await c._mlx(self._start, logits, True)
+            tokens, self.launched = await c.on_mlx(self._start, logits, True)
         else:
-            tokens = await c._mlx(self.sampler.sample, logits)
+            tokens = await c.on_mlx(self.sampler.sample, logits)
             self.feed = tokens
             return tokens
         self.sampler.record(tokens)
@@ -131,7 +131,7 @@ class Decoder:
 
     async def _consume(self, current: _Launched, more: bool) -> list[int]:
         c = self.compute
-        result, tokens, nxt = await c._mlx(self._step, current, more)
+        result, tokens, nxt = await c.on_mlx(self._step, current, more)
         await c.begin_token("decode")
         miss = await c.account(result, "decode")
         c.run_ahead.after_run_ahead(hit=miss is None)
@@ -142,10 +142,10 @@ class Decoder:
                 self.feed = tokens
             return tokens
         self.launched = None
-        await c._mlx(self._undo_next, current, nxt, miss)
+        await c.on_mlx(self._undo_next, current, nxt, miss)
         step: ForwardStepper = current.step
         logits = await c.finish_from(step, miss, "decode")
-        tokens = await c._mlx(self.sampler.sample, logits)
+        tokens = await c.on_mlx(self.sampler.sample, logits)
         self.feed = tokens
         return tokens
 
@@ -160,4 +160,4 @@ class Decoder:
 
     async def park(self) -> None:
         if self.launched is not None:
-            await self.compute._mlx(self.park_now)
+            await self.compute.on_mlx(self.park_now)

@@ -200,7 +200,7 @@ class DecodeBatch:
                     await self._idle()
                 return
             self.stats.regroups += 1
-            firsts = await self.compute._mlx(self._regroup_mlx, leaving, joining)
+            firsts = await self.compute.on_mlx(self._regroup_mlx, leaving, joining)
             for row, token in firsts:
                 row.deliver(token)
             self.stats.largest = max(self.stats.largest, len(self.members))
