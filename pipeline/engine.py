@@ -252,8 +252,10 @@ async def open_engine(
     fmt = layout.formats[next(iter(layout.formats))]
     storage_probe = layout.slot_nbytes
     layers = stage.expert_layers(container) if stage else len(manifest.layers)
-    slots = min(num_slots(config, container, storage_probe), manifest.num_experts * layers)
     dense_bytes = stage.dense_bytes if stage else manifest.dense_bytes
+    slots = min(num_slots(config, container, storage_probe, dense_bytes,
+                          stage.ranks_on_host if stage else 1),
+                manifest.num_experts * layers)
     check_pool_fits(slots * storage_probe, dense_bytes, config.pool.slots is not None or config.pool.budget_mb is not None)
     need = smallest_workable_slots(manifest.num_experts, manifest.top_k, config.compute.prefill_chunk)
     if slots < need:

@@ -34,14 +34,24 @@ def prefill_chunk_for(config_chunk: int, max_tokens: int, slots: int, num_expert
     return max(1, min(max_tokens, slots // top_k))
 
 
-def num_slots(config: PipelineConfig, container: Container, slot_nbytes: int) -> int:
+def num_slots(config: PipelineConfig, container: Container, slot_nbytes: int,
+              dense_bytes: int | None = None, processes: int = 1) -> int:
+    """Pool slots: the config's, else sized from available memory (`default_slots`);
+    `dense_bytes` is this process's dense core, `processes` how many share the machine."""
     if config.pool.slots is not None:
         return config.pool.slots
     if config.pool.budget_mb is not None:
         return config.pool.budget_mb * 2**20 // slot_nbytes
-    # Neither given: half of the memory left once the dense core is loaded, keeping
-    # 1 GiB aside for the rest of the process (capped at every expert by the caller).
     import psutil
 
-    left = psutil.virtual_memory().available - container.manifest.dense_bytes - 2**30
+    dense = container.manifest.dense_bytes if dense_bytes is None else dense_bytes
+    return default_slots(psutil.virtual_memory().available, dense, slot_nbytes, processes)
+
+
+def default_slots(available: int, dense_bytes: int, slot_nbytes: int, processes: int = 1) -> int:
+    """Neither slots nor budget given: half of the memory left once the dense core is
+    loaded, keeping 1 GiB aside for the rest of the process (capped at every expert by
+    the caller). Ranks of a distributed job on one machine split it: each sees the same
+    available memory, and each taking half would leave none."""
+    left = available // max(processes, 1) - dense_bytes - 2**30
     return max(1, left // 2 // slot_nbytes)

@@ -59,6 +59,7 @@ def exact_job(paths: list[str], out_dir: str) -> int:
                      layers=np.array(list(engine.model.layers)),
                      other_layers_elements=sum(p.size for p in others) + parts.norm.weight.size,
                      dense_bytes=active_stage().dense_bytes,
+                     ranks_on_host=active_stage().ranks_on_host,
                      container_dense_bytes=engine.container.manifest.dense_bytes)
         return 0
 

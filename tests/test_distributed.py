@@ -79,6 +79,19 @@ def test_the_probes_a_weighted_split_uses(synth_checkpoint, packed) -> None:
         container.close()
 
 
+def test_ranks_on_one_machine_split_its_memory_for_their_pools() -> None:
+    from pipeline.distributed.probe import host_id
+    from pipeline.engine_sizing import default_slots
+
+    gib, mib = 2**30, 2**20
+    # Half of what is left after the dense core and 1 GiB, in 1 MiB slots.
+    assert default_slots(10 * gib, gib, mib) == 4096
+    # Two ranks here: each takes half of its half of the machine.
+    assert default_slots(10 * gib, gib, mib, processes=2) == 1536
+    assert default_slots(gib, gib, mib, processes=4) == 1  # never below one slot
+    assert host_id() == host_id() and 0 <= host_id() < 2**24  # exact in float32
+
+
 def test_a_peer_that_never_answers_breaks_the_link_once() -> None:
     # What rank 0 sees when a rank hangs: the wait ends at the deadline with RankLost,
     # the link is marked broken (the stuck thread is abandoned), later calls fail at once.
@@ -182,6 +195,7 @@ def test_three_ranks_give_one_process_logits(fork_server, containers, tmp_path, 
         assert len(got["greedy"]) == GREEDY
     stats = np.load(tmp_path / f"{containers[0].parent.name}.stats.npz")
     assert list(stats["layers"]) == [0, 1]  # rank 0's slice of 4 layers among 3 ranks
+    assert stats["ranks_on_host"] == 3  # all on localhost: they split its memory
     # Rank 0 loaded only its layers and the embedding (no other layer, no final norm, no head).
     assert stats["other_layers_elements"] == 0
     assert 0 < stats["dense_bytes"] < 0.8 * stats["container_dense_bytes"]

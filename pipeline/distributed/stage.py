@@ -35,7 +35,13 @@ from pipeline.distributed.plan import (
     share_weights,
     weighted_boundaries,
 )
-from pipeline.distributed.probe import fingerprint, free_memory_mb, kept_bytes, read_speed_mb_s
+from pipeline.distributed.probe import (
+    fingerprint,
+    free_memory_mb,
+    host_id,
+    kept_bytes,
+    read_speed_mb_s,
+)
 from pipeline.models.dense import load_dense
 from pipeline.prefix_cache import PrefixCache
 from qpack.reader import Container
@@ -85,6 +91,7 @@ class Stage:
         self.dtype_sent = False  # the last rank: rank 0 knows its logits' dtype
         self.stats = BoundaryStats()
         self.dense_bytes = 0  # this rank's share of dense.safetensors
+        self.ranks_on_host = 1  # ranks of the job on this machine (this one included)
         self.engine: Engine | None = None
 
     # -- setting up ----------------------------------------------------------------------
@@ -95,7 +102,7 @@ class Stage:
         m = container.manifest
         weighted = settings.split == "weighted" and not settings.boundaries
         row = np.array([fingerprint(container), m.num_layers, free_memory_mb(),
-                        read_speed_mb_s(container) if weighted else 0.0])
+                        read_speed_mb_s(container) if weighted else 0.0, host_id()])
         table = link.call(lambda: wire.all_rows(row, link.rank, link.size),
                           timeout=settings.peer_timeout_s, what="handshake")
         odd = [r for r in range(link.size) if table[r, 0] != table[0, 0]]
@@ -103,20 +110,25 @@ class Stage:
             raise DistributedSetupError(
                 f"ranks {odd} opened another container than rank 0 ({container.root} here): "
                 "every rank needs the same .qpack (a copy, or a shared filesystem)")
+        # Ranks on one host share its memory: each counts its part of what is free there.
+        on_host = np.array([np.sum(table[:, 4] == table[r, 4]) for r in range(link.size)])
+        free_mb = table[:, 2] / on_host
         if settings.boundaries:
             bounds = check_boundaries(m.num_layers, link.size, settings.boundaries)
         elif weighted:
-            bounds = weighted_boundaries(m.num_layers, share_weights(table[:, 2], table[:, 3]))
+            bounds = weighted_boundaries(m.num_layers, share_weights(free_mb, table[:, 3]))
         else:
             bounds = equal_boundaries(m.num_layers, link.size)
         plan = plan_for(link.rank, link.size, m.num_layers, bounds)
         text = container.config.get("text_config", container.config)
         log.info("distributed.plan", rank=plan.rank, size=plan.size, layers=f"{plan.start}-{plan.stop - 1}",
-                 boundaries=bounds, free_mb=[round(v) for v in table[:, 2]],
+                 boundaries=bounds, free_mb=[round(v) for v in free_mb],
+                 ranks_on_host=int(on_host[link.rank]),
                  read_mb_s=[round(v) for v in table[:, 3]] if weighted else None)
         stage = cls(link, plan, settings, int(text["hidden_size"]), int(text["vocab_size"]),
                     bool(text.get("tie_word_embeddings", container.config.get("tie_word_embeddings"))))
         stage.dense_bytes = kept_bytes(container.dense_path, stage.keep)
+        stage.ranks_on_host = int(on_host[link.rank])
         return stage
 
     def keep(self, name: str) -> bool:
