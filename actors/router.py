@@ -66,6 +66,9 @@ class ExpertRouter:
         self.loads: dict[ExpertKey, Load] = {}
         self.failures: dict[ExpertKey, str] = {}
         self.stats = RouterStats()
+        # Reads land in milliseconds; a disk that hangs must not hold a finished
+        # generation's end longer than this (the next demand collects what is left).
+        self.settle_timeout_s = 2.0
         # Bounded: a sender waits while the router is busy (compute waits anyway).
         self._requests, self._inbox = trio.open_memory_channel[_Request](16)
 
@@ -117,12 +120,17 @@ class ExpertRouter:
     async def settle(self) -> None:
         """The engine went idle: finish the reads the last prefetch orders started and
         install them, so no staging buffer is held and no slot stays "loading" between
-        requests (the next request finds those experts ready)."""
+        requests (the next request finds those experts ready). Reads still out after
+        `settle_timeout_s` (a hung disk) stay for the next demand to collect."""
         await self._ask(self._settle)
 
     async def _settle(self) -> None:
-        for load in list(self.loads.values()):
-            await load.done.wait()
+        with trio.move_on_after(self.settle_timeout_s) as waited:
+            for load in list(self.loads.values()):
+                await load.done.wait()
+        if waited.cancelled_caught:
+            log.warning("router.settle_timed_out", in_flight=len(self.loads),
+                        seconds=self.settle_timeout_s)
         await self.install_finished()
         self.driver.end_layer()
         self.release_unready()

@@ -165,6 +165,26 @@ async def test_a_generation_ends_with_its_slow_mispredicted_reads_landed(tiny_qp
         assert last.hits > 0
 
 
+async def test_going_idle_waits_for_a_hung_read_only_so_long(tiny_qpack):
+    """A prefetched read that does not come back within `settle_timeout_s` is left for
+    the next demand; one that does is installed, ready."""
+    io = FaultIO(tiny_qpack)
+    async with open_engine(_config(tiny_qpack), io=io) as engine:
+        router = engine.router
+        io.inject("slow", layer=1, expert=5, delay_s=0.5)
+        router.settle_timeout_s = 0.05
+        await router.prefetch([(1, [5])], engine.compute.tick)
+        with trio.fail_after(0.4):
+            await router.settle()
+        assert engine.pool_snapshot()["loads_in_flight"] == 1
+        assert router.table.state((1, 5)) == "loading"
+        router.settle_timeout_s = 5.0
+        await router.settle()
+        assert engine.pool_snapshot()["loads_in_flight"] == 0
+        assert router.table.state((1, 5)) == "ready"
+        assert_pool_clean(engine)
+
+
 def _flip_on_disk(root: Path, layer: int) -> None:
     entry = Container.open(root, verify="off").manifest.layer(layer)
     path = root / entry.file
