@@ -110,9 +110,11 @@ class Stage:
             raise DistributedSetupError(
                 f"ranks {odd} opened another container than rank 0 ({container.root} here): "
                 "every rank needs the same .qpack (a copy, or a shared filesystem)")
-        # Ranks on one host share its memory: each counts its part of what is free there.
+        # Ranks on one host share its memory: each counts its part of what is free there
+        # (free_memory_mb is a GPU's on CUDA: not shared when each rank has a GPU of its own).
         on_host = np.array([np.sum(table[:, 4] == table[r, 4]) for r in range(link.size)])
-        free_mb = table[:, 2] / on_host
+        own_gpu = settings.gpu_per_rank and mx.cuda.is_available()
+        free_mb = table[:, 2] if own_gpu else table[:, 2] / on_host
         if settings.boundaries:
             bounds = check_boundaries(m.num_layers, link.size, settings.boundaries)
         elif weighted:
