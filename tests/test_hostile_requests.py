@@ -13,11 +13,8 @@ import copy
 import http.client
 import inspect
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,6 +22,7 @@ from typing import Any
 
 import pytest
 import trio
+from forked_cli import ForkedCLI
 from helpers_server import serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -34,7 +32,6 @@ from pipeline.engine import Engine
 from pipeline.server import api as server_api
 from pipeline.server.app import serve_engine
 
-REPO = Path(__file__).resolve().parents[1]
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 TIMEOUT_S = 60  # per request: a hang fails the example instead of the whole run
 KEY = "k3y-0f-t3sts"
@@ -285,16 +282,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_binding_elsewhere_without_a_key_warns(container):
+def test_binding_elsewhere_without_a_key_warns(container, fork_server):
     """`moestream serve --host 0.0.0.0` without --api-key logs server.open_without_key."""
-    cmd = [sys.executable, "-m", "pipeline", "--log-level", "info", "serve", str(container),
-           "--host", "0.0.0.0", "--port", str(free_port()), "--slots", "16", "--prefill-chunk", "4"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, text=True)
+    argv = ["--log-level", "info", "serve", str(container), "--host", "0.0.0.0",
+            "--port", str(free_port()), "--slots", "16", "--prefill-chunk", "4"]
+    proc = ForkedCLI(fork_server, argv)  # a process of its own, forked: no fresh imports
     try:
         seen = []
-        assert proc.stderr is not None
-        for line in proc.stderr:
+        for line in proc.stdout:
             seen.append(line)
             if "server.open_without_key" in line or "engine.open" in line:
                 break
