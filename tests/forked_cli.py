@@ -18,10 +18,17 @@ from pipeline.cli import main
 PRELOAD = ["pipeline.cli", "pipeline.cli.serve", "pipeline.server.serve", "forked_cli"]
 
 
-def _child(w: connection.Connection, argv: list[str]) -> None:
+def _child(w: connection.Connection, argv: list[str], err: connection.Connection | None,
+           stdin: connection.Connection | None) -> None:
     os.dup2(w.fileno(), 1)
-    os.dup2(w.fileno(), 2)
-    w.close()
+    os.dup2((err or w).fileno(), 2)
+    for c in (w, err):
+        if c is not None:
+            c.close()
+    if stdin is not None:  # multiprocessing gave the child /dev/null
+        os.dup2(stdin.fileno(), 0)
+        stdin.close()
+        sys.stdin = io.TextIOWrapper(os.fdopen(0, "rb", buffering=0))
     sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), write_through=True)
     sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0), write_through=True)
     sys.exit(main(argv))
@@ -29,15 +36,29 @@ def _child(w: connection.Connection, argv: list[str]) -> None:
 
 class ForkedCLI:
     """Like `subprocess.Popen([moestream, *argv], stdout=PIPE, stderr=STDOUT, text=True)`:
-    `pid`, `stdout` (lines), `poll()`, `wait(timeout)`, `send_signal(sig)`, `kill()`."""
+    `pid`, `stdout` (lines), `poll()`, `wait(timeout)`, `send_signal(sig)`, `kill()`.
+    With `pipes=True`, like `stdin=PIPE, stdout=PIPE, stderr=PIPE` instead: `stdin`,
+    `stdout` and `stderr` are binary, unbuffered."""
 
-    def __init__(self, ctx: BaseContext, argv: list[str]) -> None:
+    def __init__(self, ctx: BaseContext, argv: list[str], pipes: bool = False) -> None:
         r, w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_child, args=(w, argv))
+        r_err, w_err = ctx.Pipe(duplex=False) if pipes else (None, None)
+        r_in, w_in = ctx.Pipe(duplex=False) if pipes else (None, None)
+        self._proc = ctx.Process(target=_child, args=(w, argv, w_err, r_in))
         self._proc.start()
-        w.close()
+        for c in (w, w_err, r_in):
+            if c is not None:
+                c.close()
         self.pid = self._proc.pid
-        self.stdout = io.TextIOWrapper(os.fdopen(os.dup(r.fileno()), "rb"))
+        if pipes:
+            assert r_err is not None and w_in is not None
+            self.stdout = os.fdopen(os.dup(r.fileno()), "rb", buffering=0)
+            self.stderr = os.fdopen(os.dup(r_err.fileno()), "rb", buffering=0)
+            self.stdin = os.fdopen(os.dup(w_in.fileno()), "wb", buffering=0)
+            r_err.close()
+            w_in.close()
+        else:
+            self.stdout = io.TextIOWrapper(os.fdopen(os.dup(r.fileno()), "rb"))
         r.close()
 
     def poll(self) -> int | None:

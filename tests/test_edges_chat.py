@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
+from multiprocessing.context import BaseContext
 from pathlib import Path
 
 import pytest
+from forked_cli import ForkedCLI
 from helpers_server import own_copy
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPT = ">>> "
 
 
@@ -24,12 +23,10 @@ def tiny(synth_checkpoint, packed, tmp_path_factory) -> Path:
 
 
 class Session:
-    def __init__(self, model: Path) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", "chat", str(model), "--slots", "16",
-             "--prefill-chunk", "4", "--max-tokens", "150", "--temperature", "0"],
-            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": str(REPO)})
+    def __init__(self, ctx: BaseContext, model: Path) -> None:
+        # A process of its own on pipes, forked from the fork server (no fresh imports).
+        self.proc = ForkedCLI(ctx, ["chat", str(model), "--slots", "16", "--prefill-chunk",
+                                    "4", "--max-tokens", "150", "--temperature", "0"], pipes=True)
         self.out = ""
         self.err = ""
         for name in ("out", "err"):
@@ -54,8 +51,8 @@ class Session:
         self.proc.stdin.flush()
 
 
-def test_ctrl_c_stops_the_reply_keeps_the_session_and_exits_quietly_at_the_prompt(tiny):
-    s = Session(tiny)
+def test_ctrl_c_stops_the_reply_keeps_the_session_and_exits_quietly_at_the_prompt(tiny, fork_server):
+    s = Session(fork_server, tiny)
     try:
         s.wait(lambda: s.out.count(PROMPT) == 1, "the first prompt")
         assert "loading " in s.err and "loaded tiny in" in s.err  # said while the model loads
