@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import json
 import os
 import shutil
 import stat
@@ -76,15 +77,21 @@ def non_expert_files(manifest: spec.Manifest) -> list[str]:
 
 
 def tokenizer_dir(root: Path, manifest: spec.Manifest, verify: bool) -> Path:
-    """A private directory with the container's listed tokenizer files and nothing else.
+    """A private directory with the container's listed tokenizer files and nothing else,
+    plus a config.json that names only the model type: transformers picks the tokenizer
+    class by it (without it a Qwen3.5 tokenizer loads as the generic backend, whose
+    `decode(skip_special_tokens=True)` drops the <think> and <tool_call> markup).
 
-    Named by the files' manifest digests, so engines reopened in one process share it
-    (and the tokenizer cache keyed on it); removed when the process exits."""
+    Named by the files' manifest digests and the model type, so engines reopened in one
+    process share it (and the tokenizer cache keyed on it), whatever the quantization;
+    removed when the process exits."""
     listed = {f.path: f for f in manifest.files if f.path in TOKENIZER_NAMES}
     if "tokenizer.json" not in listed:
         raise QpackError(root / spec.MANIFEST, "manifest does not list tokenizer.json: the container "
                          "cannot encode text")
-    key = hashlib.sha256("".join(f"{n}:{f.sha256};" for n, f in sorted(listed.items())).encode())
+    config = json.dumps({"model_type": manifest.model_type})
+    key = hashlib.sha256("".join(f"{n}:{f.sha256};" for n, f in sorted(listed.items())).encode()
+                         + config.encode())
     out = _private_root() / key.hexdigest()[:32]
     if out.is_dir():
         return out
@@ -101,6 +108,7 @@ def tokenizer_dir(root: Path, manifest: spec.Manifest, verify: bool) -> Path:
             raise QpackError(root / rel, "sha256 does not match the manifest (changed or corrupted "
                              "since packing)")
         (staging / rel).write_bytes(data)
+    (staging / "config.json").write_text(config)
     try:
         os.replace(staging, out)
     except OSError:  # another thread made it first: same digests, same files

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import unicodedata
 from functools import cache
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from qpack.synth.presets import get_preset, hf_config
-from qpack.synth.tokenizer import TokenizerSpec, cache_path, tokenizer_json, write_tokenizer
+from qpack.synth.presets import get_preset
+from qpack.synth.tokenizer import TokenizerSpec, cache_path, tokenizer_json
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe")
 REFERENCE = {"qwen3_next": "qwen-plus", "qwen3_5_moe": "qwen3.6-35b-a3b"}
@@ -67,15 +65,16 @@ def theirs(family: str):  # noqa: ANN201
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def hf_tokenizer(request, tmp_path_factory):
-    from mlx_lm.utils import load_tokenizer
+def hf_tokenizer(request, synth_checkpoint, packed):
+    """mlx-lm's tokenizer over the files `write_tokenizer` wrote, as an engine loads them
+    from a container: the very object when this process has opened one (a load takes
+    seconds)."""
+    from pipeline.engine_parts import cached_tokenizer
+    from qpack.reader import Container
 
     family = request.param
-    out = tmp_path_factory.mktemp(f"tok-{family}")
-    write_tokenizer(out, family)
-    config = hf_config(get_preset(family, "tiny"), "bfloat16")
-    (out / "config.json").write_text(json.dumps(config))
-    return family, load_tokenizer(Path(out))
+    with Container.open(packed(synth_checkpoint(family), bits=None)) as container:
+        return family, cached_tokenizer(container.tokenizer_dir())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
