@@ -2,10 +2,10 @@
 
 A trio task of its own (`run`, in the engine's nursery) that takes requests from one
 bounded channel, in order: demands from compute, prefetch orders from the prefetcher,
-drains from a generation that ends badly. Being the only task that touches the slot
-table, it keeps the pool's bookkeeping in one well-defined order (the order `replay`
-reproduces) whoever asks. `demand`, `prefetch`, `drain` and `end_layer` send requests;
-the `_`-prefixed methods are what the task runs.
+drains from a generation that ends badly, a settle when the engine goes idle. Being the
+only task that touches the slot table, it keeps the pool's bookkeeping in one
+well-defined order (the order `replay` reproduces) whoever asks. `demand`, `prefetch`,
+`drain` and `settle` send requests; the `_`-prefixed methods are what the task runs.
 
 It owns the slot table (through the `PoolDriver`, the same call sequence `moestream
 replay` makes) and the loads in flight. For a demand it pins the layer's experts,
@@ -113,30 +113,12 @@ class ExpertRouter:
         """Wait for every read in flight and drop its result (cancellation, shutdown)."""
         await self._ask(self._drain)
 
-    async def end_layer(self) -> None:
-        """Unpin the last demanded layer's experts (nothing runs until the next request)."""
-        await self._ask(self._end_layer)
-
     async def settle(self) -> None:
         """The engine went idle: finish the reads the last prefetch orders started and
         install them, so no staging buffer is held and no slot stays "loading" between
         requests (the next request finds those experts ready). Reads still out after
         `settle_timeout_s` (a hung disk) stay for the next demand to collect."""
         await self._ask(self._settle)
-
-    async def _settle(self) -> None:
-        with trio.move_on_after(self.settle_timeout_s) as waited:
-            for load in list(self.loads.values()):
-                await load.done.wait()
-        if waited.cancelled_caught:
-            log.warning("router.settle_timed_out", in_flight=len(self.loads),
-                        seconds=self.settle_timeout_s)
-        await self.install_finished()
-        self.driver.end_layer()
-        self.release_unready()
-
-    async def _end_layer(self) -> None:
-        self.driver.end_layer()
 
     # -- what the task runs ----------------------------------------------------------------
 
@@ -240,6 +222,17 @@ class ExpertRouter:
         _installs, _keys, buffers = self.collect()
         for buffer in buffers:
             self.reader.give_back(buffer)
+        self.driver.end_layer()
+        self.release_unready()
+
+    async def _settle(self) -> None:
+        with trio.move_on_after(self.settle_timeout_s) as waited:
+            for load in list(self.loads.values()):
+                await load.done.wait()
+        if waited.cancelled_caught:
+            log.warning("router.settle_timed_out", in_flight=len(self.loads),
+                        seconds=self.settle_timeout_s)
+        await self.install_finished()
         self.driver.end_layer()
         self.release_unready()
 
