@@ -253,8 +253,7 @@ async def open_engine(
     storage_probe = layout.slot_nbytes
     layers = stage.expert_layers(container) if stage else len(manifest.layers)
     dense_bytes = stage.dense_bytes if stage else manifest.dense_bytes
-    slots = min(num_slots(config, container, storage_probe, dense_bytes,
-                          stage.ranks_on_host if stage else 1),
+    slots = min(num_slots(config, storage_probe, dense_bytes, stage.ranks_on_host if stage else 1),
                 manifest.num_experts * layers)
     check_pool_fits(slots * storage_probe, dense_bytes, config.pool.slots is not None or config.pool.budget_mb is not None)
     need = smallest_workable_slots(manifest.num_experts, manifest.top_k, config.compute.prefill_chunk)

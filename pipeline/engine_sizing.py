@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pipeline.config.schema import PipelineConfig
-from qpack.reader import Container
 
 
 class PoolTooSmall(ValueError):
@@ -34,8 +33,7 @@ def prefill_chunk_for(config_chunk: int, max_tokens: int, slots: int, num_expert
     return max(1, min(max_tokens, slots // top_k))
 
 
-def num_slots(config: PipelineConfig, container: Container, slot_nbytes: int,
-              dense_bytes: int | None = None, processes: int = 1) -> int:
+def num_slots(config: PipelineConfig, slot_nbytes: int, dense_bytes: int, processes: int) -> int:
     """Pool slots: the config's, else sized from available memory (`default_slots`);
     `dense_bytes` is this process's dense core, `processes` how many share the machine."""
     if config.pool.slots is not None:
@@ -44,8 +42,7 @@ def num_slots(config: PipelineConfig, container: Container, slot_nbytes: int,
         return config.pool.budget_mb * 2**20 // slot_nbytes
     import psutil
 
-    dense = container.manifest.dense_bytes if dense_bytes is None else dense_bytes
-    return default_slots(psutil.virtual_memory().available, dense, slot_nbytes, processes)
+    return default_slots(psutil.virtual_memory().available, dense_bytes, slot_nbytes, processes)
 
 
 def default_slots(available: int, dense_bytes: int, slot_nbytes: int, processes: int = 1) -> int:
