@@ -6,7 +6,9 @@ Greedy generations of `--rows` random prompts, first one at a time, then all at 
 decode batch), with the top-5 log-probabilities of every generated token. Reported, per
 row: whether the tokens are identical, the first position they differ at, and the largest
 |difference| of the log-probabilities over the positions both runs share up to there
-(the chosen token's and the top-5's, matched by token id). On MLX's CPU backend the
+(the chosen token's and the top-5's, matched by token id), and, where the tokens part, how
+far apart the lone run's top two log-probabilities were there (a near tie that a rounding
+difference of that size can flip, or not). On MLX's CPU backend the
 batched step computes each row bit for bit as alone (tests/test_batch.py); batched GEMMs
 on a GPU may round differently, and this says by how much. Writes JSON with `--out`.
 """
@@ -57,7 +59,12 @@ def compare(alone: Run, batched: Run) -> dict[str, Any]:
     for pa, pb in zip(a_p[:upto], b_p[:upto], strict=False):
         for token in pa.keys() & pb.keys():
             delta = max(delta, abs(pa[token] - pb[token]))
-    return {"identical": first is None, "first_difference": first, "max_abs_logprob_delta": delta}
+    margin = None  # how close the lone run's top two were where the batched run flipped
+    if first is not None and first < len(a_p):
+        top = sorted(a_p[first].values(), reverse=True)
+        margin = top[0] - top[1] if len(top) > 1 else None
+    return {"identical": first is None, "first_difference": first,
+            "max_abs_logprob_delta": delta, "alone_top2_margin_at_difference": margin}
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
