@@ -108,7 +108,7 @@ def _ping(stage: Any, rounds: int) -> float | None:
             if plan.last:
                 wire.send(logits, 0)
             else:
-                wire.send_forward(header, hidden, plan.rank + 1)
+                wire.send_forward(header, [0], hidden, plan.rank + 1)
             if plan.first:
                 link.doorbell.wait()
                 wire.recv(logits.shape, np.uint32, plan.size - 1)

@@ -91,9 +91,6 @@ class Engine:
         manifest = container.manifest
         self.max_batch = max(1, min(config.compute.max_batch,
                                     router.table.num_slots // manifest.top_k))
-        if active_stage() is not None:
-            # The ranks' boundary carries one sequence per forward (see pipeline/distributed).
-            self.max_batch = 1
         self.compute_task = ComputeTask(
             self.max_batch,
             batch_budget(config.compute.batch_memory_mb, manifest.dense_bytes))

@@ -1,12 +1,15 @@
 """What each rank of the exactness test runs, and what the test compares.
 
 `collect(engine)` gives the logits of a prompt (in chunks, one all-positions chunk) and
-of decode steps, and greedy tokens: run in the test's own process on the whole model,
-and by rank 0 of a distributed job (`exact_job`) on its slice, they must be identical.
+of decode steps, greedy tokens, and the tokens and log-probabilities of generations that
+share a decode batch (staggered joins, a leaver, a cancel): run in the test's own process
+on the whole model, and by rank 0 of a distributed job (`exact_job`) on its slice, they
+must be identical.
 """
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +17,49 @@ import numpy as np
 import trio
 from helpers_engine import engine_config, forward_logits, generate
 
+from actors.sampling_params import SamplingParams
+from pipeline.events import Done, TextDelta
+
 PROMPT = [11, 400, 7, 1023, 5]
 DECODE = [42, 9000, 3]
 GREEDY = 6
+BATCHED = {"a": PROMPT, "b": [5, 6, 7], "c": [300, 301, 302, 303], "d": [9, 8, 77]}
+
+
+async def batched(engine: Any) -> dict[str, np.ndarray]:
+    """a and b start together; c joins once a has 2 tokens, d once b has, and d is
+    cancelled after 2 of its own; b stops first (fewer tokens). Each finished row's token
+    ids and log-probabilities, and the largest batch."""
+    out: dict[str, np.ndarray] = {}
+    a2, b2 = trio.Event(), trio.Event()
+
+    async def run(name: str, tokens: int, after: trio.Event | None = None,
+                  seen: trio.Event | None = None, cancel_at: int | None = None) -> None:
+        if after is not None:
+            await after.wait()
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, logprobs=2)
+        got, probs = 0, []
+        with trio.CancelScope() as scope:
+            async with aclosing(engine.generate(BATCHED[name], params)) as events:
+                async for event in events:
+                    if isinstance(event, TextDelta):
+                        probs += [e.logprob for e in event.logprobs]
+                        got += len(event.logprobs)
+                        if seen is not None and got >= 2:
+                            seen.set()
+                        if cancel_at is not None and got >= cancel_at:
+                            scope.cancel()
+                    elif isinstance(event, Done):
+                        out[f"batch_{name}_ids"] = np.array(event.token_ids)
+                        out[f"batch_{name}_logprobs"] = np.array(probs)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run, "a", GREEDY + 4, None, a2)
+        nursery.start_soon(run, "b", GREEDY - 2, None, b2)
+        nursery.start_soon(run, "c", GREEDY, a2)
+        nursery.start_soon(run, "d", GREEDY, b2, None, 2)
+    assert "batch_d_ids" not in out  # cancelled
+    return out
 
 
 async def collect(engine: Any) -> dict[str, np.ndarray]:
@@ -28,6 +71,7 @@ async def collect(engine: Any) -> dict[str, np.ndarray]:
     done = await generate(engine, PROMPT, GREEDY)
     out["greedy"] = np.array(done.token_ids)
     out["text"] = np.array(done.text)
+    out.update(await batched(engine))
     return out
 
 
@@ -60,6 +104,7 @@ def exact_job(paths: list[str], out_dir: str) -> int:
                      other_layers_elements=sum(p.size for p in others) + parts.norm.weight.size,
                      dense_bytes=active_stage().dense_bytes,
                      ranks_on_host=active_stage().ranks_on_host,
+                     largest_batch=engine.batch.stats.largest,
                      container_dense_bytes=engine.container.manifest.dense_bytes)
         return 0
 

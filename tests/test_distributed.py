@@ -129,7 +129,7 @@ def test_gpu_per_rank_shows_rank_r_only_gpu_r(monkeypatch) -> None:
 
 def test_the_header_and_the_bits_round_trip() -> None:
     header = wire.Header(wire.Command.FORWARD, seq=7, tokens=3, all_positions=True, decode=False,
-                         dtype=1, hidden=2048)
+                         dtype=1, hidden=2048, rows=3)
     assert wire.Header.decode_from(header.encode()) == header
     for dtype in wire.DTYPES:
         x = (mx.arange(12, dtype=mx.float32) / 7).astype(dtype).reshape(1, 3, 4)
@@ -193,9 +193,12 @@ def test_three_ranks_give_one_process_logits(fork_server, containers, tmp_path, 
         for name in want:  # bit for bit: the same kernels over the same weights
             assert np.array_equal(got[name], want[name]), (path, name)
         assert len(got["greedy"]) == GREEDY
+        # In the decode batch a row's tokens are those it gets alone (a is the greedy prompt).
+        assert list(got["batch_a_ids"][:GREEDY]) == list(got["greedy"])
     stats = np.load(tmp_path / f"{containers[0].parent.name}.stats.npz")
     assert list(stats["layers"]) == [0, 1]  # rank 0's slice of 4 layers among 3 ranks
     assert stats["ranks_on_host"] == 3  # all on localhost: they split its memory
+    assert stats["largest_batch"] >= 2  # the batch crossed the ranks, regrouping on the way
     # Rank 0 loaded only its layers and the embedding (no other layer, no final norm, no head).
     assert stats["other_layers_elements"] == 0
     assert 0 < stats["dense_bytes"] < 0.8 * stats["container_dense_bytes"]
@@ -240,6 +243,11 @@ def test_two_ranks_serve_and_a_killed_rank_ends_with_503(fork_server, containers
         assert reply["usage"]["completion_tokens"] == GREEDY
         # The text and every log-probability one process serves: the same logits.
         assert reply["choices"] == expected["choices"]
+        # n = 2: two rows of one decode batch across the ranks, each the lone run's.
+        status, two = _post(port, {**body, "n": 2})
+        assert status == 200, two
+        alone = {k: v for k, v in expected["choices"][0].items() if k != "index"}
+        assert [{k: v for k, v in c.items() if k != "index"} for c in two["choices"]] == [alone] * 2
         # A client that leaves mid-stream cancels the generation between two forwards; the
         # next request starts fresh caches on both ranks (a new sequence id): same reply.
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)

@@ -180,7 +180,8 @@ class DistributedConfig(_Section):
     # A reply from the next ranks that takes longer than this means they are lost: the
     # request fails (503) and every rank exits. Covers a cold prefill chunk on a slow disk.
     peer_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 300.0
-    # Sequences whose caches a later rank keeps (one generation runs at a time today).
+    # Sequences on their own whose caches a later rank keeps, beyond the decode batch's
+    # size (rank 0 sends no "sequence ended": the least recently used go).
     max_sequences: PositiveInt = 4
     # One host with several GPUs: rank r sees only GPU r (CUDA_VISIBLE_DEVICES=r).
     gpu_per_rank: bool = False

@@ -8,6 +8,11 @@ prefetcher of each rank see only that rank's layers. Only `logits` differs:
 - the last rank: the head, as in one process.
 A later rank's `step` starts from the residual stream the stage loop received
 (`StageModel.inbox`); the token ids it is given are placeholders for their count.
+
+Every sequence's caches carry an id (`seqs`, one per row; a decode batch's merged caches
+carry their rows'), and the batch operations carry the ids through merge, extend, keep
+and extract (`StageBatchCaches`): the later ranks key their caches by these ids and
+regroup their own batch as rank 0's, from the ids alone (`worker.StageLoop`).
 """
 
 from __future__ import annotations
@@ -17,16 +22,52 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from pipeline.models.batch_caches import BatchCaches
 from pipeline.models.streamed import ForwardStep, StreamedModel
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from pipeline.distributed.stage import Stage
 
 
 class SequenceCache(list):  # type: ignore[type-arg]
-    """A sequence's caches (one per layer), tagged with the id the later ranks key theirs by."""
+    """A sequence's caches (one per layer), or a batch's, tagged with its rows' ids."""
 
-    seq: int = 0
+    seqs: list[int]
+
+
+def tagged(cache: list[Any], seqs: Sequence[int]) -> list[Any]:
+    """`cache` tagged with `seqs` (a tagged list subclass, e.g. calibrated routing's
+    `Routed`, keeps its class and takes the attribute)."""
+    out = SequenceCache(cache) if type(cache) is list else cache
+    out.seqs = list(seqs)  # type: ignore[attr-defined]
+    return out
+
+
+def seqs_of(cache: Sequence[Any]) -> list[int]:
+    """The ids of the rows of `cache` (0 for caches that were never tagged)."""
+    return list(getattr(cache, "seqs", [0]))
+
+
+class StageBatchCaches(BatchCaches):
+    """The decode batch's cache operations, carrying the rows' sequence ids along."""
+
+    def merge(self, caches: Sequence[list[Any]]) -> list[Any]:
+        return tagged(super().merge(caches), [s for c in caches for s in seqs_of(c)])
+
+    def extend(self, batch: list[Any], caches: Sequence[list[Any]]) -> None:
+        ids = seqs_of(batch) + [s for c in caches for s in seqs_of(c)]
+        super().extend(batch, caches)
+        batch.seqs = ids  # type: ignore[attr-defined]
+
+    def extract(self, batch: list[Any], row: int) -> list[Any]:
+        return tagged(super().extract(batch, row), [seqs_of(batch)[row]])
+
+    def keep(self, batch: list[Any], rows: Sequence[int]) -> None:
+        ids = seqs_of(batch)
+        super().keep(batch, rows)
+        batch.seqs = [ids[r] for r in rows]  # type: ignore[attr-defined]
 
 
 _SEQUENCES = itertools.count(1)
@@ -39,9 +80,10 @@ class StageModel(StreamedModel):
         self.inbox: mx.array | None = None  # a later rank: the residual stream received
 
     def make_cache(self) -> list[Any]:
-        cache = SequenceCache(super().make_cache())
-        cache.seq = next(_SEQUENCES)
-        return cache
+        return tagged(super().make_cache(), [next(_SEQUENCES)])
+
+    def batch_caches(self) -> StageBatchCaches:
+        return StageBatchCaches(self.layers)
 
     def step(self, tokens: list[int] | mx.array, cache: list[Any]) -> StageStep:
         if self.stage.plan.first:
@@ -86,7 +128,6 @@ class StageStep:
         h = self._evaluated_stream()
         if not plan.first:
             return h  # the stage loop sends it on
-        seq = getattr(self.cache, "seq", 0)
-        out = self.stage.exchange(h, seq, all_positions, self.decode)
+        out = self.stage.exchange(h, seqs_of(self.cache), all_positions, self.decode)
         # A decode step fed as rows ([1, 1]: the decoder's shape) wants [rows, vocab].
         return out[None] if self.inner.rows and out.ndim == 1 else out

@@ -176,17 +176,19 @@ class Stage:
 
     # -- rank 0, on the MLX thread -------------------------------------------------------
 
-    def exchange(self, h: mx.array, seq: int, all_positions: bool, decode: bool) -> mx.array:
-        """Send the residual stream on; the last rank's logits ([vocab] or [tokens, vocab])."""
-        tokens = h.shape[1]
-        header = wire.Header(wire.Command.FORWARD, seq, tokens, all_positions, decode,
-                             wire.dtype_code(h.dtype), h.shape[2])
+    def exchange(self, h: mx.array, seqs: list[int], all_positions: bool,
+                 decode: bool) -> mx.array:
+        """Send the residual stream [rows, tokens, H] on; the last rank's logits ([vocab],
+        [rows, vocab] for a batch of rows, or [tokens, vocab] for every position)."""
+        rows, tokens = h.shape[0], h.shape[1]
+        header = wire.Header(wire.Command.FORWARD, seqs[0], tokens, all_positions, decode,
+                             wire.dtype_code(h.dtype), h.shape[2], rows)
         bits = wire.to_bits(h)
-        shape = (tokens if all_positions else 1, self.vocab_size)
+        shape = (tokens if all_positions else rows, self.vocab_size)
         last = self.plan.size - 1
 
         def cross() -> np.ndarray:
-            wire.send_forward(header, bits, 1)
+            wire.send_forward(header, seqs, bits, 1)
             self.link.doorbell.wait()
             if self.logits_dtype is None:  # the first logits come after their dtype's code
                 code = wire.recv((1,), np.int32, last)
@@ -202,11 +204,11 @@ class Stage:
         if decode:
             self.stats.decode_forwards += 1
             self.stats.decode_seconds += took
-        self.stats.tokens += tokens
+        self.stats.tokens += rows * tokens
         self.stats.bytes_sent += bits.nbytes
         assert self.logits_dtype is not None
         logits = wire.from_bits(out, self.logits_dtype)
-        return logits if all_positions else logits[0]
+        return logits if all_positions or rows > 1 else logits[0]
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Rank 0, when done: tell the later ranks to finish (they exit their loop)."""

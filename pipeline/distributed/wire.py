@@ -1,10 +1,12 @@
 """What crosses between ranks, and the mlx.distributed calls that move it.
 
-Per forward (a prefill chunk or a decode token) rank r sends rank r+1 a header (8 int32)
-and the residual stream [1, tokens, hidden] as raw bits; the last rank sends rank 0 the
-logits ([vocab], or [tokens, vocab] when every position's are wanted). Rank 0's commands
-ride in the header, so every rank sees them in the same order: `FORWARD` (with the
-sequence id whose caches to use: a new id starts a fresh sequence) and `SHUTDOWN`.
+Per forward (a prefill chunk, a decode token, or a decode step of a batch of sequences)
+rank r sends rank r+1 a header (8 int32), for a batch the rows' sequence ids (int32
+[rows]), and the residual stream [rows, tokens, hidden] as raw bits; the last rank sends
+rank 0 the logits ([1, vocab], [rows, vocab] for a batch, or [tokens, vocab] when every
+position's are wanted). Rank 0's commands ride in the header, so every rank sees them in
+the same order: `FORWARD` (with the sequence ids whose caches to use: a new id starts a
+fresh sequence, a new list of ids regroups the batch) and `SHUTDOWN`.
 
 The functions taking numpy arrays run on the link thread (`link.Link`).
 """
@@ -38,16 +40,17 @@ class Header(msgspec.Struct, frozen=True):
     decode: bool = False  # phase: decode (else prefill); the prefetcher treats them apart
     dtype: int = 0  # index in DTYPES of the hidden state's dtype
     hidden: int = 0
+    rows: int = 1  # sequences in the forward: more than one, their ids follow the header
 
     def encode(self) -> np.ndarray:
         row = [int(self.command), self.seq, self.tokens, int(self.all_positions),
-               int(self.decode), self.dtype, self.hidden, 0]
+               int(self.decode), self.dtype, self.hidden, self.rows]
         return np.array(row, dtype=np.int32)
 
     @classmethod
     def decode_from(cls, row: np.ndarray) -> Header:
-        c, seq, tokens, every, decode, dtype, hidden, _ = (int(v) for v in row)
-        return cls(Command(c), seq, tokens, bool(every), bool(decode), dtype, hidden)
+        c, seq, tokens, every, decode, dtype, hidden, rows = (int(v) for v in row)
+        return cls(Command(c), seq, tokens, bool(every), bool(decode), dtype, hidden, rows)
 
 
 def dtype_code(dtype: mx.Dtype) -> int:
@@ -84,13 +87,26 @@ def recv(shape: tuple[int, ...], dtype: type[np.generic], src: int) -> np.ndarra
     return np.array(out, copy=True)
 
 
-def send_forward(header: Header, bits: np.ndarray, dst: int) -> None:
+def send_forward(header: Header, seqs: list[int], bits: np.ndarray, dst: int) -> None:
+    """A forward's header, its rows' sequence ids (a batch's only: one rides in the
+    header) and its residual stream."""
     send(header.encode(), dst)
+    if header.rows > 1:
+        send(np.array(seqs, dtype=np.int32), dst)
     send(bits, dst)
 
 
 def recv_header(src: int) -> Header:
     return Header.decode_from(recv((HEADER_SIZE,), np.int32, src))
+
+
+def recv_forward(header: Header, src: int) -> tuple[list[int], np.ndarray]:
+    """What follows a `FORWARD` header: the rows' sequence ids and the residual stream."""
+    seqs = [header.seq]
+    if header.rows > 1:
+        seqs = [int(s) for s in recv((header.rows,), np.int32, src)]
+    kind = bits_dtype(DTYPES[header.dtype])
+    return seqs, recv((header.rows, header.tokens, header.hidden), kind, src)
 
 
 def all_rows(row: np.ndarray, rank: int, size: int) -> np.ndarray:

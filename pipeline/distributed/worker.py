@@ -6,8 +6,13 @@ actor (its own pool, router, readers and prefetcher, exactly as one process step
 layers), and sends the result on: the residual stream to rank r+1, or from the last rank
 the logits to rank 0. `SHUTDOWN`: passed on, and the loop ends.
 
-Caches are kept per sequence id, the `max_sequences` most recent: a new id is a new
-sequence (rank 0 made a new cache: a new request, or one after a cancel).
+Caches are kept per sequence id: a new id is a new sequence (rank 0 made a new cache: a
+new request, or one after a cancel). Rank 0 sends no "sequence ended", so the plain
+caches of the `max_sequences` (plus the decode batch's size) most recently used stay.
+A decode step of a batch carries its rows' ids; when they differ from the last step's,
+rank 0 regrouped between the two steps (`actors/decode_batch.py`: leavers cut out, a row
+left alone taken back to its own caches, newcomers appended), and this rank does the same
+cache operations in the same order (`_regroup`), so its batch stays row for row rank 0's.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import numpy as np
 import structlog
 
 from pipeline.distributed import wire
+from pipeline.distributed.errors import DistributedSetupError
+from pipeline.distributed.model import seqs_of, tagged
 from pipeline.distributed.stage import Stage
 from pipeline.engine import Engine
 
@@ -34,24 +41,66 @@ class StageLoop:
     def __init__(self, engine: Engine, stage: Stage) -> None:
         self.engine = engine
         self.stage = stage
-        self.caches: OrderedDict[int, list[Any]] = OrderedDict()
+        self.caches: OrderedDict[int, list[Any]] = OrderedDict()  # sequences on their own
+        self.batch: list[Any] | None = None  # the decode batch's merged caches (ids: seqs_of)
+        self.kept = stage.settings.max_sequences + engine.max_batch
 
     def _cache(self, seq: int) -> list[Any]:
         cache = self.caches.pop(seq, None)
-        if cache is None:
-            cache = self.engine.model.make_cache()
+        if cache is None:  # tagged with rank 0's id (the batch operations carry it)
+            cache = tagged(self.engine.model.make_cache(), [seq])
         self.caches[seq] = cache
-        while len(self.caches) > self.stage.settings.max_sequences:
+        while len(self.caches) > self.kept:
             self.caches.popitem(last=False)
         return cache
+
+    def _caches_for(self, seqs: list[int]) -> list[Any]:
+        old = seqs_of(self.batch) if self.batch is not None else []
+        if seqs == old:
+            return self.batch  # type: ignore[return-value]
+        if len(seqs) == 1 and seqs[0] not in old:
+            # A sequence on its own: a newcomer's prefill (the batch decodes on), or a lone
+            # decode (an ended batch's caches go at the next regroup).
+            return self._cache(seqs[0])
+        return self._regroup(old, seqs)
+
+    def _regroup(self, old: list[int], seqs: list[int]) -> list[Any]:
+        """Rank 0's regroup (`DecodeBatch._regroup_mlx`), from the ids before and after."""
+        keep = [i for i, s in enumerate(old) if s in seqs]
+        kept = [old[i] for i in keep]
+        joining = seqs[len(kept):]
+        if seqs[:len(kept)] != kept or any(s in old or s not in self.caches for s in joining):
+            raise DistributedSetupError(
+                f"rank {self.stage.plan.rank}: a batch of sequences {seqs} after {old}: "
+                "not a regroup of the last (or a sequence's caches are gone)")
+        ops = self.engine.model.batch_caches()
+        batch, self.batch = self.batch, None
+        alone: list[Any] | None = None
+        if batch is not None and len(keep) == 1:
+            alone = ops.extract(batch, keep[0])  # the one row left goes back to its caches
+        elif batch is not None and 1 < len(keep) < len(old):
+            ops.keep(batch, keep)
+        if len(seqs) == 1:
+            assert alone is not None
+            self.caches[seqs[0]] = alone
+            return self._cache(seqs[0])
+        newcomers = [self.caches.pop(s) for s in joining]
+        if len(keep) > 1:
+            assert batch is not None
+            if newcomers:
+                ops.extend(batch, newcomers)
+            self.batch = batch
+        else:
+            self.batch = ops.merge(([alone] if alone is not None else []) + newcomers)
+        return self.batch
 
     async def run(self) -> None:
         """Serve forwards until rank 0 says `SHUTDOWN` (RankLost if a neighbour goes)."""
         stage, link, plan = self.stage, self.stage.link, self.stage.plan
         src = plan.rank - 1
         while True:
-            header, bits = await link.run(partial(_receive, src, link.doorbell.wait), None,
-                                          "waiting for work")
+            header, seqs, bits = await link.run(partial(_receive, src, link.doorbell.wait),
+                                                None, "waiting for work")
             if header.command == wire.Command.SHUTDOWN:
                 if not plan.last:
                     await link.run(partial(wire.send, header.encode(), plan.rank + 1),
@@ -59,12 +108,12 @@ class StageLoop:
                 log.info("distributed.stage_done", rank=plan.rank, forwards=stage.stats.forwards)
                 return
             start = time.perf_counter()
-            out, dtype = await self._forward(header, bits)
+            out, dtype = await self._forward(header, seqs, bits)
             code = None if stage.dtype_sent or not plan.last else wire.dtype_code(dtype)
             stage.dtype_sent = True
             # What this rank sends on is in its own output's dtype.
             header = msgspec.structs.replace(header, dtype=wire.dtype_code(dtype))
-            await link.run(partial(_send_on, plan.last, plan.rank, header, out, code),
+            await link.run(partial(_send_on, plan.last, plan.rank, header, seqs, out, code),
                            stage.settings.peer_timeout_s, "forward")
             took = time.perf_counter() - start
             stage.stats.busy_seconds += took
@@ -72,12 +121,13 @@ class StageLoop:
                 stage.stats.decode_forwards += 1
                 stage.stats.decode_busy_seconds += took
             stage.stats.forwards += 1
-            stage.stats.tokens += header.tokens
+            stage.stats.tokens += header.rows * header.tokens
             stage.stats.bytes_sent += out.nbytes
 
-    async def _forward(self, header: wire.Header, bits: np.ndarray) -> tuple[np.ndarray, mx.Dtype]:
+    async def _forward(self, header: wire.Header, seqs: list[int],
+                       bits: np.ndarray) -> tuple[np.ndarray, mx.Dtype]:
         engine = self.engine
-        cache = self._cache(header.seq)
+        cache = await engine.worker.run(self._caches_for, seqs)
         dtype = wire.DTYPES[header.dtype]
 
         first = engine.model.moe_layers[0]
@@ -102,9 +152,9 @@ class StageLoop:
 
 def _first_layer_guess(engine: Engine, layer: int, h: mx.array) -> list[int]:
     """On the MLX thread: layer `layer`'s router applied to the residual stream entering
-    it (next-gate prefetch, from one step closer than one process can); in prefill the
-    union over the chunk's tokens, as the gate strategies predict there."""
-    logits = engine.model.router_logits(layer, h[0])
+    it (next-gate prefetch, from one step closer than one process can); in prefill (and
+    for a batch) the union over the tokens (rows), as the gate strategies predict there."""
+    logits = engine.model.router_logits(layer, h.reshape(-1, h.shape[-1]))
     k = engine.model.top_k
     top = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
     ids = list(dict.fromkeys(int(e) for e in np.array(top).reshape(-1)))
@@ -118,7 +168,7 @@ def _rows(out: mx.array) -> tuple[np.ndarray, mx.Dtype]:
     return wire.to_bits(out.reshape(1, -1) if out.ndim == 1 else out), out.dtype
 
 
-def _send_on(last: bool, rank: int, header: wire.Header, out: np.ndarray,
+def _send_on(last: bool, rank: int, header: wire.Header, seqs: list[int], out: np.ndarray,
              code: int | None) -> None:
     """The logits to rank 0 (from the last rank, the first time after their dtype's code),
     else the residual stream to rank+1."""
@@ -127,13 +177,13 @@ def _send_on(last: bool, rank: int, header: wire.Header, out: np.ndarray,
             wire.send(np.array([code], np.int32), 0)
         wire.send(out, 0)
     else:
-        wire.send_forward(header, out, rank + 1)
+        wire.send_forward(header, seqs, out, rank + 1)
 
 
-def _receive(src: int, ready: Callable[[], object]) -> tuple[wire.Header, np.ndarray]:
+def _receive(src: int, ready: Callable[[], object]) -> tuple[wire.Header, list[int], np.ndarray]:
     ready()  # sleeps until rank src writes (MLX's own receive would spin meanwhile)
     header = wire.recv_header(src)
     if header.command != wire.Command.FORWARD:
-        return header, np.zeros(0, np.uint32)
-    kind = wire.bits_dtype(wire.DTYPES[header.dtype])
-    return header, wire.recv((1, header.tokens, header.hidden), kind, src)
+        return header, [], np.zeros(0, np.uint32)
+    seqs, bits = wire.recv_forward(header, src)
+    return header, seqs, bits

@@ -31,33 +31,46 @@ def _merge_layer(caches: Sequence[Any]) -> Any:
 
 
 class BatchCaches:
-    """The cache operations a decode batch needs (`actors.forward.CacheBatcher`)."""
+    """The cache operations a decode batch needs (`actors.forward.CacheBatcher`).
+
+    `layers`: the layers this process runs (a pipeline rank's slice); the caches of the
+    others stay empty and are carried along untouched (the first row's)."""
 
     # Benchmark-only calibrated routing tags each sequence's caches with its request
     # (pipeline/models/routing_override.py); the tags follow the rows.
 
+    def __init__(self, layers: range | None = None) -> None:
+        self.layers = layers
+
+    def _ours(self, i: int) -> bool:
+        return self.layers is None or i in self.layers
+
     def merge(self, caches: Sequence[list[Any]]) -> list[Any]:
         """One batched cache per layer from several sequences' caches (rows in order)."""
-        merged = [_merge_layer([c[i] for c in caches]) for i in range(len(caches[0]))]
+        merged = [_merge_layer([c[i] for c in caches]) if self._ours(i) else caches[0][i]
+                  for i in range(len(caches[0]))]
         return tagged(merged, _requests(caches))
 
     def extend(self, batch: list[Any], caches: Sequence[list[Any]]) -> None:
         """Append sequences (their own caches) as new rows of `batch`, in place."""
         for i, layer in enumerate(self.merge(caches)):
-            batch[i].extend(layer)
+            if self._ours(i):
+                batch[i].extend(layer)
         if isinstance(batch, Routed):
             batch.requests += _requests(caches)
 
     def extract(self, batch: list[Any], row: int) -> list[Any]:
         """Row `row`'s caches, as the plain caches of a sequence decoded alone."""
         mine = requests_of(batch)
-        return tagged([c.extract(row) for c in batch], None if mine is None else [mine[row]])
+        caches = [c.extract(row) if self._ours(i) else c for i, c in enumerate(batch)]
+        return tagged(caches, None if mine is None else [mine[row]])
 
     def keep(self, batch: list[Any], rows: Sequence[int]) -> None:
         """Keep only `rows` (in that order), in place."""
         index = mx.array(list(rows), dtype=mx.int32)
-        for c in batch:
-            c.filter(index)
+        for i, c in enumerate(batch):
+            if self._ours(i):
+                c.filter(index)
         if isinstance(batch, Routed):
             batch.requests = [batch.requests[r] for r in rows]
 

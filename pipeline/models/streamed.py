@@ -109,7 +109,7 @@ class StreamedModel:
         return ForwardStep(self, tokens, cache)
 
     def batch_caches(self) -> BatchCaches:
-        return BatchCaches()
+        return BatchCaches(self.layers)
 
     def state_bytes(self, tokens: int) -> int:
         """About how many bytes one sequence's model state holds after `tokens` tokens:
@@ -131,7 +131,7 @@ class StreamedModel:
 
     def step_from(self, hidden: mx.array, cache: list[Any]) -> ForwardStep:
         """A forward over `self.layers` that starts from the residual stream `hidden`
-        [1, tokens, H] (another rank's output) instead of embedding tokens."""
+        [rows, tokens, H] (another rank's output) instead of embedding tokens."""
         return ForwardStep(self, [], cache, hidden=hidden)
 
     def make_cache(self) -> list[Any]:
@@ -167,7 +167,9 @@ class ForwardStep:
         """
         self.m = model
         self.cache = cache
-        self.rows = isinstance(tokens, mx.array) and tokens.ndim == 2
+        # A later rank's batch arrives as a residual stream of several rows.
+        self.rows = ((isinstance(tokens, mx.array) and tokens.ndim == 2)
+                     or (hidden is not None and hidden.shape[0] > 1))
         if hidden is None:
             if isinstance(tokens, mx.array):
                 ids = tokens if self.rows else tokens.reshape(1, -1)
