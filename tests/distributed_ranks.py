@@ -9,6 +9,7 @@ must be identical.
 
 from __future__ import annotations
 
+import os
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -75,8 +76,8 @@ async def collect(engine: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def config(path: Path, distributed: bool = True) -> Any:
-    return engine_config(path, distributed={"enabled": distributed})
+def config(path: Path, distributed: bool = True, slots: int = 8) -> Any:
+    return engine_config(path, pool={"slots": slots}, distributed={"enabled": distributed})
 
 
 def generate_argv(path: Path) -> list[str]:
@@ -105,11 +106,15 @@ def exact_job(paths: list[str], out_dir: str) -> int:
                      dense_bytes=active_stage().dense_bytes,
                      ranks_on_host=active_stage().ranks_on_host,
                      largest_batch=engine.batch.stats.largest,
+                     max_batch=engine.max_batch, top_k=engine.model.top_k,
                      container_dense_bytes=engine.container.manifest.dense_bytes)
         return 0
 
+    # Rank 0's pool could pin a batch twice as large as the others': the ranks agree on
+    # the batch their smallest pool can pin.
+    slots = 16 if os.environ.get("MLX_RANK") == "0" else 8
     for path in paths:
-        cfg = config(Path(path))
+        cfg = config(Path(path), slots=slots)
         dest = Path(out_dir) / f"{Path(path).parent.name}.npz"
         status = run_distributed(cfg, lambda c, dest=dest: trio.run(rank0, c, dest))
         if status:

@@ -199,6 +199,7 @@ def test_three_ranks_give_one_process_logits(fork_server, containers, tmp_path, 
     assert list(stats["layers"]) == [0, 1]  # rank 0's slice of 4 layers among 3 ranks
     assert stats["ranks_on_host"] == 3  # all on localhost: they split its memory
     assert stats["largest_batch"] >= 2  # the batch crossed the ranks, regrouping on the way
+    assert stats["max_batch"] == 8 // stats["top_k"]  # what the later ranks' 8 slots can pin
     # Rank 0 loaded only its layers and the embedding (no other layer, no final norm, no head).
     assert stats["other_layers_elements"] == 0
     assert 0 < stats["dense_bytes"] < 0.8 * stats["container_dense_bytes"]

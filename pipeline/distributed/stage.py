@@ -3,8 +3,9 @@
 Made once per model (`Stage.join`): the ranks shake hands (same container? each rank's
 free memory and disk speed for a weighted split), every rank computes the same plan, and
 `open_engine` then loads only this rank's dense weights and sizes the pool for its
-layers. After the actors start (`attach`) the ranks shake hands once more: the last rank
-tells rank 0 the dtype its logits come in.
+layers. After the actors start (`attach`) the ranks agree on the decode batch's size:
+the smallest any rank's pool can pin (each rank sized its pool on its own). The last
+rank tells rank 0 the dtype its logits come in with its first logits.
 
 Rank 0 crosses the boundary inside a forward, on the MLX thread (`exchange`); the later
 ranks in their stage loop (`pipeline/distributed/worker.py`).
@@ -158,9 +159,15 @@ class Stage:
         return sum(1 for e in container.manifest.layers if e.index in self.plan.layers)
 
     async def attach(self, engine: Engine) -> None:
-        """After the actors start: the settings a rank needs. (The last rank tells rank 0
-        its logits' dtype with its first logits: no wait here for the others.)"""
+        """After the actors start: the settings a rank needs, and the batch size every
+        rank's pool can pin (a step's rows reach every rank: the smallest pool sets it)."""
         self.engine = engine
+        row = np.array([engine.max_batch])
+        table = await self.link.run(lambda: wire.all_rows(row, self.link.rank, self.link.size),
+                                    self.settings.peer_timeout_s, "batch size")
+        engine.max_batch = engine.compute_task.capacity = int(table[:, 0].min())
+        log.info("distributed.batch", rank=self.plan.rank, max_batch=engine.max_batch,
+                 per_rank=[int(v) for v in table[:, 0]])
         engine.prefix_cache = NoPrefixCache()
         # One sync per layer: a run-ahead token is rolled back at times, which the later
         # ranks would have to mirror; the boundary is crossed once per forward either way.
