@@ -37,7 +37,7 @@ class SequenceCache(list):  # type: ignore[type-arg]
     seqs: list[int]
 
 
-def tagged(cache: list[Any], seqs: Sequence[int]) -> list[Any]:
+def with_seqs(cache: list[Any], seqs: Sequence[int]) -> list[Any]:
     """`cache` tagged with `seqs` (a tagged list subclass, e.g. calibrated routing's
     `Routed`, keeps its class and takes the attribute)."""
     out = SequenceCache(cache) if type(cache) is list else cache
@@ -54,7 +54,7 @@ class StageBatchCaches(BatchCaches):
     """The decode batch's cache operations, carrying the rows' sequence ids along."""
 
     def merge(self, caches: Sequence[list[Any]]) -> list[Any]:
-        return tagged(super().merge(caches), [s for c in caches for s in seqs_of(c)])
+        return with_seqs(super().merge(caches), [s for c in caches for s in seqs_of(c)])
 
     def extend(self, batch: list[Any], caches: Sequence[list[Any]]) -> None:
         ids = seqs_of(batch) + [s for c in caches for s in seqs_of(c)]
@@ -62,7 +62,7 @@ class StageBatchCaches(BatchCaches):
         batch.seqs = ids  # type: ignore[attr-defined]
 
     def extract(self, batch: list[Any], row: int) -> list[Any]:
-        return tagged(super().extract(batch, row), [seqs_of(batch)[row]])
+        return with_seqs(super().extract(batch, row), [seqs_of(batch)[row]])
 
     def keep(self, batch: list[Any], rows: Sequence[int]) -> None:
         ids = seqs_of(batch)
@@ -80,7 +80,7 @@ class StageModel(StreamedModel):
         self.inbox: mx.array | None = None  # a later rank: the residual stream received
 
     def make_cache(self) -> list[Any]:
-        return tagged(super().make_cache(), [next(_SEQUENCES)])
+        return with_seqs(super().make_cache(), [next(_SEQUENCES)])
 
     def batch_caches(self) -> StageBatchCaches:
         return StageBatchCaches(self.layers)

@@ -30,7 +30,7 @@ import structlog
 
 from pipeline.distributed import wire
 from pipeline.distributed.errors import DistributedSetupError
-from pipeline.distributed.model import seqs_of, tagged
+from pipeline.distributed.model import seqs_of, with_seqs
 from pipeline.distributed.stage import Stage
 from pipeline.engine import Engine
 
@@ -48,7 +48,7 @@ class StageLoop:
     def _cache(self, seq: int) -> list[Any]:
         cache = self.caches.pop(seq, None)
         if cache is None:  # tagged with rank 0's id (the batch operations carry it)
-            cache = tagged(self.engine.model.make_cache(), [seq])
+            cache = with_seqs(self.engine.model.make_cache(), [seq])
         self.caches[seq] = cache
         while len(self.caches) > self.kept:
             self.caches.popitem(last=False)
