@@ -1,8 +1,9 @@
 """What each rank of the exactness test runs, and what the test compares.
 
 `collect(engine)` gives the logits of a prompt (in chunks, one all-positions chunk) and
-of decode steps, greedy tokens, and the tokens and log-probabilities of generations that
-share a decode batch (staggered joins, a leaver, a cancel): run in the test's own process
+of decode steps, greedy tokens, a follow-up turn that starts from the prefix cache, and
+the tokens and log-probabilities of generations that share a decode batch (staggered
+joins, a leaver, a cancel; one restarts from a cached prefix): run in the test's own process
 on the whole model, and by rank 0 of a distributed job (`exact_job`) on its slice, they
 must be identical.
 """
@@ -53,6 +54,7 @@ async def batched(engine: Any) -> dict[str, np.ndarray]:
                     elif isinstance(event, Done):
                         out[f"batch_{name}_ids"] = np.array(event.token_ids)
                         out[f"batch_{name}_logprobs"] = np.array(probs)
+                        out[f"batch_{name}_cached"] = np.array(event.stats.cached_tokens)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run, "a", GREEDY + 4, None, a2)
@@ -72,6 +74,10 @@ async def collect(engine: Any) -> dict[str, np.ndarray]:
     done = await generate(engine, PROMPT, GREEDY)
     out["greedy"] = np.array(done.token_ids)
     out["text"] = np.array(done.text)
+    # A follow-up turn: it starts from the state the first generation left (prefix cache).
+    follow = await generate(engine, [*PROMPT, *done.token_ids, 77], 3)
+    out["follow"] = np.array(follow.token_ids)
+    out["follow_cached"] = np.array(follow.stats.cached_tokens)
     out.update(await batched(engine))
     return out
 

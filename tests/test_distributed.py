@@ -195,6 +195,10 @@ def test_three_ranks_give_one_process_logits(fork_server, containers, tmp_path, 
         assert len(got["greedy"]) == GREEDY
         # In the decode batch a row's tokens are those it gets alone (a is the greedy prompt).
         assert list(got["batch_a_ids"][:GREEDY]) == list(got["greedy"])
+        # The prefix cache across ranks: the follow-up turn restarts after the first
+        # generation's tokens, the batched a after the prompt's checkpoint.
+        assert got["follow_cached"] == len(PROMPT) + GREEDY - 1
+        assert got["batch_a_cached"] == len(PROMPT) - 1
     stats = np.load(tmp_path / f"{containers[0].parent.name}.stats.npz")
     assert list(stats["layers"]) == [0, 1]  # rank 0's slice of 4 layers among 3 ranks
     assert stats["ranks_on_host"] == 3  # all on localhost: they split its memory

@@ -73,6 +73,11 @@ class StageBatchCaches(BatchCaches):
 _SEQUENCES = itertools.count(1)
 
 
+def new_seq() -> int:
+    """A sequence id no rank has seen."""
+    return next(_SEQUENCES)
+
+
 class StageModel(StreamedModel):
     def __init__(self, stage: Stage, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, layers=stage.plan.layers, **kwargs)
@@ -80,7 +85,7 @@ class StageModel(StreamedModel):
         self.inbox: mx.array | None = None  # a later rank: the residual stream received
 
     def make_cache(self) -> list[Any]:
-        return with_seqs(super().make_cache(), [next(_SEQUENCES)])
+        return with_seqs(super().make_cache(), [new_seq()])
 
     def batch_caches(self) -> StageBatchCaches:
         return StageBatchCaches(self.layers)

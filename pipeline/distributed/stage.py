@@ -36,6 +36,7 @@ from pipeline.distributed.plan import (
     share_weights,
     weighted_boundaries,
 )
+from pipeline.distributed.prefixes import StagePrefixCache
 from pipeline.distributed.probe import (
     fingerprint,
     free_memory_mb,
@@ -67,7 +68,7 @@ class BoundaryStats:
 
 
 class NoPrefixCache(PrefixCache):
-    """The prefix cache stays off: the later ranks' caches could not follow a restore."""
+    """A later rank's own prefix cache stays off: it never generates (rank 0's decides)."""
 
     def take(self, tokens: list[int]) -> tuple[None, int]:  # type: ignore[override]
         return None, 0
@@ -172,6 +173,9 @@ class Stage:
         # One sync per layer: a run-ahead token is rolled back at times, which the later
         # ranks would have to mirror; the boundary is crossed once per forward either way.
         engine.compute.run_ahead = RunAheadPolicy("off")
+        own = engine.prefix_cache
+        engine.prefix_cache = (StagePrefixCache(own.max_bytes, own.max_entries, own.interval)
+                               if self.plan.first else NoPrefixCache())
 
     def pool_counters(self) -> list[float]:
         """hits, misses, reads, bytes read of this rank's pool (zeros before an engine)."""
@@ -193,8 +197,12 @@ class Stage:
         bits = wire.to_bits(h)
         shape = (tokens if all_positions else rows, self.vocab_size)
         last = self.plan.size - 1
+        prefixes = self.engine.prefix_cache if self.engine is not None else None
+        commands = prefixes.take_pending() if isinstance(prefixes, StagePrefixCache) else []
 
         def cross() -> np.ndarray:
+            for command in commands:  # the prefix cache's, before the forward needing them
+                wire.send(command, 1)
             wire.send_forward(header, seqs, bits, 1)
             self.link.doorbell.wait()
             if self.logits_dtype is None:  # the first logits come after their dtype's code

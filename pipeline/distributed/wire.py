@@ -1,12 +1,13 @@
 """What crosses between ranks, and the mlx.distributed calls that move it.
 
 Per forward (a prefill chunk, a decode token, or a decode step of a batch of sequences)
-rank r sends rank r+1 a header (8 int32), for a batch the rows' sequence ids (int32
+rank r sends rank r+1 a header (9 int32), for a batch the rows' sequence ids (int32
 [rows]), and the residual stream [rows, tokens, hidden] as raw bits; the last rank sends
 rank 0 the logits ([1, vocab], [rows, vocab] for a batch, or [tokens, vocab] when every
 position's are wanted). Rank 0's commands ride in the header, so every rank sees them in
 the same order: `FORWARD` (with the sequence ids whose caches to use: a new id starts a
-fresh sequence, a new list of ids regroups the batch) and `SHUTDOWN`.
+fresh sequence, a new list of ids regroups the batch), the prefix cache's commands
+(header only, sent in front of a forward) and `SHUTDOWN`.
 
 The functions taking numpy arrays run on the link thread (`link.Link`).
 """
@@ -19,12 +20,17 @@ import mlx.core as mx
 import msgspec
 import numpy as np
 
-HEADER_SIZE = 8
+HEADER_SIZE = 9
 
 
 class Command(IntEnum):
     FORWARD = 1
     SHUTDOWN = 2
+    # The prefix cache's entries on the later ranks (pipeline/distributed/prefixes.py).
+    KEEP = 3
+    SNAPSHOT = 4
+    RESTORE = 5
+    DROP = 6
 
 
 # Activation dtypes by wire code, and the unsigned integer type that carries their bits.
@@ -41,16 +47,17 @@ class Header(msgspec.Struct, frozen=True):
     dtype: int = 0  # index in DTYPES of the hidden state's dtype
     hidden: int = 0
     rows: int = 1  # sequences in the forward: more than one, their ids follow the header
+    key: int = 0  # a prefix cache entry (its commands)
 
     def encode(self) -> np.ndarray:
         row = [int(self.command), self.seq, self.tokens, int(self.all_positions),
-               int(self.decode), self.dtype, self.hidden, self.rows]
+               int(self.decode), self.dtype, self.hidden, self.rows, self.key]
         return np.array(row, dtype=np.int32)
 
     @classmethod
     def decode_from(cls, row: np.ndarray) -> Header:
-        c, seq, tokens, every, decode, dtype, hidden, rows = (int(v) for v in row)
-        return cls(Command(c), seq, tokens, bool(every), bool(decode), dtype, hidden, rows)
+        c, seq, tokens, every, decode, dtype, hidden, rows, key = (int(v) for v in row)
+        return cls(Command(c), seq, tokens, bool(every), bool(decode), dtype, hidden, rows, key)
 
 
 def dtype_code(dtype: mx.Dtype) -> int:

@@ -31,6 +31,7 @@ import structlog
 from pipeline.distributed import wire
 from pipeline.distributed.errors import DistributedSetupError
 from pipeline.distributed.model import seqs_of, with_seqs
+from pipeline.distributed.prefixes import PrefixMirror
 from pipeline.distributed.stage import Stage
 from pipeline.engine import Engine
 
@@ -44,6 +45,7 @@ class StageLoop:
         self.caches: OrderedDict[int, list[Any]] = OrderedDict()  # sequences on their own
         self.batch: list[Any] | None = None  # the decode batch's merged caches (ids: seqs_of)
         self.kept = stage.settings.max_sequences + engine.max_batch
+        self.prefixes = PrefixMirror()  # rank 0's prefix cache entries, this rank's layers
 
     def _cache(self, seq: int) -> list[Any]:
         cache = self.caches.pop(seq, None)
@@ -101,6 +103,12 @@ class StageLoop:
         while True:
             header, seqs, bits = await link.run(partial(_receive, src, link.doorbell.wait),
                                                 None, "waiting for work")
+            if header.command in PREFIX_COMMANDS:
+                await self.engine.worker.run(self._prefix_command, header)
+                if not plan.last:
+                    await link.run(partial(wire.send, header.encode(), plan.rank + 1),
+                                   stage.settings.peer_timeout_s, "prefix cache")
+                continue
             if header.command == wire.Command.SHUTDOWN:
                 if not plan.last:
                     await link.run(partial(wire.send, header.encode(), plan.rank + 1),
@@ -123,6 +131,9 @@ class StageLoop:
             stage.stats.forwards += 1
             stage.stats.tokens += header.rows * header.tokens
             stage.stats.bytes_sent += out.nbytes
+
+    def _prefix_command(self, header: wire.Header) -> None:
+        self.prefixes.apply(header, self.caches, self.batch, self.engine.model.batch_caches())
 
     async def _forward(self, header: wire.Header, seqs: list[int],
                        bits: np.ndarray) -> tuple[np.ndarray, mx.Dtype]:
@@ -148,6 +159,10 @@ class StageLoop:
         async with engine.lock:
             out = await engine.compute.forward(placeholders, cache, phase, header.all_positions)
         return await engine.worker.run(_rows, out)
+
+
+PREFIX_COMMANDS = (wire.Command.KEEP, wire.Command.SNAPSHOT, wire.Command.RESTORE,
+                   wire.Command.DROP)
 
 
 def _first_layer_guess(engine: Engine, layer: int, h: mx.array) -> list[int]:
