@@ -266,6 +266,9 @@ def test_two_ranks_serve_and_a_killed_rank_ends_with_503(fork_server, containers
             assert line, "the stream ended early"
             chunks += line.startswith(b"data: ")
         conn.close()
+        # Ctrl-C in mlx.launch's terminal reaches every local rank: a later rank leaves
+        # the decision to rank 0 (here: none; it serves on).
+        os.kill(job.ranks[1].proc.pid, signal.SIGINT)
         status, again = _post(port, body)
         assert status == 200 and again["choices"] == expected["choices"], again
 

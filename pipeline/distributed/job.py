@@ -82,6 +82,9 @@ def run_distributed(cfg: PipelineConfig, face: Callable[[PipelineConfig], int], 
                         stage.shutdown()
                         report(finish(stage))
             else:
+                # Ctrl-C in a terminal reaches every local rank of an mlx.launch job: rank 0
+                # decides (a chat stops its reply, a server drains) and tells the others.
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
                 trio.run(_stage_loop, cfg, stage)
                 finish(stage)
     except RankLost as exc:
