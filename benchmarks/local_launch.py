@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -49,6 +50,8 @@ def main() -> int:
         if args.gpu_per_rank:
             env["CUDA_VISIBLE_DEVICES"] = str(rank)
         procs.append(subprocess.Popen(command, env=env))
+    # Ctrl-C reaches the ranks too (one process group): they decide how to stop; wait.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     status = 0
     try:
         while any(p.poll() is None for p in procs):
