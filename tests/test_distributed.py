@@ -129,7 +129,7 @@ def test_gpu_per_rank_shows_rank_r_only_gpu_r(monkeypatch) -> None:
 
 def test_the_header_and_the_bits_round_trip() -> None:
     header = wire.Header(wire.Command.FORWARD, seq=7, tokens=3, all_positions=True, decode=False,
-                         dtype=1, hidden=2048, rows=3)
+                         dtype=1, hidden=2048, rows=3, key=11)
     assert wire.Header.decode_from(header.encode()) == header
     for dtype in wire.DTYPES:
         x = (mx.arange(12, dtype=mx.float32) / 7).astype(dtype).reshape(1, 3, 4)
