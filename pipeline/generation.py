@@ -268,8 +268,8 @@ class Generation:
                 await batch.leave(row, want_cache=False)
         t_end = time.perf_counter()
         # The state after prompt + all generated tokens but the last (never fed back).
-        if cache is not None:
-            engine.prefix_cache.put(self.tokens + generated[:-1], cache)
+        if cache is not None:  # on the MLX thread, as every prefix cache operation
+            await worker.run(engine.prefix_cache.put, self.tokens + generated[:-1], cache)
         table = router.table.snapshot()
         reads = rstats.reads - reader0[0]
         nbytes = rstats.bytes_read - reader0[1]

@@ -11,7 +11,8 @@ use), one at each prefill chunk boundary that crosses a multiple of `interval` t
 state at its end (what a follow-up that repeats the reply token for token uses).
 
 `take` hands out a copy, so entries survive use; entries are dropped least recently used
-first, to stay within a byte budget. Copies are taken on the MLX thread (`worker.run`).
+first, to stay within a byte budget. Every operation runs on the MLX thread
+(`worker.run`): copies are MLX work, and one thread needs no lock.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ A later rank applies them with `PrefixMirror` and passes them on; nothing comes 
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,18 +35,17 @@ class StagePrefixCache(PrefixCache):
         super().__init__(max_bytes, max_entries, interval)
         self.ids: dict[tuple[int, ...], int] = {}
         self._ids = itertools.count(1)
+        # Every call comes on the MLX thread (the prefix cache's rule; `Stage.exchange`
+        # too), so these need no lock.
         self._pending: list[np.ndarray] = []
-        self._lock = threading.Lock()  # put runs on the trio thread, the rest on MLX's
         self._copying_from: int | None = None  # checkpoint: the sequence copied
 
     def _send(self, command: wire.Command, key: int, seq: int = 0) -> None:
-        with self._lock:
-            self._pending.append(wire.Header(command, seq, key=key).encode())
+        self._pending.append(wire.Header(command, seq, key=key).encode())
 
     def take_pending(self) -> list[np.ndarray]:
         """The commands to send in front of the next forward (Stage.exchange)."""
-        with self._lock:
-            pending, self._pending = self._pending, []
+        pending, self._pending = self._pending, []
         return pending
 
     def _dropped(self, before: set[tuple[int, ...]]) -> None:
