@@ -27,7 +27,7 @@ from pipeline.server.metrics import Metrics
 
 log = structlog.get_logger("moestream.server")
 
-MAX_CHOICES = 32  # n x prompts in one request: each is a whole generation, served in turn
+MAX_CHOICES = 32  # n x prompts in one request: each a whole generation, decoded together
 
 
 class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):

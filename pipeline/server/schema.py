@@ -233,7 +233,7 @@ def unknown_fields(body: bytes, kind: type[msgspec.Struct]) -> list[str]:
     return sorted(k for k in raw if k not in known)
 
 
-MAX_N = 8  # choices per request: each one is a whole generation, served in turn
+MAX_N = 8  # choices per request: each one is a whole generation (they decode in one batch)
 MAX_TOP_LOGPROBS = 20
 
 
