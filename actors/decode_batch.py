@@ -221,7 +221,9 @@ class DecodeBatch:
     def _regroup_mlx(self, leaving: list[Row], joining: list[Row]) -> list[tuple[Row, int]]:
         """On the MLX thread: park, cut out leavers, draw newcomers' first tokens, merge.
 
-        Returns the first tokens drawn, to deliver on the trio side.
+        Returns the first tokens drawn, to deliver on the trio side. A later pipeline rank
+        repeats these cache operations, in this order, from the rows' ids alone
+        (`pipeline/distributed/worker.StageLoop._regroup`): change both together.
         """
         feed: list[int] = []
         firsts: list[tuple[Row, int]] = []
