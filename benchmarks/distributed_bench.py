@@ -7,9 +7,10 @@
         --pool-mb P --distributed --out two.json
 
 Runs greedy generations of `--prompts` random prompts (a fixed seed: the same tokens for
-every run) and reports decode tok/s, the pool hit rate and bytes read per token over all
-ranks, and the boundary: rank 0's wait per decode token less the later ranks' work on it
-(what crossing costs per token), and a ping-pong of exactly the boundary's messages
+every run), one after another or (`--concurrent`) all at once in one decode batch, and
+reports decode tok/s (with `--concurrent` the aggregate over the wall time), the pool hit rate and bytes read per token over all
+ranks, and the boundary: rank 0's wait per decode forward less the later ranks' work on
+it (what crossing costs per token; a batch step is one forward for all its rows), and a ping-pong of exactly the boundary's messages
 (header + [1, 1, hidden] on, [vocab] logits back) with no model work at all.
 `--gpu-per-rank`: rank r uses GPU r only (CUDA_VISIBLE_DEVICES=r, set before MLX loads).
 Writes JSON (rank 0) and prints it.
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors.sampling_params import SamplingParams  # noqa: E402
 from pipeline.config.schema import PipelineConfig, config_from_dict  # noqa: E402
-from pipeline.events import Done  # noqa: E402
+from pipeline.events import Done, TextDelta  # noqa: E402
 from pipeline.logging_setup import configure_logging  # noqa: E402
 
 
@@ -64,16 +65,40 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig) -> dict[str, 
     async with open_engine(cfg) as engine:
         vocab = engine.model.parts.args.vocab_size
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-        runs = []
-        for prompt in _prompts(args, vocab):
-            done = [e async for e in engine.generate(prompt, params)][-1]
-            assert isinstance(done, Done)
-            runs.append(done.stats)
+        table0, reader0 = engine.router.table.snapshot(), engine.router.reader.stats.bytes_read
+        runs: list[Any] = []
+        first: list[float] = []  # each generation's first token, and its end
+        ends: list[float] = []
+
+        async def one(prompt: list[int]) -> None:
+            async for event in engine.generate(prompt, params):
+                if isinstance(event, TextDelta) and event.token_ids and len(first) == len(ends):
+                    first.append(time.perf_counter())
+                elif isinstance(event, Done):
+                    runs.append(event.stats)
+            ends.append(time.perf_counter())
+
+        prompts = _prompts(args, vocab)
+        if args.concurrent:  # one decode batch (across the ranks, when distributed)
+            first_token = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for prompt in prompts:
+                    nursery.start_soon(one, prompt)
+        else:
+            for prompt in prompts:
+                await one(prompt)
         decoded = sum(max(s.completion_tokens - 1, 0) for s in runs)
-        decode_s = sum(max(s.completion_tokens - 1, 0) / s.decode_tok_s for s in runs if s.decode_tok_s)
-        snap = engine.pool_snapshot()
+        if args.concurrent:  # wall time: from the first token to the last generation's end
+            decode_s = max(ends) - (min(first) if first else first_token)
+        else:
+            decode_s = sum(max(s.completion_tokens - 1, 0) / s.decode_tok_s
+                           for s in runs if s.decode_tok_s)
+        snap, table = engine.pool_snapshot(), engine.router.table.snapshot()
         return {
+            "concurrent": args.concurrent,
+            "largest_batch": engine.batch.stats.largest,
             "decode_tok_s": decoded / decode_s if decode_s else 0.0,
+            "per_sequence_decode_tok_s": float(np.mean([s.decode_tok_s for s in runs])),
             "prefill_tok_s": float(np.mean([s.prefill_tok_s for s in runs])),
             "rank0_hit_rate": float(np.mean([s.hit_rate for s in runs])),
             "tokens": sum(s.prompt_tokens + s.completion_tokens for s in runs),
@@ -81,8 +106,8 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig) -> dict[str, 
             "decode_s": decode_s,
             "slots_rank0": snap["slots"],
             "pool_mb_rank0": snap["pool_bytes"] / 2**20,
-            "hits": sum(s.hits for s in runs), "misses": sum(s.misses for s in runs),
-            "bytes_read": sum(s.bytes_read for s in runs),
+            "hits": table.hits - table0.hits, "misses": table.misses - table0.misses,
+            "bytes_read": engine.router.reader.stats.bytes_read - reader0,
         }
 
 
@@ -123,6 +148,9 @@ def main() -> int:
     p.add_argument("--pool-mb", type=int, required=True, help="expert pool per rank")
     p.add_argument("--distributed", action="store_true")
     p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--concurrent", action="store_true",
+                   help="all prompts at once, in one decode batch: decode tok/s is then the "
+                   "aggregate (decoded tokens over the wall time from the first token on)")
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prefill-chunk", type=int, default=16)
@@ -168,8 +196,9 @@ def main() -> int:
     hits, misses = sum(r["hits"] for r in rows), sum(r["misses"] for r in rows)
     decode_wait = rows[0]["decode_boundary_s"]
     decode_busy = sum(r["decode_busy_s"] for r in rows[1:])
-    per_token = (decode_wait - decode_busy) / max(rows[0]["decode_forwards"], 1)
-    step = gen["decode_s"] / max(gen["decode_tokens"], 1)
+    steps = max(rows[0]["decode_forwards"], 1)  # a batch step is one forward for its rows
+    per_token = (decode_wait - decode_busy) / steps
+    step = gen["decode_s"] / (steps if args.concurrent else max(gen["decode_tokens"], 1))
     result |= {
         "ranks": stage.plan.size, **gen,
         "hit_rate": hits / max(hits + misses, 1),
