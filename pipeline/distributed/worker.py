@@ -4,7 +4,9 @@ Rank r > 0 waits (on its link thread, so its MLX thread stays free) for rank r-1
 header. `FORWARD`: it takes the residual stream, runs its layers through its own compute
 actor (its own pool, router, readers and prefetcher, exactly as one process steps its
 layers), and sends the result on: the residual stream to rank r+1, or from the last rank
-the logits to rank 0. `SHUTDOWN`: passed on, and the loop ends.
+the logits to rank 0. The prefix cache's commands (`KEEP`, `SNAPSHOT`, `RESTORE`,
+`DROP`: pipeline/distributed/prefixes.py): applied to this rank's caches and passed on.
+`SHUTDOWN`: passed on, and the loop ends.
 
 Caches are kept per sequence id: a new id is a new sequence (rank 0 made a new cache: a
 new request, or one after a cancel). Rank 0 sends no "sequence ended", so the plain
