@@ -29,6 +29,7 @@ import mlx.core as mx
 import structlog
 import trio
 
+from actors.batch_regroup import regroup_caches
 from actors.compute import Compute
 from actors.decode import Decoder
 from actors.forward import CacheBatcher
@@ -221,9 +222,8 @@ class DecodeBatch:
     def _regroup_mlx(self, leaving: list[Row], joining: list[Row]) -> list[tuple[Row, int]]:
         """On the MLX thread: park, cut out leavers, draw newcomers' first tokens, merge.
 
-        Returns the first tokens drawn, to deliver on the trio side. A later pipeline rank
-        repeats these cache operations, in this order, from the rows' ids alone
-        (`pipeline/distributed/worker.StageLoop._regroup`): change both together.
+        Returns the first tokens drawn, to deliver on the trio side. The caches regroup in
+        `regroup_caches`, which a later pipeline rank runs too (from the rows' ids).
         """
         feed: list[int] = []
         firsts: list[tuple[Row, int]] = []
@@ -234,25 +234,21 @@ class DecodeBatch:
                 self.members[0].logits = self.decoder.logits[0]
             else:
                 feed = list(self.decoder.feed)
-        old, merged = self.members, len(self.members) > 1
+        old = self.members
         keep = [i for i, r in enumerate(old) if r not in leaving]
-        if merged:
-            assert self.cache is not None
-            for i, row in enumerate(old):
-                if row in leaving and row.want_cache:
-                    row.cache = self.caches.extract(self.cache, i)
-            if len(keep) == 1:
-                old[keep[0]].cache = self.caches.extract(self.cache, keep[0])
-            elif 1 < len(keep) < len(old):
-                self.caches.keep(self.cache, keep)
+        copies = [i for i, r in enumerate(old) if r in leaving and r.want_cache]
+        cache, taken = regroup_caches(self.caches, self.cache, len(old), keep,
+                                      [r.cache for r in joining], copies)
+        for i, own in taken.items():
+            old[i].cache = own
         members = [old[i] for i in keep]
         feed = [feed[i] for i in keep] if feed else []
         if not members and len(joining) == 1:
             # Alone: the one-row decoder draws its first token, as a lone generation does.
             row = joining[0]
-            self._start([row], row.cache, Decoder(self.compute, row.cache,
-                                                 RowSamplers([row.sampler]),
-                                                 logits=row.logits[None]))
+            self._start([row], cache, Decoder(self.compute, row.cache,
+                                              RowSamplers([row.sampler]),
+                                              logits=row.logits[None]))
             row.logits = None
             return firsts
         # Rows whose first token is still to draw (newcomers; a lone row that never
@@ -269,15 +265,7 @@ class DecodeBatch:
         if not members:
             self._start([], None, None)
             return firsts
-        if len(members) == 1:
-            cache = members[0].cache
-        elif merged and len(keep) > 1:
-            assert self.cache is not None
-            cache = self.cache
-            if joining:
-                self.caches.extend(cache, [r.cache for r in joining])
-        else:
-            cache = self.caches.merge([r.cache for r in members])
+        assert cache is not None
         sampler = RowSamplers([r.sampler for r in members])
         self._start(members, cache, Decoder(self.compute, cache, sampler, feed=feed))
         return firsts

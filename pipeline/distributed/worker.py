@@ -30,6 +30,7 @@ import msgspec
 import numpy as np
 import structlog
 
+from actors.batch_regroup import regroup_caches
 from pipeline.distributed import wire
 from pipeline.distributed.errors import DistributedSetupError
 from pipeline.distributed.model import seqs_of, with_seqs
@@ -69,7 +70,8 @@ class StageLoop:
         return self._regroup(old, seqs)
 
     def _regroup(self, old: list[int], seqs: list[int]) -> list[Any]:
-        """Rank 0's regroup (`DecodeBatch._regroup_mlx`), from the ids before and after."""
+        """Rank 0's regroup (`DecodeBatch._regroup_mlx`), from the ids before and after: the
+        same `regroup_caches` (leaving rows' copies are the prefix cache's `KEEP`)."""
         keep = [i for i, s in enumerate(old) if s in seqs]
         kept = [old[i] for i in keep]
         joining = seqs[len(kept):]
@@ -77,26 +79,16 @@ class StageLoop:
             raise DistributedSetupError(
                 f"rank {self.stage.plan.rank}: a batch of sequences {seqs} after {old}: "
                 "not a regroup of the last (or a sequence's caches are gone)")
-        ops = self.engine.model.batch_caches()
-        batch, self.batch = self.batch, None
-        alone: list[Any] | None = None
-        if batch is not None and len(keep) == 1:
-            alone = ops.extract(batch, keep[0])  # the one row left goes back to its caches
-        elif batch is not None and 1 < len(keep) < len(old):
-            ops.keep(batch, keep)
-        if len(seqs) == 1:
-            assert alone is not None
-            self.caches[seqs[0]] = alone
-            return self._cache(seqs[0])
         newcomers = [self.caches.pop(s) for s in joining]
-        if len(keep) > 1:
-            assert batch is not None
-            if newcomers:
-                ops.extend(batch, newcomers)
-            self.batch = batch
-        else:
-            self.batch = ops.merge(([alone] if alone is not None else []) + newcomers)
-        return self.batch
+        cache, _ = regroup_caches(self.engine.model.batch_caches(), self.batch, len(old), keep,
+                                  newcomers)
+        assert cache is not None
+        if len(seqs) == 1:  # the one row left goes back to its own caches
+            self.batch = None
+            self.caches[seqs[0]] = cache
+            return self._cache(seqs[0])
+        self.batch = cache
+        return cache
 
     async def run(self) -> None:
         """Serve forwards until rank 0 says `SHUTDOWN` (RankLost if a neighbour goes)."""
