@@ -8,9 +8,10 @@
 
 Runs greedy generations of `--prompts` random prompts (a fixed seed: the same tokens for
 every run), one after another or (`--concurrent`) all at once in one decode batch, and
-reports decode tok/s (with `--concurrent` the aggregate over the wall time), the pool hit rate and bytes read per token over all
-ranks, and the boundary: rank 0's wait per decode forward less the later ranks' work on
-it (what crossing costs per token; a batch step is one forward for all its rows), and a ping-pong of exactly the boundary's messages
+reports decode tok/s (with `--concurrent` the aggregate over the wall time), the pool hit
+rate and bytes read per token over all ranks, and the boundary: rank 0's wait per decode
+forward less the later ranks' work on it (what crossing costs per token; a batch step is
+one forward for all its rows), and a ping-pong of exactly the boundary's messages
 (header + [1, 1, hidden] on, [vocab] logits back) with no model work at all.
 `--gpu-per-rank`: rank r uses GPU r only (CUDA_VISIBLE_DEVICES=r, set before MLX loads).
 Writes JSON (rank 0) and prints it.
@@ -67,32 +68,29 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig) -> dict[str, 
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         table0, reader0 = engine.router.table.snapshot(), engine.router.reader.stats.bytes_read
         runs: list[Any] = []
-        first: list[float] = []  # each generation's first token, and its end
-        ends: list[float] = []
+        first_token: list[float] = []  # when the run's first token came
 
         async def one(prompt: list[int]) -> None:
             async for event in engine.generate(prompt, params):
-                if isinstance(event, TextDelta) and event.token_ids and len(first) == len(ends):
-                    first.append(time.perf_counter())
+                if isinstance(event, TextDelta) and event.token_ids and not first_token:
+                    first_token.append(time.perf_counter())
                 elif isinstance(event, Done):
                     runs.append(event.stats)
-            ends.append(time.perf_counter())
 
         prompts = _prompts(args, vocab)
         if args.concurrent:  # one decode batch (across the ranks, when distributed)
-            first_token = time.perf_counter()
+            start = time.perf_counter()
             async with trio.open_nursery() as nursery:
                 for prompt in prompts:
                     nursery.start_soon(one, prompt)
+            # Wall time: from the first token to the last generation's end.
+            decode_s = time.perf_counter() - (first_token[0] if first_token else start)
         else:
             for prompt in prompts:
                 await one(prompt)
-        decoded = sum(max(s.completion_tokens - 1, 0) for s in runs)
-        if args.concurrent:  # wall time: from the first token to the last generation's end
-            decode_s = max(ends) - (min(first) if first else first_token)
-        else:
             decode_s = sum(max(s.completion_tokens - 1, 0) / s.decode_tok_s
                            for s in runs if s.decode_tok_s)
+        decoded = sum(max(s.completion_tokens - 1, 0) for s in runs)
         snap, table = engine.pool_snapshot(), engine.router.table.snapshot()
         return {
             "concurrent": args.concurrent,

@@ -31,7 +31,7 @@ BATCHED = {"a": PROMPT, "b": [5, 6, 7], "c": [300, 301, 302, 303], "d": [9, 8, 7
 async def batched(engine: Any) -> dict[str, np.ndarray]:
     """a and b start together; c joins once a has 2 tokens, d once b has, and d is
     cancelled after 2 of its own; b stops first (fewer tokens). Each finished row's token
-    ids and log-probabilities, and the largest batch."""
+    ids, log-probabilities and cached prompt tokens."""
     out: dict[str, np.ndarray] = {}
     a2, b2 = trio.Event(), trio.Event()
 

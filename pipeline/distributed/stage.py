@@ -169,7 +169,6 @@ class Stage:
         engine.max_batch = engine.compute_task.capacity = int(table[:, 0].min())
         log.info("distributed.batch", rank=self.plan.rank, max_batch=engine.max_batch,
                  per_rank=[int(v) for v in table[:, 0]])
-        engine.prefix_cache = NoPrefixCache()
         # One sync per layer: a run-ahead token is rolled back at times, which the later
         # ranks would have to mirror; the boundary is crossed once per forward either way.
         engine.compute.run_ahead = RunAheadPolicy("off")
