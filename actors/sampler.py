@@ -59,6 +59,7 @@ class Sampler:
     ) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size!r}")
+        params.check_vocab(vocab_size)  # the last guard before ids index MLX arrays
         self.params = params
         self.vocab_size = vocab_size
         # Drawn once so that a caller can log/report it and replay the run exactly.

@@ -78,6 +78,14 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def check_vocab(self, vocab: int) -> None:
+        """Refuse token ids the model does not have. A `logit_bias` id reaches MLX as an
+        index: one at or past the vocabulary wrote out of bounds (heap corruption, a
+        segfault), so every path to a sampler calls this first (`Generation.check`)."""
+        bad = next((t for t, _ in self.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
+
 
 def _check_range(name: str, value: float, lo: float, hi: float) -> None:
     # `not (lo <= v <= hi)` also rejects NaN.

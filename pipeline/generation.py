@@ -75,6 +75,7 @@ class Generation:
         bad = next((t for t in self.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        self.params.check_vocab(vocab)
 
     def state_bytes(self) -> int:
         """The most model state this generation can grow to (batch admission)."""

@@ -154,7 +154,9 @@ class Api:
             logprobs = req.logprobs
             if req.echo:  # the echoed prompt's log-probabilities are the model's too
                 prompt = logprobs
-        return msgspec.structs.replace(params, logit_bias=s.logit_bias(req, self.vocab),
+        # A request's logit_bias replaces the config's ([sampling] logit_bias); none keeps it.
+        bias = params.logit_bias if req.logit_bias is None else s.logit_bias(req, self.vocab)
+        return msgspec.structs.replace(params, logit_bias=bias,
                                        logprobs=logprobs, prompt_logprobs=prompt)
 
     async def constraint(self, grammar_text: str | Callable[[], str],

@@ -34,6 +34,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actors.sampling_params import SamplingParams
+from pipeline.config.errors import ConfigError
 from pipeline.distributed.errors import RankLost
 from pipeline.engine import Engine
 from pipeline.generation_config import default_params
@@ -188,6 +189,10 @@ async def serve_engine(
                               hide_reasoning=hide_reasoning, aliases=aliases, accepted=accepted,
                               strict_model=strict_model, cors_origins=cors_origins,
                               defaults=defaults or default_params(engine))
+    try:  # the config's [sampling] logit_bias, refused at start rather than per request
+        settings.defaults.check_vocab(int(engine.model.parts.args.vocab_size))
+    except ValueError as exc:
+        raise ConfigError(f"sampling.{exc}") from None
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
