@@ -11,23 +11,35 @@ prefill, and at decode steps the emulated gate-ahead predictions (recorded as st
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 import numpy as np
 
+from actors.bounds import convert_bounded
 from actors.routing_model.families import FAMILIES, STRIDES
 from actors.routing_model.model import RoutingModel, RoutingParams, RoutingShape
 from actors.routing_trace import RoutingTrace, TraceModel, TracePool, TraceRecorder
 
 
+def _in(lo: int, hi: int) -> msgspec.Meta:
+    return msgspec.Meta(ge=lo, le=hi)
+
+
+# A trace holds every (token, layer) step, so its size is bounded: each count on its own
+# and their product, requests x (prompt + decode) tokens (the default: 4 x 364).
+MAX_TOKENS = 1 << 16
+
+
 class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     family: str = "qwen3-next-80b"
-    requests: int = 4
-    prompt_tokens: int = 64
-    decode_tokens: int = 300  # the published Next curve's generation length
-    prefill_chunk: int = 16
-    domains: int = 2  # requests cycle through this many prompt domains
-    layers: int = 0  # 0 = the family's layer count; fewer = a cheaper, shallower trace
-    seed: int = 0
+    requests: Annotated[int, _in(1, 1024)] = 4
+    prompt_tokens: Annotated[int, _in(0, MAX_TOKENS)] = 64
+    decode_tokens: Annotated[int, _in(1, MAX_TOKENS)] = 300  # the published Next curve's generation length
+    prefill_chunk: Annotated[int, _in(1, MAX_TOKENS)] = 16
+    domains: Annotated[int, _in(1, 1024)] = 2  # requests cycle through this many prompt domains
+    layers: Annotated[int, _in(0, 1024)] = 0  # 0 = the family's layer count; fewer = a cheaper, shallower trace
+    seed: Annotated[int, _in(0, (1 << 63) - 1)] = 0
 
 
 def parse_workload(text: str) -> Workload:
@@ -35,16 +47,18 @@ def parse_workload(text: str) -> Workload:
     name, *pairs = [t.strip() for t in text.split(",") if t.strip()] or [""]
     if name not in FAMILIES:
         raise ValueError(f"unknown workload family {name!r}; valid: {', '.join(FAMILIES)}")
-    fields: dict[str, int] = {}
+    fields: dict[str, object] = {"family": name}
     valid = [f for f in Workload.__struct_fields__ if f != "family"]
     for pair in pairs:
         key, _, value = pair.partition("=")
         if key not in valid or not value.lstrip("-").isdigit():
             raise ValueError(f"workload {text!r}: bad setting {pair!r}; keys: {', '.join(valid)}")
         fields[key] = int(value)
-    w = Workload(family=name, **fields)
-    if min(w.requests, w.decode_tokens, w.prefill_chunk, w.domains) < 1 or w.prompt_tokens < 0:
-        raise ValueError(f"workload {text!r}: counts must be positive")
+    w: Workload = convert_bounded(fields, Workload, f"workload {text!r}")
+    tokens = w.requests * (w.prompt_tokens + w.decode_tokens)
+    if tokens > MAX_TOKENS:
+        raise ValueError(f"workload {text!r}: requests x (prompt_tokens + decode_tokens) is "
+                         f"{tokens}, more than {MAX_TOKENS} tokens in all")
     return w
 
 

@@ -182,6 +182,14 @@ def _mb(n: int) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    if args.prefill_chunk is not None:  # compute.prefill_chunk's range, checked before any work
+        from actors.bounds import convert_bounded
+        from pipeline.config.schema import ComputeConfig
+
+        try:
+            convert_bounded({"prefill_chunk": args.prefill_chunk}, ComputeConfig, "--prefill-chunk")
+        except ValueError as exc:
+            return _error(exc)
     try:
         info = info_dict(args.container, args.prefill_chunk, advice=not args.no_advice)
     except QpackError as exc:

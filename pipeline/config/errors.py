@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from actors.bounds import range_at
 from pipeline.config.toml import dumps_value
 
 
@@ -90,7 +91,9 @@ class Locator:
         extra = f"; did you mean {hint!r}?" if hint else ""
         return f"{self.source}: unknown key {'.'.join(key)!r}{self.at(key)}{extra}"
 
-    def validation(self, message: str, raw: dict[str, Any]) -> str:
+    def validation(self, message: str, raw: dict[str, Any], root: type | None = None) -> str:
+        """msgspec's message as `file: key: problem (line N)`; with `root` (the config's
+        type) a value out of range is told the whole range its annotation declares."""
         m = _MSGSPEC_AT.match(message)
         assert m is not None  # the pattern matches any string
         msg, path = m.group("msg"), m.group("path") or ""
@@ -104,6 +107,8 @@ class Locator:
             value = _lookup(raw, key)
             # With a type name this is a wrong type; without, a range constraint failed.
             got = _toml_type(expected.group(3)) + " " if expected.group(3) else ""
+            if not got and root is not None and (rng := range_at(root, key)) is not None:
+                want = f"expected {tp} {rng}"
             want += f", got {got}{_show(value)}".rstrip()
             return f"{self.source}: {_dotted(key)}: {want}{self.at(key)}"
         if unknown := re.match(r"Object contains unknown field `([^`]*)`", msg):

@@ -8,7 +8,7 @@ resolves it over whatever base the caller has.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -19,19 +19,26 @@ OPTIONAL_KNOBS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                   "frequency_penalty", "repetition_penalty")
 
 
+# The bounds SamplingParams (shared with HTTP requests) leaves to its callers; the
+# others (temperature in [0, 2], ...) are its own checks, run by __post_init__ below.
+_TokenId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]  # and < vocab: Generation.check
+_Many = msgspec.Meta(max_length=1024)
+
+
 class SamplingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
-    max_tokens: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    seed: Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)] | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
+    stop: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=1024)], ...],
+                    msgspec.Meta(max_length=16)] = ()
+    stop_token_ids: Annotated[tuple[_TokenId, ...], _Many] = ()
+    logit_bias: Annotated[tuple[tuple[_TokenId, float], ...], _Many] = ()  # (token id, bias) pairs
     logprobs: int | None = None  # the chosen token's and this many alternatives'
 
     def __post_init__(self) -> None:

@@ -33,10 +33,21 @@ EVICTION_POLICIES: tuple[str, ...] = POLICY_NAMES
 PREFETCH_STRATEGIES: tuple[str, ...] = STRATEGY_NAMES
 
 LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error")
+MAX_CONFIG_BYTES = 1 << 20
 SYNTH_PREFIX = "synth:"
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+
+
+def within(lo: float, hi: float, *, open_low: bool = False) -> msgspec.Meta:
+    """A knob's range, [lo, hi] (or (lo, hi]): every knob has one, so that no value from a
+    file, `--set` or a dict can ask for unbounded memory or time; the error names it
+    (actors.bounds). NaN and inf fail either bound."""
+    return msgspec.Meta(gt=lo, le=hi) if open_low else msgspec.Meta(ge=lo, le=hi)
+
+
+MIB_MAX = 1 << 24  # 16 TiB in MiB: above any machine's memory, far below int64
+TOKENS_MAX = 1 << 20  # a million tokens: above any context length these models have
 
 
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -60,8 +71,8 @@ class ModelConfig(_Section):
 
 class PoolConfig(_Section):
     # Give budget_mb or slots, or neither (derive from the memory left after the dense core).
-    budget_mb: PositiveInt | None = None
-    slots: PositiveInt | None = None
+    budget_mb: Annotated[int, within(1, MIB_MAX)] | None = None
+    slots: Annotated[int, within(1, 1 << 24)] | None = None
     # "reuse" (actors/pool/eviction_scored.py): on calibrated routing it had the smallest
     # loss to the best policy at each pool size (mean 2.1, worst 5.8 points over 3 model
     # shapes x 6-7 sizes); LFU with the decay below lost up to 42 points at small pools.
@@ -70,7 +81,7 @@ class PoolConfig(_Section):
     # LFU counts fade by this factor every `lfu_period` pool accesses (1.0 = plain LFU);
     # the parameters of actors.eviction.LFUDecay, ignored by the other policies.
     lfu_decay: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
-    lfu_period: PositiveInt = 512
+    lfu_period: Annotated[int, within(1, 1 << 30)] = 512
 
     def __post_init__(self) -> None:
         if self.budget_mb is not None and self.slots is not None:
@@ -80,8 +91,11 @@ class PoolConfig(_Section):
 
 class ReaderConfig(_Section):
     concurrency: PositiveInt = 4  # expert reads in flight at once
-    retries: NonNegInt = 2  # per read, on EIO/short read, before the error propagates
-    retry_backoff_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 10.0
+    # Per read, on EIO/short read, before the error propagates. The backoff doubles per
+    # attempt and sleeps in the read's worker thread (which Ctrl-C cannot interrupt), so
+    # both are bounded: at most 100 ms x (1 + 2 + 4 + 8 + 16) = 3.1 s per read, 1.6 s at once.
+    retries: Annotated[int, within(0, 5)] = 2
+    retry_backoff_ms: Annotated[float, within(0.0, 100.0)] = 10.0
     o_direct: bool = False  # bypass the page cache (Linux; falls back if unsupported)
     # Copy each blob into MLX memory in the reader's own thread rather than on the MLX
     # thread. "auto": on GPUs (where that copy is slower than the disk), if MLX allows it.
@@ -90,8 +104,8 @@ class ReaderConfig(_Section):
 
 class PrefetchConfig(_Section):
     strategy: str = "next-gate"
-    depth: PositiveInt = 1  # layers ahead, for "lookahead"
-    max_per_layer: PositiveInt | None = None  # cap on predicted experts per layer
+    depth: Annotated[int, within(1, 64)] = 1  # layers ahead, for "lookahead"
+    max_per_layer: Annotated[int, within(1, 1 << 16)] | None = None  # cap on predicted experts per layer
     combine: tuple[str, ...] = ()  # the strategies "combined" unions
 
     def __post_init__(self) -> None:
@@ -112,8 +126,8 @@ class ComputeConfig(_Section):
     # prefill_max_tokens) in one layer-major pass when a layer's experts all fit in the
     # pool, so a prompt reads each expert it needs once; else as many tokens as the pool
     # can pin one layer's experts for (slots // top_k).
-    prefill_chunk: NonNegInt = 0
-    prefill_max_tokens: PositiveInt = 2048  # activation memory grows with the chunk
+    prefill_chunk: Annotated[int, within(0, 1 << 16)] = 0
+    prefill_max_tokens: Annotated[int, within(1, 1 << 16)] = 2048  # activation memory grows with the chunk
     # One host sync per decode token when the experts are expected to be resident:
     # "auto" (after a token that read nothing), "on" (always try first), "off".
     run_ahead: Literal["auto", "on", "off"] = "auto"
@@ -123,14 +137,14 @@ class ComputeConfig(_Section):
     dtype: Literal["auto", "model", "float32", "bfloat16", "float16"] = "auto"
     # Sequences decoded together in one batch (concurrent requests, n > 1, prompt lists);
     # more wait in the queue. 1 = one generation at a time.
-    max_batch: PositiveInt = 8
+    max_batch: Annotated[int, within(1, 256)] = 8
     # While others decode, a newcomer's prompt is prefilled this many tokens per compute
     # turn, one batch step between turns (neither starves the other).
-    batch_prefill_chunk: PositiveInt = 512
+    batch_prefill_chunk: Annotated[int, within(1, 1 << 16)] = 512
     # The batch's model state (KV caches grow with prompt + completion) is kept within
     # this many MiB: a request whose state would not fit waits. 0 = a quarter of the
     # memory left after the pool, as estimated when the engine opens.
-    batch_memory_mb: NonNegInt = 0
+    batch_memory_mb: Annotated[int, within(0, MIB_MAX)] = 0
 
 
 class ChatMessage(_Section):
@@ -140,8 +154,8 @@ class ChatMessage(_Section):
 
 class RunConfig(_Section):
     # Each prompt is a plain string (completion) or a list of chat messages.
-    prompts: tuple[str | tuple[ChatMessage, ...], ...] = ("Hello",)
-    max_tokens: PositiveInt = 64
+    prompts: Annotated[tuple[str | tuple[ChatMessage, ...], ...], msgspec.Meta(max_length=1024)] = ("Hello",)
+    max_tokens: Annotated[int, within(1, TOKENS_MAX)] = 64
     stats: str | None = None  # JSON stats file
     trace: str | None = None  # event trace (timeline) file
     record_routing: str | None = None  # routing trace for `replay`
@@ -151,18 +165,18 @@ class ServerConfig(_Section):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8000
     api_key: str | None = None  # when set, requests need `Authorization: Bearer <key>`
-    max_queue: PositiveInt = 16  # requests waiting beyond this get 429
-    max_body_bytes: PositiveInt = 1 << 20
-    context_limit: PositiveInt | None = None  # None = the model's max_position_embeddings
+    max_queue: Annotated[int, within(1, 4096)] = 16  # requests waiting beyond this get 429
+    max_body_bytes: Annotated[int, within(1, 1 << 30)] = 1 << 20
+    context_limit: Annotated[int, within(1, TOKENS_MAX)] | None = None  # None = the model's max_position_embeddings
     aliases: tuple[str, ...] = ()  # more model names, listed by /v1/models
     strict_model: bool = False  # 404 for a request naming another model (else served anyway)
     cors_origins: tuple[str, ...] = ()  # browser origins allowed (CORS); none by default
     # On SIGINT/SIGTERM, requests in flight get this long to finish before they are cut.
-    shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    shutdown_grace_s: Annotated[float, within(0.0, 3600.0)] = 5.0
     # Most tokens one request may generate; a request asking for more gets a 400 (as
     # OpenAI's API does), one asking for none gets this many at most. It bounds how long
     # one request can hold the engine while the others queue.
-    max_tokens_limit: PositiveInt = 8192
+    max_tokens_limit: Annotated[int, within(1, TOKENS_MAX)] = 8192
 
 
 class DistributedConfig(_Section):
@@ -176,13 +190,13 @@ class DistributedConfig(_Section):
     # How layers are split: "layers" (equal counts), "weighted" (each rank's share follows
     # its measured free memory and disk read speed), or explicit first layers of ranks 1..
     split: Literal["layers", "weighted"] = "layers"
-    boundaries: tuple[PositiveInt, ...] = ()
+    boundaries: Annotated[tuple[Annotated[int, within(1, 1 << 16)], ...], msgspec.Meta(max_length=1024)] = ()
     # A reply from the next ranks that takes longer than this means they are lost: the
     # request fails (503) and every rank exits. Covers a cold prefill chunk on a slow disk.
-    peer_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 300.0
+    peer_timeout_s: Annotated[float, within(0.0, 86400.0, open_low=True)] = 300.0
     # Sequences on their own whose caches a later rank keeps, beyond the decode batch's
     # size (rank 0 sends no "sequence ended": the least recently used go).
-    max_sequences: PositiveInt = 4
+    max_sequences: Annotated[int, within(1, 1024)] = 4
     # One host with several GPUs: rank r sees only GPU r (CUDA_VISIBLE_DEVICES=r).
     gpu_per_rank: bool = False
 
@@ -229,18 +243,30 @@ def load_config(
     """Read, override, validate. `check_paths=False` skips the model-path existence check."""
     path = Path(path)
     try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:  # a config is a page of text, not a disk
+            raise ConfigError(f"{path}: {path.stat().st_size} bytes is not a config file "
+                              f"(at most {MAX_CONFIG_BYTES})")
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x});"
+                          " a config is a TOML file") from None
     except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    raw = _parse_toml(text, str(path))
     return config_from_dict(
         raw, source=str(path), text=text, overrides=overrides, check_paths=check_paths
     )
+
+
+def _parse_toml(text: str, source: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: invalid TOML: {e}") from None
+    except RecursionError:  # tomllib recurses once per level of nested arrays / inline tables
+        raise ConfigError(f"{source}: invalid TOML: arrays or tables nested too deeply") from None
 
 
 def config_from_dict(
@@ -252,7 +278,10 @@ def config_from_dict(
     check_paths: bool = True,
 ) -> PipelineConfig:
     """Validate an already-parsed TOML document (`text` only serves the line numbers)."""
-    raw = copy.deepcopy(raw)  # overrides must not leak into the caller's dict
+    try:
+        raw = copy.deepcopy(raw)  # overrides must not leak into the caller's dict
+    except RecursionError:
+        raise ConfigError(f"{source}: values nested too deeply") from None
     where = Locator(source, text)
     for key, value_text in _override_items(overrides):
         _apply_override(raw, key, value_text, where)
@@ -262,7 +291,7 @@ def config_from_dict(
     try:
         cfg = msgspec.convert(raw, type=PipelineConfig, strict=True)
     except msgspec.ValidationError as e:
-        raise ConfigError(where.validation(str(e), raw)) from None
+        raise ConfigError(where.validation(str(e), raw, PipelineConfig)) from None
     if check_paths:
         _check_model_path(cfg, where)
     return cfg
@@ -299,6 +328,8 @@ def _apply_override(raw: dict[str, Any], key: str, value_text: str, where: Locat
         node[parts[-1]] = tomllib.loads(f"v = {value_text}")["v"]
     except tomllib.TOMLDecodeError:
         node[parts[-1]] = value_text  # a bare word like `demo-data/x.qpack` means the string
+    except RecursionError:
+        raise ConfigError(f"override {name[:80]!r}: value nested too deeply") from None
     where.overridden[tuple(parts)] = name
 
 
