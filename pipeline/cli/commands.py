@@ -68,9 +68,7 @@ _FLAG_KEYS = {
 def engine_config(args: argparse.Namespace, model: str | None = None, *,
                   check_paths: bool = True) -> PipelineConfig:
     """The config file (if any), then the flags, validated as one config."""
-    import tomllib
-
-    from pipeline.config.schema import ConfigError, config_from_dict
+    from pipeline.config.schema import ConfigError, config_from_dict, read_toml
 
     if getattr(args, "pool_mb", None) is not None and getattr(args, "slots", None) is not None:
         raise ConfigError("--pool-mb and --slots are exclusive: give one (or neither to size "
@@ -78,14 +76,7 @@ def engine_config(args: argparse.Namespace, model: str | None = None, *,
     raw: dict[str, Any] = {}
     text = ""
     if args.config is not None:
-        try:
-            text = args.config.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {args.config}") from None
-        try:
-            raw = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{args.config}: invalid TOML: {exc}") from None
+        raw, text = read_toml(args.config)
     if model is not None:
         raw.setdefault("model", {})["path"] = model
     for flag, (section, key) in _FLAG_KEYS.items():

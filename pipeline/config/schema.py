@@ -241,6 +241,14 @@ def load_config(
     check_paths: bool = True,
 ) -> PipelineConfig:
     """Read, override, validate. `check_paths=False` skips the model-path existence check."""
+    raw, text = read_toml(path)
+    return config_from_dict(
+        raw, source=str(path), text=text, overrides=overrides, check_paths=check_paths
+    )
+
+
+def read_toml(path: str | Path) -> tuple[dict[str, Any], str]:
+    """A config file's document and text; what is not a TOML file is a ConfigError naming it."""
     path = Path(path)
     try:
         if path.stat().st_size > MAX_CONFIG_BYTES:  # a config is a page of text, not a disk
@@ -254,10 +262,7 @@ def load_config(
                           " a config is a TOML file") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
-    raw = _parse_toml(text, str(path))
-    return config_from_dict(
-        raw, source=str(path), text=text, overrides=overrides, check_paths=check_paths
-    )
+    return _parse_toml(text, str(path)), text
 
 
 def _parse_toml(text: str, source: str) -> dict[str, Any]:
