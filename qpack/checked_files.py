@@ -144,19 +144,20 @@ def _remove_orphans() -> None:
 
 def unreadable_files(root: Path, manifest: spec.Manifest) -> list[str]:
     """Listed files that cannot be opened now or whose size changed since packing: what a
-    health check reports (a few stats and opens, no payload read)."""
+    health check reports (a few stats and opens, no payload read). Named by their path in
+    the container: a health answer does not tell a client where the server's files live."""
     problems = []
     for f in manifest.files:
         path = root / f.path
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         except OSError as exc:
-            problems.append(f"{path}: cannot open: {exc.strerror}")
+            problems.append(f"{f.path}: cannot open: {exc.strerror}")
             continue
         try:
             size = os.fstat(fd).st_size
         finally:
             os.close(fd)
         if size != f.size:
-            problems.append(f"{path}: {size} bytes, manifest says {f.size}")
+            problems.append(f"{f.path}: {size} bytes, manifest says {f.size}")
     return problems

@@ -16,7 +16,8 @@ from pipeline.cli.failures import refused
 from pipeline.cli.term import err
 
 _SERVER_FLAGS = ("host", "port", "api_key", "max_queue", "max_body_bytes", "context_limit",
-                 "max_tokens_limit", "strict_model", "aliases", "cors_origins")
+                 "max_tokens_limit", "strict_model", "aliases", "cors_origins",
+                 "metrics_without_key")
 
 
 def server_overrides(args: argparse.Namespace) -> list[str]:
@@ -77,7 +78,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--host", help="address to bind (default 127.0.0.1; binding another host "
                    "without --api-key logs a warning)")
     h.add_argument("--port", type=int, help="port to bind (default 8000)")
-    h.add_argument("--api-key", help="require `Authorization: Bearer <key>` on /v1/*")
+    h.add_argument("--api-key", help="require `Authorization: Bearer <key>` (or `x-api-key`) "
+                   "on every route but /health, and on /metrics unless --metrics-without-key; "
+                   "/health then names unreadable files only to callers with the key")
+    h.add_argument("--metrics-without-key", action="store_true", default=None,
+                   help="with --api-key: leave /metrics open (a Prometheus scraper without the key)")
     h.add_argument("--max-queue", type=int, help="requests that may wait; more get 429 (default 16)")
     h.add_argument("--max-body-bytes", type=int, help="largest request body; more get 413 "
                    "(default 1 MiB)")

@@ -177,6 +177,11 @@ class ServerConfig(_Section):
     # OpenAI's API does), one asking for none gets this many at most. It bounds how long
     # one request can hold the engine while the others queue.
     max_tokens_limit: Annotated[int, within(1, TOKENS_MAX)] = 8192
+    # With api_key set, /metrics needs the key too; true lets a scraper without it read them.
+    metrics_without_key: bool = False
+    # Seconds a chat template render (the container's code) or a tokenizing call may take;
+    # past it the request gets a 400 and the render is stopped.
+    prompt_budget_s: Annotated[float, within(0.0, 60.0, open_low=True)] = 2.0
 
 
 class DistributedConfig(_Section):

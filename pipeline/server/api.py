@@ -24,6 +24,7 @@ from pipeline.server import grammar
 from pipeline.server import schema as s
 from pipeline.server.drain import Drain
 from pipeline.server.metrics import Metrics
+from pipeline.server.offload import Offload
 
 log = structlog.get_logger("moestream.server")
 
@@ -44,6 +45,10 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     strict_model: bool = False
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call (opt-in)
     defaults: SamplingParams = SamplingParams()
+    # With an api_key, /metrics needs it too unless this is set (a scraper without one).
+    metrics_without_key: bool = False
+    # Seconds one template render or tokenizing call may take (pipeline/server/offload.py).
+    prompt_budget_s: float = 2.0
 
 
 class Api:
@@ -54,10 +59,23 @@ class Api:
         self.metrics = metrics
         self.drain = drain or Drain()
         self.created = int(time.time())
+        # Template rendering and tokenizing: worker threads, bounded in time and number.
+        self.offload = Offload(settings.prompt_budget_s)
+
+    async def encode(self, text: str, param: str) -> list[int]:
+        """The tokens of request text, tokenized off the event loop within its budget."""
+        return await self.offload(lambda: self.engine.encode(text), "tokenizing the prompt", param)
 
     @property
     def vocab(self) -> int:
         return int(self.engine.model.parts.args.vocab_size)
+
+    def authorized(self, request: Request) -> bool:
+        try:
+            self.check_auth(request)
+        except s.APIError:
+            return False
+        return True
 
     def check_auth(self, request: Request) -> None:
         key = self.settings.api_key

@@ -127,11 +127,16 @@ def create_app(engine: Engine, settings: ServerSettings | None = None,
         problems = await trio.to_thread.run_sync(unreadable_files, c.root, c.manifest)
         if problems:
             log.warning("server.unhealthy", problems=problems[:5])
+            # Without the key (when there is one) a prober learns that, not which files.
+            shown = problems if api.authorized(request) else [
+                f"{len(problems)} container files unreadable (send the API key for which)"]
             return json_response({"status": "error", "model": engine.name,
-                                  "problems": problems}, 503)
+                                  "problems": shown}, 503)
         return json_response({"status": "ok", "model": engine.name})
 
     async def metrics_text(request: Request) -> Response:
+        if not api.settings.metrics_without_key:
+            api.check_auth(request)
         return Response(api.metrics.render(engine),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -175,6 +180,8 @@ async def serve_engine(
     strict_model: bool = False,
     cors_origins: tuple[str, ...] = (),
     defaults: SamplingParams | None = None,
+    metrics_without_key: bool = False,
+    prompt_budget_s: float = 2.0,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     shutdown_grace_s: float = 5.0,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
@@ -188,7 +195,9 @@ async def serve_engine(
                               max_tokens_limit=max_tokens_limit,
                               hide_reasoning=hide_reasoning, aliases=aliases, accepted=accepted,
                               strict_model=strict_model, cors_origins=cors_origins,
-                              defaults=defaults or default_params(engine))
+                              defaults=defaults or default_params(engine),
+                              metrics_without_key=metrics_without_key,
+                              prompt_budget_s=prompt_budget_s)
     try:  # the config's [sampling] logit_bias, refused at start rather than per request
         settings.defaults.check_vocab(int(engine.model.parts.args.vocab_size))
     except ValueError as exc:

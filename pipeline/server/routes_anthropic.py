@@ -279,4 +279,4 @@ async def count_tokens(api: Api, request: Request) -> Response:
     anthropic: MessagesRequest = await api.decode(request, MessagesRequest)
     req = s.convert_request(to_chat(anthropic), s.ChatRequest)
     api.check_model(req.model)
-    return json_response({"input_tokens": len(chat_prompt(api, req)[1])})
+    return json_response({"input_tokens": len((await chat_prompt(api, req))[1])})

@@ -17,6 +17,7 @@ from pipeline.server import grammar
 from pipeline.server import schema as s
 from pipeline.server import schema_out as o
 from pipeline.server.api import Api
+from pipeline.server.offload import check_size
 from pipeline.server.prompting import Prompt, render, template_kwargs, template_messages
 from pipeline.server.responses import ChatReply, Choice, TextReply, respond
 from pipeline.server.transport import json_response
@@ -78,7 +79,7 @@ class ChatPlan(msgspec.Struct, frozen=True):
         return reply
 
 
-def chat_prompt(api: Api, req: s.ChatRequest) -> tuple[Prompt, list[int]]:
+async def chat_prompt(api: Api, req: s.ChatRequest) -> tuple[Prompt, list[int]]:
     """The request's prompt text and tokens (tools, template kwargs, prefill applied)."""
     messages = template_messages(req.messages)
     tools = [] if req.tool_choice == "none" else [msgspec.to_builtins(t) for t in req.tools or []]
@@ -86,10 +87,16 @@ def chat_prompt(api: Api, req: s.ChatRequest) -> tuple[Prompt, list[int]]:
     if _constrained(req) and "enable_thinking" not in (req.chat_template_kwargs or {}):
         # The grammar covers the whole reply: no room for free-text reasoning before it.
         kwargs["enable_thinking"] = False
-    prompt = render(api.engine.tokenizer, messages, tools, kwargs,
-                    continue_final=req.continue_final_message,
-                    add_generation_prompt=req.add_generation_prompt)
-    return prompt, api.engine.encode(prompt.text)
+
+    def work() -> tuple[Prompt, list[int]]:
+        prompt = render(api.engine.tokenizer, messages, tools, kwargs,
+                        continue_final=req.continue_final_message,
+                        add_generation_prompt=req.add_generation_prompt)
+        check_size(prompt.text, "the rendered chat template", "messages")
+        return prompt, api.engine.encode(prompt.text)
+
+    # The template is the container's code: off the event loop, within a time budget.
+    return await api.offload(work, "rendering the chat template and tokenizing", "messages")
 
 
 def _constrained(req: s.ChatRequest) -> bool:
@@ -107,7 +114,7 @@ async def plan_chat(api: Api, req: s.ChatRequest) -> ChatPlan:
     if forced and fmt:
         raise s.APIError(400, "response_format and a forced tool call cannot both constrain "
                          "the reply", param="response_format")
-    prompt, tokens = chat_prompt(api, req)
+    prompt, tokens = await chat_prompt(api, req)
     api.check_prompt(tokens, params, "messages")
     make = None
     if forced:
@@ -131,16 +138,16 @@ async def chat(api: Api, request: Request) -> Response:
     return await respond(request, plan.reply(api, req))
 
 
-def prompt_tokens(api: Api, prompt: str | list[Any]) -> list[list[int]]:
+async def prompt_tokens(api: Api, prompt: str | list[Any]) -> list[list[int]]:
     """One string, token ids, or a list of strings or of token-id lists."""
     if isinstance(prompt, str):
-        return [api.engine.encode(prompt)]
+        return [await api.encode(prompt, "prompt")]
     if not prompt:
         raise s.APIError(400, "prompt is an empty list", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [[int(t) for t in prompt]]
     if all(isinstance(p, str) for p in prompt):
-        return [api.engine.encode(p) for p in prompt]
+        return [await api.encode(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     if all(isinstance(p, list) for p in prompt):
         return [[int(t) for t in p] for p in prompt]
     raise s.APIError(400, "prompt must be a string, a list of token ids, or a list of either "
@@ -152,7 +159,7 @@ async def completions(api: Api, request: Request) -> Response:
     s.check_unsupported(req)
     name = api.check_model(req.model)
     params = api.params(req)
-    prompts = prompt_tokens(api, req.prompt)
+    prompts = await prompt_tokens(api, req.prompt)
     for i, tokens in enumerate(prompts):
         api.check_prompt(tokens, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
     make = None
@@ -170,14 +177,17 @@ async def completions(api: Api, request: Request) -> Response:
 async def tokenize(api: Api, request: Request) -> Response:
     req: s.TokenizeRequest = await api.decode(request, s.TokenizeRequest)
     if req.messages is not None:
-        text = render(api.engine.tokenizer, template_messages(req.messages), [],
-                      template_kwargs(api.engine.config.chat, req.chat_template_kwargs),
-                      add_generation_prompt=req.add_generation_prompt).text
+        messages = template_messages(req.messages)
+        kwargs = template_kwargs(api.engine.config.chat, req.chat_template_kwargs)
+        text = await api.offload(lambda: check_size(render(
+            api.engine.tokenizer, messages, [], kwargs,
+            add_generation_prompt=req.add_generation_prompt).text, "the rendered chat template",
+            "messages"), "rendering the chat template", "messages")
     elif req.prompt is not None or req.content is not None:
         text = req.prompt if req.prompt is not None else req.content or ""
     else:
         raise s.APIError(400, "send `prompt` (or `content`) text, or `messages`", param="prompt")
-    tokens = api.engine.encode(text)
+    tokens = await api.encode(text, "prompt")
     return json_response(o.TokenizeResponse(tokens, len(tokens), api.engine.context_limit))
 
 
@@ -187,5 +197,6 @@ async def detokenize(api: Api, request: Request) -> Response:
     if bad is not None:
         raise s.APIError(400, f"token id {bad} is outside the vocabulary [0, {api.vocab})",
                          param="tokens")
-    text = api.engine.tokenizer.decode(req.tokens)
+    text = await api.offload(lambda: api.engine.tokenizer.decode(req.tokens), "detokenizing",
+                             "tokens")
     return json_response(o.DetokenizeResponse(text, text))

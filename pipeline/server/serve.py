@@ -75,6 +75,8 @@ async def serve_config(cfg: PipelineConfig, *, hide_reasoning: bool = False,
             max_tokens_limit=server.max_tokens_limit,
             hide_reasoning=hide_reasoning, aliases=server.aliases, accepted=accepted,
             strict_model=server.strict_model, cors_origins=server.cors_origins,
+            metrics_without_key=server.metrics_without_key,
+            prompt_budget_s=server.prompt_budget_s,
             shutdown_trigger=_wait_for_signal, shutdown_grace_s=server.shutdown_grace_s,
         )
     log.info("server.stopped")

@@ -1,0 +1,106 @@
+"""A container whose chat template never ends (nested `range(99999)` loops, each under
+jinja's sandbox limit) cannot freeze the server: the template renders in a worker thread
+within a budget, the request gets a 400 naming the budget, `/health` and template-free
+requests keep answering meanwhile, and the thread is stopped (the next request renders).
+With `--api-key`, /metrics needs the key (unless opted out) and /health names files
+only to a caller with the key, never by their absolute paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import httpx2
+import pytest
+import trio
+from test_server_errors import AUTH, CHAT, KEY, body, error_of, running_server
+
+from pipeline.server import offload
+from pipeline.server.app import serve_engine
+
+ENDLESS = ("{% for a in range(99999) %}{% for b in range(99999) %}{% for c in range(99999) %}"
+           "{% endfor %}{% endfor %}{% endfor %}")
+
+
+def _with_template(src: Path, out: Path, template: str) -> Path:
+    """A copy of `src` whose tokenizer_config.json carries `template`, listed consistently
+    in the manifest (size and sha256): the container is well-formed, its template hostile."""
+    shutil.copytree(src, out)
+    config = out / "tokenizer_config.json"
+    doc = json.loads(config.read_text())
+    doc["chat_template"] = template
+    config.write_text(json.dumps(doc))
+    manifest = json.loads((out / "manifest.json").read_text())
+    for entry in manifest["files"]:
+        if entry["path"] == config.name:
+            data = config.read_bytes()
+            entry["size"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+@pytest.fixture(scope="module")
+def endless(synth_checkpoint, packed, tmp_path_factory) -> Path:
+    src = packed(synth_checkpoint("qwen3_next"), bits=None)
+    return _with_template(src, tmp_path_factory.mktemp("template") / "endless.qpack", ENDLESS)
+
+
+async def test_an_endless_template_is_a_400_and_the_server_keeps_answering(endless) -> None:
+    async with running_server(endless, prompt_budget_s=0.5) as (_, http):
+        answers: list[int] = []
+
+        async def poll_health() -> None:
+            while True:
+                answers.append((await http.get("/health")).status_code)
+                await trio.sleep(0.05)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poll_health)
+            err = error_of(await http.post(CHAT, json=body()), 400)
+            nursery.cancel_scope.cancel()
+        assert err["param"] == "messages"
+        assert "rendering the chat template and tokenizing took longer than 0.5 s" in err["message"]
+        assert "server.prompt_budget_s" in err["message"]
+        # /health answered while the template ran (the event loop was never held).
+        assert len(answers) >= 3 and set(answers) == {200}, answers
+        # A template-free request still completes.
+        ok = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+        # More endless renders than threads may run at once; then tokenizing (which takes
+        # a thread too) still gets one: the stuck renders were stopped, not left running.
+        for _ in range(offload.MAX_AT_ONCE + 1):
+            error_of(await http.post(CHAT, json=body()), 400)
+        tokenized = await http.post("/tokenize", json={"prompt": "Hi"})
+        assert tokenized.status_code == 200 and tokenized.json()["count"] >= 1, tokenized.text
+        counted = await http.post("/v1/messages/count_tokens", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+        assert counted.status_code == 400 and "took longer than" in counted.json()["error"]["message"]
+
+
+async def test_the_api_key_covers_metrics_and_health_details(endless, tmp_path) -> None:
+    copy = tmp_path / "copy.qpack"
+    shutil.copytree(endless, copy)
+    async with running_server(copy, api_key=KEY) as (engine, http):
+        assert (await http.get("/metrics")).status_code == 401
+        assert (await http.get("/metrics", headers=AUTH)).status_code == 200
+        assert (await http.get("/health")).json()["status"] == "ok"  # a prober needs no key
+        os.truncate(copy / "experts" / "layer_001.bin", 100)
+        hidden = await http.get("/health")
+        assert hidden.status_code == 503 and "layer_001" not in hidden.text, hidden.text
+        shown = await http.get("/health", headers=AUTH)
+        assert shown.status_code == 503
+        assert shown.json()["problems"][0].startswith("experts/layer_001.bin: 100 bytes")
+        assert str(tmp_path) not in shown.text  # container paths, not where it lives
+        # A scraper without the key, when the operator opts out for /metrics only.
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(lambda task_status: serve_engine(
+                engine, "127.0.0.1", 0, api_key=KEY, metrics_without_key=True,
+                task_status=task_status))
+            async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}") as other:
+                assert (await other.get("/metrics")).status_code == 200
+                assert (await other.post(CHAT, json=body())).status_code == 401
+            nursery.cancel_scope.cancel()
