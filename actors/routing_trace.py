@@ -29,6 +29,8 @@ from typing import Any, Literal
 import msgspec
 import structlog
 
+from qpack.output_guard import write_file_atomically
+
 log = structlog.get_logger(__name__)
 
 Phase = Literal["prefill", "decode"]
@@ -113,10 +115,8 @@ def save_trace(trace: RoutingTrace, path: str | Path) -> Path:
     data = msgspec.json.encode(trace)
     if path.suffix == ".gz":
         data = gzip.compress(data, compresslevel=6)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)  # never leave a half-written trace under the real name
-    return path
+    # Never a half-written trace under the real name, nor a temporary left beside it.
+    return write_file_atomically(path, data)
 
 
 def load_trace(path: str | Path) -> RoutingTrace:

@@ -23,6 +23,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+from qpack.output_guard import write_file_atomically
+
 PID = 1
 # Fixed track order (tid) so every trace reads top-down the same way; readers follow.
 _FIXED_TIDS = {"compute": 1, "router": 2, "sampler": 3}
@@ -92,12 +94,9 @@ class Timeline:
                 "displayTimeUnit": "ms"}
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json()))
-        os.replace(tmp, out)
-        return out
+        # Whole or absent, and no directory made for it (checked before the run:
+        # qpack.output_guard.check_output_file).
+        return write_file_atomically(path, json.dumps(self.to_json()).encode())
 
 
 _active: Timeline | None = None

@@ -75,3 +75,51 @@ def exclusive_output(out: Path, what: str) -> Iterator[None]:
         os.close(fd)
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
+
+
+class OutputPathError(QpackError):
+    """An output file that cannot be written where it is named; found before any work."""
+
+
+def check_output_file(path: str | os.PathLike[str], what: str) -> Path:
+    """Refuse, before the work that produces it, an output file that cannot be written:
+    a directory in its place, a missing or unwritable directory. Nothing is created here
+    (a missing directory is the user's typo, not ours to make)."""
+    out = Path(path)
+    if out.is_dir():
+        raise OutputPathError(out, f"{what} is a directory, not a file")
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        raise OutputPathError(out, f"{what}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise OutputPathError(out, f"{what}: not writable")
+    return out
+
+
+def write_file_atomically(path: str | os.PathLike[str], data: bytes) -> Path:
+    """`data` under `path`, whole or not at all: a hidden temporary beside it, renamed
+    over it; on any failure the temporary is removed (nothing is left but the output)."""
+    out = Path(path)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+@contextmanager
+def removed_on_failure(out: Path) -> Iterator[None]:
+    """A directory this job fills from nothing is removed again if the job fails (an
+    error, Ctrl-C): a re-run then finds no half-written output that it must refuse. A
+    directory that held something before is left alone (resumable writers handle it)."""
+    fresh = not out.exists() or (out.is_dir() and not any(out.iterdir()))
+    try:
+        yield
+    except BaseException:
+        if fresh:
+            shutil.rmtree(out, ignore_errors=True)
+        raise

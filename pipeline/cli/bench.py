@@ -111,6 +111,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if not (Path(args.model) / "manifest.json").is_file():
         print(f"error: {args.model}: not a .qpack container (no manifest.json)", file=sys.stderr)
         return 2
+    if args.json:  # checked before the cases run, not after
+        from qpack.output_guard import check_output_file
+        from qpack.spec import QpackError
+
+        try:
+            check_output_file(args.json, "--json")
+        except QpackError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     report = run_bench(args, "moestream bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []))
     Console(stderr=True, width=None if sys.stderr.isatty() else 220).print(results_table(report))
     if args.json:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.cli.failures import refused
+from qpack.spec import QpackError
 
 if TYPE_CHECKING:
     from pipeline.config.schema import PipelineConfig
@@ -106,6 +107,16 @@ def distributed(cfg: PipelineConfig, face: Any, *, server: bool = False) -> int:
     return run_distributed(cfg, face, stop_on_loss=server)
 
 
+def check_outputs(cfg: PipelineConfig, trace: str | None) -> None:
+    """The files `run` / `generate` will write, checked before the work that fills them."""
+    from qpack.output_guard import check_output_file
+
+    for key, path in (("run.stats", cfg.run.stats), ("run.trace", trace or cfg.run.trace),
+                      ("run.record_routing", cfg.run.record_routing)):
+        if path is not None:
+            check_output_file(path, key)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     import msgspec
     import trio
@@ -118,12 +129,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     args.config = args.config_file
     try:
         cfg = engine_config(args, check_paths=False)
+        if args.record_routing:
+            cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(
+                cfg.run, record_routing=args.record_routing))
+        check_outputs(cfg, args.trace)  # before packing or loading anything
         if not cfg.distributed.enabled:  # ranks do not pack: one would race the others
             ensure_container(cfg.model)
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
+    except (ConfigError, QpackError, FileNotFoundError, ValueError) as exc:
         return refused(exc)
-    if args.record_routing:
-        cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, record_routing=args.record_routing))
     with timeline.recording(args.trace or cfg.run.trace):
         if cfg.distributed.enabled:
             return distributed(cfg, lambda c: trio.run(run_pipeline, c, args.trace))
@@ -144,6 +157,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompts = tuple(args.prompt or ["Hello"])
     cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(
         cfg.run, prompts=prompts, stats=args.stats, record_routing=args.record_routing))
+    try:
+        check_outputs(cfg, None)
+    except QpackError as exc:
+        return refused(exc)
     if cfg.distributed.enabled:
         return distributed(cfg, lambda c: trio.run(run_pipeline, c, None, "generate"))
     return trio.run(run_pipeline, cfg, None, "generate")

@@ -9,7 +9,6 @@ import os
 import signal
 import sys
 from contextlib import aclosing
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -24,6 +23,7 @@ from pipeline.config.schema import PipelineConfig
 from pipeline.engine import Engine
 from pipeline.events import Done, GenerationStats, TextDelta
 from pipeline.generation_config import default_params
+from qpack.output_guard import write_file_atomically
 
 
 def stats_table(rows: list[tuple[str, GenerationStats]], title: str = "moestream run") -> Table:
@@ -104,8 +104,7 @@ async def run_pipeline(cfg: PipelineConfig, trace_path: str | None, command: str
             engine.compute.recorder.save(cfg.run.record_routing)
     err.print(stats_table(rows, f"moestream {command}"))
     if cfg.run.stats:
-        Path(cfg.run.stats).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.run.stats).write_bytes(msgspec.json.format(msgspec.json.encode(
+        write_file_atomically(cfg.run.stats, msgspec.json.format(msgspec.json.encode(
             {"config": cfg.to_toml_dict(), "runs": [{"prompt": n, **msgspec.to_builtins(s)} for n, s in rows]}
         )))
         err.print(f"stats written to {cfg.run.stats}")

@@ -67,11 +67,16 @@ def run(args: argparse.Namespace) -> int:
 
     from actors.routing_trace import load_trace, save_trace
     from pipeline.replay import sweep
+    from qpack.output_guard import check_output_file, write_file_atomically
+    from qpack.spec import QpackError
 
     log = structlog.get_logger("moestream.replay")
     try:
         if (args.trace is None) == (args.workload is None):
             raise ValueError("give a trace file or --workload, not both")
+        for what, out in (("--json", args.json), ("--save-trace", args.save_trace)):
+            if out is not None:  # before the replay, not after minutes of it
+                check_output_file(out, what)
         if args.workload is not None:
             from actors.routing_model.workload import parse_workload, workload_trace
 
@@ -85,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             source = Path(args.trace)
         slots = args.slots or [trace.pool.num_slots]
         results = sweep(trace, args.policies, args.strategies, slots)
-    except ValueError as exc:  # a trace that does not load or fit: refused before any replay
+    except (ValueError, QpackError) as exc:  # a trace that does not load or fit: refused before any replay
         print(f"error: {exc}", file=sys.stderr)
         return 2
     _render(trace, results, source)
@@ -96,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
             "live_pool": trace.pool,
             "results": results,
         }
-        Path(args.json).write_bytes(msgspec.json.format(msgspec.json.encode(doc)))
+        write_file_atomically(args.json, msgspec.json.format(msgspec.json.encode(doc)))
         log.info("replay.json", path=str(args.json), runs=len(results))
     return 0
 

@@ -55,6 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qpack.output_guard import removed_on_failure
     from qpack.spec import QpackError
     from qpack.synth.checkpoint import synthesize
 
@@ -65,22 +66,23 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         dims = get_preset(args.family, args.preset)
-        synthesize(
-            args.out,
-            dims.family,
-            args.preset,
-            dtype=args.dtype,
-            bits=args.bits,
-            group_size=args.group_size,
-            seed=args.seed,
-            layout=args.layout,
-            variant=args.variant,
-            mode=args.mode,
-            recipe=args.recipe,
-            shard_bytes=args.shard_mb * 1024 * 1024 if args.shard_mb else None,
-            max_layers=args.max_layers,
-            progress=not args.no_progress and sys.stderr.isatty(),
-        )
+        with removed_on_failure(args.out):  # a failed synth leaves nothing to refuse next time
+            synthesize(
+                args.out,
+                dims.family,
+                args.preset,
+                dtype=args.dtype,
+                bits=args.bits,
+                group_size=args.group_size,
+                seed=args.seed,
+                layout=args.layout,
+                variant=args.variant,
+                mode=args.mode,
+                recipe=args.recipe,
+                shard_bytes=args.shard_mb * 1024 * 1024 if args.shard_mb else None,
+                max_layers=args.max_layers,
+                progress=not args.no_progress and sys.stderr.isatty(),
+            )
     except (ValueError, QpackError) as exc:  # bad arguments, or no room: refused before writing
         print(f"error: {exc}", file=sys.stderr)
         return 2

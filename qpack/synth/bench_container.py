@@ -31,13 +31,14 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
 import structlog
 
 from qpack import spec
-from qpack.output_guard import require_free_space
+from qpack.output_guard import removed_on_failure, require_free_space
 from qpack.quantize import Rule, quantized_shapes
 from qpack.synth.checkpoint import WeightWriter
 from qpack.synth.init_weights import NORM_STD, Init, WeightSource, f32_to_bf16_bits, rng_for
@@ -154,6 +155,9 @@ def _write_layer(root: Path, dims: ModelDims, fmt: spec.ExpertFormat, stride: in
             while view:
                 view = view[os.write(fd, view) :]
         os.fsync(fd)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     finally:
         os.close(fd)
     os.replace(partial, path)
@@ -186,6 +190,13 @@ def write_bench_container(
     fmt, stride = expert_layout(dims, bits, group_size)
     need = sum(e.nbytes for e in entries) + dims.num_hidden_layers * dims.num_experts * stride
     require_free_space(root, need, f"bench-container {dims.name}")
+    with removed_on_failure(root):  # a failed write leaves no directory a re-run refuses
+        return _write(root, dims, bits, group_size, seed, entries, overrides, fmt, stride, workers)
+
+
+def _write(root: Path, dims: ModelDims, bits: int, group_size: int, seed: int,
+           entries: list[TensorEntry], overrides: dict[str, Any], fmt: spec.ExpertFormat,
+           stride: int, workers: int | None) -> BenchContainerResult:
     (root / spec.EXPERTS_DIR).mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     files: dict[str, tuple[int, str]] = {}

@@ -79,6 +79,17 @@ def write_safetensors(
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"{path}: duplicate tensor names {dup}")
     tmp = path.with_name(path.name + ".partial")
+    try:
+        size = _write_entries(tmp, path, entries, metadata)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # no .partial left behind a failure
+        raise
+    os.replace(tmp, path)
+    return size
+
+
+def _write_entries(tmp: Path, path: Path, entries: Sequence[TensorEntry],
+                   metadata: dict[str, str] | None) -> int:
     with open(tmp, "wb") as f:
         # Unsorted: the JSON lists the tensors in file order, as synth has always written it.
         f.write(header_bytes(_check_dtypes(entries), metadata, sort_keys=False))
@@ -93,9 +104,7 @@ def write_safetensors(
                     f"{path}: tensor {e.name!r} {e.dtype}{list(e.shape)} produced {written} bytes, "
                     f"expected {e.nbytes}"
                 )
-        size = f.tell()
-    os.replace(tmp, path)
-    return size
+        return f.tell()
 
 
 def plan_shards(entries: Sequence[TensorEntry], max_bytes: int) -> list[list[TensorEntry]]:

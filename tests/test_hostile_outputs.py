@@ -1,0 +1,89 @@
+"""Outputs: checked before the work, written whole or not at all, nothing written beside
+or above them. `--record-routing /proc` once left `/proc.tmp` at the root, a stats path
+in a missing directory made that directory, a failed synth left a `.partial` and a
+failed bench-container a half-written directory that the re-run refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.cli import main
+from qpack.synth.st_write import TensorEntry, write_safetensors
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _config(tmp_path: Path, **run: str) -> Path:
+    # A container that does not exist yet (synth:): refusing the outputs must come before
+    # synthesizing or packing anything.
+    lines = ["[model]", f'path = "{tmp_path}/m.qpack"', 'source = "synth:tiny"', "[run]"]
+    lines += [f'{k} = "{v}"' for k, v in run.items()]
+    path = tmp_path / "c.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _one_error(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("key, target, expected", [
+    ("record_routing", "{d}", "run.record_routing is a directory, not a file"),
+    ("stats", "{d}/missing/deeper/s.json", "run.stats: directory {d}/missing/deeper does not exist"),
+    ("trace", "{d}/none/t.json", "run.trace: directory {d}/none does not exist"),
+])
+def test_run_refuses_unwritable_outputs_before_any_work(tmp_path, capsys, key, target, expected) -> None:
+    d = tmp_path / "out"
+    d.mkdir()
+    config = _config(tmp_path, **{key: target.format(d=d)})
+    assert main(["run", str(config)]) == 2
+    assert expected.format(d=d) in _one_error(capsys.readouterr().err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml", "out"]  # nothing packed
+    assert list(d.iterdir()) == []  # no directory made, no temporary beside the output
+
+
+def test_replay_refuses_its_json_output_before_replaying(tmp_path, capsys) -> None:
+    out = tmp_path / "missing" / "r.json"
+    assert main(["replay", "--workload", "qwen3-next-80b,requests=1,decode_tokens=4,layers=2",
+                 "--json", str(out)]) == 2
+    assert f"--json: directory {out.parent} does not exist" in _one_error(capsys.readouterr().err)
+    assert not out.parent.exists()
+
+
+def test_a_safetensors_write_that_fails_leaves_no_partial(tmp_path) -> None:
+    def short() -> list[np.ndarray]:  # a producer that yields fewer bytes than declared
+        return [np.zeros(3, np.float32)]
+
+    entry = TensorEntry("w", "F32", (4,), short)
+    with pytest.raises(ValueError, match="produced 12 bytes, expected 16"):
+        write_safetensors(tmp_path / "model.safetensors", [entry])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupted_synth_removes_its_output_so_a_rerun_starts_clean(tmp_path) -> None:
+    out = tmp_path / "src"
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "synth", "--family", "qwen3_next",
+                             "--preset", "demo", "-o", str(out)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(out.glob("*.partial")) and proc.poll() is None:
+            assert time.monotonic() < deadline, "synth never started writing"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C mid-shard
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert not out.exists(), sorted(os.listdir(out))
