@@ -56,6 +56,7 @@ def test_ctrl_c_stops_the_reply_keeps_the_session_and_exits_quietly_at_the_promp
     try:
         s.wait(lambda: s.out.count(PROMPT) == 1, "the first prompt")
         assert "loading " in s.err and "loaded tiny in" in s.err  # said while the model loads
+        assert "Ctrl-D or /exit leaves" in s.err  # how to leave, said before the first prompt
         s.send("")  # an empty line is not a turn
         s.wait(lambda: s.out.count(PROMPT) == 2, "a new prompt after the empty line")
         s.send("Tell me a long story")

@@ -156,3 +156,14 @@ def test_a_deeply_nested_toml_is_one_line_in_a_real_process(tmp_path) -> None:
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip() == f"error: {nested}: invalid TOML: arrays or tables nested too deeply"
+
+
+def test_help_names_what_the_code_accepts(capsys) -> None:
+    from pipeline.config.schema import EVICTION_POLICIES, PREFETCH_STRATEGIES
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in (*EVICTION_POLICIES, *PREFETCH_STRATEGIES):
+        assert name in text, name
+    assert "/v1/*" not in text and "on /metrics unless --metrics-without-key" in text

@@ -16,14 +16,18 @@ if TYPE_CHECKING:
 
 def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) -> None:
     """Flags that override config keys; shared by run, generate, chat and serve."""
+    from pipeline.config.schema import EVICTION_POLICIES, PREFETCH_STRATEGIES  # the registries
+
     g = p.add_argument_group("engine")
     if config_flag:
         g.add_argument("--config", type=Path, help="a TOML config to start from (flags override it)")
     g.add_argument("--pool-mb", type=int, help="expert pool budget in MiB")
     g.add_argument("--slots", type=int, help="expert pool size in experts (instead of --pool-mb)")
-    g.add_argument("--strategy", help="prefetch: none, next-gate, lookahead, history, transition")
+    g.add_argument("--strategy", help=f"prefetch strategy: {', '.join(PREFETCH_STRATEGIES)} "
+                   "(default next-gate; combined unions prefetch.combine)")
     g.add_argument("--depth", type=int, help="layers ahead for lookahead prefetch")
-    g.add_argument("--eviction", help="pool eviction policy: lfu, lru, slru")
+    g.add_argument("--eviction", help=f"pool eviction policy: {', '.join(EVICTION_POLICIES)} "
+                   "(default reuse)")
     g.add_argument("--readers", type=int, help="expert reads in flight at once")
     g.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill step")
     g.add_argument("--no-overlap", action="store_true", help="serial streamer: no prefetch or overlap")

@@ -151,6 +151,7 @@ async def _interactive(engine: Engine, params: SamplingParams) -> int:
         async for _ in signals:
             current.cancel()  # the reply or the prompt, whichever is running
 
+    err.print("[dim]Ctrl-D or /exit leaves; Ctrl-C stops a reply (and, at the prompt, leaves)[/dim]")
     with trio.open_signal_receiver(signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(on_sigint, signals)
