@@ -299,19 +299,32 @@ def verify_container(path: str | os.PathLike[str],
             if progress is not None:
                 progress(done, total)
 
+        unreadable: set[str] = set()  # listed once, not once per expert, and still listing the rest
         for f in m.files:
             h = hashlib.sha256()
-            with open(root / f.path, "rb") as fh:
-                while chunk := fh.read(1 << 22):
-                    h.update(chunk)
-                    advance(len(chunk))
+            try:
+                with open(root / f.path, "rb") as fh:
+                    while chunk := fh.read(1 << 22):
+                        h.update(chunk)
+                        advance(len(chunk))
+            except OSError as exc:
+                unreadable.add(f.path)
+                report.problems.append(f"{root / f.path}: cannot read: {exc.strerror or exc}")
+                continue
             report.files_checked += 1
             if h.hexdigest() != f.sha256:
                 report.problems.append(f"{root / f.path}: sha256 {h.hexdigest()[:16]}... != manifest {f.sha256[:16]}...")
         for entry in m.layers:
+            if entry.file in unreadable:
+                continue
             buf = bytearray(entry.stride)
             for e in range(entry.num_experts):
-                container.read_expert(entry.index, e, buf)
+                try:
+                    container.read_expert(entry.index, e, buf)
+                except OSError as exc:
+                    report.problems.append(f"{root / entry.file}: layer {entry.index} expert {e}: "
+                                           f"cannot read: {exc.strerror or exc}")
+                    break
                 advance(entry.stride)
                 report.experts_checked += 1
                 crc = zlib.crc32(memoryview(buf)[: entry.format.nbytes])
