@@ -14,11 +14,19 @@ import structlog
 
 from qpack.log_default import safe_processors, stderr_logger
 
+_debug = False  # what the last configure_logging chose: failures then print a traceback
+
+
+def debug_enabled() -> bool:
+    return _debug
+
 
 def configure_logging(level: str = "warning", json: bool = False) -> None:
+    global _debug
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         raise SystemExit(f"--log-level: unknown level {level!r}")
+    _debug = numeric <= logging.DEBUG
     structlog.configure(
         processors=safe_processors(debug=numeric <= logging.DEBUG, json=json),
         wrapper_class=structlog.make_filtering_bound_logger(numeric),

@@ -64,3 +64,18 @@ def test_the_library_default_logs_info_and_up_to_stderr_without_locals() -> None
     assert "engine.open" in done.stderr and "batch.regroup" not in done.stderr, done.stderr
     assert "4111" not in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert "error_type=ValueError" in done.stderr, done.stderr
+
+
+def test_the_cli_follows_the_config_log_section_unless_told_otherwise(tmp_path, capsys) -> None:
+    from pipeline.cli import main
+
+    config = tmp_path / "c.toml"
+    config.write_text(f'[model]\npath = "{tmp_path}/m.qpack"\nsource = "{tmp_path}/no-src"\n'
+                      '[log]\nlevel = "info"\n')
+    try:
+        assert main(["run", str(config)]) == 2
+        assert "prepare.pack" in capsys.readouterr().err  # an info line: [log] level applied
+        assert main(["--log-level", "warning", "run", str(config)]) == 2
+        assert "prepare.pack" not in capsys.readouterr().err  # the flag wins
+    finally:
+        configure_logging("warning")

@@ -13,7 +13,7 @@ import sys
 
 from pipeline.cli import bench, commands, config, pack, replay, serve, synth
 from pipeline.cli.failures import EXIT_INTERRUPTED, broken_pipe, interrupted_by, report
-from pipeline.logging_setup import configure_logging
+from pipeline.logging_setup import configure_logging, debug_enabled
 
 __all__ = ["build_parser", "main"]
 
@@ -27,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run huge sparse Mixture-of-Experts models with the experts streamed "
         "from disk into a bounded memory pool.",
     )
-    parser.add_argument("--log-level", default="warning", help="debug, info, warning, error")
+    parser.add_argument("--log-level", default=None,
+                        help="debug, info, warning, error (default: a config's [log] level "
+                        "when the file sets one, else warning)")
     parser.add_argument("--log-json", action="store_true", help="structured logs as JSON lines")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in COMMAND_MODULES:
@@ -38,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    configure_logging(args.log_level, args.log_json)
+    configure_logging(args.log_level or "warning", args.log_json)
     try:
         status = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
@@ -52,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_INTERRUPTED
         if interrupted_by(group, BrokenPipeError):
             return broken_pipe()
-        return report(group, args.log_level.lower() == "debug")
+        return report(group, debug_enabled())
     except Exception as exc:  # every failure: one line, the traceback only when debugging
-        return report(exc, args.log_level.lower() == "debug")
+        return report(exc, debug_enabled())
 
 
 if __name__ == "__main__":

@@ -96,8 +96,14 @@ def engine_config(args: argparse.Namespace, model: str | None = None, *,
         raw.setdefault("sampling", {})["stop"] = list(args.stop)
     if getattr(args, "no_overlap", False):
         raw.setdefault("compute", {})["overlap"] = False
-    return config_from_dict(raw, source=str(args.config or "<flags>"), text=text,
-                            overrides=args.overrides, check_paths=check_paths)
+    cfg = config_from_dict(raw, source=str(args.config or "<flags>"), text=text,
+                           overrides=args.overrides, check_paths=check_paths)
+    said = "log" in raw or any(o.strip().startswith("log.") for o in args.overrides)
+    if said and getattr(args, "log_level", None) is None:  # the config's [log], unless --log-level
+        from pipeline.logging_setup import configure_logging
+
+        configure_logging(cfg.log.level, cfg.log.json or bool(getattr(args, "log_json", False)))
+    return cfg
 
 
 def distributed(cfg: PipelineConfig, face: Any, *, server: bool = False) -> int:
