@@ -9,15 +9,20 @@ only to a caller with the key, never by their absolute paths.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
 import shutil
+import signal
+import threading
+import time
 from pathlib import Path
 
 import httpx2
 import pytest
 import trio
 from test_server_errors import AUTH, CHAT, KEY, body, error_of, running_server
+from test_shutdown import Server
 
 from pipeline.server import offload
 from pipeline.server.app import serve_engine
@@ -104,3 +109,31 @@ async def test_the_api_key_covers_metrics_and_health_details(endless, tmp_path) 
                 assert (await other.get("/metrics")).status_code == 200
                 assert (await other.post(CHAT, json=body())).status_code == 401
             nursery.cancel_scope.cancel()
+
+
+def test_sigterm_while_a_template_renders_stops_the_server(fork_server, endless) -> None:
+    # Budget and grace far longer than the test waits: the exit may wait for neither (the
+    # render has no token due to anyone, so the shutdown answers it 503 at once).
+    server = Server(fork_server, endless, "--set", "server.prompt_budget_s=60",
+                    "--set", "server.shutdown_grace_s=120")
+    statuses: list[int] = []
+    try:
+        server.wait_for("server.listening")
+
+        def post() -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=90)
+            try:
+                conn.request("POST", CHAT, json.dumps(body()), {"Content-Type": "application/json"})
+                statuses.append(conn.getresponse().status)
+            finally:
+                conn.close()
+
+        client = threading.Thread(target=post, daemon=True)
+        client.start()
+        time.sleep(0.5)  # the request reaches the template (it renders within milliseconds)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0, "".join(server.log)[-3000:]
+        client.join(10)
+        assert statuses == [503], statuses
+    finally:
+        server.stop()

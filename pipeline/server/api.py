@@ -60,7 +60,7 @@ class Api:
         self.drain = drain or Drain()
         self.created = int(time.time())
         # Template rendering and tokenizing: worker threads, bounded in time and number.
-        self.offload = Offload(settings.prompt_budget_s)
+        self.offload = Offload(self.drain, settings.prompt_budget_s)
 
     async def encode(self, text: str, param: str) -> list[int]:
         """The tokens of request text, tokenized off the event loop within its budget."""

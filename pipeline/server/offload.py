@@ -25,6 +25,7 @@ import structlog
 import trio
 
 from pipeline.server import schema as s
+from pipeline.server.drain import Drain, shutting_down
 
 log = structlog.get_logger("moestream.server")
 
@@ -72,18 +73,33 @@ class _Call:
 class Offload:
     """One server's budgeted calls (its own limiter: at most MAX_AT_ONCE threads)."""
 
-    def __init__(self, budget_s: float = BUDGET_S) -> None:
+    def __init__(self, drain: Drain, budget_s: float = BUDGET_S) -> None:
+        self.drain = drain
         self.budget_s = budget_s
         self.limiter = trio.CapacityLimiter(MAX_AT_ONCE)
 
     async def __call__(self, fn: Callable[[], T], what: str, param: str) -> T:
         """`fn()` off the event loop within the budget; over it, a 400 naming `what` and
-        `param`. APIErrors `fn` raises (a template refusing the messages) pass through."""
+        `param`; on shutdown, a 503 at once (no token is due to anyone yet, so the drain
+        does not wait for it). APIErrors `fn` raises (a template refusing the messages)
+        pass through."""
         call = _Call(fn)
-        with trio.move_on_after(self.budget_s) as scope:
-            result = await trio.to_thread.run_sync(call, abandon_on_cancel=True,
-                                                   limiter=self.limiter)
-        if scope.cancelled_caught:
+        try:
+            with trio.CancelScope() as stopped:
+                self.drain.watch(stopped, producing=False)
+                try:
+                    with trio.move_on_after(self.budget_s) as over:
+                        result = await trio.to_thread.run_sync(call, abandon_on_cancel=True,
+                                                               limiter=self.limiter)
+                finally:
+                    self.drain.unwatch(stopped)
+        except BaseException:  # the client went away: stop the render too
+            call.interrupt()
+            raise
+        if stopped.cancelled_caught:
+            call.interrupt()
+            raise shutting_down()
+        if over.cancelled_caught:
             interrupted = call.interrupt()
             log.warning("server.prompt_budget_exceeded", what=what, budget_s=self.budget_s,
                         interrupted=interrupted)
