@@ -181,7 +181,7 @@ class ServerConfig(_Section):
     metrics_without_key: bool = False
     # Seconds a chat template render (the container's code) or a tokenizing call may take;
     # past it the request gets a 400 and the render is stopped.
-    prompt_budget_s: Annotated[float, within(0.0, 60.0, open_low=True)] = 2.0
+    prompt_budget_s: Annotated[float, within(0.0, 60.0, open_low=True)] = 10.0  # = offload.BUDGET_S
 
 
 class DistributedConfig(_Section):

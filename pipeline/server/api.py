@@ -24,7 +24,7 @@ from pipeline.server import grammar
 from pipeline.server import schema as s
 from pipeline.server.drain import Drain
 from pipeline.server.metrics import Metrics
-from pipeline.server.offload import Offload
+from pipeline.server.offload import BUDGET_S, Offload
 
 log = structlog.get_logger("moestream.server")
 
@@ -48,7 +48,7 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     # With an api_key, /metrics needs it too unless this is set (a scraper without one).
     metrics_without_key: bool = False
     # Seconds one template render or tokenizing call may take (pipeline/server/offload.py).
-    prompt_budget_s: float = 2.0
+    prompt_budget_s: float = BUDGET_S
 
 
 class Api:

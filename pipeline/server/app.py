@@ -43,6 +43,7 @@ from pipeline.server import schema as s
 from pipeline.server.api import Api, ServerSettings
 from pipeline.server.drain import Drain
 from pipeline.server.metrics import Metrics
+from pipeline.server.offload import BUDGET_S
 from pipeline.server.transport import json_response
 from qpack.checked_files import unreadable_files
 
@@ -181,7 +182,7 @@ async def serve_engine(
     cors_origins: tuple[str, ...] = (),
     defaults: SamplingParams | None = None,
     metrics_without_key: bool = False,
-    prompt_budget_s: float = 2.0,
+    prompt_budget_s: float = BUDGET_S,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     shutdown_grace_s: float = 5.0,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
