@@ -144,7 +144,7 @@ async def test_refusals_name_what_is_wrong(container: Path) -> None:
         ok = await http.post(CHAT, headers=AUTH, json=body())
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
         assert engine.waiting == 0 and not engine.busy
-        metrics = (await http.get("/metrics")).text
+        metrics = (await http.get("/metrics", headers=AUTH)).text  # the key covers /metrics
         assert 'moestream_requests_total{path="/v1/chat/completions",status="400"}' in metrics
         assert 'status="413"' in metrics and 'status="401"' in metrics
 
