@@ -13,6 +13,16 @@ if TYPE_CHECKING:
 
 
 
+def readers_arg(text: str) -> int | str:
+    """--readers: "auto" or a count (the config checks its range)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, not {text!r}") from None
+
+
 def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) -> None:
     """Flags that override config keys; shared by run, generate, chat and serve."""
     g = p.add_argument_group("engine")
@@ -23,7 +33,8 @@ def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) ->
     g.add_argument("--strategy", help="prefetch: none, next-gate, lookahead, history, transition")
     g.add_argument("--depth", type=int, help="layers ahead for lookahead prefetch")
     g.add_argument("--eviction", help="pool eviction policy: lfu, lru, slru")
-    g.add_argument("--readers", type=int, help="expert reads in flight at once")
+    g.add_argument("--readers", type=readers_arg,
+                   help="expert reads in flight at once: a number or auto (measured at start; default)")
     g.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill step")
     g.add_argument("--no-overlap", action="store_true", help="serial streamer: no prefetch or overlap")
     g.add_argument("--verify", choices=["off", "first-use", "full", "always"],

@@ -36,6 +36,8 @@ LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error")
 SYNTH_PREFIX = "synth:"
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+# Each reader is a thread with staging buffers: past the deepest NVMe queue, only memory.
+MAX_READERS = 256
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 
 
@@ -79,7 +81,9 @@ class PoolConfig(_Section):
 
 
 class ReaderConfig(_Section):
-    concurrency: PositiveInt = 4  # expert reads in flight at once
+    # Expert reads in flight at once (disk threads). "auto": the smallest queue depth
+    # that reaches the disk's bandwidth, measured at start (actors/queue_depth.py).
+    concurrency: Annotated[int, msgspec.Meta(ge=1, le=MAX_READERS)] | Literal["auto"] = "auto"
     retries: NonNegInt = 2  # per read, on EIO/short read, before the error propagates
     retry_backoff_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 10.0
     o_direct: bool = False  # bypass the page cache (Linux; falls back if unsupported)
