@@ -27,8 +27,8 @@ log = structlog.get_logger("moestream.reader")
 
 MAX_DEPTH = 32
 ROUNDS = 6  # reads per thread at each depth
-GOOD_ENOUGH = 0.92  # of the best bandwidth: the smallest depth that reaches it
-GAIN = 1.08  # a doubling that adds less than this stops the probe
+GOOD_ENOUGH = 0.97  # of the best bandwidth: the smallest depth that reaches it
+GAIN = 1.05  # a doubling that adds less than this stops the probe
 BUDGET_S = 1.0
 _cache: dict[tuple[str, bool], DepthProbe] = {}
 _lock = threading.Lock()

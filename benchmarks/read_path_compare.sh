@@ -14,7 +14,9 @@ mkdir -p "$DATA" "$OUT"
 export PYTHONUNBUFFERED=1
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$DATA/ptx-cache}
 SITE=${SITE:-/tmp/site}
-COMMON=(--pool-mb 1024 --o-direct --cases default,io --max-tokens 24)
+# FAST=1: no O_DIRECT, the page cache kept warm (a stand-in for a fast SSD).
+if [ -n "${FAST:-}" ]; then COMMON=(--pool-mb 1024 --warm); else COMMON=(--pool-mb 1024 --o-direct); fi
+COMMON+=(--max-tokens 24)
 mode=$1; shift
 case $mode in
   write)
@@ -25,10 +27,12 @@ case $mode in
     tag=$1; shift
     echo "== $(date -u) base $tag $*"
     (cd "$BASE" && PYTHONPATH=$SITE:$BASE python3 benchmarks/moestream_bench.py bench "$DATA/$tag.qpack" \
-      "${COMMON[@]}" --json "$OUT/base-$tag.json" "$@" 2>&1 | tail -12) ;;
+      --cases "${CASES:-default,io}" "${COMMON[@]}" --json "$OUT/base-${NAME:-x}-$tag.json" "$@" 2>&1 | tail -12) ;;
   new)
     name=$1; tag=$2; shift 2
     echo "== $(date -u) new $name $tag $*"
     PYTHONPATH=$SITE:$PWD python3 benchmarks/moestream_bench.py bench "$DATA/$tag.qpack" \
-      "${COMMON[@]}" --json "$OUT/$name-$tag.json" "$@" 2>&1 | tail -22 ;;
+      --cases "${CASES:-default,io}" "${COMMON[@]}" --json "$OUT/$name-$tag.json" "$@" 2>&1 | tail -22 ;;
+  cache)
+    tag=$1; cat "$DATA/$tag.qpack"/experts/* "$DATA/$tag.qpack"/*.safetensors > /dev/null ;;
 esac

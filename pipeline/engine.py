@@ -324,6 +324,7 @@ def _start_actors(
         retries=config.reader.retries,
         retry_backoff_s=config.reader.retry_backoff_ms / 1000,
         stage=storage.stage if stage_in_threads else None,
+        switch_interval_s=config.reader.switch_interval_ms / 1000 or None,
     )
     nursery.start_soon(reader.run)
     router = ExpertRouter(table, reader, model.num_experts, installer(worker, storage))

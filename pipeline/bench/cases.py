@@ -122,8 +122,18 @@ async def measure_engine(case: Case) -> Result:
             prefill_bytes=int(mark.get("bytes", 0) - bytes0),
             run_ahead_tokens=compute.stats.run_ahead_tokens - ahead0[0],
             run_ahead_misses=compute.stats.run_ahead_misses - ahead0[1],
-            seconds=time.perf_counter() - started, read_path=read_path, **phases,
+            seconds=time.perf_counter() - started, read_path=read_path,
+            queue_depth_gb_s=_probed(cfg, engine), **phases,
         )
+
+
+def _probed(cfg: Any, engine: Any) -> dict[int, float]:
+    """What the readers=auto probe measured (depth -> GB/s); empty for a fixed count."""
+    if cfg.reader.concurrency != "auto" or not cfg.compute.overlap:
+        return {}
+    from actors.queue_depth import choose_depth
+
+    return dict(choose_depth(engine.container).gb_s)  # measured at open: cached
 
 
 def _strategy_label(prefetch: Any) -> str:
@@ -188,7 +198,7 @@ def measure(case: Case) -> Result:
             with Container.open(case.model, verify="off", o_direct=o_direct) as c:
                 probe = choose_depth(c)
             threads = max(probe.gb_s, key=lambda d: probe.gb_s[d])
-        bw = read_bandwidth(case.model, threads=int(threads), o_direct=o_direct)
+        bw = read_bandwidth(case.model, threads=int(threads), o_direct=o_direct, cold=case.cold)
         return Result(name=case.name, kind="io", readers=bw.threads, o_direct=bw.o_direct,
                       read_gb_s=bw.gb_s, seconds=time.perf_counter() - started)
     raise ValueError(f"case {case.name!r}: unknown kind {case.kind!r} (moestream, resident, io)")
@@ -304,8 +314,6 @@ def main(argv: list[str]) -> int:
     from pipeline.logging_setup import configure_logging
 
     configure_logging("warning", False)
-    if os.environ.get("MOESTREAM_SWITCH_INTERVAL"):  # experiment: the GIL's switch interval
-        sys.setswitchinterval(float(os.environ["MOESTREAM_SWITCH_INTERVAL"]))
     case = msgspec.json.decode(argv[1], type=Case)
     result = measure(case)
     sys.stdout.write("\n" + json.dumps(msgspec.to_builtins(result)) + "\n")

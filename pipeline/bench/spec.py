@@ -81,6 +81,7 @@ class Result(msgspec.Struct, kw_only=True):
     batch_rows_per_step: float = 0.0
     # Cold cases: where the decode window's time went on the read path.
     read_path: ReadPath | None = None
+    queue_depth_gb_s: dict[int, float] = {}  # readers = auto: the probe's depth -> GB/s
     backend: str = ""
     routing: str = "router"  # what chose the experts (a calibrated label: benchmark only)
     seconds: float = 0.0

@@ -84,6 +84,9 @@ class ReaderConfig(_Section):
     # Expert reads in flight at once (disk threads). "auto": the smallest queue depth
     # that reaches the disk's bandwidth, measured at start (actors/queue_depth.py).
     concurrency: Annotated[int, msgspec.Meta(ge=1, le=MAX_READERS)] | Literal["auto"] = "auto"
+    # The GIL's switch interval while reading (ms; 0 leaves Python's 5 ms): a disk thread
+    # waits for the GIL between reads (actors/reader.py).
+    switch_interval_ms: Annotated[float, msgspec.Meta(ge=0.0, le=5.0)] = 0.2
     retries: NonNegInt = 2  # per read, on EIO/short read, before the error propagates
     retry_backoff_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 10.0
     o_direct: bool = False  # bypass the page cache (Linux; falls back if unsupported)
