@@ -220,7 +220,11 @@ class Compute:
         the router, the one `replay` reproduces.
         """
         await self.prefetcher.caught_up()
-        slot_of = await self.router.demand(routed.layer, routed.ids, routed.tick)
+        if routed.predicted is not None:
+            # A gate prediction is known already: ordered with the demand, before its wait.
+            routed.ordered = True
+        slot_of = await self.router.demand(routed.layer, routed.ids, routed.tick,
+                                           routed.predicted if routed.ordered else None)
         await self.prefetcher.send(routed)
         return slot_of
 

@@ -72,6 +72,11 @@ class MlxWorker:
             self._thread.start()
             self._started = True
 
+    def submit(self, fn: Callable[[], object]) -> None:
+        """Queue `fn()` on this thread and return at once: `fn` reports its own result
+        (the readers' staging threads hand finished loads to trio themselves)."""
+        self._jobs.put((fn, _ignore))
+
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the MLX thread from a plain (non-trio) thread and wait for it."""
         if threading.current_thread() is self._thread:
@@ -108,3 +113,7 @@ class MlxWorker:
         self._jobs.put((lambda: fn(*args), deliver))
         await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
         return box[0].unwrap()
+
+
+def _ignore(result: outcome.Outcome[object]) -> None:
+    """A submitted job's outcome: it handled its own errors."""

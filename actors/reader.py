@@ -1,14 +1,26 @@
 """The reader actor: expert reads from the container into staging buffers.
 
-Several worker tasks (the configured concurrency) each run one blocking `preadv` at a
-time in a trio worker thread. Demand reads always start before prefetch reads; a
-prefetch that becomes a demand before it starts is promoted to the demand queue, and
-one that is already running is simply waited on (never issued twice). A read that
-fails is retried a bounded number of times, then reported on its `Load`.
+`concurrency` disk threads each keep one blocking `preadv` in flight: the number of
+threads is the queue depth the disk is offered. A thread that finishes a read takes the
+next load itself, under one lock, demand before prefetch, so the disk is never left
+waiting for the event loop; a prefetch that becomes a demand before it starts is
+promoted, one already running is simply waited on (never issued twice).
+
+What a blob needs after the read (its crc32 on first use, the copy into device memory
+on GPUs) runs on the staging threads (`MlxWorker.staging(i)`), never on a disk thread:
+the next read starts at once. The finished load is handed to trio with one
+`run_sync_soon`. Per read, the event loop does a queue operation to submit and a
+callback to complete; the rest happens in threads.
+
+A read that fails is retried a bounded number of times, then reported on its `Load`.
+A blob that fails its checksum is re-read (the same bounded retries) on the staging
+thread, off the disk threads.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -20,11 +32,22 @@ import structlog
 import trio
 
 from actors import timeline
+from actors.disk_meter import DiskMeter
 from actors.mlx_worker import MlxWorker
 from actors.pool.eviction import ExpertKey
 from qpack.reader import Container, aligned_empty
 
 log = structlog.get_logger("moestream.reader")
+# While readers run, the GIL is handed over at least this often (Python's default: 5 ms).
+# A disk thread whose pread returned needs the GIL to start the next one; behind the MLX
+# thread's graph building it waited up to the whole interval, several reads' worth. At
+# 0.2 ms a 35B-dims decode moved 1.84 GB/s instead of 1.62 (H200, 2026-12-01).
+SWITCH_INTERVAL_S = 0.0002
+_switch_lock = threading.Lock()
+_switch_users: list[float] = []  # the interval each running reader found, to restore
+# Staging threads touch MLX (each keeps its streams for life), so there are few of them;
+# a 1.7 MiB blob's copy to the H200 takes ~0.6 ms, so 4 keep up with ~10 GB/s of reads.
+MAX_STAGERS = 4
 
 
 class ExpertReadError(RuntimeError):
@@ -37,10 +60,21 @@ class Load:
     demand: bool
     done: trio.Event = field(default_factory=trio.Event)
     buffer: np.ndarray | None = None
-    staged: Any = None  # what `stage` made of the buffer, on the worker's staging thread
+    staged: Any = None  # what `stage` made of the buffer, on a staging thread
     error: BaseException | None = None
     started: bool = False
-    seconds: float = 0.0
+    predicted: bool = False  # submitted as a prefetch (whatever it became later)
+    # perf_counter times: submitted, pread started, pread ended, finished (checked/staged).
+    t_submit: float = 0.0
+    t_start: float = 0.0
+    t_read: float = 0.0
+    t_done: float = 0.0
+    check_s: float = 0.0
+    stage_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.t_done - self.t_start if self.t_done else 0.0
 
 
 @dataclass
@@ -51,7 +85,14 @@ class ReaderStats:
     bytes_read: int = 0
     retries: int = 0
     failures: int = 0
-    read_seconds: float = 0.0
+    read_seconds: float = 0.0  # pread started -> blob ready (checked, staged)
+    # Where a read's time goes: waiting for a disk thread, the pread itself, waiting
+    # for a staging thread, the crc32, the copy into device memory.
+    queue_seconds: float = 0.0
+    pread_seconds: float = 0.0
+    finish_wait_seconds: float = 0.0
+    check_seconds: float = 0.0
+    stage_seconds: float = 0.0
 
 
 class ExpertReader:
@@ -64,10 +105,10 @@ class ExpertReader:
         retry_backoff_s: float = 0.01,
         buffers: int | None = None,
         stage: Callable[[np.ndarray], Any] | None = None,
+        switch_interval_s: float | None = SWITCH_INTERVAL_S,
     ) -> None:
-        # Run on each finished read off the MLX thread: the host->device copy of the blob
-        # (0.6 ms per 1.7 MiB expert on the H200). Worker i stages on
-        # `MlxWorker.staging(i)`: threads that touch MLX must live as long as the process.
+        self.switch_interval_s = switch_interval_s
+        # Run on each finished read off the MLX thread: the host->device copy of the blob.
         self.stage = stage
         self.container = container
         self.concurrency = concurrency
@@ -78,11 +119,15 @@ class ExpertReader:
         count = buffers if buffers is not None else max(4 * concurrency, 16)
         # Page-aligned, so the same buffers serve O_DIRECT reads.
         self._free: list[np.ndarray] = [aligned_empty(stride) for _ in range(count)]
-        self._free_count = trio.Semaphore(count)
         self._demand: deque[Load] = deque()
         self._prefetch: deque[Load] = deque()
-        self._queued = trio.Semaphore(0)
+        # Guards the queues and the free buffers: trio submits, disk threads take.
+        self._cond = threading.Condition(threading.Lock())
+        self._closed = False
         self._any_done = trio.Event()
+        self._stagers = max(1, min(MAX_STAGERS, concurrency))
+        self._next_stager = 0
+        self.meter = DiskMeter()
         self.stats = ReaderStats()
 
     @property
@@ -90,84 +135,105 @@ class ExpertReader:
         return sum(b.nbytes for b in self._free)
 
     async def run(self) -> None:
-        """The actor's body: `concurrency` read workers, until cancelled."""
-        async with trio.open_nursery() as nursery:
-            for i in range(self.concurrency):
-                nursery.start_soon(self._worker, i)
+        """The actor's body: `concurrency` disk threads, until cancelled."""
+        token = trio.lowlevel.current_trio_token()
+        with self._cond:
+            self._closed = False
+        threads = [threading.Thread(target=self._disk_thread, args=(i, token), daemon=True,
+                                    name=f"moestream-read-{i}") for i in range(self.concurrency)]
+        for thread in threads:
+            thread.start()
+        _claim_switch_interval(self.switch_interval_s)
+        try:
+            await trio.sleep_forever()
+        finally:
+            _release_switch_interval(self.switch_interval_s)
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            # A read in flight ends in milliseconds; a hung disk must not hold shutdown.
+            deadline = time.monotonic() + 2.0
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def submit(self, key: ExpertKey, *, demand: bool) -> Load:
-        load = Load(key, demand)
-        (self._demand if demand else self._prefetch).append(load)
-        self._queued.release()
+        load = Load(key, demand, predicted=not demand, t_submit=time.perf_counter())
+        with self._cond:
+            (self._demand if demand else self._prefetch).append(load)
+            self._cond.notify()
         return load
 
     def promote(self, load: Load) -> None:
         """A queued prefetch is now needed: move it to the front of the line."""
-        if load.demand or load.started or load.done.is_set():
+        with self._cond:
+            if load.demand or load.started or load.done.is_set():
+                load.demand = True
+                return
             load.demand = True
-            return
-        load.demand = True
-        self._prefetch.remove(load)
-        self._demand.append(load)
+            self._prefetch.remove(load)
+            self._demand.append(load)
+
+    @property
+    def queued(self) -> int:
+        return len(self._demand) + len(self._prefetch)
 
     @property
     def starved(self) -> bool:
         """Every staging buffer holds a finished blob or a read: installs must free some."""
-        return self._free_count.value == 0
+        return not self._free
 
     async def wait_any(self) -> None:
         """Until the next load finishes (whichever it is)."""
         await self._any_done.wait()
 
     def give_back(self, buffer: np.ndarray) -> None:
-        self._free.append(buffer)
-        self._free_count.release()
+        with self._cond:
+            self._free.append(buffer)
+            self._cond.notify()
 
-    def _next(self) -> Load:
-        load = self._demand.popleft() if self._demand else self._prefetch.popleft()
-        # Off the queue now: a promotion from here on must not look for it there.
-        load.started = True
-        return load
+    # -- the disk threads -------------------------------------------------------------------
 
-    async def _worker(self, index: int = 0) -> None:
-        while True:
-            await self._queued.acquire()
-            load = self._next()
-            await self._free_count.acquire()
-            buffer = self._free.pop()
-            start = time.perf_counter()
+    def _take(self) -> tuple[Load, np.ndarray] | None:
+        """Under the lock: the next load (demand first) and a free buffer, or None to exit."""
+        with self._cond:
+            while not self._closed and not ((self._demand or self._prefetch) and self._free):
+                self._cond.wait()
+            if self._closed:
+                return None
+            load = self._demand.popleft() if self._demand else self._prefetch.popleft()
+            # Off the queue now: a promotion from here on must not look for it there.
+            load.started = True
+            return load, self._free.pop()
+
+    def _disk_thread(self, index: int, token: trio.lowlevel.TrioToken) -> None:
+        while (taken := self._take()) is not None:
+            load, buffer = taken
+            load.t_start = time.perf_counter()
             try:
                 with timeline.span(f"reader-{index}", "read" if load.demand else "prefetch",
                                    layer=load.key[0], expert=load.key[1]):
-                    await trio.to_thread.run_sync(self._read, load.key, buffer)
-                    if self.stage is not None:
-                        load.staged = await MlxWorker.staging(index).run(self.stage, buffer)
+                    self._read(load.key, buffer)
             except Exception as exc:  # noqa: BLE001 - reported to whoever waits on the load
-                self.give_back(buffer)
-                load.error = exc
-                self.stats.failures += 1
-                log.warning("reader.failed", layer=load.key[0], expert=load.key[1], error=str(exc))
-            else:
-                load.buffer = buffer
-                nbytes = self.container.manifest.layer(load.key[0]).stride
-                self.stats.reads += 1
-                self.stats.bytes_read += nbytes
-                if load.demand:
-                    self.stats.demand_reads += 1
-                else:
-                    self.stats.prefetch_reads += 1
-            load.seconds = time.perf_counter() - start
-            self.stats.read_seconds += load.seconds
-            load.done.set()
-            self._any_done.set()
-            self._any_done = trio.Event()
+                load.t_read = time.perf_counter()
+                self._deliver(token, load, buffer, exc)
+                continue
+            load.t_read = time.perf_counter()
+            layer, expert = load.key
+            if self.stage is None and not self.container.needs_check(layer, expert):
+                self._deliver(token, load, buffer, None)
+                continue
+            stager = self._next_stager
+            self._next_stager = (stager + 1) % self._stagers
+            MlxWorker.staging(stager).submit(lambda load=load, buffer=buffer, stager=stager:
+                                             self._finish(token, stager, load, buffer))
 
     def _read(self, key: ExpertKey, buffer: np.ndarray) -> None:
-        """Blocking, in a worker thread: one read, retried on failure with a short backoff."""
+        """Blocking, in a disk thread: one read, retried on failure with a short backoff."""
         layer, expert = key
         for attempt in range(self.retries + 1):
+            self.meter.begin()
             try:
-                self.container.read_expert(layer, expert, buffer)
+                self.container.read_expert(layer, expert, buffer, check=False)
                 return
             except Exception as exc:
                 if attempt == self.retries:
@@ -175,5 +241,106 @@ class ExpertReader:
                         f"expert {expert} of layer {layer}: read failed after "
                         f"{attempt + 1} attempts: {exc}"
                     ) from exc
-                self.stats.retries += 1
-                time.sleep(self.retry_backoff_s * (2**attempt))
+                self._count_retry()
+            finally:
+                self.meter.end()
+            time.sleep(self.retry_backoff_s * (2**attempt))
+
+    def _count_retry(self) -> None:
+        with self._cond:
+            self.stats.retries += 1
+
+    # -- the staging threads ----------------------------------------------------------------
+
+    def _finish(self, token: trio.lowlevel.TrioToken, stager: int, load: Load,
+                buffer: np.ndarray) -> None:
+        """On staging thread `stager`: the blob's checksum (re-read if it fails), its copy."""
+        begun = time.perf_counter()
+        try:
+            with timeline.span(f"stager-{stager}", "finish", layer=load.key[0], expert=load.key[1]):
+                self._check(load.key, buffer)
+                checked = time.perf_counter()
+                load.check_s = checked - begun
+                if self.stage is not None:
+                    load.staged = self.stage(buffer)
+                    load.stage_s = time.perf_counter() - checked
+        except Exception as exc:  # noqa: BLE001 - reported to whoever waits on the load
+            self._deliver(token, load, buffer, exc)
+            return
+        load.t_done = time.perf_counter()
+        self._deliver(token, load, buffer, None, begun=begun)
+
+    def _check(self, key: ExpertKey, buffer: np.ndarray) -> None:
+        """The crc32 check; a mismatch is read again (a flipped bit in flight), bounded."""
+        layer, expert = key
+        for attempt in range(self.retries + 1):
+            try:
+                self.container.check_expert(layer, expert, buffer)
+                return
+            except Exception as exc:
+                if attempt == self.retries:
+                    raise ExpertReadError(
+                        f"expert {expert} of layer {layer}: read failed after "
+                        f"{attempt + 1} attempts: {exc}"
+                    ) from exc
+                self._count_retry()
+            time.sleep(self.retry_backoff_s * (2**attempt))
+            self.container.read_expert(layer, expert, buffer, check=False)
+
+    # -- back on trio -------------------------------------------------------------------------
+
+    def _deliver(self, token: trio.lowlevel.TrioToken, load: Load, buffer: np.ndarray,
+                 error: BaseException | None, begun: float | None = None) -> None:
+        if not load.t_done:
+            load.t_done = time.perf_counter()
+        try:
+            token.run_sync_soon(self._complete, load, buffer, error, begun)
+        except trio.RunFinishedError:
+            pass  # the engine is gone: nobody waits for this load
+
+    def _complete(self, load: Load, buffer: np.ndarray, error: BaseException | None,
+                  begun: float | None) -> None:
+        stats = self.stats
+        if error is not None:
+            self.give_back(buffer)
+            load.error = error
+            stats.failures += 1
+            log.warning("reader.failed", layer=load.key[0], expert=load.key[1], error=str(error))
+        else:
+            load.buffer = buffer
+            stats.reads += 1
+            stats.bytes_read += self.container.manifest.layer(load.key[0]).stride
+            if load.demand:
+                stats.demand_reads += 1
+            else:
+                stats.prefetch_reads += 1
+        stats.queue_seconds += load.t_start - load.t_submit
+        stats.pread_seconds += load.t_read - load.t_start
+        if begun is not None:
+            stats.finish_wait_seconds += begun - load.t_read
+        stats.check_seconds += load.check_s
+        stats.stage_seconds += load.stage_s
+        stats.read_seconds += load.seconds
+        load.done.set()
+        self._any_done.set()
+        self._any_done = trio.Event()
+
+
+def _claim_switch_interval(interval: float | None) -> None:
+    """Shorten the GIL's switch interval while a reader runs (None: leave it)."""
+    if interval is None:
+        return
+    with _switch_lock:
+        _switch_users.append(sys.getswitchinterval())
+        sys.setswitchinterval(min(interval, sys.getswitchinterval()))
+
+
+def _release_switch_interval(interval: float | None) -> None:
+    """The last reader to stop puts back the interval the first one found."""
+    if interval is None:
+        return
+    with _switch_lock:
+        first = _switch_users[0]
+        _switch_users.pop()
+        if not _switch_users:
+            sys.setswitchinterval(first)

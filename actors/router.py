@@ -41,6 +41,10 @@ Install = tuple[int, Any]  # (slot, blob: a staging buffer or the MLX array stag
 class RouterStats:
     stall_seconds: float = 0.0
     prefetch_hits_waited: int = 0
+    # The stall split by the load that ended it (the last of the layer's to land): one
+    # a prefetch had ordered but that came late, or one no prediction asked for.
+    stall_late_seconds: float = 0.0
+    stall_unpredicted_seconds: float = 0.0
 
 
 @dataclass
@@ -91,9 +95,15 @@ class ExpertRouter:
 
     # -- requests --------------------------------------------------------------------------
 
-    async def demand(self, layer: int, ids: Sequence[int], tick: int) -> np.ndarray:
-        """Make `ids` of `layer` resident and installed; returns slot_of (expert -> slot)."""
-        return await self._ask(self._demand, layer, list(ids), tick)
+    async def demand(self, layer: int, ids: Sequence[int], tick: int,
+                     then_prefetch: Sequence[tuple[int, Sequence[int]]] | None = None) -> np.ndarray:
+        """Make `ids` of `layer` resident and installed; returns slot_of (expert -> slot).
+
+        `then_prefetch`: the predictions made with this layer's routing, ordered right
+        after its demand is placed and before its reads are waited for, so the disk
+        starts on the next layers while this one's last reads land. The slot table sees
+        the same calls in the same order as a separate `prefetch` after the demand."""
+        return await self._ask(self._demand, layer, list(ids), tick, then_prefetch)
 
     async def demand_all(self, items: Sequence[tuple[int, Sequence[int], int]]) -> None:
         """`demand` for several (layer, ids, tick) in order, as one request: the
@@ -122,7 +132,8 @@ class ExpertRouter:
 
     # -- what the task runs ----------------------------------------------------------------
 
-    async def _demand(self, layer: int, ids: Sequence[int], tick: int) -> np.ndarray:
+    async def _demand(self, layer: int, ids: Sequence[int], tick: int,
+                      then_prefetch: Sequence[tuple[int, Sequence[int]]] | None = None) -> np.ndarray:
         """Make `ids` of `layer` resident and installed; returns slot_of (expert -> slot)."""
         self.failures.clear()  # only this demand's failures are reported
         placed = self.driver.demand(layer, ids, tick)
@@ -138,6 +149,8 @@ class ExpertRouter:
                 self.reader.promote(load)
             if load is not None:
                 waits.append(load)
+        if then_prefetch:
+            await self._prefetch(then_prefetch, tick)
         start = time.perf_counter()
         # Install in batches (each install is one MLX call with a fixed cost): once
         # every demanded load has landed, or earlier when the readers run out of
@@ -156,6 +169,12 @@ class ExpertRouter:
                     await self.reader.wait_any()
         elapsed = time.perf_counter() - start
         self.stats.stall_seconds += elapsed
+        if waits and elapsed > 0:
+            last = max(waits, key=lambda load: load.t_done)
+            if last.predicted:
+                self.stats.stall_late_seconds += elapsed
+            else:
+                self.stats.stall_unpredicted_seconds += elapsed
         slot_of = np.full(self.num_experts, -1, dtype=np.int32)
         for expert in ids:
             slot = self.table.lookup((layer, int(expert)))

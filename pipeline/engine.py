@@ -40,7 +40,13 @@ from actors.sampling_task import SamplingTask
 from pipeline.chat_template import template_kwargs
 from pipeline.config.schema import PipelineConfig
 from pipeline.distributed.active import active_stage
-from pipeline.engine_parts import cached_tokenizer, guarded, installer, staging_probe
+from pipeline.engine_parts import (
+    cached_tokenizer,
+    guarded,
+    installer,
+    reader_concurrency,
+    staging_probe,
+)
 from pipeline.engine_sizing import (
     PoolTooSmall,
     num_slots,
@@ -275,13 +281,14 @@ async def open_engine(
         )
         storage = await worker.run(PoolStorage, layout, slots)
         stage_in_threads = await staging_probe(config.reader.stage_in_threads, worker)
+        readers = await trio.to_thread.run_sync(reader_concurrency, config, container)
         dtype = await worker.run(activation_dtype, config.compute.dtype)
         model = (stage.model if stage else StreamedModel)(
             dense, fmt, storage.arrays, dtype, views=storage.view)
         async with trio.open_nursery() as nursery:
             engine = _start_actors(
                 config, container, worker, nursery, model, storage, tokenizer, slots,
-                record_routing, started, stage_in_threads,
+                record_routing, started, stage_in_threads, readers,
             )
             if stage:
                 await stage.attach(engine)
@@ -303,6 +310,7 @@ def _start_actors(
     record_routing: bool,
     started: float,
     stage_in_threads: bool,
+    readers: int,
 ) -> Engine:
     manifest = container.manifest
     overlap = config.compute.overlap
@@ -312,10 +320,11 @@ def _start_actors(
     storage.layer_of = lambda slot: (table.key_at(slot) or (None,))[0]  # mixed-format installs
     reader = ExpertReader(
         container,
-        concurrency=config.reader.concurrency if overlap else 1,
+        concurrency=readers,
         retries=config.reader.retries,
         retry_backoff_s=config.reader.retry_backoff_ms / 1000,
         stage=storage.stage if stage_in_threads else None,
+        switch_interval_s=config.reader.switch_interval_ms / 1000 or None,
     )
     nursery.start_soon(reader.run)
     router = ExpertRouter(table, reader, model.num_experts, installer(worker, storage))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -13,6 +13,10 @@ from actors.mlx_worker import MlxWorker
 from actors.pool.storage import PoolStorage
 from pipeline.generation_config import eos_token_ids
 from qpack.spec import QpackError
+
+if TYPE_CHECKING:
+    from pipeline.config.schema import PipelineConfig
+    from qpack.reader import Container
 
 log = structlog.get_logger("moestream.engine")
 
@@ -72,6 +76,19 @@ async def staging_probe(setting: str, worker: MlxWorker) -> bool:
         log.warning("engine.stage_in_threads_unavailable", error=str(exc))
         return False
     return ok
+
+
+def reader_concurrency(config: PipelineConfig, container: Container) -> int:
+    """Disk threads: 1 for the serial baseline, else the configured count, or for "auto"
+    the queue depth the disk needs (measured once per process; blocking, so a thread)."""
+    if not config.compute.overlap:
+        return 1
+    setting = config.reader.concurrency
+    if setting == "auto":
+        from actors.queue_depth import choose_depth
+
+        return choose_depth(container).depth
+    return setting
 
 
 def guarded(path: Path, fn: Callable[..., Any], *args: Any) -> Any:

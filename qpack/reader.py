@@ -156,9 +156,11 @@ class Container:
                 self.o_direct = False  # e.g. tmpfs: fall back to buffered reads, once
         return os.open(path, os.O_RDONLY)
 
-    def read_expert(self, layer_index: int, expert: int, out: memoryview | np.ndarray) -> None:
+    def read_expert(self, layer_index: int, expert: int, out: memoryview | np.ndarray, *,
+                    check: bool = True) -> None:
         """Read one expert blob into `out` (writable bytes, at least nbytes long; a full
-        stride when it fits, so the read stays one aligned request)."""
+        stride when it fits, so the read stays one aligned request). `check=False` leaves
+        the crc32 to a later `check_expert` (the reader runs it off the disk's path)."""
         entry = self.layer(layer_index)
         if not 0 <= expert < entry.num_experts:
             raise IndexError(f"layer {layer_index}: expert {expert} out of range 0..{entry.num_experts - 1}")
@@ -180,15 +182,27 @@ class Container:
         if got < nbytes:
             raise QpackError(self._paths[layer_index],
                              f"layer {layer_index} expert {expert}: short read ({got} of {nbytes} bytes at {offset}); file truncated?")
-        if self.verify == "always" or (
+        if check:
+            self.check_expert(layer_index, expert, view)
+
+    def needs_check(self, layer_index: int, expert: int) -> bool:
+        """Whether the verify level wants this expert's crc32 checked on this read."""
+        return self.verify == "always" or (
             self.verify == "first-use" and not self._checked[layer_index][expert]
-        ):
-            crc = zlib.crc32(view[:nbytes])
-            if crc != entry.checksums[expert]:
-                raise ExpertCorrupt(self._paths[layer_index],
-                                    f"layer {layer_index} expert {expert}: crc32 {crc:08x} != {entry.checksums[expert]:08x} "
-                                    "recorded at pack time (corrupted on disk?)")
-            self._checked[layer_index][expert] = 1
+        )
+
+    def check_expert(self, layer_index: int, expert: int, buf: memoryview | np.ndarray) -> None:
+        """The crc32 check `read_expert` does, for a blob already read (if the level wants it)."""
+        if not self.needs_check(layer_index, expert):
+            return
+        entry = self.layer(layer_index)
+        view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) or buf.format != "B" else buf
+        crc = zlib.crc32(view[: entry.format.nbytes])
+        if crc != entry.checksums[expert]:
+            raise ExpertCorrupt(self._paths[layer_index],
+                                f"layer {layer_index} expert {expert}: crc32 {crc:08x} != {entry.checksums[expert]:08x} "
+                                "recorded at pack time (corrupted on disk?)")
+        self._checked[layer_index][expert] = 1
 
     def expert_views(self, buf: memoryview | np.ndarray, layer_index: int | None = None) -> dict[str, np.ndarray]:
         """Each tensor of an expert blob as a numpy view into `buf` (bfloat16 as uint16)."""

@@ -48,6 +48,7 @@ class Routed:
     phase: Phase
     predicted: Prediction | None = None  # None: the strategy predicts here
     predict: bool = True  # False: a layer that ran ahead with every expert present
+    ordered: bool = False  # compute already ordered `predicted` with the layer's demand
 
 
 class Prefetcher:
@@ -106,7 +107,8 @@ class Prefetcher:
         if event.phase == "decode":
             self.scorer.score(event.layer, event.ids)
             self.scorer.record(preds)
-        await self.router.prefetch(preds, event.tick)
+        if not event.ordered:
+            await self.router.prefetch(preds, event.tick)
         if self.recorder is not None:
             self.recorder.record(event.layer, event.ids, preds, tokens=event.rows)
 

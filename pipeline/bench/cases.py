@@ -35,6 +35,8 @@ async def measure_engine(case: Case) -> Result:
     """One case in this process: open the engine, warm up, (cold) measure one generation."""
     from actors import timeline
     from actors.sampling_params import SamplingParams
+    from pipeline.bench.read_path import between
+    from pipeline.bench.read_path import mark as read_mark
     from pipeline.bench.refs import drop_page_cache
     from pipeline.bench.routing import calibrate
     from pipeline.config.schema import config_from_dict
@@ -66,6 +68,7 @@ async def measure_engine(case: Case) -> Result:
             override.begin_request(1, rows=case.prompt_tokens + case.max_tokens)
         router, compute = engine.router, engine.compute
         mark: dict[str, float] = {}
+        marks: list[Any] = []
         original = compute.begin_token
 
         async def begin_token(phase: Any) -> None:
@@ -74,6 +77,7 @@ async def measure_engine(case: Case) -> Result:
             if phase == "decode" and not mark:
                 snap = router.table.snapshot()
                 mark.update(bytes=router.reader.stats.bytes_read, hits=snap.hits, misses=snap.misses)
+                marks.append(read_mark(engine))
             await original(phase)
 
         compute.begin_token = begin_token  # type: ignore[method-assign]
@@ -88,6 +92,8 @@ async def measure_engine(case: Case) -> Result:
                     if isinstance(event, Done):
                         done = event
         compute.begin_token = original  # type: ignore[method-assign]
+        read_path = between(marks[0] if marks else None, read_mark(engine),
+                            engine.container.manifest.max_stride)
         assert done is not None
         s = done.stats
         snap = router.table.snapshot()
@@ -116,8 +122,18 @@ async def measure_engine(case: Case) -> Result:
             prefill_bytes=int(mark.get("bytes", 0) - bytes0),
             run_ahead_tokens=compute.stats.run_ahead_tokens - ahead0[0],
             run_ahead_misses=compute.stats.run_ahead_misses - ahead0[1],
-            seconds=time.perf_counter() - started, **phases,
+            seconds=time.perf_counter() - started, read_path=read_path,
+            queue_depth_gb_s=_probed(cfg, engine), **phases,
         )
+
+
+def _probed(cfg: Any, engine: Any) -> dict[int, float]:
+    """What the readers=auto probe measured (depth -> GB/s); empty for a fixed count."""
+    if cfg.reader.concurrency != "auto" or not cfg.compute.overlap:
+        return {}
+    from actors.queue_depth import choose_depth
+
+    return dict(choose_depth(engine.container).gb_s)  # measured at open: cached
 
 
 def _strategy_label(prefetch: Any) -> str:
@@ -172,8 +188,17 @@ def measure(case: Case) -> Result:
                       seconds=time.perf_counter() - started)
     if case.kind == "io":
         reader = case.config.get("reader", {})
-        bw = read_bandwidth(case.model, threads=int(reader.get("concurrency", 4)),
-                            o_direct=bool(reader.get("o_direct", False)))
+        o_direct = bool(reader.get("o_direct", False))
+        threads = reader.get("concurrency", "auto")
+        if threads == "auto":
+            # The ceiling at the depth where this disk was fastest (the probe's best).
+            from actors.queue_depth import choose_depth
+            from qpack.reader import Container
+
+            with Container.open(case.model, verify="off", o_direct=o_direct) as c:
+                probe = choose_depth(c)
+            threads = max(probe.gb_s, key=lambda d: probe.gb_s[d])
+        bw = read_bandwidth(case.model, threads=int(threads), o_direct=o_direct, cold=case.cold)
         return Result(name=case.name, kind="io", readers=bw.threads, o_direct=bw.o_direct,
                       read_gb_s=bw.gb_s, seconds=time.perf_counter() - started)
     raise ValueError(f"case {case.name!r}: unknown kind {case.kind!r} (moestream, resident, io)")

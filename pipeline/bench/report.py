@@ -77,6 +77,30 @@ def results_table(report: dict[str, Any]):  # -> rich.table.Table
     return table
 
 
+def read_path_table(report: dict[str, Any]):  # -> rich.table.Table | None
+    """Where each cold case's decode time went on the read path (None if none measured)."""
+    from rich.table import Table
+
+    rows = [r for r in report["results"] if not r.get("error") and r.get("read_path")
+            and r["read_path"].get("decode_s")]
+    if not rows:
+        return None
+    table = Table(title="read path while decoding (per read: ms)")
+    cols = ("case", "disk busy", "in flight", "disk GB/s", "stall late s", "stall unpredicted s",
+            "in vain MB", "queue", "pread", "stager wait", "crc32", "to device")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "case" else "right")
+    for r in rows:
+        p = r["read_path"]
+        table.add_row(
+            r["name"], f"{p['disk_busy_fraction']:.0%}", f"{p['mean_in_flight']:.2f}",
+            f"{p['disk_gb_s']:.2f}", f"{p['stall_late_s']:.2f}", f"{p['stall_unpredicted_s']:.2f}",
+            f"{p['wasted_mb']:.0f}", *(f"{p[k]:.2f}" for k in
+                                       ("queue_ms", "pread_ms", "finish_wait_ms", "check_ms", "stage_ms")),
+        )
+    return table
+
+
 def write_json(report: dict[str, Any], path: str | Path) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,8 @@ from typing import Any
 
 import msgspec
 
+from pipeline.bench.read_path import ReadPath
+
 Kind = str  # "moestream" | "resident" | "io"
 
 
@@ -77,6 +79,9 @@ class Result(msgspec.Struct, kw_only=True):
     per_seq_ms_per_token: float = 0.0  # the slowest row's
     per_seq_ms_per_token_mean: float = 0.0
     batch_rows_per_step: float = 0.0
+    # Cold cases: where the decode window's time went on the read path.
+    read_path: ReadPath | None = None
+    queue_depth_gb_s: dict[int, float] = {}  # readers = auto: the probe's depth -> GB/s
     backend: str = ""
     routing: str = "router"  # what chose the experts (a calibrated label: benchmark only)
     seconds: float = 0.0

@@ -12,6 +12,7 @@ import msgspec
 
 from pipeline.bench.cases import Case, Report, machine_info, run_case
 from pipeline.bench.routing import ROUTINGS
+from pipeline.cli.commands import readers_arg
 
 # The default run; warm-all (every expert pooled, vs mlx-lm resident in the same
 # process) and the long-prompt pair are asked for by name.
@@ -95,7 +96,7 @@ def run_bench(args: argparse.Namespace, command: str) -> dict[str, Any]:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from pipeline.bench.report import plot_timeline, results_table, write_json
+    from pipeline.bench.report import plot_timeline, read_path_table, results_table, write_json
 
     unknown = [c for c in args.cases if c not in ALL_CASES]
     if unknown:
@@ -121,7 +122,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     report = run_bench(args, "moestream bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []))
-    Console(stderr=True, width=None if sys.stderr.isatty() else 220).print(results_table(report))
+    console = Console(stderr=True, width=None if sys.stderr.isatty() else 220)
+    console.print(results_table(report))
+    if (reads := read_path_table(report)) is not None:
+        console.print(reads)
     if args.json:
         write_json(report, args.json)
     if args.trace and args.plots:
@@ -159,7 +163,8 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help=f"expert pool budget in MiB (default {DEFAULT_POOL_MB})")
     p.add_argument("--slots", type=int, default=None, help="expert pool size in experts (instead of --pool-mb)")
     p.add_argument("--eviction", default=None, help="pool eviction policy (default: the config's, reuse)")
-    p.add_argument("--readers", type=int, default=4, help="expert reads in flight (default 4)")
+    p.add_argument("--readers", type=readers_arg, default="auto",
+                   help="expert reads in flight: a number or auto (the queue depth measured at start; default)")
     p.add_argument("--strategy", default="next-gate", help="prefetch strategy of the default case")
     p.add_argument("--depth", type=int, default=1,
                    help="layers ahead the strategy predicts (lookahead, history; default 1)")

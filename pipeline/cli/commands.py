@@ -14,6 +14,16 @@ if TYPE_CHECKING:
 
 
 
+def readers_arg(text: str) -> int | str:
+    """--readers: "auto" or a count (the config checks its range)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, not {text!r}") from None
+
+
 def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) -> None:
     """Flags that override config keys; shared by run, generate, chat and serve."""
     from pipeline.config.schema import EVICTION_POLICIES, PREFETCH_STRATEGIES  # the registries
@@ -28,7 +38,8 @@ def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) ->
     g.add_argument("--depth", type=int, help="layers ahead for lookahead prefetch")
     g.add_argument("--eviction", help=f"pool eviction policy: {', '.join(EVICTION_POLICIES)} "
                    "(default reuse)")
-    g.add_argument("--readers", type=int, help="expert reads in flight at once")
+    g.add_argument("--readers", type=readers_arg,
+                   help="expert reads in flight at once: a number or auto (measured at start; default)")
     g.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill step")
     g.add_argument("--no-overlap", action="store_true", help="serial streamer: no prefetch or overlap")
     g.add_argument("--verify", choices=["off", "first-use", "full", "always"],

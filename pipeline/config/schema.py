@@ -36,7 +36,8 @@ LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error")
 MAX_CONFIG_BYTES = 1 << 20
 SYNTH_PREFIX = "synth:"
 
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+# Each reader is a thread with staging buffers: past the deepest NVMe queue, only memory.
+MAX_READERS = 256
 
 
 def within(lo: float, hi: float, *, open_low: bool = False) -> msgspec.Meta:
@@ -90,7 +91,12 @@ class PoolConfig(_Section):
 
 
 class ReaderConfig(_Section):
-    concurrency: PositiveInt = 4  # expert reads in flight at once
+    # Expert reads in flight at once (disk threads). "auto": the smallest queue depth
+    # that reaches the disk's bandwidth, measured at start (actors/queue_depth.py).
+    concurrency: Annotated[int, msgspec.Meta(ge=1, le=MAX_READERS)] | Literal["auto"] = "auto"
+    # The GIL's switch interval while reading (ms; 0 leaves Python's 5 ms): a disk thread
+    # waits for the GIL between reads (actors/reader.py).
+    switch_interval_ms: Annotated[float, msgspec.Meta(ge=0.0, le=5.0)] = 0.2
     # Per read, on EIO/short read, before the error propagates. The backoff doubles per
     # attempt and sleeps in the read's worker thread (which Ctrl-C cannot interrupt), so
     # both are bounded: at most 100 ms x (1 + 2 + 4 + 8 + 16) = 3.1 s per read, 1.6 s at once.
