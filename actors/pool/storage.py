@@ -38,6 +38,28 @@ def slots_for_budget(fmt: ExpertFormat | PoolLayout, budget_bytes: int) -> int:
     return budget_bytes // slot_bytes(fmt)
 
 
+class PoolAllocationError(MemoryError):
+    """The pool's arrays would not fit in the memory there is: refused before MLX tries."""
+
+
+def check_allocatable(nbytes: int) -> None:
+    """MLX does not survive an allocation that fails (the process segfaults, rc 139), so a
+    pool larger than the memory that could hold it is refused here, whoever sized it: the
+    engine checks explicit budgets with a margin first (pipeline.memory_budget); this is
+    the last guard, without the margin, for every caller."""
+    import psutil
+
+    if mx.default_device() == mx.cpu or not mx.cuda.is_available():
+        room, where = psutil.virtual_memory().available, "available host memory"
+    else:
+        info = mx.device_info()
+        room = int(info.get("memory_size") or info.get("total_memory") or 0) or nbytes
+        where = "the GPU's memory"
+    if nbytes > room:
+        raise PoolAllocationError(f"expert pool of {nbytes / 2**20:,.0f} MiB cannot be allocated: "
+                                  f"{where} is {room / 2**20:,.0f} MiB; use a smaller pool")
+
+
 class PoolStorage:
     """The slot arrays. Built from one format (every layer alike) or a `PoolLayout` (layers
     differ: mixed precision); then `layer_of(slot)` must say whose expert a slot holds
@@ -50,6 +72,7 @@ class PoolStorage:
         self.fmt = self.layout.formats[next(iter(self.layout.formats))]  # the uniform case's format
         self.num_slots = num_slots
         self.layer_of: Callable[[int], int | None] | None = None
+        check_allocatable(self.layout.slot_nbytes * num_slots)
         self.arrays: dict[str, mx.array] = {
             name: mx.zeros((num_slots, *shape), dtype=_MX_DTYPES[dtype])
             for name, (dtype, shape, _) in self.layout.arrays.items()
