@@ -9,8 +9,6 @@ fuzzed too; the ranges from the same annotations the loader checks (actors.bound
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +66,7 @@ def _refused_values(key: tuple[str, ...], t: mi.Type) -> list[tuple[Any, bool]]:
 
 
 CASES = [(k, v, ranged) for k, t in LEAVES for v, ranged in _refused_values(k, t)]
-FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _with(key: tuple[str, ...], value: Any) -> dict[str, Any]:
@@ -131,6 +129,8 @@ def test_cli_refuses_before_any_work(args, expected, capsys) -> None:
 def test_cli_refuses_bounded_arguments_and_bad_toml(tmp_path, capsys) -> None:
     nested = tmp_path / "nested.toml"
     nested.write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")
+    inline = tmp_path / "inline.toml"  # tomllib recursed past the limit: RecursionError
+    inline.write_text("x = " + "{a = " * 3000 + "1" + "}" * 3000 + "\n")
     binary = tmp_path / "binary.toml"
     binary.write_bytes(b"\x00\xff\xfe\x00 not text")
     for argv, expected in (
@@ -140,6 +140,7 @@ def test_cli_refuses_bounded_arguments_and_bad_toml(tmp_path, capsys) -> None:
          "more than 65536 tokens in all"),
         (["info", str(tmp_path), "--prefill-chunk", "-5"], "prefill_chunk must be in [0, 65536], got -5"),
         (["config", str(nested)], f"{nested}: invalid TOML: arrays or tables nested too deeply"),
+        (["run", str(inline)], f"{inline}: invalid TOML: arrays or tables nested too deeply"),
         (["config", str(binary)], f"{binary}: not UTF-8 text (byte 1 is 0xff)"),
     ):
         assert main(argv) == 2, argv
@@ -147,15 +148,6 @@ def test_cli_refuses_bounded_arguments_and_bad_toml(tmp_path, capsys) -> None:
         lines = [line for line in err.splitlines() if line.startswith("error:")]
         assert len(lines) == 1 and "Traceback" not in err, err
         assert expected in lines[0], lines[0]
-
-
-def test_a_deeply_nested_toml_is_one_line_in_a_real_process(tmp_path) -> None:
-    nested = tmp_path / "deep.toml"
-    nested.write_text("x = " + "{a = " * 3000 + "1" + "}" * 3000 + "\n")
-    done = subprocess.run([sys.executable, "-m", "pipeline", "run", str(nested)],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stderr.strip() == f"error: {nested}: invalid TOML: arrays or tables nested too deeply"
 
 
 def test_help_names_what_the_code_accepts(capsys) -> None:

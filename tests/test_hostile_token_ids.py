@@ -1,7 +1,9 @@
 """Token ids from configs and callers are checked against the vocabulary before MLX sees
 them: a `logit_bias` id at or past the vocabulary used to index out of bounds (heap
-corruption, rc 134; a segfault for 99999999). And `serve` applies the config's
-`[sampling] logit_bias` as `generate` does (a request's own field replaces it).
+corruption, rc 134; a segfault for 99999999): `Generation.check` refuses them for every
+caller (library, `generate`, the server), and `serve` refuses a config bias at start.
+And `serve` applies the config's `[sampling] logit_bias` as `generate` does (a request's
+own field replaces it).
 """
 
 from __future__ import annotations
@@ -9,14 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers_engine import engine_config
-from test_edges_cli import ENGINE, one_error
 from test_server_errors import running_server
 
 from actors.sampling_params import SamplingParams
-from pipeline.cli import main
 from pipeline.config.errors import ConfigError
-from pipeline.engine import open_engine
 from pipeline.events import Done
 from pipeline.server.app import serve_engine
 
@@ -39,9 +37,12 @@ async def _text(engine, params: SamplingParams) -> Done:
     raise AssertionError("no Done")
 
 
-async def test_library_refuses_ids_past_the_vocabulary_and_stays_usable(container: Path) -> None:
+async def test_ids_past_the_vocabulary_are_refused_and_serve_applies_the_config_bias(container: Path) -> None:
     vocab = _vocab(container)
-    async with open_engine(engine_config(container)) as engine:
+    favoured = 1234
+    defaults = SamplingParams(temperature=0.0, logit_bias=((favoured, 100.0),))
+    # One engine for the library and the server cases (each open costs seconds).
+    async with running_server(container, defaults=defaults) as (engine, http):
         for bad in (vocab, vocab + 64, 99_999_999):
             params = SamplingParams(temperature=0.0, max_tokens=2, logit_bias=((bad, 5.0),))
             with pytest.raises(ValueError, match=f"logit_bias token id {bad} is outside the "
@@ -51,31 +52,19 @@ async def test_library_refuses_ids_past_the_vocabulary_and_stays_usable(containe
         last = SamplingParams(temperature=0.0, max_tokens=2, logit_bias=((vocab - 1, 100.0),))
         done = await _text(engine, last)
         assert done.token_ids == (vocab - 1, vocab - 1)  # the last id is a real one
-
-
-def test_generate_with_an_out_of_vocabulary_bias_from_set_is_one_line(container: Path, capsys) -> None:
-    vocab = _vocab(container)
-    status = main(["generate", str(container), "--prompt", "Hi", *ENGINE,
-                   "--set", f"sampling.logit_bias=[[{vocab}, 5.0]]"])
-    line = one_error(capsys.readouterr().err)
-    assert status == 1
-    assert f"logit_bias token id {vocab} is outside the vocabulary [0, {vocab})" in line, line
-
-
-async def test_serve_applies_the_config_bias_and_refuses_a_bad_one(container: Path) -> None:
-    vocab = _vocab(container)
-    favoured = 1234
-    defaults = SamplingParams(temperature=0.0, logit_bias=((favoured, 100.0),))
-    async with running_server(container, defaults=defaults) as (engine, http):
+        # The same refusal for a request is a 400 naming the field.
+        refused = await http.post("/v1/completions", json={
+            "prompt": "Hi", "max_tokens": 2, "logit_bias": {str(vocab): 1}})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias"
+        # serve applies the config's bias to a request that sends none ...
         plain = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert plain.status_code == 200, plain.text
-        expected = engine.tokenizer.decode([favoured, favoured])
-        assert plain.json()["choices"][0]["text"] == expected
-        # A request's own logit_bias replaces the config's.
+        assert plain.json()["choices"][0]["text"] == engine.tokenizer.decode([favoured, favoured])
+        # ... and a request's own logit_bias replaces it.
         other = await http.post("/v1/completions", json={
             "prompt": "Hi", "max_tokens": 2, "logit_bias": {"4321": 100}})
         assert other.json()["choices"][0]["text"] == engine.tokenizer.decode([4321, 4321])
-        # And the server refuses, at start, a config bias the model cannot take.
+        # The server refuses, at start, a config bias the model cannot take.
         bad = SamplingParams(logit_bias=((vocab, 1.0),))
         with pytest.raises(ConfigError, match=f"sampling.logit_bias token id {vocab}"):
             await serve_engine(engine, "127.0.0.1", 0, defaults=bad)
