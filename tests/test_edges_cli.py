@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -145,11 +144,10 @@ def _inflate_experts(root: Path, expert_bytes: int) -> None:
 def test_an_explicit_pool_larger_than_memory_is_refused_with_the_numbers(copy, capsys):
     available = psutil.virtual_memory().available
     _inflate_experts(copy, available // 8)  # 16 slots = twice the available memory
-    started = time.monotonic()
     assert main(["generate", str(copy), "--slots", "16", "--prefill-chunk", "1"]) == 1
     line = one_error(capsys.readouterr().err)
+    # Refused at open, nothing allocated or read: the numbers are the check's, not MLX's.
     assert "does not fit" in line and "of available memory" in line and "MiB" in line, line
-    assert time.monotonic() - started < 30  # refused at open, nothing allocated or read
 
 
 def test_serve_on_a_busy_port_fails_before_loading_the_model(tiny, capsys):
@@ -157,12 +155,13 @@ def test_serve_on_a_busy_port_fails_before_loading_the_model(tiny, capsys):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        started = time.monotonic()
-        assert main(["serve", str(tiny), "--port", str(port), "--slots", "16"]) == 1
-        elapsed = time.monotonic() - started
-    line = one_error(capsys.readouterr().err)
+        # At info, so that a model load would show (engine.open): no clock needed to tell.
+        assert main(["--log-level", "info", "serve", str(tiny), "--port", str(port),
+                     "--slots", "16"]) == 1
+    err = capsys.readouterr().err
+    line = one_error(err)
     assert f"cannot listen on 127.0.0.1:{port}" in line and "another --port" in line, line
-    assert elapsed < 5, elapsed
+    assert "engine.open" not in err and "loaded" not in err, err  # before the model loads
 
 
 def test_run_without_a_source_is_one_line(tmp_path, capsys):
