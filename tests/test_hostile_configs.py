@@ -159,3 +159,16 @@ def test_help_names_what_the_code_accepts(capsys) -> None:
     for name in (*EVICTION_POLICIES, *PREFETCH_STRATEGIES):
         assert name in text, name
     assert "/v1/*" not in text and "on /metrics unless --metrics-without-key" in text
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["replay", "--workload", "qwen3-next-80b", "--slots", "0"], "--slots: expected an integer in [1, 16777216], got 0"),
+    (["synth", "--preset", "tiny", "-o", "x", "--shard-mb", "0"], "--shard-mb: expected an integer in [1, 1048576], got 0"),
+    (["bench", "x.qpack", "--max-tokens", "1000000000"], "--max-tokens: expected an integer in [1, 65536]"),
+    (["bench", "x.qpack", "--case-timeout", "nan"], "--case-timeout: expected seconds in (0, 86400], got nan"),
+])
+def test_counts_no_config_key_checks_are_refused_by_the_parser(argv, expected, capsys) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    assert expected in capsys.readouterr().err

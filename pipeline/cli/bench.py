@@ -13,6 +13,7 @@ import msgspec
 from pipeline.bench.cases import Case, Report, machine_info, run_case
 from pipeline.bench.routing import ROUTINGS
 from pipeline.cli.commands import readers_arg
+from pipeline.cli.counts import LAYERS, TOKENS, WORKERS, seconds
 
 # The default run; warm-all (every expert pooled, vs mlx-lm resident in the same
 # process) and the long-prompt pair are asked for by name.
@@ -170,10 +171,10 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="layers ahead the strategy predicts (lookahead, history; default 1)")
     p.add_argument("--prefill-chunk", type=int, default=0,
                    help="prompt tokens per prefill step (default 0: follow the pool)")
-    p.add_argument("--long-prompt", type=int, default=1024,
+    p.add_argument("--long-prompt", type=TOKENS, default=1024,
                    help="prompt length of the long-prompt cases (default 1024)")
-    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (default 16)")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--prompt-tokens", type=TOKENS, default=16, help="prompt length (default 16)")
+    p.add_argument("--max-tokens", type=TOKENS, default=32, help="tokens to generate (default 32)")
     p.add_argument("--o-direct", action="store_true", help="read experts with O_DIRECT")
     p.add_argument("--warm", action="store_true", help="keep the page cache (default: cold runs)")
     p.add_argument("--seed", type=int, default=0)
@@ -184,7 +185,7 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    "the container's routers), calibrated-gate (and gate strategies see the "
                    "model's emulated gate-ahead); in batch-N cases each row routes as its own "
                    "request; cases of the 2nd value and later are named 'case@routing'")
-    p.add_argument("--case-timeout", type=float, default=None, help="seconds per case before giving up")
+    p.add_argument("--case-timeout", type=seconds(86400), default=None, help="seconds per case before giving up")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -216,6 +217,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--bits", type=int, choices=(4, 8), default=4)
     c.add_argument("--group-size", type=int, default=64)
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--max-layers", type=int, default=None, help="only the first N layers")
-    c.add_argument("--workers", type=int, default=None, help="writer threads (default: cores, <= 16)")
+    c.add_argument("--max-layers", type=LAYERS, default=None, help="only the first N layers")
+    c.add_argument("--workers", type=WORKERS, default=None, help="writer threads (default: cores, <= 16)")
     c.set_defaults(func=_cmd_bench_container)

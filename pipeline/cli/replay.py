@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from actors.pool.eviction import POLICY_NAMES
 from actors.prefetch import STRATEGY_NAMES
+from pipeline.cli.counts import SLOTS
 from pipeline.replay import RECORDED
 
 if TYPE_CHECKING:
@@ -150,7 +151,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--slots",
-        type=int,
+        type=SLOTS,
         nargs="+",
         metavar="N",
         help="pool sizes in slots (default: the live run's)",

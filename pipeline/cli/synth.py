@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from pipeline.cli.counts import LAYERS, count
 from qpack.synth.presets import FAMILIES, FULL_SIZE, get_preset, preset_names
 from qpack.synth.variants import VARIANTS
 
@@ -45,9 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default=None, help="chat variant: qwen3_next instruct (default) or thinking "
                    "(template opens <think>, sampling 0.6/0.95/20); qwen3_5_moe hybrid")
     p.add_argument("--seed", type=int, default=0, help="random seed: same seed, same bytes (default 0)")
-    p.add_argument("--shard-mb", type=int, default=None,
+    p.add_argument("--shard-mb", type=count(1, 1 << 20), default=None,
                    help="maximum shard size in MiB (default: 8 for tiny, 2048 otherwise)")
-    p.add_argument("--max-layers", type=int, default=None,
+    p.add_argument("--max-layers", type=LAYERS, default=None,
                    help="write only the first N decoder layers (config included): for "
                    "measuring the full-size presets without writing them whole")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
