@@ -3,7 +3,8 @@ jinja's sandbox limit) cannot freeze the server: the template renders in a worke
 within a budget, the request gets a 400 naming the budget, `/health` and template-free
 requests keep answering meanwhile, and the thread is stopped (the next request renders).
 With `--api-key`, /metrics needs the key (unless opted out) and /health names files
-only to a caller with the key, never by their absolute paths.
+only to a caller with the key, never by their absolute paths. A shutdown answers a
+request still rendering 503 at once instead of waiting out the budget and the grace.
 """
 
 from __future__ import annotations

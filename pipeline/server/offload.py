@@ -8,7 +8,8 @@ tokenizing a 1 MB prompt held the loop for 0.4 s. Here each runs in a worker thr
 cannot pile up threads), for at most `BUDGET_S`: past it the request gets a 400 and the
 thread is interrupted with an exception raised into it (`PyThreadState_SetAsyncExc`,
 which lands at the next bytecode boundary: jinja templates are Python code, so their
-loops stop). What a budgeted call returns is also capped (`MAX_PROMPT_CHARS`).
+loops stop). A rendered template is also capped (`MAX_PROMPT_CHARS`, `check_size`).
+On shutdown a call still running is answered 503 at once and stopped the same way.
 
 Not covered: one C-level operation that allocates a lot at once (`'x' * 10**10` in a
 template) is not interrupted before it returns.
@@ -36,7 +37,6 @@ T = TypeVar("T")
 BUDGET_S = 10.0
 MAX_PROMPT_CHARS = 8 << 20  # what a template may render (the body is at most 1 MiB by default)
 MAX_AT_ONCE = 2
-
 
 
 class BudgetExceeded(Exception):
