@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
+
+from actors import timeline
 
 
 class MeterSnapshot(msgspec.Struct, frozen=True):
@@ -39,13 +42,14 @@ class DiskUse(msgspec.Struct, frozen=True):
 
 
 class DiskMeter:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
         self._lock = threading.Lock()
         self._in_flight = 0
         self._busy = 0.0
         self._integral = 0.0
         self._reads = 0
-        self._last = time.perf_counter()
+        self._last = clock()
 
     def _advance(self, now: float) -> None:
         dt = now - self._last
@@ -56,14 +60,18 @@ class DiskMeter:
 
     def begin(self) -> None:
         with self._lock:
-            self._advance(time.perf_counter())
+            self._advance(self._clock())
             self._in_flight += 1
+            n = self._in_flight
+        timeline.counter("disk", reads_in_flight=n)
 
     def end(self) -> None:
         with self._lock:
-            self._advance(time.perf_counter())
+            self._advance(self._clock())
             self._in_flight -= 1
             self._reads += 1
+            n = self._in_flight
+        timeline.counter("disk", reads_in_flight=n)
 
     @property
     def in_flight(self) -> int:
@@ -71,6 +79,6 @@ class DiskMeter:
 
     def snapshot(self) -> MeterSnapshot:
         with self._lock:
-            now = time.perf_counter()
+            now = self._clock()
             self._advance(now)
             return MeterSnapshot(now, self._busy, self._integral, self._reads)

@@ -229,22 +229,30 @@ class ExpertReader:
 
     def _read(self, key: ExpertKey, buffer: np.ndarray) -> None:
         """Blocking, in a disk thread: one read, retried on failure with a short backoff."""
+        self._with_retries(key, lambda _attempt: self._pread(key, buffer))
+
+    def _pread(self, key: ExpertKey, buffer: np.ndarray) -> None:
+        self.meter.begin()
+        try:
+            self.container.read_expert(*key, buffer, check=False)
+        finally:
+            self.meter.end()
+
+    def _with_retries(self, key: ExpertKey, attempt: Callable[[int], None]) -> None:
+        """`attempt(n)` until it succeeds, at most `retries` more times, backing off."""
         layer, expert = key
-        for attempt in range(self.retries + 1):
-            self.meter.begin()
+        for n in range(self.retries + 1):
             try:
-                self.container.read_expert(layer, expert, buffer, check=False)
+                attempt(n)
                 return
             except Exception as exc:
-                if attempt == self.retries:
+                if n == self.retries:
                     raise ExpertReadError(
                         f"expert {expert} of layer {layer}: read failed after "
-                        f"{attempt + 1} attempts: {exc}"
+                        f"{n + 1} attempts: {exc}"
                     ) from exc
                 self._count_retry()
-            finally:
-                self.meter.end()
-            time.sleep(self.retry_backoff_s * (2**attempt))
+            time.sleep(self.retry_backoff_s * (2**n))
 
     def _count_retry(self) -> None:
         with self._cond:
@@ -272,20 +280,13 @@ class ExpertReader:
 
     def _check(self, key: ExpertKey, buffer: np.ndarray) -> None:
         """The crc32 check; a mismatch is read again (a flipped bit in flight), bounded."""
-        layer, expert = key
-        for attempt in range(self.retries + 1):
-            try:
-                self.container.check_expert(layer, expert, buffer)
-                return
-            except Exception as exc:
-                if attempt == self.retries:
-                    raise ExpertReadError(
-                        f"expert {expert} of layer {layer}: read failed after "
-                        f"{attempt + 1} attempts: {exc}"
-                    ) from exc
-                self._count_retry()
-            time.sleep(self.retry_backoff_s * (2**attempt))
-            self.container.read_expert(layer, expert, buffer, check=False)
+
+        def attempt(n: int) -> None:
+            if n:
+                self._pread(key, buffer)
+            self.container.check_expert(*key, buffer)
+
+        self._with_retries(key, attempt)
 
     # -- back on trio -------------------------------------------------------------------------
 

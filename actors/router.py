@@ -175,6 +175,8 @@ class ExpertRouter:
                 self.stats.stall_late_seconds += elapsed
             else:
                 self.stats.stall_unpredicted_seconds += elapsed
+            timeline.instant("router", "stall-cause", layer=layer, ms=round(elapsed * 1000, 3),
+                             cause="predicted, late" if last.predicted else "not predicted")
         slot_of = np.full(self.num_experts, -1, dtype=np.int32)
         for expert in ids:
             slot = self.table.lookup((layer, int(expert)))

@@ -81,6 +81,11 @@ class Timeline:
             event["args"] = args
         self.events.append(event)
 
+    def counter(self, name: str, **values: float) -> None:
+        """A counter track's new value(s) from now on (Perfetto draws it as a graph)."""
+        self.events.append({"name": name, "ph": "C", "pid": PID, "ts": round(self.now_us(), 3),
+                            "args": values})
+
     def to_json(self) -> dict[str, Any]:
         meta: list[dict[str, Any]] = [
             {"name": "process_name", "ph": "M", "pid": PID, "args": {"name": "moestream"}}
@@ -119,6 +124,20 @@ def span(track: str, name: str, **args: Any) -> AbstractContextManager[None]:
     if tl is None:
         return _NOOP
     return tl.span(track, name, **args)
+
+
+def counter(name: str, **values: float) -> None:
+    """A counter sample while a timeline records (the disk's reads in flight)."""
+    tl = _active
+    if tl is not None:
+        tl.counter(name, **values)
+
+
+def instant(track: str, name: str, **args: Any) -> None:
+    """An instant event on `track` while a timeline records."""
+    tl = _active
+    if tl is not None:
+        tl.instant(track, name, **args)
 
 
 @contextmanager

@@ -66,7 +66,14 @@ def test_bench_end_to_end_writes_json_and_trace(tiny_bench: Path, tmp_path: Path
     assert all(r["error"] is None for r in by_name.values())
     default = by_name["default"]
     assert default["completion_tokens"] == 4 and default["decode_tok_s"] > 0
-    assert default["strategy"] == "next-gate" and default["readers"] == 4 and default["overlap"]
+    assert default["strategy"] == "next-gate" and default["overlap"]
+    # readers = auto: the depth the probe chose, from what it measured.
+    assert default["readers"] >= 2 and default["queue_depth_gb_s"]
+    # Where decode's read time went: fractions are fractions, the split adds up.
+    path = default["read_path"]
+    assert 0 <= path["disk_busy_fraction"] <= 1 and path["mean_in_flight"] >= 0
+    assert path["decode_s"] > 0 and path["pread_ms"] >= 0
+    assert path["stall_late_s"] + path["stall_unpredicted_s"] <= path["decode_s"] + 1e-6
     assert by_name["io"]["read_gb_s"] > 0 and report["derived"]["io_ceiling_tok_s"] > 0
     # Memory while decoding is measured on its own: never above the process peaks, and
     # the CPU's MLX memory holds at least the pool.

@@ -123,8 +123,8 @@ def test_wrong_type_names_key_value_and_line(tmp_path: Path) -> None:
 
 
 def test_wrong_type_bool_for_int_and_table_for_value(tmp_path: Path) -> None:
-    p = _write(tmp_path, '[model]\npath = "synth:tiny"\n[reader]\nconcurrency = true\n')
-    assert "reader.concurrency: expected int | str, got bool true (line 4)" in _error(p)
+    p = _write(tmp_path, '[model]\npath = "synth:tiny"\n[reader]\nretries = true\n')
+    assert "reader.retries: expected int, got bool true (line 4)" in _error(p)
     p = _write(tmp_path, 'pool = 3\n[model]\npath = "synth:tiny"\n')
     assert "pool: expected table, got int 3 (line 1)" in _error(p)
 

@@ -48,6 +48,12 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "reader": {"concurrency": 4},
         "prefetch": {"strategy": "next-gate"},
     }),
+    # The queue depth measured at start; verify every read (crc32 on the staging threads).
+    "next-gate-reuse-8-auto-verified": ("qwen3_5_moe", {
+        "pool": {"slots": 8, "eviction": "reuse"},
+        "reader": {"concurrency": "auto"},
+        "model": {"verify": "always"},
+    }),
     "lookahead2-slru-12-r1": ("qwen3_next", {
         "pool": {"slots": 12, "eviction": "slru"},
         "reader": {"concurrency": 1},

@@ -1,0 +1,124 @@
+"""The read path's orderings and measurements: demand reads before queued prefetches,
+promotion, the disk meter's busy fraction, the queue-depth probe, the GIL's switch
+interval while reading; through the real reader over a real container (only the disk's
+timing is held back, through the `ExpertIO` seam)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from actors.disk_meter import DiskMeter
+from actors.queue_depth import MAX_DEPTH, MIN_DEPTH, choose_depth
+from actors.reader import SWITCH_INTERVAL_S, ExpertReader
+from qpack.reader import Container, PosixIO
+
+
+@pytest.fixture
+def container(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next", dtype="bfloat16"), bits=4)
+
+
+class GatedIO(PosixIO):
+    """Real preads; the first one waits for `release`, so loads queue up behind it."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.order: list[int] = []  # offsets, in the order the disk was asked for them
+        self._lock = threading.Lock()
+
+    def pread_into(self, fd: int, buf: memoryview, offset: int) -> int:
+        with self._lock:
+            first = not self.order
+            self.order.append(offset)
+        if first:
+            self.release.wait(10)
+        return super().pread_into(fd, buf, offset)
+
+
+async def test_demand_reads_start_before_queued_prefetches_and_promotion_jumps_the_line(container):
+    io = GatedIO()
+    with Container.open(container, io=io) as c:
+        stride = c.layer(0).stride
+        reader = ExpertReader(c, concurrency=1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.run)
+            first = reader.submit((0, 0), demand=False)
+            while not first.started:  # the one disk thread is now held in its pread
+                await trio.sleep(0.001)
+            prefetches = [reader.submit((0, e), demand=False) for e in (1, 2, 3, 4)]
+            demand = reader.submit((0, 5), demand=True)
+            reader.promote(prefetches[2])  # expert 3: needed now, so next after the demand
+            io.release.set()
+            for load in [first, *prefetches, demand]:
+                await load.done.wait()
+                assert load.error is None, load.error
+                reader.give_back(load.buffer)
+            nursery.cancel_scope.cancel()
+    assert [offset // stride for offset in io.order] == [0, 5, 3, 1, 2, 4]
+    assert prefetches[2].predicted and prefetches[2].demand and not demand.predicted
+    # Every read's time is split: waiting for a thread, the pread, the rest.
+    s = reader.stats
+    assert s.reads == 6 and s.demand_reads == 2 and s.prefetch_reads == 4
+    assert s.queue_seconds > 0 and s.pread_seconds > 0
+    assert s.read_seconds >= s.pread_seconds
+
+
+async def test_checksums_run_off_the_disk_threads_and_a_blob_is_right(container):
+    with Container.open(container, verify="always") as c:
+        reader = ExpertReader(c, concurrency=2)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.run)
+            loads = [reader.submit((1, e), demand=True) for e in range(6)]
+            for load in loads:
+                await load.done.wait()
+                want = np.empty(c.manifest.max_stride, np.uint8)
+                c.read_expert(*load.key, want)
+                assert np.array_equal(load.buffer, want)
+                reader.give_back(load.buffer)
+            nursery.cancel_scope.cancel()
+    assert reader.stats.check_seconds > 0 and reader.stats.failures == 0
+
+
+def test_disk_meter_integrates_reads_in_flight_over_time():
+    now = [0.0]
+    meter = DiskMeter(clock=lambda: now[0])
+    start = meter.snapshot()
+    meter.begin()  # t=0: one read
+    now[0] = 1.0
+    meter.begin()  # t=1: two
+    now[0] = 2.0
+    meter.end()  # t=2: one
+    now[0] = 3.0
+    meter.end()  # t=3: none (idle until t=4)
+    now[0] = 4.0
+    use = meter.snapshot().since(start)
+    assert use.seconds == 4.0 and use.reads == 2
+    assert use.busy_fraction == pytest.approx(3 / 4)
+    assert use.mean_in_flight == pytest.approx((1 + 2 + 1) / 4)
+
+
+def test_queue_depth_probe_picks_a_bounded_depth_once_per_container(container):
+    with Container.open(container, verify="off") as c:
+        probe = choose_depth(c)
+        assert MIN_DEPTH <= probe.depth <= MAX_DEPTH
+        assert 1 in probe.gb_s and all(v > 0 for v in probe.gb_s.values())
+        assert choose_depth(c) is probe  # measured once per process
+
+
+async def test_the_gil_switch_interval_is_short_while_reading_and_restored(container):
+    before = sys.getswitchinterval()
+    with Container.open(container, verify="off") as c:
+        readers = [ExpertReader(c, concurrency=1), ExpertReader(c, concurrency=1)]
+        async with trio.open_nursery() as nursery:
+            for reader in readers:
+                nursery.start_soon(reader.run)
+            await trio.sleep(0.01)
+            assert sys.getswitchinterval() == pytest.approx(min(before, SWITCH_INTERVAL_S), abs=2e-6)
+            nursery.cancel_scope.cancel()
+    assert sys.getswitchinterval() == before
