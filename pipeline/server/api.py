@@ -108,9 +108,10 @@ class Api:
         return {*self.listed_names(), root, root.rstrip("/"), *self.settings.accepted}
 
     def check_model(self, model: str | None) -> str:
-        """The name the reply reports: the one asked for, or this model's own."""
+        """The name the reply reports: the one asked for, else the first `--alias` (what
+        llama.cpp reports), else this model's own."""
         if model is None or model == "":
-            return self.engine.name
+            return self.settings.aliases[0] if self.settings.aliases else self.engine.name
         if model not in self.model_names():
             if self.settings.strict_model:
                 raise s.APIError(404, f"the model {model!r} does not exist; this server serves "

@@ -1,0 +1,36 @@
+"""What the model state a container produces depends on: the container and the code.
+
+`system_fingerprint` in OpenAI replies reports it (OpenAI: "the backend configuration the
+model runs with"), and state kept across processes (the on-disk prefix cache) is keyed
+by it, so state from another container, another moestream, MLX or mlx-lm is never used.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from importlib import metadata
+from pathlib import Path
+
+from qpack.spec import MANIFEST
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+@functools.lru_cache(maxsize=8)
+def _of(manifest: str, stamp: int) -> str:
+    digest = hashlib.sha256(Path(manifest).read_bytes())  # lists every file's sha256
+    for package in ("moestream", "mlx", "mlx-lm"):
+        digest.update(f"\0{package}={_version(package)}".encode())
+    return "fp_" + digest.hexdigest()[:16]
+
+
+def fingerprint(root: Path) -> str:
+    """`fp_` and 16 hex digits naming a container's manifest and the code's versions."""
+    manifest = Path(root) / MANIFEST
+    return _of(str(manifest), manifest.stat().st_mtime_ns)
