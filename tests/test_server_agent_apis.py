@@ -137,6 +137,14 @@ async def test_thinking_switch_and_constraints_on_a_thinking_template(
                                            thinking={"type": "disabled"})
         assert off.usage.input_tokens + off.usage.cache_read_input_tokens == \
             plain.usage.prompt_tokens
+        # Thinking is opt-in on Anthropic's API: without `thinking`, text comes first.
+        silent = await claude.messages.create(model="tiny", max_tokens=2, messages=USER)
+        assert silent.content[0].type == "text"
+        assert silent.usage.input_tokens + silent.usage.cache_read_input_tokens == \
+            plain.usage.prompt_tokens
+        on = await claude.messages.create(model="tiny", max_tokens=2, messages=USER,
+                                          thinking={"type": "enabled", "budget_tokens": 1024})
+        assert on.content[0].type == "thinking" and on.content[0].thinking
         # Constrained output is the reply's content, not reasoning, even with thinking on.
         fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
         for extra in ({}, {"chat_template_kwargs": {"enable_thinking": True}}):
