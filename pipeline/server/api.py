@@ -19,6 +19,7 @@ from starlette.requests import Request
 
 from actors.sampling_params import SamplingParams
 from pipeline.engine import Engine
+from pipeline.fingerprint import fingerprint
 from pipeline.generation import Generation, PromptTooLong
 from pipeline.server import grammar
 from pipeline.server import schema as s
@@ -54,6 +55,10 @@ class Api:
         self.metrics = metrics
         self.drain = drain or Drain()
         self.created = int(time.time())
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.engine.container.root)
 
     @property
     def vocab(self) -> int:

@@ -185,6 +185,11 @@ def prompt_tokens(api: Api, prompt: str | list[Any]) -> list[list[int]]:
 
 async def completions(api: Api, request: Request) -> Response:
     req: s.CompletionRequest = await api.decode(request, s.CompletionRequest)
+    return await respond(request, await plan_text(api, req))
+
+
+async def plan_text(api: Api, req: s.CompletionRequest) -> TextReply:
+    """A checked completion request, ready to run (also Ollama's raw /api/generate)."""
     s.check_unsupported(req)
     name = api.check_model(req.model)
     params = api.params(req)
@@ -198,7 +203,7 @@ async def completions(api: Api, request: Request) -> Response:
     choices = [Choice(k, prompts[k // n], p, k % n == 0) for k, p in enumerate(plist)]
     reply = TextReply(api.engine, api.metrics, req, name, choices)
     reply.drain = api.drain
-    return await respond(request, reply)
+    return reply
 
 
 async def tokenize(api: Api, request: Request) -> Response:

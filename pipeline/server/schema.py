@@ -46,6 +46,9 @@ class APIError(Exception):
             }
         }
 
+    def ollama_body(self) -> dict[str, Any]:
+        return {"error": self.message}
+
     def anthropic_body(self) -> dict[str, Any]:
         kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 413: "request_too_large", 429: "rate_limit_error"}.get(self.status)
