@@ -163,6 +163,13 @@ class ServerConfig(_Section):
     # OpenAI's API does), one asking for none gets this many at most. It bounds how long
     # one request can hold the engine while the others queue.
     max_tokens_limit: PositiveInt = 8192
+    # Prefix checkpoints (KV + DeltaNet state) also kept in this directory, reloaded after
+    # a restart (pipeline/prefix_disk.py); unset = memory only. At most prefix_cache_disk_mb
+    # there (least recently used go first); states under prefix_cache_min_tokens tokens
+    # are cheaper to recompute than to write.
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_mb: PositiveInt = 8192
+    prefix_cache_min_tokens: PositiveInt = 256
 
 
 class DistributedConfig(_Section):
