@@ -77,6 +77,11 @@ async def test_ollama_client(container: Path) -> None:
                                      context=raw.context)
         assert more.context[:len(raw.context)] == raw.context
 
+        # Nothing to generate: what clients send to load a model.
+        loaded = await client.chat(model="tiny", messages=[])
+        assert loaded.done and loaded.done_reason == "load" and not loaded.message.content
+        assert (await client.generate(model="tiny", prompt="")).done_reason == "load"
+
         # Errors are one line in Ollama's shape, with the status.
         with pytest.raises(ollama.ResponseError) as bad:
             await client.chat(model="tiny", messages=[{"role": "user", "content": "x",

@@ -265,8 +265,21 @@ async def _respond(request: Request, reply: OllamaReply, stream: bool) -> Respon
     return await unless_disconnected(request, reply.complete)
 
 
+def _loaded(api: Api, body: _Body, key: str) -> Response:
+    """Ollama's answer to a request with nothing to generate: clients send one to load
+    (or, with keep_alive 0, unload) a model. This one stays loaded either way."""
+    name = api.check_model(body.model)
+    reason = "unload" if body.keep_alive in (0, "0", "0s") else "load"
+    text: dict[str, Any] = ({"message": {"role": "assistant", "content": ""}}
+                            if key == "message" else {"response": ""})
+    return json_response({"model": name, "created_at": _now(), **text, "done": True,
+                          "done_reason": reason})
+
+
 async def chat(api: Api, request: Request) -> Response:
     body: ChatBody = await api.decode(request, ChatBody)
+    if not body.messages:
+        return _loaded(api, body, "message")
     req = s.convert_request(chat_request(body), s.ChatRequest)
     plan = await plan_chat(api, req)
     return await _respond(request, OllamaReply(api, plan.reply(api, req), plan.name, "message"),
@@ -276,6 +289,8 @@ async def chat(api: Api, request: Request) -> Response:
 async def generate(api: Api, request: Request) -> Response:
     body: GenerateBody = await api.decode(request, GenerateBody)
     _no_images(body.images, "images")
+    if not body.prompt and not body.context:
+        return _loaded(api, body, "response")
     if body.template:
         raise s.APIError(400, "template (a Go template) is not supported: the container's chat "
                          "template is used; send raw: true for a prompt as it is",
