@@ -28,6 +28,7 @@ import hashlib
 import os
 import struct
 import threading
+import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -191,11 +192,11 @@ class DiskPrefixCache(PrefixCache):
         self._wake = threading.Condition()
         self._closed = False
         self._busy = False  # the writer holds a state it has not finished writing
+        # A writer thread runs while states wait, and ends when none is left (so an
+        # engine that closes leaves no thread behind).
+        self._writer: threading.Thread | None = None
         self._scan()
-        self._writer = threading.Thread(target=self._write_loop, name="prefix-disk",
-                                        daemon=True)
-        self._writer.start()
-        atexit.register(self.close)
+        _OPEN.add(self)
 
     def _scan(self) -> None:
         for path in sorted(self.dir.glob(f"*{SUFFIX}")):
@@ -262,14 +263,17 @@ class DiskPrefixCache(PrefixCache):
             return
         with self._wake:
             self._pending.append((key, data))  # a full queue drops its oldest state
-            self._wake.notify()
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="prefix-disk",
+                                                daemon=True)
+                self._writer.start()
 
     def _write_loop(self) -> None:
         while True:
             with self._wake:
-                while not self._pending and not self._closed:
-                    self._wake.wait()
                 if not self._pending:
+                    self._writer = None
+                    self._wake.notify_all()
                     return
                 key, data = self._pending.popleft()
                 self._busy = True
@@ -322,11 +326,19 @@ class DiskPrefixCache(PrefixCache):
             self._wake.wait_for(lambda: not self._pending and not self._busy, timeout_s)
 
     def close(self) -> None:
-        """Write what is pending, then stop the writer (at exit, at the latest)."""
-        with self._wake:
-            self._closed = True
-            self._wake.notify_all()
-        self._writer.join(timeout=30.0)
+        """Write what is pending (at exit, at the latest); later states stay in memory."""
+        self._closed = True
+        self.flush()
+
+
+# Open caches, for the exit hook: what a server that is stopping still has to write.
+_OPEN: weakref.WeakSet[DiskPrefixCache] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_all() -> None:
+    for cache in list(_OPEN):
+        cache.close()
 
 
 def _alive(pid: int) -> bool:
