@@ -60,6 +60,8 @@ _ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else",
         "propertyNames", "unevaluatedItems")
 _MANY = ("anyOf", "oneOf", "prefixItems")
 _NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Keywords that say what a schema is without `type`: none is inferred beside them.
+_UNTYPED = ("$ref", "anyOf", "oneOf", "allOf", "const", "enum", "not")
 
 
 def closed(schema: Any, *, close: bool = True) -> Any:
@@ -70,13 +72,24 @@ def closed(schema: Any, *, close: bool = True) -> Any:
     the contract. An object with no `properties` (`{"type": "object"}`) stays any object.
 
     Members of an `allOf` are not closed themselves (each would forbid the others' keys),
-    only what they contain.
+    only what they contain. Like llama.cpp's converter, a schema without `type` that has
+    `properties` is an object and one with `items` an array, and draft-4 tuple `items`
+    (a list) mean `prefixItems`.
     """
     if isinstance(schema, list):
         return [closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = dict(schema)
+    if isinstance(out.get("items"), list):
+        out["prefixItems"] = out.pop("items")
+        if "additionalItems" in out:
+            out["items"] = out.pop("additionalItems")
+    if "type" not in out and not any(k in out for k in _UNTYPED):
+        if "properties" in out:
+            out["type"] = "object"
+        elif "items" in out or "prefixItems" in out:
+            out["type"] = "array"
     for key in _ONE:
         if isinstance(out.get(key), (dict, list)):
             out[key] = closed(out[key])
