@@ -214,8 +214,8 @@ class ChatReply(Reply):
                 made, done = await self.one(choice)
                 out.append(made)
                 dones.append((choice, done))
-        return json_response(o.ChatCompletion(self.id, self.created, self.model, self.fingerprint, out,
-                                              _usage_of(dones)))
+        return json_response(o.ChatCompletion(self.id, self.created, self.model,
+                                              self.fingerprint, out, _usage_of(dones)))
 
     def chunk(self, index: int, delta: o.Delta, finish: str | None = None,
               entries: list[TokenLogprob] | None = None) -> bytes:
@@ -326,17 +326,19 @@ class TextReply(Reply):
                             echoed = self.echoed(choice)
                             prompt = event.prompt_logprobs if isinstance(event, TextDelta) else ()
                             lp = self.text_logprobs(choice, [], True, 0, prompt)
-                            yield sse(o.Completion(self.id, self.created, self.model, self.fingerprint,
-                                                    [o.TextChoice(choice.index, echoed, None, lp)]))
+                            yield sse(o.Completion(self.id, self.created, self.model,
+                                                   self.fingerprint,
+                                                   [o.TextChoice(choice.index, echoed, None, lp)]))
                             first, offset = False, len(echoed)
                         if isinstance(event, TextDelta):
                             pending += event.logprobs
                             if event.text:
                                 lp = self.text_logprobs(choice, pending, first, offset)
                                 first, offset, pending = False, offset + len(event.text), []
-                                yield sse(o.Completion(self.id, self.created, self.model, self.fingerprint,
-                                                        [o.TextChoice(choice.index, event.text,
-                                                                      None, lp)]))
+                                yield sse(o.Completion(self.id, self.created, self.model,
+                                                       self.fingerprint,
+                                                       [o.TextChoice(choice.index, event.text,
+                                                                     None, lp)]))
                             continue
                         dones.append((choice, event))
                         lp = self.text_logprobs(choice, pending, first, offset) if pending else None

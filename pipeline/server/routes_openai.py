@@ -87,7 +87,8 @@ OUTPUT_CONSTRAINTS: dict[str, Callable[[s.ChatRequest | s.CompletionRequest],
 }
 
 
-def output_grammar(req: s.ChatRequest | s.CompletionRequest) -> tuple[str, Callable[[], str]] | None:
+def output_grammar(
+        req: s.ChatRequest | s.CompletionRequest) -> tuple[str, Callable[[], str]] | None:
     """The field that constrains the reply's text and its grammar's builder, or None; a
     request naming two is refused (which one wins would be a guess)."""
     asked = [(field, build) for field, of in OUTPUT_CONSTRAINTS.items()
