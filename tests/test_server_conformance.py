@@ -238,12 +238,15 @@ def test_serve_flags_become_server_config() -> None:
 
     args = build_parser().parse_args([
         "serve", "m.qpack", "--alias", "gpt-4o", "--alias", "qwen", "--strict-model",
-        "--cors-origin", "http://localhost:3000", "--port", "9000"])
+        "--cors-origin", "http://localhost:3000", "--port", "9000",
+        "--prefix-cache-dir", "/tmp/prefixes"])
     cfg = config_from_dict({"model": {"path": "m.qpack"}}, overrides=server_overrides(args),
                            check_paths=False)
     assert cfg.server.aliases == ("gpt-4o", "qwen") and cfg.server.strict_model
     assert cfg.server.cors_origins == ("http://localhost:3000",) and cfg.server.port == 9000
+    assert cfg.server.prefix_cache_dir == "/tmp/prefixes"
     plain = build_parser().parse_args(["serve", "m.qpack"])
     cfg = config_from_dict({"model": {"path": "m.qpack"}}, overrides=server_overrides(plain),
                            check_paths=False)
     assert cfg.server.aliases == () and not cfg.server.strict_model and not cfg.server.cors_origins
+    assert cfg.server.prefix_cache_dir is None
