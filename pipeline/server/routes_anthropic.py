@@ -273,7 +273,10 @@ async def messages(api: Api, request: Request) -> Response:
     anthropic, chat = await _chat_reply(api, request)
     if anthropic.max_tokens is None:
         raise s.APIError(400, "max_tokens is required", param="max_tokens")
-    reply = MessagesReply(chat, api.settings.hide_reasoning)
+    # Without `thinking` (or with it disabled) no thinking block is sent: a template that
+    # thinks whatever enable_thinking says (Qwen3-Next Thinking) still thinks, unseen.
+    asked = anthropic.thinking is not None and anthropic.thinking.type != "disabled"
+    reply = MessagesReply(chat, api.settings.hide_reasoning or not asked)
     if anthropic.stream:
         return sse_response(reply.stream())
     return await unless_disconnected(request, reply.complete)
