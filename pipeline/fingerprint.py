@@ -2,7 +2,8 @@
 
 `system_fingerprint` in OpenAI replies reports it (OpenAI: "the backend configuration the
 model runs with"), and state kept across processes (the on-disk prefix cache) is keyed
-by it, so state from another container, another moestream, MLX or mlx-lm is never used.
+by it, so state from another container, another moestream, MLX or mlx-lm, or another
+forward pass (pipeline/models/) is never used.
 """
 
 from __future__ import annotations
@@ -22,15 +23,26 @@ def _version(package: str) -> str:
         return "none"
 
 
+@functools.cache
+def _code() -> bytes:
+    """The versions, and the source of the forward pass (what computes a state, so a
+    change there is a new version even within one release)."""
+    digest = hashlib.sha256()
+    for package in ("moestream", "mlx", "mlx-lm"):
+        digest.update(f"\0{package}={_version(package)}".encode())
+    for source in sorted((Path(__file__).parent / "models").glob("*.py")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.digest()
+
+
 @functools.lru_cache(maxsize=8)
 def _of(manifest: str, stamp: int) -> str:
     digest = hashlib.sha256(Path(manifest).read_bytes())  # lists every file's sha256
-    for package in ("moestream", "mlx", "mlx-lm"):
-        digest.update(f"\0{package}={_version(package)}".encode())
+    digest.update(_code())
     return "fp_" + digest.hexdigest()[:16]
 
 
 def fingerprint(root: Path) -> str:
-    """`fp_` and 16 hex digits naming a container's manifest and the code's versions."""
+    """`fp_` and 16 hex digits naming a container's manifest and the code (`_code`)."""
     manifest = Path(root) / MANIFEST
     return _of(str(manifest), manifest.stat().st_mtime_ns)
