@@ -61,6 +61,7 @@ from pipeline.memory_budget import batch_budget, check_pool_fits
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_cache import PrefixCache
+from pipeline.prefix_disk import prefix_cache_for
 from qpack.reader import Container, ExpertIO
 
 log = structlog.get_logger("moestream.engine")
@@ -86,7 +87,12 @@ class Engine:
         self.router = router
         self.compute = compute
         self.tokenizer = tokenizer
-        self.prefix_cache = PrefixCache()
+        server = config.server
+        # Distributed ranks keep their own states (pipeline/distributed/prefixes.py).
+        disk = None if config.distributed.enabled else server.prefix_cache_dir
+        self.prefix_cache: PrefixCache = prefix_cache_for(
+            disk, container.root, model.make_cache,
+            disk_mb=server.prefix_cache_disk_mb, min_tokens=server.prefix_cache_min_tokens)
         self.heap_trimmer = HeapTrimmer()
         # The compute turn: held for each prefill chunk and batch step (and by direct
         # users of the compute actor); fair, so prefill and decode alternate.

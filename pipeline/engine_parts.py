@@ -42,6 +42,33 @@ def _load_tokenizer(root: str, stamp: int) -> Any:
     return load_tokenizer(Path(root), eos_token_ids=eos_token_ids(Path(root)))
 
 
+def detokenizer(tokenizer: Any) -> Any:
+    """A fresh streaming detokenizer for one generation that keeps every space the model wrote.
+
+    mlx-lm's BPE and SentencePiece detokenizers drop the first token's leading space (they
+    are written for replies shown on their own). Here a reply continues its prompt: after
+    "1, 2, 3," the token " 4" must stay " 4", or prompt + text is not what the model
+    produced (code completion and every client that concatenates break).
+    """
+    detok = tokenizer.detokenizer  # mlx-lm hands out a reset copy per call
+    if hasattr(detok, "trim_space"):
+        detok.trim_space = False
+    elif hasattr(detok, "_maybe_trim_space"):
+        detok.__class__ = _keep_space_bpe()
+    return detok
+
+
+@functools.cache
+def _keep_space_bpe() -> type:
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+    class KeepSpaceBPE(BPEStreamingDetokenizer):  # type: ignore[misc]
+        def _maybe_trim_space(self, current_text: str) -> str:
+            return current_text
+
+    return KeepSpaceBPE
+
+
 def installer(worker: MlxWorker, storage: PoolStorage) -> Callable[[list[Any]], Awaitable[None]]:
     """How finished reads enter the pool: a memcpy on the CPU, an MLX scatter elsewhere."""
     if storage.host_bytes is not None:

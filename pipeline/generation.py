@@ -25,6 +25,7 @@ from actors.sampler import Sampler, prompt_logprobs
 from actors.sampling_params import SamplingParams
 from actors.text_stream import TextStream
 from actors.token_logprob import TokenLogprob
+from pipeline.engine_parts import detokenizer
 from pipeline.events import Done, Event, GenerationStats, TextDelta
 from pipeline.resident_map import current_rss_mb, peak_rss_mb
 
@@ -200,8 +201,7 @@ class Generation:
         vocab = engine.model.parts.args.vocab_size
         eos = set(engine.tokenizer.eos_token_ids)
         sampler = Sampler(self.params, vocab, self.tokens)
-        detok = engine.tokenizer.detokenizer
-        detok.reset()
+        detok = detokenizer(engine.tokenizer)
         stream = TextStream(detok, self.params.stop, stop_token_ids=eos | sampler.stop_ids)
         max_tokens = self._max_tokens()
         scored = self.params.prompt_logprobs is not None

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from qpack.quantize import (
+    MODE_DEFAULTS,
     QuantPlan,
     Rule,
     check_rule,
@@ -76,9 +77,24 @@ def _source_rule(block: dict, path: str) -> Rule | None:
     if isinstance(over, dict):
         # mlx-lm's loader passes a per-module dict to `to_quantized` as is: a key it lacks
         # takes to_quantized's default (affine), not the block's.
-        return Rule(int(over.get("bits", block.get("bits"))), int(over.get("group_size", block.get("group_size"))),
-                    str(over.get("mode", "affine")))
-    return Rule(int(block.get("bits")), int(block.get("group_size")), str(block.get("mode", "affine")))
+        return _rule(over, str(over.get("mode") or "affine"))
+    return _rule(block, str(block.get("mode") or "affine"))
+
+
+def _rule(entry: dict, mode: str) -> Rule:
+    """A quantization entry's rule; a missing or null bits / group size is the mode's
+    default, as MLX's `to_quantized` takes it (`mlx_lm convert --quant-predicate` without
+    --q-group-size records `"group_size": null`). An unknown mode gets 0s, for
+    check_rule to refuse by name."""
+    bits, group_size = MODE_DEFAULTS.get(mode, (0, 0))
+    given_bits, given_size = entry.get("bits"), entry.get("group_size")
+    return Rule(int(bits if given_bits is None else given_bits),
+                int(group_size if given_size is None else given_size), mode)
+
+
+def _filled(override: dict) -> dict:
+    rule = _rule(override, str(override.get("mode") or "affine"))
+    return {**override, "bits": rule.bits, "group_size": rule.group_size}
 
 
 def make_plan(src: SourceCheckpoint, bits: int | None, group_size: int, dtype: str | None,
@@ -99,7 +115,8 @@ def make_plan(src: SourceCheckpoint, bits: int | None, group_size: int, dtype: s
             raise QpackError(src.root / "config.json", "nvfp4 with a per-expert global_scale is not "
                              "supported (gather_qmm over pool slots has no per-slot global scale)")
         quant = QuantPlan(check_rule(_source_rule(src.quantization, "\0"), str(src.root / "config.json")))
-        quant.overrides = {k: v for k, v in src.quantization.items() if isinstance(v, dict)}
+        # Nulls filled in (the manifest types them; to_quantized reads them the same way).
+        quant.overrides = {k: _filled(v) for k, v in src.quantization.items() if isinstance(v, dict)}
         cast_to = None
     else:
         quant = plan(model, bits, group_size, mode)

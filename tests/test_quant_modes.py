@@ -24,7 +24,10 @@ from qpack.writer import pack
 
 PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234]
 KINDS = {"mxfp4": {"mode": "mxfp4"}, "nvfp4": {"mode": "nvfp4"}, "mxfp8": {"mode": "mxfp8"},
-         "mixed_3_6": {"recipe": "mixed_3_6"}, # MLX's CPU gather_mm takes float32 only: the float experts are float32 there.
+         # Every mlx_lm.convert --quant-predicate, as it writes them without --q-group-size
+         # (`"group_size": null` per module).
+         **{r: {"recipe": r} for r in ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")},
+         # MLX's CPU gather_mm takes float32 only: the float experts are float32 there.
          "float_experts": {"recipe": "float_experts", "dtype": "float32"}}
 
 
@@ -57,13 +60,18 @@ async def test_streams_to_mlx_lm_greedy_tokens(packed, kind: str) -> None:
         layout = PoolLayout.of(manifest.layers)
         # The budget buys slots of every variant: the pool is exactly slots x that.
         assert engine.storage.nbytes == engine.storage.num_slots * layout.slot_nbytes
-    if kind == "mixed_3_6":
-        # tiny has 4 layers: mlx-lm's recipe gives layers 2 and 3 a 6-bit down_proj.
+    if kind.startswith("mixed_"):
+        low, high = (int(b) for b in kind.split("_")[1:])
+        recorded = json.loads((src / "config.json").read_text())["quantization"]
+        assert any(isinstance(v, dict) and v["group_size"] is None for v in recorded.values())
+        # tiny has 4 layers: mlx-lm's recipe gives layers 2 and 3 the high-bit down_proj.
         quant = {e.index: e.format.quant("down_proj")[0] for e in manifest.layers}
-        assert quant == {0: 3, 1: 3, 2: 6, 3: 6}
-        assert {e.index: e.format.quant("gate_proj")[0] for e in manifest.layers} == dict.fromkeys(range(4), 3)
-        # One more array: the 6-bit down_proj weight (its scales and biases keep their shape).
-        assert layout.mixed and len(layout.arrays) == 9 + 1
+        assert quant == {0: low, 1: low, 2: high, 3: high}
+        assert {e.index: e.format.quant("gate_proj")[0] for e in manifest.layers} == dict.fromkeys(range(4), low)
+        assert {e.format.quant("gate_proj")[1] for e in manifest.layers} == {64}
+        if kind == "mixed_3_6":
+            # One more array: the 6-bit down_proj weight (its scales and biases keep their shape).
+            assert layout.mixed and len(layout.arrays) == 9 + 1
     elif kind == "float_experts":
         fmt = manifest.layers[0].format
         assert fmt.bits is None and [t.name for t in fmt.tensors] == [

@@ -137,6 +137,14 @@ async def test_thinking_switch_and_constraints_on_a_thinking_template(
                                            thinking={"type": "disabled"})
         assert off.usage.input_tokens + off.usage.cache_read_input_tokens == \
             plain.usage.prompt_tokens
+        # Thinking is opt-in on Anthropic's API: without `thinking`, text comes first.
+        silent = await claude.messages.create(model="tiny", max_tokens=2, messages=USER)
+        assert silent.content[0].type == "text"
+        assert silent.usage.input_tokens + silent.usage.cache_read_input_tokens == \
+            plain.usage.prompt_tokens
+        on = await claude.messages.create(model="tiny", max_tokens=2, messages=USER,
+                                          thinking={"type": "enabled", "budget_tokens": 1024})
+        assert on.content[0].type == "thinking" and on.content[0].thinking
         # Constrained output is the reply's content, not reasoning, even with thinking on.
         fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
         for extra in ({}, {"chat_template_kwargs": {"enable_thinking": True}}):
@@ -144,3 +152,26 @@ async def test_thinking_switch_and_constraints_on_a_thinking_template(
                                                    max_tokens=60, seed=1,
                                                    response_format=fmt, extra_body=extra)
             check_weather(json.loads(one.choices[0].message.content))
+
+
+@pytest.fixture(scope="module")
+def always_thinking(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next", variant="thinking"), bits=None)
+
+
+async def test_anthropic_thinking_is_opt_in_on_an_always_thinking_template(
+        always_thinking: Path) -> None:
+    """Qwen3-Next Thinking's template opens <think> whatever enable_thinking says: without
+    `thinking`, the reasoning is not sent as a thinking block."""
+    async with running(always_thinking) as (engine, base):
+        claude = anthropic.AsyncAnthropic(base_url=base, api_key="unused", max_retries=0)
+        kw: dict[str, Any] = {"model": "tiny", "max_tokens": 3, "messages": USER,
+                              "extra_body": {"temperature": 0}}
+        shown = await claude.messages.create(**kw, thinking={"type": "enabled",
+                                                             "budget_tokens": 1024})
+        assert shown.content and shown.content[0].type == "thinking"
+        silent = await claude.messages.create(**kw)
+        assert all(b.type == "text" for b in silent.content)
+        async with claude.messages.stream(**kw) as stream:
+            streamed = await stream.get_final_message()
+        assert all(b.type == "text" for b in streamed.content)

@@ -37,8 +37,9 @@ async def test_lenient_requests_names_routes_and_cors(container: Path) -> None:
         other = await bare.chat.completions.create(model="gpt-4o", **kw)
         assert other.choices[0].message.content == one.choices[0].message.content
         async with httpx2.AsyncClient(base_url=base, timeout=60) as http:
-            resp = await http.post("/v1/chat/completions", json=kw)  # no model at all
-            assert resp.status_code == 200 and resp.json()["model"] == "tiny"
+            # No model at all: the reply names the first --alias, as llama.cpp's does.
+            resp = await http.post("/v1/chat/completions", json=kw)
+            assert resp.status_code == 200 and resp.json()["model"] == "moe-chat"
 
             # Tokenize (vLLM and llama.cpp forms) and back.
             tok = (await http.post("/tokenize", json={"prompt": "Hello world"})).json()
@@ -144,6 +145,21 @@ async def test_logprobs_echo_and_logit_bias(container: Path) -> None:
                                              temperature=0, logit_bias={str(token): 100},
                                              logprobs=0)
         assert forced.choices[0].logprobs.tokens == [" Lyon"] * 4
+        # The first token keeps its leading space: prompt + text is what the model wrote.
+        assert forced.choices[0].text == " Lyon" * 4
+        echoed = await v1.completions.create(model="tiny", prompt=prompt, max_tokens=2,
+                                             temperature=0, logit_bias={str(token): 100},
+                                             logprobs=1, echo=True)
+        assert echoed.choices[0].text == prompt + " Lyon Lyon" == "".join(
+            echoed.choices[0].logprobs.tokens)
+        said = await v1.chat.completions.create(model="tiny", messages=USER, max_tokens=2,
+                                                temperature=0, logit_bias={str(token): 100})
+        assert said.choices[0].message.content == " Lyon Lyon"
+        streamed_chat = [c async for c in await v1.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=2, temperature=0,
+            logit_bias={str(token): 100}, stream=True)]
+        assert "".join(c.choices[0].delta.content or "" for c in streamed_chat
+                       if c.choices) == " Lyon Lyon"
         free = await v1.completions.create(model="tiny", prompt=prompt, max_tokens=1,
                                            temperature=0, logprobs=0)
         first = engine.encode(free.choices[0].text)[0]
@@ -222,12 +238,15 @@ def test_serve_flags_become_server_config() -> None:
 
     args = build_parser().parse_args([
         "serve", "m.qpack", "--alias", "gpt-4o", "--alias", "qwen", "--strict-model",
-        "--cors-origin", "http://localhost:3000", "--port", "9000"])
+        "--cors-origin", "http://localhost:3000", "--port", "9000",
+        "--prefix-cache-dir", "/tmp/prefixes"])
     cfg = config_from_dict({"model": {"path": "m.qpack"}}, overrides=server_overrides(args),
                            check_paths=False)
     assert cfg.server.aliases == ("gpt-4o", "qwen") and cfg.server.strict_model
     assert cfg.server.cors_origins == ("http://localhost:3000",) and cfg.server.port == 9000
+    assert cfg.server.prefix_cache_dir == "/tmp/prefixes"
     plain = build_parser().parse_args(["serve", "m.qpack"])
     cfg = config_from_dict({"model": {"path": "m.qpack"}}, overrides=server_overrides(plain),
                            check_paths=False)
     assert cfg.server.aliases == () and not cfg.server.strict_model and not cfg.server.cors_origins
+    assert cfg.server.prefix_cache_dir is None

@@ -17,7 +17,7 @@ from pipeline.cli.term import err
 
 _SERVER_FLAGS = ("host", "port", "api_key", "max_queue", "max_body_bytes", "context_limit",
                  "max_tokens_limit", "strict_model", "aliases", "cors_origins",
-                 "metrics_without_key")
+                 "metrics_without_key", "prefix_cache_dir")
 
 
 def server_overrides(args: argparse.Namespace) -> list[str]:
@@ -71,6 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Serve MODEL over an OpenAI-compatible API: POST /v1/chat/completions, "
         "POST /v1/completions, POST /v1/responses, POST /v1/messages (Anthropic), "
         "POST /tokenize and /detokenize, GET /v1/models (each also without /v1), "
+        "Ollama's /api/chat, /api/generate, /api/tags, /api/show, /api/version, "
         "GET /health, GET /metrics (Prometheus). "
         "Stops cleanly on Ctrl-C / SIGTERM.")
     p.add_argument("model", help="path of a .qpack container (its name is the model id)")
@@ -97,6 +98,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "http://localhost:3000, or * for any; repeatable; none by default")
     h.add_argument("--max-tokens-limit", type=int, help="most tokens one request may generate; "
                    "more get 400 (default 8192)")
+    h.add_argument("--prefix-cache-dir", help="also keep prompt-prefix states in this "
+                   "directory, reloaded after a restart (server.prefix_cache_dir; default: "
+                   "memory only)")
     h.add_argument("--hide-reasoning", action="store_true",
                    help="drop <think> reasoning from replies instead of sending reasoning_content")
     add_engine_flags(p)

@@ -188,6 +188,13 @@ class ServerConfig(_Section):
     # Seconds a chat template render (the container's code) or a tokenizing call may take;
     # past it the request gets a 400 and the render is stopped.
     prompt_budget_s: Annotated[float, within(0.0, 60.0, open_low=True)] = 10.0  # = offload.BUDGET_S
+    # Prefix checkpoints (KV + DeltaNet state) also kept in this directory, reloaded after
+    # a restart (pipeline/prefix_disk.py); unset = memory only. At most prefix_cache_disk_mb
+    # there (least recently used go first); states under prefix_cache_min_tokens tokens
+    # are cheaper to recompute than to write.
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_mb: Annotated[int, within(1, 1 << 22)] = 8192
+    prefix_cache_min_tokens: Annotated[int, within(1, TOKENS_MAX)] = 256
 
 
 class DistributedConfig(_Section):

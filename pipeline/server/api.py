@@ -19,6 +19,7 @@ from starlette.requests import Request
 
 from actors.sampling_params import SamplingParams
 from pipeline.engine import Engine
+from pipeline.fingerprint import fingerprint
 from pipeline.generation import Generation, PromptTooLong
 from pipeline.server import grammar
 from pipeline.server import schema as s
@@ -65,6 +66,10 @@ class Api:
     async def encode(self, text: str, param: str) -> list[int]:
         """The tokens of request text, tokenized off the event loop within its budget."""
         return await self.offload(lambda: self.engine.encode(text), "tokenizing the prompt", param)
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.engine.container.root)
 
     @property
     def vocab(self) -> int:
@@ -126,9 +131,10 @@ class Api:
         return {*self.listed_names(), root, root.rstrip("/"), *self.settings.accepted}
 
     def check_model(self, model: str | None) -> str:
-        """The name the reply reports: the one asked for, or this model's own."""
+        """The name the reply reports: the one asked for, else the first `--alias` (what
+        llama.cpp reports), else this model's own."""
         if model is None or model == "":
-            return self.engine.name
+            return self.settings.aliases[0] if self.settings.aliases else self.engine.name
         if model not in self.model_names():
             if self.settings.strict_model:
                 raise s.APIError(404, f"the model {model!r} does not exist; this server serves "

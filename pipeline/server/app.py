@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import Any
 
 import structlog
 import trio
@@ -38,7 +39,7 @@ from pipeline.config.errors import ConfigError
 from pipeline.distributed.errors import RankLost
 from pipeline.engine import Engine
 from pipeline.generation_config import default_params
-from pipeline.server import routes_anthropic, routes_openai, routes_responses
+from pipeline.server import routes_anthropic, routes_ollama, routes_openai, routes_responses
 from pipeline.server import schema as s
 from pipeline.server.api import Api, ServerSettings
 from pipeline.server.drain import Drain
@@ -53,14 +54,27 @@ log = structlog.get_logger("moestream.server")
 KNOWN_PATHS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
                "/v1/responses", "/v1/messages", "/models", "/chat/completions", "/completions",
                "/responses", "/messages", "/tokenize", "/detokenize", "/v1/tokenize",
-               "/v1/detokenize")
+               "/v1/detokenize", "/api/chat", "/api/generate", "/api/tags", "/api/show",
+               "/api/version")
 
 __all__ = ["ServerSettings", "create_app", "serve_engine"]
 
 
-def _error(exc: s.APIError, anthropic: bool = False) -> Response:
+ErrorBody = Callable[[s.APIError], dict[str, Any]]
+
+# Route prefix -> the shape of that API's error bodies (OpenAI's everywhere else).
+ERROR_BODIES: dict[str, ErrorBody] = {"/messages": s.APIError.anthropic_body,
+                                      "/api/": s.APIError.ollama_body}
+
+
+def error_body_for(path: str) -> ErrorBody:
+    return next((b for prefix, b in ERROR_BODIES.items() if path.startswith(prefix)),
+                s.APIError.body)
+
+
+def _error(exc: s.APIError, body: ErrorBody = s.APIError.body) -> Response:
     headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-    return json_response(exc.anthropic_body() if anthropic else exc.body(), exc.status, headers)
+    return json_response(body(exc), exc.status, headers)
 
 
 class _StatusCounter:
@@ -86,22 +100,22 @@ class _StatusCounter:
 
 
 def _guarded(handler: Callable[[Request], Awaitable[Response]],
-             anthropic: bool = False) -> Callable[[Request], Awaitable[Response]]:
-    """Error bodies for refusals (OpenAI's, or Anthropic's on its routes); a generic 500
-    (logged, never a traceback) otherwise."""
+             body: ErrorBody = s.APIError.body) -> Callable[[Request], Awaitable[Response]]:
+    """Error bodies for refusals (OpenAI's, or the route's API's: `ERROR_BODIES`); a
+    generic 500 (logged, never a traceback) otherwise."""
 
     async def endpoint(request: Request) -> Response:
         try:
             return await handler(request)
         except s.APIError as exc:
             log.info("server.refused", path=request.url.path, status=exc.status, reason=exc.message)
-            return _error(exc, anthropic)
+            return _error(exc, body)
         except RankLost as exc:  # a distributed job lost a rank: the model is gone, not the request wrong
             return _error(s.APIError(503, f"the model is unavailable: {exc}", type="server_error",
-                                     code="rank_lost"), anthropic)
+                                     code="rank_lost"), body)
         except Exception as exc:
             log.error("server.internal_error", path=request.url.path, exc_info=exc)
-            return _error(s.APIError(500, "internal server error", type="server_error"), anthropic)
+            return _error(s.APIError(500, "internal server error", type="server_error"), body)
 
     return endpoint
 
@@ -112,7 +126,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         err = s.APIError(404, f"no route {request.method} {request.url.path}", code="not_found")
     else:
         err = s.APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
-    return _error(err)
+    return _error(err, error_body_for(request.url.path))
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None,
@@ -142,8 +156,10 @@ def create_app(engine: Engine, settings: ServerSettings | None = None,
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def route(path: str, handler: Callable[..., Awaitable[Response]], method: str) -> list[Route]:
-        endpoint = _guarded(partial(handler, api), anthropic=path.startswith("/messages"))
-        return [Route(p, endpoint, methods=[method]) for p in (path, "/v1" + path)]
+        endpoint = _guarded(partial(handler, api), error_body_for(path))
+        # Ollama's routes have no /v1 twin (its clients never add one).
+        paths = (path,) if path.startswith("/api/") else (path, "/v1" + path)
+        return [Route(p, endpoint, methods=[method]) for p in paths]
 
     routes = [
         Route("/health", _guarded(health), methods=["GET"]),
@@ -157,6 +173,11 @@ def create_app(engine: Engine, settings: ServerSettings | None = None,
         *route("/responses", routes_responses.create, "POST"),
         *route("/messages", routes_anthropic.messages, "POST"),
         *route("/messages/count_tokens", routes_anthropic.count_tokens, "POST"),
+        *route("/api/chat", routes_ollama.chat, "POST"),
+        *route("/api/generate", routes_ollama.generate, "POST"),
+        *route("/api/tags", routes_ollama.tags, "GET"),
+        *route("/api/show", routes_ollama.show, "POST"),
+        *route("/api/version", routes_ollama.version, "GET"),
     ]
     app: ASGIApp = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     if api.settings.cors_origins:

@@ -55,15 +55,82 @@ def _compact(schema: dict[str, Any]) -> dict[str, Any]:
                                      **_COMPACT}}
 
 
-def json_grammar(schema: dict[str, Any] | None) -> str:
-    """Any JSON object (`json_object`), or one matching `schema` (`json_schema`)."""
+# Keys whose values are one subschema, or a list / a name -> subschema map of them.
+_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else",
+        "propertyNames", "unevaluatedItems")
+_MANY = ("anyOf", "oneOf", "prefixItems")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Keywords that say what a schema is without `type`: none is inferred beside them.
+_UNTYPED = ("$ref", "anyOf", "oneOf", "allOf", "const", "enum", "not")
+
+
+def closed(schema: Any, *, close: bool = True) -> Any:
+    """`schema` with every object that lists `properties` but says nothing of
+    `additionalProperties` closed to those properties, as llama.cpp's schema converter
+    does. JSON Schema leaves such objects open, and a model under a grammar that allows
+    another key may keep adding keys until max_tokens; a tool's declared parameters are
+    the contract. An object with no `properties` (`{"type": "object"}`) stays any object.
+
+    Members of an `allOf` are not closed themselves (each would forbid the others' keys),
+    only what they contain. Like llama.cpp's converter, a schema without `type` that has
+    `properties` is an object and one with `items` an array, and draft-4 tuple `items`
+    (a list) mean `prefixItems`.
+    """
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = dict(schema)
+    if isinstance(out.get("items"), list):
+        out["prefixItems"] = out.pop("items")
+        if "additionalItems" in out:
+            out["items"] = out.pop("additionalItems")
+    if "type" not in out and not any(k in out for k in _UNTYPED):
+        if "properties" in out:
+            out["type"] = "object"
+        elif "items" in out or "prefixItems" in out:
+            out["type"] = "array"
+    for key in _ONE:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = closed(out[key])
+    for key in _MANY:
+        if isinstance(out.get(key), list):
+            out[key] = closed(out[key])
+    for key in _NAMED:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed(sub, close=False) for sub in out["allOf"]]
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed(out["additionalProperties"])
+    if close and isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def json_grammar(schema: dict[str, Any] | None, *, strict: bool = False) -> str:
+    """Any JSON object (`json_object`), or one matching `schema` (`json_schema`); objects
+    the schema leaves open by omission are closed (`closed`) unless `strict`, where the
+    schema is read as JSON Schema reads it."""
     import llguidance
 
+    if schema is not None and not strict:
+        schema = closed(schema)
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(
             schema if schema is not None else {"type": "object"}, overrides=_COMPACT)
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"invalid JSON schema: {exc}") from None
+
+
+def gbnf_grammar(text: str) -> str:
+    """A llama.cpp GBNF grammar (or llguidance's Lark form) as an llguidance grammar."""
+    import llguidance
+
+    try:
+        return llguidance.grammar_from("gbnf", text)
+    except (ValueError, TypeError) as exc:
+        raise GrammarError(f"invalid grammar: {str(exc)[:_MAX_ERROR_CHARS]}") from None
 
 
 def tool_grammar(tools: Sequence[tuple[str, dict[str, Any] | None]], parallel: bool) -> str:
@@ -77,7 +144,8 @@ def tool_grammar(tools: Sequence[tuple[str, dict[str, Any] | None]], parallel: b
 
     calls = [{"type": "object",
               "properties": {"name": {"const": name},
-                             "arguments": params if params is not None else {"type": "object"}},
+                             "arguments": closed(params) if params is not None
+                             else {"type": "object"}},
               "required": ["name", "arguments"], "additionalProperties": False}
              for name, params in tools]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}

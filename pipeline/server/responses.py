@@ -26,6 +26,7 @@ from actors.sampling_params import SamplingParams
 from actors.token_logprob import TokenLogprob
 from pipeline.engine import Engine
 from pipeline.events import Done, TextDelta
+from pipeline.fingerprint import fingerprint
 from pipeline.generation import Generation
 from pipeline.server import schema as s
 from pipeline.server import schema_out as o
@@ -73,6 +74,7 @@ class Reply:
         self.id = f"{self.prefix}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.model = model
+        self.fingerprint = fingerprint(engine.container.root)
         self.choices = choices
         self.texts = TokenTexts(engine.tokenizer)
         self.admitted = trio.Event()  # the first generation left the engine's queue
@@ -212,13 +214,13 @@ class ChatReply(Reply):
                 made, done = await self.one(choice)
                 out.append(made)
                 dones.append((choice, done))
-        return json_response(o.ChatCompletion(self.id, self.created, self.model, out,
-                                              _usage_of(dones)))
+        return json_response(o.ChatCompletion(self.id, self.created, self.model,
+                                              self.fingerprint, out, _usage_of(dones)))
 
     def chunk(self, index: int, delta: o.Delta, finish: str | None = None,
               entries: list[TokenLogprob] | None = None) -> bytes:
         lp = chat_logprobs(entries, self.texts) if self.logprobs and entries else None
-        return sse(o.ChatChunk(self.id, self.created, self.model,
+        return sse(o.ChatChunk(self.id, self.created, self.model, self.fingerprint,
                                 [o.ChunkChoice(index, delta, finish, lp)]))
 
     def delta(self, part: Part) -> o.Delta | None:
@@ -254,7 +256,7 @@ class ChatReply(Reply):
                             yield self.chunk(choice.index, o.Delta(),
                                              self.finish_reason(event, parser), pending)
         if self.include_usage():
-            yield sse(o.ChatChunk(self.id, self.created, self.model, [],
+            yield sse(o.ChatChunk(self.id, self.created, self.model, self.fingerprint, [],
                                    usage=_usage_of(dones)))
 
 
@@ -300,7 +302,7 @@ class TextReply(Reply):
                 out.append(o.TextChoice(choice.index, self.echoed(choice) + "".join(texts),
                                         done.finish_reason,
                                         self.text_logprobs(choice, entries, True, 0, prompt)))
-        return json_response(o.Completion(self.id, self.created, self.model, out,
+        return json_response(o.Completion(self.id, self.created, self.model, self.fingerprint, out,
                                           _usage_of(dones)))
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -313,7 +315,7 @@ class TextReply(Reply):
                 echo_now = self.echo and not self.logprobs
                 if echo_now:
                     echoed = self.echoed(choice)
-                    yield sse(o.Completion(self.id, self.created, self.model,
+                    yield sse(o.Completion(self.id, self.created, self.model, self.fingerprint,
                                             [o.TextChoice(choice.index, echoed, None, None)]))
                     first, offset = False, len(echoed)
                 # Log-probabilities of tokens without text ride on the next chunk sent.
@@ -325,7 +327,8 @@ class TextReply(Reply):
                             prompt = event.prompt_logprobs if isinstance(event, TextDelta) else ()
                             lp = self.text_logprobs(choice, [], True, 0, prompt)
                             yield sse(o.Completion(self.id, self.created, self.model,
-                                                    [o.TextChoice(choice.index, echoed, None, lp)]))
+                                                   self.fingerprint,
+                                                   [o.TextChoice(choice.index, echoed, None, lp)]))
                             first, offset = False, len(echoed)
                         if isinstance(event, TextDelta):
                             pending += event.logprobs
@@ -333,16 +336,17 @@ class TextReply(Reply):
                                 lp = self.text_logprobs(choice, pending, first, offset)
                                 first, offset, pending = False, offset + len(event.text), []
                                 yield sse(o.Completion(self.id, self.created, self.model,
-                                                        [o.TextChoice(choice.index, event.text,
-                                                                      None, lp)]))
+                                                       self.fingerprint,
+                                                       [o.TextChoice(choice.index, event.text,
+                                                                     None, lp)]))
                             continue
                         dones.append((choice, event))
                         lp = self.text_logprobs(choice, pending, first, offset) if pending else None
-                        yield sse(o.Completion(self.id, self.created, self.model,
+                        yield sse(o.Completion(self.id, self.created, self.model, self.fingerprint,
                                                 [o.TextChoice(choice.index, "",
                                                               event.finish_reason, lp)]))
         if self.include_usage():
-            yield sse(o.Completion(self.id, self.created, self.model, [],
+            yield sse(o.Completion(self.id, self.created, self.model, self.fingerprint, [],
                                     usage=_usage_of(dones)))
 
 

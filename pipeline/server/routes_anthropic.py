@@ -58,7 +58,9 @@ class AToolChoice(msgspec.Struct, kw_only=True):
 
 
 class Thinking(msgspec.Struct, kw_only=True):
-    type: str  # "enabled" / "disabled" (/ "adaptive"): the template's enable_thinking switch
+    # The template's enable_thinking switch; the budget is not enforced (max_tokens is).
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
 
 
 class MessagesRequest(msgspec.Struct, kw_only=True):
@@ -123,8 +125,10 @@ def to_chat(req: MessagesRequest) -> dict[str, Any]:
             body[key] = getattr(req, key)
     if req.stop_sequences:
         body["stop"] = req.stop_sequences
-    if req.thinking is not None and req.thinking.type in ("enabled", "disabled"):
-        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type == "enabled"}
+    # Anthropic's thinking is opt-in: a request without `thinking` gets text first, as
+    # Claude-style clients expect, even from a template that thinks by default.
+    thinking = req.thinking.type if req.thinking is not None else "disabled"
+    body["chat_template_kwargs"] = {"enable_thinking": thinking != "disabled"}
     if req.tools:
         body["tools"] = [{"type": "function", "function": {
             "name": t.name, "description": t.description,
@@ -269,7 +273,10 @@ async def messages(api: Api, request: Request) -> Response:
     anthropic, chat = await _chat_reply(api, request)
     if anthropic.max_tokens is None:
         raise s.APIError(400, "max_tokens is required", param="max_tokens")
-    reply = MessagesReply(chat, api.settings.hide_reasoning)
+    # Without `thinking` (or with it disabled) no thinking block is sent: a template that
+    # thinks whatever enable_thinking says (Qwen3-Next Thinking) still thinks, unseen.
+    asked = anthropic.thinking is not None and anthropic.thinking.type != "disabled"
+    reply = MessagesReply(chat, api.settings.hide_reasoning or not asked)
     if anthropic.stream:
         return sse_response(reply.stream())
     return await unless_disconnected(request, reply.complete)

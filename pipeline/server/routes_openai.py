@@ -7,6 +7,7 @@ then hands them to a reply (responses.py) that streams or collects them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -17,6 +18,7 @@ from pipeline.server import grammar
 from pipeline.server import schema as s
 from pipeline.server import schema_out as o
 from pipeline.server.api import Api
+from pipeline.server.logprobs import TokenTexts
 from pipeline.server.offload import check_size
 from pipeline.server.prompting import Prompt, render, template_kwargs, template_messages
 from pipeline.server.responses import ChatReply, Choice, TextReply, respond
@@ -55,11 +57,47 @@ def forced_tools(req: s.ChatRequest) -> list[tuple[str, dict[str, Any] | None]] 
     return None
 
 
-def format_grammar(fmt: s.ResponseFormat | None) -> str | None:
+def _format_grammar(req: s.ChatRequest | s.CompletionRequest) -> Callable[[], str] | None:
+    fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return None
-    schema = fmt.json_schema.schema_ if fmt.type == "json_schema" and fmt.json_schema else None
-    return grammar.json_grammar(schema)
+    spec = fmt.json_schema if fmt.type == "json_schema" else None
+    # llama.cpp puts a json_object's schema beside the type.
+    schema = spec.schema_ if spec is not None else fmt.schema_
+    strict = bool(spec is not None and spec.strict)
+    return lambda: grammar.json_grammar(schema, strict=strict)
+
+
+def _schema_grammar(req: s.ChatRequest | s.CompletionRequest) -> Callable[[], str] | None:
+    schema = req.json_schema
+    return None if schema is None else lambda: grammar.json_grammar(schema)
+
+
+def _gbnf_grammar(req: s.ChatRequest | s.CompletionRequest) -> Callable[[], str] | None:
+    text = req.grammar
+    return None if not text else lambda: grammar.gbnf_grammar(text)
+
+
+# The request fields that constrain a reply's text, each with what its grammar is built
+# from: OpenAI's `response_format`, llama.cpp's top-level `json_schema` and `grammar`.
+OUTPUT_CONSTRAINTS: dict[str, Callable[[s.ChatRequest | s.CompletionRequest],
+                                       Callable[[], str] | None]] = {
+    "response_format": _format_grammar,
+    "json_schema": _schema_grammar,
+    "grammar": _gbnf_grammar,
+}
+
+
+def output_grammar(
+        req: s.ChatRequest | s.CompletionRequest) -> tuple[str, Callable[[], str]] | None:
+    """The field that constrains the reply's text and its grammar's builder, or None; a
+    request naming two is refused (which one wins would be a guess)."""
+    asked = [(field, build) for field, of in OUTPUT_CONSTRAINTS.items()
+             if (build := of(req)) is not None]
+    if len(asked) > 1:
+        raise s.APIError(400, f"{asked[0][0]} and {asked[1][0]} cannot both constrain the reply",
+                         param=asked[1][0])
+    return asked[0] if asked else None
 
 
 class ChatPlan(msgspec.Struct, frozen=True):
@@ -100,8 +138,7 @@ async def chat_prompt(api: Api, req: s.ChatRequest) -> tuple[Prompt, list[int]]:
 
 
 def _constrained(req: s.ChatRequest) -> bool:
-    fmt = req.response_format
-    return (fmt is not None and fmt.type != "text") or req.tool_choice == "required" \
+    return output_grammar(req) is not None or req.tool_choice == "required" \
         or isinstance(req.tool_choice, s.NamedToolChoice)
 
 
@@ -110,18 +147,18 @@ async def plan_chat(api: Api, req: s.ChatRequest) -> ChatPlan:
     name = api.check_model(req.model)
     params = api.params(req)
     forced = forced_tools(req)
-    fmt = req.response_format if req.response_format and req.response_format.type != "text" else None
-    if forced and fmt:
-        raise s.APIError(400, "response_format and a forced tool call cannot both constrain "
-                         "the reply", param="response_format")
+    output = output_grammar(req)
+    if forced and output:
+        raise s.APIError(400, f"{output[0]} and a forced tool call cannot both constrain "
+                         "the reply", param=output[0])
     prompt, tokens = await chat_prompt(api, req)
     api.check_prompt(tokens, params, "messages")
     make = None
     if forced:
         parallel = req.parallel_tool_calls is not False
         make = await api.constraint(lambda: grammar.tool_grammar(forced, parallel), "tools")
-    elif fmt:
-        make = await api.constraint(lambda: format_grammar(fmt) or "", "response_format")
+    elif output:
+        make = await api.constraint(output[1], output[0])
     n = req.n or 1
     choices = [Choice(i, tokens, p, i == 0)
                for i, p in enumerate(api.choice_params(params, n, n, make))]
@@ -156,22 +193,25 @@ async def prompt_tokens(api: Api, prompt: str | list[Any]) -> list[list[int]]:
 
 async def completions(api: Api, request: Request) -> Response:
     req: s.CompletionRequest = await api.decode(request, s.CompletionRequest)
+    return await respond(request, await plan_text(api, req))
+
+
+async def plan_text(api: Api, req: s.CompletionRequest) -> TextReply:
+    """A checked completion request, ready to run (also Ollama's raw /api/generate)."""
     s.check_unsupported(req)
     name = api.check_model(req.model)
     params = api.params(req)
     prompts = await prompt_tokens(api, req.prompt)
     for i, tokens in enumerate(prompts):
         api.check_prompt(tokens, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
-    make = None
-    if req.response_format and req.response_format.type != "text":
-        fmt = req.response_format
-        make = await api.constraint(lambda: format_grammar(fmt) or "", "response_format")
+    output = output_grammar(req)
+    make = await api.constraint(output[1], output[0]) if output else None
     n = req.n or 1
     plist = api.choice_params(params, n, n * len(prompts), make)
     choices = [Choice(k, prompts[k // n], p, k % n == 0) for k, p in enumerate(plist)]
     reply = TextReply(api.engine, api.metrics, req, name, choices)
     reply.drain = api.drain
-    return await respond(request, reply)
+    return reply
 
 
 async def tokenize(api: Api, request: Request) -> Response:
@@ -188,7 +228,18 @@ async def tokenize(api: Api, request: Request) -> Response:
     else:
         raise s.APIError(400, "send `prompt` (or `content`) text, or `messages`", param="prompt")
     tokens = await api.encode(text, "prompt")
-    return json_response(o.TokenizeResponse(tokens, len(tokens), api.engine.context_limit))
+    out: list[int] | list[o.TokenPiece] = tokens
+    if req.with_pieces:
+        texts = TokenTexts(api.engine.tokenizer)
+        out = [o.TokenPiece(t, _piece(bytes(texts(t)[1]))) for t in tokens]
+    return json_response(o.TokenizeResponse(out, len(tokens), api.engine.context_limit))
+
+
+def _piece(raw: bytes) -> str | list[int]:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
 
 
 async def detokenize(api: Api, request: Request) -> Response:

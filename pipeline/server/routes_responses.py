@@ -129,7 +129,7 @@ def to_chat(req: ResponsesRequest) -> dict[str, Any]:
     fmt = req.text.format if req.text else None
     if fmt is not None and fmt.type != "text":
         body["response_format"] = {"type": fmt.type, **({"json_schema": {
-            "name": fmt.name or "response", "schema": fmt.schema_}}
+            "name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}}
             if fmt.type == "json_schema" else {})}
     return body
 

@@ -46,6 +46,9 @@ class APIError(Exception):
             }
         }
 
+    def ollama_body(self) -> dict[str, Any]:
+        return {"error": self.message}
+
     def anthropic_body(self) -> dict[str, Any]:
         kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 413: "request_too_large", 429: "rate_limit_error"}.get(self.status)
@@ -125,6 +128,8 @@ class JsonSchemaFormat(_Req, kw_only=True):
 class ResponseFormat(_Req, kw_only=True):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    # llama.cpp: `{"type": "json_object", "schema": {...}}` constrains to that schema.
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
 
 
 class _Sampling(_Req, kw_only=True):
@@ -145,6 +150,9 @@ class _Sampling(_Req, kw_only=True):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
+    # llama.cpp's own constraints: a JSON schema, or a GBNF grammar, for the reply's text.
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = None
     # Accepted and ignored: they change nothing a client can observe here.
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -315,6 +323,7 @@ class TokenizeRequest(_Req, kw_only=True):
     messages: list[Message] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    with_pieces: bool = False  # llama.cpp: each token as {"id", "piece"}
 
 
 class DetokenizeRequest(_Req, kw_only=True):

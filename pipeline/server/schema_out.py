@@ -50,6 +50,7 @@ class ChatCompletion(msgspec.Struct):
     id: str
     created: int
     model: str
+    system_fingerprint: str  # pipeline.fingerprint: container and code versions
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
@@ -80,6 +81,7 @@ class ChatChunk(msgspec.Struct):
     id: str
     created: int
     model: str
+    system_fingerprint: str  # pipeline.fingerprint: container and code versions
     choices: list[ChunkChoice]
     usage: Usage | None = None
     object: str = "chat.completion.chunk"
@@ -96,6 +98,7 @@ class Completion(msgspec.Struct):
     id: str
     created: int
     model: str
+    system_fingerprint: str  # pipeline.fingerprint: container and code versions
     choices: list[TextChoice]
     usage: Usage | None = None
     object: str = "text_completion"
@@ -113,8 +116,16 @@ class ModelList(msgspec.Struct):
     object: str = "list"
 
 
+class TokenPiece(msgspec.Struct):
+    """llama.cpp's `with_pieces` form: the token's text, or its bytes when they are not
+    whole UTF-8 characters."""
+
+    id: int
+    piece: str | list[int]
+
+
 class TokenizeResponse(msgspec.Struct):
-    tokens: list[int]
+    tokens: list[int] | list[TokenPiece]
     count: int
     max_model_len: int
 

@@ -37,9 +37,11 @@ class ClosingStreamingResponse(StreamingResponse):
     """
 
     def __init__(self, content: AsyncIterator[bytes], *, ready: trio.Event | None = None,
+                 error_body: Callable[[s.APIError], dict[str, Any]] = s.APIError.body,
                  **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self.ready = ready
+        self.error_body = error_body  # the refusal's shape: OpenAI's, or another API's
 
     async def stream_response(self, send: Send) -> None:
         async with aclosing(self.body_iterator) as body:  # type: ignore[type-var]
@@ -65,7 +67,7 @@ class ClosingStreamingResponse(StreamingResponse):
                 nursery.start_soon(pull)
                 await _first_of(self.ready, pulled)
                 if refused and not self.ready.is_set():
-                    await _send_json(send, refused[0])
+                    await _send_json(send, refused[0], self.error_body)
                     return
 
                 async def held() -> AsyncIterator[bytes]:
@@ -89,8 +91,9 @@ async def _first_of(*events: trio.Event) -> None:
                 nursery.start_soon(wait, event)
 
 
-async def _send_json(send: Send, error: s.APIError) -> None:
-    payload = msgspec.json.encode(error.body())
+async def _send_json(send: Send, error: s.APIError,
+                     body: Callable[[s.APIError], dict[str, Any]]) -> None:
+    payload = msgspec.json.encode(body(error))
     await send({"type": "http.response.start", "status": error.status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(payload)).encode())]})
@@ -129,3 +132,9 @@ async def unless_disconnected(request: Request, run: Callable[[], Awaitable[Resp
 def sse_response(body: AsyncIterator[bytes], ready: trio.Event | None = None) -> Response:
     return ClosingStreamingResponse(body, ready=ready, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache"})
+
+
+def ndjson_response(body: AsyncIterator[bytes], ready: trio.Event | None = None) -> Response:
+    """Ollama's stream: one JSON object a line; a refusal while queued is `{"error": ...}`."""
+    return ClosingStreamingResponse(body, ready=ready, error_body=s.APIError.ollama_body,
+                                    media_type="application/x-ndjson")

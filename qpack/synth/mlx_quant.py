@@ -25,7 +25,10 @@ def module_rule(base: str, bits: int, gs: int, mode: str, recipe: str | None,
         n = num_layers
         more = index < n // 8 or index >= 7 * n // 8 or (index - n // 8) % 3 == 2
         b = high if ("down_proj" in base and more) or "lm_head" in base else low
-        return b, gs, "affine", {"group_size": gs, "bits": b, "mode": "affine"}
+        # mlx_lm.convert hands the recipe its --q-group-size, None unless given, and records
+        # that: `"group_size": null` (to_quantized then takes the mode's 64).
+        recorded = None if gs == MODE_DEFAULTS["affine"][0] else gs
+        return b, gs, "affine", {"group_size": recorded, "bits": b, "mode": "affine"}
     if base.endswith(ROUTER_SUFFIXES):
         # The model's quant_predicate; affine is to_quantized's default for its dict.
         return 8, 64, "affine", {"group_size": 64, "bits": 8}

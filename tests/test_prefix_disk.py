@@ -1,0 +1,118 @@
+"""Prefix checkpoints on disk: written as a generation keeps them, reloaded by a new engine
+(a restart) to the same tokens with the prompt's prefill skipped; damaged and stale
+files are ignored with a log line and never loaded; the directory stays in its budget."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+import msgspec
+import pytest
+from helpers_engine import engine_config, generate
+from structlog.testing import capture_logs
+
+from pipeline.engine import open_engine
+from pipeline.fingerprint import fingerprint
+from pipeline.prefix_disk import SUFFIX, DiskPrefixCache, Header, encode_state, read_header
+
+PROMPT = list(range(300, 340))  # 40 tokens
+
+
+@pytest.fixture(scope="module")
+def container(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next"), bits=None)
+
+
+def _config(container: Path, where: Path, **server: object):
+    return engine_config(container, pool={"slots": 16}, compute={"prefill_chunk": 8},
+                         server={"prefix_cache_dir": str(where), "prefix_cache_min_tokens": 8,
+                                 **server})
+
+
+async def _first_run(container: Path, where: Path) -> list[int]:
+    async with open_engine(_config(container, where)) as engine:
+        cold = await generate(engine, PROMPT, 4)
+        assert cold.stats.cached_tokens == 0
+        engine.prefix_cache.flush()
+    return list(cold.token_ids)
+
+
+def _refingerprint(path: Path, other: str) -> None:
+    """Rewrite a file's header as another container's (or version's) would be: valid, and
+    not ours."""
+    header, start = read_header(path)
+    data = path.read_bytes()
+    raw = msgspec.json.encode(msgspec.structs.replace(header, fingerprint=other))
+    prefix = struct.pack("<4sIQI", b"MSPC", 1, len(raw), zlib.crc32(raw))
+    path.write_bytes(prefix + raw + data[start:])
+
+
+async def test_states_survive_a_restart(container: Path, tmp_path: Path) -> None:
+    where = tmp_path / "prefixes"
+    cold = await _first_run(container, where)
+    files = sorted(where.glob(f"*{SUFFIX}"))
+    # The prompt less its last token, the chunk boundaries past 8 tokens, and the end.
+    assert len(files) >= 2
+    assert all(p.name.startswith(fingerprint(container)) for p in files)
+    assert not list(where.glob(".*.tmp"))
+    async with open_engine(_config(container, where)) as engine:  # a restart
+        with capture_logs() as logs:
+            again = await generate(engine, PROMPT, 4)
+        assert again.stats.cached_tokens == len(PROMPT) - 1 and list(again.token_ids) == cold
+        assert any(e["event"] == "prefix_cache.disk_loaded" for e in logs)
+        # A follow-up that repeats the reply goes on from the reply's end state.
+        follow = await generate(engine, PROMPT + cold[:-1] + [5, 6], 2)
+        assert follow.stats.cached_tokens == len(PROMPT) + len(cold) - 1
+
+
+async def test_damaged_and_stale_files_are_never_loaded(container: Path, tmp_path: Path) -> None:
+    where = tmp_path / "prefixes"
+    cold = await _first_run(container, where)
+    files = sorted(where.glob(f"*{SUFFIX}"))
+    # The state a re-sent prompt would load is damaged, the others are another
+    # container's, and one is torn: nothing is loadable.
+    damaged = next(p for p in files if read_header(p)[0].tokens == tuple(PROMPT[:-1]))
+    files.remove(damaged)
+    files.append(damaged)
+    raw = bytearray(damaged.read_bytes())
+    raw[-3] ^= 0x40  # a flipped bit in the payload
+    damaged.write_bytes(bytes(raw))
+    for other in files[:-1]:
+        _refingerprint(other, "fp_" + "0" * 16)
+    (where / f"{fingerprint(container)}-torn{SUFFIX}").write_bytes(b"MSPC\x01")
+    with capture_logs() as logs:
+        async with open_engine(_config(container, where)) as engine:
+            again = await generate(engine, PROMPT, 4)
+    assert again.stats.cached_tokens == 0 and list(again.token_ids) == cold
+    events = [e for e in logs if e["event"].startswith("prefix_cache.disk_")]
+    reasons = " ".join(str(e.get("reason", "")) for e in events)
+    assert "payload checksum mismatch" in reasons and "shorter than its header" in reasons
+    assert sum(e["event"] == "prefix_cache.disk_stale" for e in events) == len(files) - 1
+    assert not any(e["event"] == "prefix_cache.disk_loaded" for e in events)
+
+
+async def test_the_directory_stays_within_its_budget(container: Path, tmp_path: Path) -> None:
+    async with open_engine(engine_config(container, pool={"slots": 16})) as engine:
+        cache = engine.model.make_cache()
+        prompt = list(range(500, 520))
+        await generate(engine, prompt, 1)
+        state, _ = await engine.worker.run(engine.prefix_cache.take, prompt + [1])
+        assert state is not None
+        one = sum(map(len, await engine.worker.run(encode_state, "fp_test", prompt, state)))
+        disk = DiskPrefixCache(tmp_path, "fp_test", engine.model.make_cache,
+                               max_bytes=2 * one + one // 2, min_tokens=1)
+        for i in range(4):
+            await engine.worker.run(disk.put, [i, *prompt[1:]], state)
+            disk.flush()
+        names = sorted(p.name for p in tmp_path.glob(f"*{SUFFIX}"))
+        assert len(names) == 2  # the two most recent
+        reopened = DiskPrefixCache(tmp_path, "fp_test", engine.model.make_cache,
+                                   max_bytes=10 * one, min_tokens=1)
+        assert sorted(s[0] for s in reopened._index) == [2, 3]
+        loaded, n = await engine.worker.run(reopened.take, [3, *prompt[1:], 9])
+        assert n == len(prompt) and loaded is not None and len(loaded) == len(cache)
+        for c in (disk, reopened):
+            c.close()
+        assert isinstance(read_header(tmp_path / names[0])[0], Header)
