@@ -1,0 +1,162 @@
+"""`moestream launch -n N -- COMMAND`: a job's ranks on this machine, stoppable by its PID.
+
+What a service manager starts: systemd, Docker, Kubernetes and plain `kill` stop a job
+through the PID they started, so this process forwards SIGTERM and SIGINT to its ranks
+and waits for them, and exits with their status. It does for local ranks what
+`mlx.launch -n N --backend ring` does (a ring hostfile on free loopback ports,
+MLX_HOSTFILE and MLX_RANK per rank, the same command for every rank), without its output
+pump (a thread per rank that spins a core) and without its stop paths that only run when
+it exits of its own accord. The ranks write straight to this process's stdout and stderr
+(a journal or a log driver gets their lines as they are). Should this process die anyway
+(SIGKILL), each rank finds it gone through `MOESTREAM_LAUNCHER_PID` (launcher_watch.py).
+
+A rank that fails makes the others stop (SIGTERM; they would find it lost anyway), and
+what is left of a stopping job `kill_after_s` later is killed. Exit status: that of the
+first rank to fail (128 + N for a signal N), else 0.
+
+Imports nothing heavy: the launcher never loads MLX.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import FrameType
+
+import structlog
+
+from pipeline.distributed.launcher_watch import LAUNCHER_ENV
+
+log = structlog.get_logger("moestream.launch")
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT)
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _exit_status(wait_status: int) -> int:
+    code = os.waitstatus_to_exitcode(wait_status)
+    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says
+
+
+def _terminal_delivered() -> bool:
+    """Whether this process is in its terminal's foreground group: a Ctrl-C there has
+    reached every rank already (they share this group), so forwarding would double it."""
+    for fd in (0, 1, 2):
+        try:
+            if os.isatty(fd):
+                return os.tcgetpgrp(fd) == os.getpgrp()
+        except OSError:
+            continue
+    return False
+
+
+class LocalJob:
+    """`size` ranks of `command` on this machine (`start` starts them all at once)."""
+
+    def __init__(self, size: int, command: list[str], kill_after_s: float) -> None:
+        self.size, self.command, self.kill_after_s = size, command, kill_after_s
+        self.status: int | None = None  # the first failure's exit status
+        self.stopping = False
+        self._killer: threading.Timer | None = None
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self.live: dict[int, int] = {}  # pid -> rank, until reaped
+        self.hostfile: Path | None = None
+
+    def start(self) -> None:
+        if self.stopping:  # told to stop before anything started
+            return
+        fd, name = tempfile.mkstemp(prefix="moestream-hosts-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump([[f"127.0.0.1:{port}"] for port in free_ports(self.size)], f)
+        self.hostfile = Path(name)
+        base = {**os.environ, "MLX_HOSTFILE": name, LAUNCHER_ENV: str(os.getpid())}
+        for rank in range(self.size):
+            if self.stopping:  # a signal while starting: the ranks started so far got it
+                break
+            proc = subprocess.Popen(self.command, env={**base, "MLX_RANK": str(rank)})
+            self._procs.append(proc)
+            self.live[proc.pid] = rank
+        log.info("launch.started", ranks=self.size, pids=list(self.live), hostfile=name)
+
+    def forward(self, signum: int, _frame: FrameType | None = None) -> None:
+        """A signal for the job: every rank gets it (a SIGINT from the terminal has)."""
+        sig = signal.Signals(signum)
+        self.stopping = True
+        log.info("launch.stop", signal=sig.name, ranks=len(self.live))
+        if not (sig == signal.SIGINT and _terminal_delivered()):
+            self._signal_all(sig)
+        self._arm_killer()
+
+    def _signal_all(self, sig: signal.Signals) -> None:
+        for pid in list(self.live):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:  # exited, not yet reaped
+                pass
+
+    def _arm_killer(self) -> None:
+        if self._killer is None:
+            self._killer = threading.Timer(self.kill_after_s, self._kill_rest)
+            self._killer.daemon = True
+            self._killer.start()
+
+    def _kill_rest(self) -> None:
+        if self.live:
+            log.warning("launch.kill", ranks=sorted(list(self.live.values())),
+                        after_s=self.kill_after_s)
+            self._signal_all(signal.SIGKILL)
+
+    def wait(self) -> int:
+        """Until every rank has exited; the job's exit status."""
+        try:
+            while self.live:
+                pid, wait_status = os.wait()  # a forwarded signal's handler runs meanwhile
+                rank = self.live.pop(pid, None)
+                if rank is None:
+                    continue
+                status = _exit_status(wait_status)
+                self._procs[rank].returncode = status  # reaped here, not by Popen
+                if status == 0:
+                    log.info("launch.rank_done", rank=rank)
+                    continue
+                log.warning("launch.rank_failed", rank=rank, status=status)
+                if self.status is None:
+                    self.status = status
+                    self._signal_all(signal.SIGTERM)  # the job cannot go on without it
+                    self._arm_killer()
+        finally:
+            if self._killer is not None:
+                self._killer.cancel()
+            if self.hostfile is not None:
+                self.hostfile.unlink(missing_ok=True)
+        return self.status or 0
+
+
+def launch(size: int, command: list[str], kill_after_s: float) -> int:
+    job = LocalJob(size, command, kill_after_s)
+    for sig in FORWARDED:  # before the ranks start: a stop in between reaches them too
+        signal.signal(sig, job.forward)
+    try:
+        job.start()
+        return job.wait()
+    finally:
+        for sig in FORWARDED:
+            signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+        sys.stdout.flush()
