@@ -23,10 +23,10 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -37,6 +37,21 @@ from pipeline.distributed.launcher_watch import LAUNCHER_ENV
 log = structlog.get_logger("moestream.launch")
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
+
+# How a rank process is made from the command and its environment: its pid, a child of
+# this process that `LocalJob.wait` reaps. Tests fork from a process that preloaded the
+# engine instead (the rank then starts at once; everything else is the same).
+Spawn = Callable[[list[str], dict[str, str]], int]
+
+
+def exec_spawn(command: list[str], env: dict[str, str]) -> int:
+    # posix_spawn, not subprocess.Popen: Popen objects reap their own children at times,
+    # and this process reaps every rank itself (`os.wait`).
+    return os.posix_spawnp(command[0], command, env)
+
+
+class LaunchError(ValueError):
+    """The ranks could not be started (the command is not there, not executable)."""
 
 
 def free_ports(n: int) -> list[int]:
@@ -70,12 +85,13 @@ def _terminal_delivered() -> bool:
 class LocalJob:
     """`size` ranks of `command` on this machine (`start` starts them all at once)."""
 
-    def __init__(self, size: int, command: list[str], kill_after_s: float) -> None:
+    def __init__(self, size: int, command: list[str], kill_after_s: float,
+                 spawn: Spawn = exec_spawn) -> None:
         self.size, self.command, self.kill_after_s = size, command, kill_after_s
+        self.spawn = spawn
         self.status: int | None = None  # the first failure's exit status
         self.stopping = False
         self._killer: threading.Timer | None = None
-        self._procs: list[subprocess.Popen[bytes]] = []
         self.live: dict[int, int] = {}  # pid -> rank, until reaped
         self.hostfile: Path | None = None
 
@@ -90,9 +106,15 @@ class LocalJob:
         for rank in range(self.size):
             if self.stopping:  # a signal while starting: the ranks started so far got it
                 break
-            proc = subprocess.Popen(self.command, env={**base, "MLX_RANK": str(rank)})
-            self._procs.append(proc)
-            self.live[proc.pid] = rank
+            try:
+                self.live[self.spawn(self.command, {**base, "MLX_RANK": str(rank)})] = rank
+            except OSError as exc:  # the job cannot start: the ranks begun so far go
+                self._signal_all(signal.SIGKILL)
+                for pid in list(self.live):
+                    os.waitpid(pid, 0)
+                self.live.clear()
+                raise LaunchError(f"cannot start rank {rank}: {self.command[0]}: "
+                                  f"{exc.strerror or exc}") from None
         log.info("launch.started", ranks=self.size, pids=list(self.live), hostfile=name)
 
     def forward(self, signum: int, _frame: FrameType | None = None) -> None:
@@ -132,7 +154,6 @@ class LocalJob:
                 if rank is None:
                     continue
                 status = _exit_status(wait_status)
-                self._procs[rank].returncode = status  # reaped here, not by Popen
                 if status == 0:
                     log.info("launch.rank_done", rank=rank)
                     continue
@@ -144,19 +165,22 @@ class LocalJob:
         finally:
             if self._killer is not None:
                 self._killer.cancel()
-            if self.hostfile is not None:
-                self.hostfile.unlink(missing_ok=True)
         return self.status or 0
 
+    def close(self) -> None:
+        if self.hostfile is not None:
+            self.hostfile.unlink(missing_ok=True)
 
-def launch(size: int, command: list[str], kill_after_s: float) -> int:
-    job = LocalJob(size, command, kill_after_s)
-    for sig in FORWARDED:  # before the ranks start: a stop in between reaches them too
-        signal.signal(sig, job.forward)
+
+def launch(size: int, command: list[str], kill_after_s: float, spawn: Spawn = exec_spawn) -> int:
+    job = LocalJob(size, command, kill_after_s, spawn)
+    # Before the ranks start: a stop in between reaches them too.
+    previous = {sig: signal.signal(sig, job.forward) for sig in FORWARDED}
     try:
         job.start()
         return job.wait()
     finally:
-        for sig in FORWARDED:
-            signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+        job.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         sys.stdout.flush()
