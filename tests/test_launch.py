@@ -39,19 +39,18 @@ def container(synth_checkpoint, packed) -> Path:
 # A rank's stand-in: arms the watch, says so, and on the SIGTERM it brings writes to the
 # stdout and stderr it shares with its (dead) launcher, as a draining server logs.
 RANK = """
-import os, signal, sys, time
+import signal, sys, time
 from pipeline.distributed.launcher_watch import watch_launcher
-done = sys.argv[2]
-def stopped(signum, frame):
-    for _ in range(100):
-        print("draining", flush=True)
-        print("still draining", file=sys.stderr, flush=True)
-    with open(done, "w") as f:
-        f.write("stopped")
-    os._exit(0)
-signal.signal(signal.SIGTERM, stopped)
+told = []
+signal.signal(signal.SIGTERM, lambda signum, frame: told.append(signum))
 print(watch_launcher(how=sys.argv[1]), flush=True)
-time.sleep(60)
+while not told:
+    time.sleep(0.02)
+for _ in range(100):
+    print("draining", flush=True)
+    print("still draining", file=sys.stderr, flush=True)
+with open(sys.argv[2], "w") as f:
+    f.write("stopped")
 """
 
 # The launcher's stand-in: starts the rank with its output in pipes only it reads.

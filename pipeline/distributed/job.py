@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -141,18 +142,26 @@ def report(table: np.ndarray) -> list[dict[str, float]]:
 
 def _follower(stage: Stage, within_s: float) -> Callable[[int, FrameType | None], None]:
     """A later rank's SIGTERM handler: rank 0 (told too, or about to find this rank's
-    launcher gone as well) ends the job; past `within_s` this rank goes alone."""
-    timer: list[threading.Timer] = []
+    launcher gone as well) ends the job; past `within_s` this rank goes alone. The handler
+    only sets an event: it runs between any two bytecodes of the main thread, which may be
+    in the middle of writing a log line itself."""
+    told: list[int] = []
+    event = threading.Event()
+
+    def follow() -> None:
+        event.wait()
+        name = signal.Signals(told[0]).name
+        log.info("distributed.stop_requested", rank=stage.plan.rank, signal=name,
+                 within_s=within_s)
+        time.sleep(within_s)
+        _exit_lost(stage, f"told to stop ({name}) and rank 0 did not end the job within "
+                   f"{within_s:g} s")
+
+    threading.Thread(target=follow, name="moestream-follow-rank-0", daemon=True).start()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("distributed.stop_requested", rank=stage.plan.rank,
-                 signal=signal.Signals(signum).name, within_s=within_s)
-        if not timer:
-            reason = (f"told to stop ({signal.Signals(signum).name}) and rank 0 did not end the "
-                      f"job within {within_s:g} s")
-            timer.append(threading.Timer(within_s, _exit_lost, (stage, reason)))
-            timer[0].daemon = True
-            timer[0].start()
+        told.append(signum)
+        event.set()
 
     return on_signal
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import socket
 import sys
@@ -92,6 +93,8 @@ class LocalJob:
         self.status: int | None = None  # the first failure's exit status
         self.stopping = False
         self._killer: threading.Timer | None = None
+        self._stop_notes: queue.SimpleQueue[signal.Signals] = queue.SimpleQueue()
+        threading.Thread(target=self._stops, name="moestream-launch-stops", daemon=True).start()
         self.live: dict[int, int] = {}  # pid -> rank, until reaped
         self.hostfile: Path | None = None
 
@@ -118,13 +121,22 @@ class LocalJob:
         log.info("launch.started", ranks=self.size, pids=list(self.live), hostfile=name)
 
     def forward(self, signum: int, _frame: FrameType | None = None) -> None:
-        """A signal for the job: every rank gets it (a SIGINT from the terminal has)."""
+        """A signal for the job: every rank gets it (a SIGINT from the terminal has).
+
+        A signal handler runs between any two bytecodes of the main thread, which may be
+        writing a log line: it only sends signals and hands the rest to `_stops` through
+        a SimpleQueue (whose put is safe there)."""
         sig = signal.Signals(signum)
         self.stopping = True
-        log.info("launch.stop", signal=sig.name, ranks=len(self.live))
         if not (sig == signal.SIGINT and _terminal_delivered()):
             self._signal_all(sig)
-        self._arm_killer()
+        self._stop_notes.put(sig)
+
+    def _stops(self) -> None:
+        while True:
+            sig = self._stop_notes.get()
+            log.info("launch.stop", signal=sig.name, ranks=len(self.live))
+            self._arm_killer()
 
     def _signal_all(self, sig: signal.Signals) -> None:
         for pid in list(self.live):

@@ -56,17 +56,19 @@ def check_bindable(host: str, port: int) -> None:
             raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from None
 
 
-def _stopping_already(signum: int, _frame: object) -> None:
-    log.info("server.shutdown_repeated", signal=signal.Signals(signum).name)
-
-
-async def _wait_for_signal() -> None:
-    # Installed first, so the receiver puts it back when it closes: no moment without it.
-    signal.signal(signal.SIGTERM, _stopping_already)
+async def _watch_signals(stop: trio.Event) -> None:
+    """The first SIGINT or SIGTERM stops the server; a repeated SIGTERM is absorbed, a
+    repeated SIGINT (a second Ctrl-C) stops the process at once."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
-            log.info("server.shutdown", signal=signal.Signals(signum).name)
-            return
+            name = signal.Signals(signum).name
+            if not stop.is_set():
+                log.info("server.shutdown", signal=name)
+                stop.set()
+            elif signum == signal.SIGTERM:
+                log.info("server.shutdown_repeated", signal=name)
+            else:
+                raise KeyboardInterrupt
 
 
 async def serve_config(cfg: PipelineConfig, *, hide_reasoning: bool = False,
@@ -76,18 +78,17 @@ async def serve_config(cfg: PipelineConfig, *, hide_reasoning: bool = False,
     if not is_loopback(server.host) and server.api_key is None:
         log.warning("server.open_without_key", host=server.host,
                     hint="anyone who can reach this host can use the model; pass --api-key")
-    previous = signal.getsignal(signal.SIGTERM)
-    try:
-        async with open_engine(cfg) as engine:
-            await serve_engine(
-                engine, server.host, server.port, api_key=server.api_key,
-                max_queue=server.max_queue, max_body_bytes=server.max_body_bytes,
-                max_tokens_limit=server.max_tokens_limit,
-                hide_reasoning=hide_reasoning, aliases=server.aliases, accepted=accepted,
-                strict_model=server.strict_model, cors_origins=server.cors_origins,
-                shutdown_trigger=_wait_for_signal, shutdown_grace_s=server.shutdown_grace_s,
-            )
-    finally:
-        signal.signal(signal.SIGTERM, previous)  # the server is gone: SIGTERM as before
+    async with open_engine(cfg) as engine, trio.open_nursery() as nursery:
+        stop = trio.Event()
+        nursery.start_soon(_watch_signals, stop)
+        await serve_engine(
+            engine, server.host, server.port, api_key=server.api_key,
+            max_queue=server.max_queue, max_body_bytes=server.max_body_bytes,
+            max_tokens_limit=server.max_tokens_limit,
+            hide_reasoning=hide_reasoning, aliases=server.aliases, accepted=accepted,
+            strict_model=server.strict_model, cors_origins=server.cors_origins,
+            shutdown_trigger=stop.wait, shutdown_grace_s=server.shutdown_grace_s,
+        )
+        nursery.cancel_scope.cancel()
     log.info("server.stopped")
     return 0
