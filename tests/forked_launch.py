@@ -99,6 +99,10 @@ class Launched:
                 return "".join(self.log)
 
     def wait_for(self, text: str, timeout: float) -> str:
+        """The first line with `text`, of those already seen too."""
+        for line in self.log:
+            if text in line:
+                return line
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

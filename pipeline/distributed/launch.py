@@ -83,6 +83,21 @@ def _terminal_delivered() -> bool:
     return False
 
 
+def _deaf_thread(target: Callable[[], None], name: str,
+                 after_s: float | None = None) -> threading.Timer:
+    """A daemon thread (`after_s` later) that never takes the forwarded signals: the
+    kernel may hand a process's signal to any thread that does not block it, and one
+    taken by a helper leaves the main thread asleep in `os.wait` until a rank exits."""
+    thread = threading.Timer(after_s or 0.0, target)
+    thread.name, thread.daemon = name, True
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    try:
+        thread.start()  # a new thread starts with its creator's signal mask
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    return thread
+
+
 class LocalJob:
     """`size` ranks of `command` on this machine (`start` starts them all at once)."""
 
@@ -94,7 +109,7 @@ class LocalJob:
         self.stopping = False
         self._killer: threading.Timer | None = None
         self._stop_notes: queue.SimpleQueue[signal.Signals] = queue.SimpleQueue()
-        threading.Thread(target=self._stops, name="moestream-launch-stops", daemon=True).start()
+        _deaf_thread(self._stops, "moestream-launch-stops")
         self.live: dict[int, int] = {}  # pid -> rank, until reaped
         self.hostfile: Path | None = None
 
@@ -147,9 +162,8 @@ class LocalJob:
 
     def _arm_killer(self) -> None:
         if self._killer is None:
-            self._killer = threading.Timer(self.kill_after_s, self._kill_rest)
-            self._killer.daemon = True
-            self._killer.start()
+            self._killer = _deaf_thread(self._kill_rest, "moestream-launch-kill",
+                                        self.kill_after_s)
 
     def _kill_rest(self) -> None:
         if self.live:
