@@ -118,6 +118,36 @@ def test_a_peer_that_never_answers_breaks_the_link_once() -> None:
     assert other.broken is not None
 
 
+def test_the_doorbell_keeps_its_neighbours_connection_probed(tmp_path, monkeypatch) -> None:
+    # A neighbour's machine lost sends nothing: keepalive fails the idle connection a
+    # later rank waits on (the options are set on the ring's own socket, not a copy).
+    import socket
+
+    from pipeline.distributed.doorbell import KEEPALIVE, Doorbell
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        (tmp_path / "hosts.json").write_text(json.dumps([[f"127.0.0.1:{port}"]]))
+        monkeypatch.setenv("MLX_HOSTFILE", str(tmp_path / "hosts.json"))
+        with socket.create_connection(("127.0.0.1", port)) as left:
+            accepted, _ = server.accept()
+            with accepted:
+                assert not accepted.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+                bell = Doorbell.for_rank(0)
+                try:
+                    assert accepted.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+                    if hasattr(socket, "TCP_KEEPIDLE"):
+                        assert (accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                                accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                                accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)) \
+                            == KEEPALIVE
+                    assert not left.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+                    left.sendall(b"x")
+                    assert bell.wait(5)  # and it still rings
+                finally:
+                    bell.close()
+
+
 def test_gpu_per_rank_shows_rank_r_only_gpu_r(monkeypatch) -> None:
     from pipeline.distributed.gpu import pin_gpu_per_rank
 
