@@ -32,6 +32,7 @@ log = structlog.get_logger("moestream.distributed")
 
 LAUNCHER_ENV = "MOESTREAM_LAUNCHER_PID"
 POLL_S = 0.5  # the fallback watch: how often it looks at the parent
+ORPHAN_CHECK_S = 0.5  # how long a pipe of ours may keep a reader once the launcher is gone
 
 _parent_at_start = os.getppid()
 
@@ -152,18 +153,28 @@ def _quiet_orphaned_stdio() -> None:
     """stdout and stderr that were pipes to the launcher (mlx.launch pumps its ranks'
     output) have no reader now: every log line of the drain would fail with EPIPE, and
     the last `error:` line too. Such a pipe is pointed at /dev/null; a file, a terminal,
-    a journal socket or a pipe someone still reads stays as it is."""
+    a journal socket or a pipe someone still reads stays as it is (after
+    `ORPHAN_CHECK_S`: the launcher's last descriptors may close a moment after it ends)."""
     if not hasattr(select, "poll"):
         return
+    pipes = []
     for fd in (1, 2):
         try:
-            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
-                continue
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                pipes.append(fd)
+        except OSError:
+            continue
+    deadline = time.monotonic() + ORPHAN_CHECK_S
+    while pipes:
+        for fd in list(pipes):
             poller = select.poll()
             poller.register(fd, select.POLLOUT)
             if any(ev & select.POLLERR for _, ev in poller.poll(0)):  # no reader left
                 null = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(null, fd)
                 os.close(null)
-        except OSError:
-            continue
+                pipes.remove(fd)
+        if time.monotonic() > deadline:
+            return
+        if pipes:
+            time.sleep(0.05)
