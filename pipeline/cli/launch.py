@@ -37,8 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Example: moestream launch -n 2 -- moestream serve q.qpack --distributed")
     p.add_argument("-n", "--ranks", type=int, required=True, help="ranks to start")
     p.add_argument("--kill-after", type=float, default=30.0, metavar="SECONDS",
-                   help="SIGKILL what is left of a stopping job this long after the stop "
-                   "began (a forwarded signal or a failed rank; default 30)")
+                   help="SIGKILL what is left of the job this long after a SIGTERM or a "
+                   "failed rank (default 30)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="the command every rank runs, after --")
     p.set_defaults(func=_cmd_launch)

@@ -11,8 +11,11 @@ it exits of its own accord. The ranks write straight to this process's stdout an
 (SIGKILL), each rank finds it gone through `MOESTREAM_LAUNCHER_PID` (launcher_watch.py).
 
 A rank that fails makes the others stop (SIGTERM; they would find it lost anyway), and
-what is left of a stopping job `kill_after_s` later is killed. Exit status: that of the
-first rank to fail (128 + N for a signal N), else 0.
+what is left of a stopping job (SIGTERM, or a failed rank) `kill_after_s` later is
+killed; SIGINT is only passed on (a `chat` stops its reply and goes on, a server stops).
+Exit status: that of the first rank to fail (128 + N for a signal N), else 0. The
+launcher reaps whichever child exits (`os.wait`): it runs in a process of its own (the
+CLI), whose children are its ranks.
 
 Imports nothing heavy: the launcher never loads MLX.
 """
@@ -114,7 +117,7 @@ class LocalJob:
         self.hostfile: Path | None = None
 
     def start(self) -> None:
-        if self.stopping:  # told to stop before anything started
+        if self.stopping:  # told to stop (SIGTERM) before anything started
             return
         fd, name = tempfile.mkstemp(prefix="moestream-hosts-", suffix=".json")
         with os.fdopen(fd, "w") as f:
@@ -122,7 +125,7 @@ class LocalJob:
         self.hostfile = Path(name)
         base = {**os.environ, "MLX_HOSTFILE": name, LAUNCHER_ENV: str(os.getpid())}
         for rank in range(self.size):
-            if self.stopping:  # a signal while starting: the ranks started so far got it
+            if self.stopping:  # SIGTERM while starting: the ranks started so far got it
                 break
             try:
                 self.live[self.spawn(self.command, {**base, "MLX_RANK": str(rank)})] = rank
@@ -142,7 +145,7 @@ class LocalJob:
         writing a log line: it only sends signals and hands the rest to `_stops` through
         a SimpleQueue (whose put is safe there)."""
         sig = signal.Signals(signum)
-        self.stopping = True
+        self.stopping = self.stopping or sig == signal.SIGTERM
         if not (sig == signal.SIGINT and _terminal_delivered()):
             self._signal_all(sig)
         self._stop_notes.put(sig)
@@ -150,8 +153,9 @@ class LocalJob:
     def _stops(self) -> None:
         while True:
             sig = self._stop_notes.get()
-            log.info("launch.stop", signal=sig.name, ranks=len(self.live))
-            self._arm_killer()
+            log.info("launch.signal", signal=sig.name, ranks=len(self.live))
+            if sig == signal.SIGTERM:  # SIGINT is the ranks' to judge (a chat stops its reply)
+                self._arm_killer()
 
     def _signal_all(self, sig: signal.Signals) -> None:
         for pid in list(self.live):
