@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -111,6 +112,23 @@ def test_launch_refuses_in_one_line_and_stops_the_job_when_a_rank_fails(capsys) 
     assert done.stderr.count("status=143") == 2  # rank 0 and 2: SIGTERM, not the minute
     hostfile = re.search(r"hostfile=(\S+)", done.stderr)[1]
     assert not Path(hostfile).exists()
+
+
+def test_launch_forwards_a_sigint_no_terminal_delivered() -> None:
+    # `kill -INT <launcher>` (no terminal: its Ctrl-C would have reached the ranks itself).
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "info",
+                             "launch", "-n", "2", "--", "sh", "-c", "exec sleep 60"],
+                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "launch.started" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 128 + signal.SIGINT  # both sleeps died of it, not the minute
+    finally:
+        proc.kill()
 
 
 # -- a serving job, stopped the way service managers stop things -----------------------------
