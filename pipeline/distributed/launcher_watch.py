@@ -38,8 +38,9 @@ _parent_at_start = os.getppid()
 
 
 def _forked() -> None:
-    global _parent_at_start
+    global _parent_at_start, _armed
     _parent_at_start = os.getppid()  # a forked child's starter is the process that forked it
+    _armed = None  # and the watch thread stayed behind in the parent
 
 
 os.register_at_fork(after_in_child=_forked)
@@ -118,10 +119,19 @@ def available_watches() -> list[str]:
     return [name for name, (usable, _) in WATCHES.items() if usable()]
 
 
+_armed: str | None = None  # a process watches its launcher once, however many jobs it runs
+
+
 def watch_launcher(how: str | None = None, pid: int | None = None) -> str:
     """Arm the watch (the first usable of `WATCHES`, or `how`) on the launcher; when it
     is gone this process gets SIGTERM. The name of the watch that was armed."""
-    pid = launcher_pid() if pid is None else pid
+    global _armed
+    if _armed is None:
+        _armed = _arm(how, launcher_pid() if pid is None else pid)
+    return _armed
+
+
+def _arm(how: str | None, pid: int) -> str:
     names = [how] if how is not None else available_watches()
     for name in names:
         try:
