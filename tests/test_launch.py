@@ -8,12 +8,14 @@ launcher watch of a rank (pipeline/distributed/launcher_watch.py) in plain proce
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -36,8 +38,9 @@ def container(synth_checkpoint, packed) -> Path:
 
 # -- the watch, in plain processes -----------------------------------------------------------
 
-# A rank's stand-in: arms the watch, says so, and on the SIGTERM it brings writes to the
-# stdout and stderr it shares with its (dead) launcher, as a draining server logs.
+# A rank's stand-in: arms the watch, says so, and once the SIGTERM it brings has come
+# (outside the handler, as trio does) writes to the stdout and stderr it shares with its
+# dead launcher, as a draining server logs.
 RANK = """
 import signal, sys, time
 from pipeline.distributed.launcher_watch import watch_launcher
@@ -144,8 +147,6 @@ def _job(fork_server, container: Path) -> tuple[Launched, int]:
 
 
 def _post_status(port: int) -> int:
-    import http.client
-
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}),
@@ -155,7 +156,7 @@ def _post_status(port: int) -> int:
         conn.close()
 
 
-def _stopped_as_on_sigterm(job: Launched, port: int, stop) -> None:
+def _stopped_as_on_sigterm(job: Launched, port: int, stop: Callable[[], None]) -> None:
     """A reply streaming when the job is told to stop (`stop()`): rank 0 drains (503 to
     new requests, the stream ends with one error event), then every process is gone
     within GONE_S and the port is free."""
