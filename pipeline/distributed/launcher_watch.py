@@ -179,7 +179,8 @@ def _quiet_orphaned_stdio() -> None:
         for fd in list(pipes):
             poller = select.poll()
             poller.register(fd, select.POLLOUT)
-            if any(ev & select.POLLERR for _, ev in poller.poll(0)):  # no reader left
+            # No reader left: Linux says POLLERR; POLLHUP too, for the BSDs' and macOS's sake.
+            if any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0)):
                 null = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(null, fd)
                 os.close(null)
