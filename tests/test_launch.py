@@ -179,7 +179,9 @@ def test_sigkill_to_the_launcher_stops_every_rank(fork_server, container) -> Non
     job, port = _job(fork_server, container)
     try:
         _stopped_as_on_sigterm(job, port, lambda: job.proc.kill())
-        assert job.output().count("distributed.launcher_gone") == 2  # each rank saw it
+        log = job.output()
+        assert log.count("distributed.launcher_gone") == 2  # each rank saw it
+        assert not Path(re.search(r"hostfile=(\S+)", log)[1]).exists()  # the ranks removed it
     finally:
         job.kill()
 

@@ -36,7 +36,7 @@ from types import FrameType
 
 import structlog
 
-from pipeline.distributed.launcher_watch import LAUNCHER_ENV
+from pipeline.distributed.launcher_watch import HOSTFILE_PREFIX, LAUNCHER_ENV
 
 log = structlog.get_logger("moestream.launch")
 
@@ -119,7 +119,7 @@ class LocalJob:
     def start(self) -> None:
         if self.stopping:  # told to stop (SIGTERM) before anything started
             return
-        fd, name = tempfile.mkstemp(prefix="moestream-hosts-", suffix=".json")
+        fd, name = tempfile.mkstemp(prefix=HOSTFILE_PREFIX, suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump([[f"127.0.0.1:{port}"] for port in free_ports(self.size)], f)
         self.hostfile = Path(name)

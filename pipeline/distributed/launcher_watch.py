@@ -31,6 +31,7 @@ import structlog
 log = structlog.get_logger("moestream.distributed")
 
 LAUNCHER_ENV = "MOESTREAM_LAUNCHER_PID"
+HOSTFILE_PREFIX = "moestream-hosts-"  # the ring hostfile `moestream launch` writes
 POLL_S = 0.5  # the fallback watch: how often it looks at the parent
 ORPHAN_CHECK_S = 0.5  # how long a pipe of ours may keep a reader once the launcher is gone
 
@@ -155,8 +156,20 @@ def _wait_then_stop(wait: Callable[[], None], pid: int, name: str) -> None:
 
 def _launcher_gone(pid: int, name: str) -> None:
     _quiet_orphaned_stdio()
+    _remove_launchers_hostfile()
     log.warning("distributed.launcher_gone", launcher=pid, watch=name, action="SIGTERM")
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _remove_launchers_hostfile() -> None:
+    """A `moestream launch` killed by SIGKILL leaves its hostfile behind: the ranks it
+    started remove it (every rank has read it by now, or fails without its launcher)."""
+    path = os.environ.get("MLX_HOSTFILE", "")
+    if os.environ.get(LAUNCHER_ENV) and os.path.basename(path).startswith(HOSTFILE_PREFIX):
+        try:
+            os.unlink(path)
+        except OSError:  # another rank was first
+            pass
 
 
 def _quiet_orphaned_stdio() -> None:
