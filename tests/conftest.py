@@ -23,6 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import forked_cli  # noqa: E402
+import forked_launch  # noqa: E402
 import forked_ranks  # noqa: E402
 import packjob  # noqa: E402
 
@@ -108,7 +109,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _start_fork_server() -> BaseContext:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(packjob.PRELOAD + forked_cli.PRELOAD + forked_ranks.PRELOAD)
+    ctx.set_forkserver_preload(packjob.PRELOAD + forked_cli.PRELOAD + forked_ranks.PRELOAD
+                              + forked_launch.PRELOAD)
     forkserver.ensure_running()  # returns at once; the server imports PRELOAD on its own
     return ctx
 

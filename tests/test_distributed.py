@@ -118,6 +118,36 @@ def test_a_peer_that_never_answers_breaks_the_link_once() -> None:
     assert other.broken is not None
 
 
+def test_the_doorbell_keeps_its_neighbours_connection_probed(tmp_path, monkeypatch) -> None:
+    # A neighbour's machine lost sends nothing: keepalive fails the idle connection a
+    # later rank waits on (the options are set on the ring's own socket, not a copy).
+    import socket
+
+    from pipeline.distributed.doorbell import KEEPALIVE, Doorbell
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        (tmp_path / "hosts.json").write_text(json.dumps([[f"127.0.0.1:{port}"]]))
+        monkeypatch.setenv("MLX_HOSTFILE", str(tmp_path / "hosts.json"))
+        with socket.create_connection(("127.0.0.1", port)) as left:
+            accepted, _ = server.accept()
+            with accepted:
+                assert not accepted.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+                bell = Doorbell.for_rank(0)
+                try:
+                    assert accepted.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+                    if hasattr(socket, "TCP_KEEPIDLE"):
+                        assert (accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                                accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                                accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)) \
+                            == KEEPALIVE
+                    assert not left.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+                    left.sendall(b"x")
+                    assert bell.wait(5)  # and it still rings
+                finally:
+                    bell.close()
+
+
 def test_gpu_per_rank_shows_rank_r_only_gpu_r(monkeypatch) -> None:
     from pipeline.distributed.gpu import pin_gpu_per_rank
 
@@ -229,20 +259,23 @@ def _post(port: int, body: dict) -> tuple[int, dict]:
         conn.close()
 
 
-def test_two_ranks_serve_and_a_killed_rank_ends_with_503(fork_server, containers,
-                                                          tmp_path) -> None:
+def test_two_ranks_serve_and_a_killed_rank_ends_with_503(fork_server, containers) -> None:
+    # The job as a service manager runs it: `moestream launch` (tests/forked_launch.py).
+    from forked_launch import Launched
     from forked_ranks import free_ports
+
+    from pipeline.server.serve import check_bindable
 
     container = containers[1]
     port = free_ports(1)[0]
     argv = ["--log-level", "info", "serve", str(container), "--distributed", "--port", str(port),
             "--slots", "8", "--prefill-chunk", "2"]
-    job = Job(fork_server, 2, tmp_path, (argv,))
+    job = Launched(fork_server, 2, argv)
     try:
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": GREEDY, "temperature": 0,
                 "logprobs": 3}
         expected = trio.run(_served_by_one_process, container, body)
-        job.ranks[0].wait_for("server.listening", TIMEOUT)
+        job.wait_for("server.listening", TIMEOUT)
         status, reply = _post(port, body)
         assert status == 200, reply
         assert reply["usage"]["completion_tokens"] == GREEDY
@@ -268,7 +301,7 @@ def test_two_ranks_serve_and_a_killed_rank_ends_with_503(fork_server, containers
         conn.close()
         # Ctrl-C in mlx.launch's terminal reaches every local rank: a later rank leaves
         # the decision to rank 0 (here: none; it serves on).
-        os.kill(job.ranks[1].proc.pid, signal.SIGINT)
+        os.kill(job.ranks[1], signal.SIGINT)
         status, again = _post(port, body)
         assert status == 200 and again["choices"] == expected["choices"], again
 
@@ -278,15 +311,20 @@ def test_two_ranks_serve_and_a_killed_rank_ends_with_503(fork_server, containers
         asker = threading.Thread(target=lambda: answer.append(_post(port, long)), daemon=True)
         asker.start()
         time.sleep(1.0)  # well into its decode (tens of tokens a second here)
-        os.kill(job.ranks[1].proc.pid, signal.SIGKILL)
-        assert job.ranks[1].wait(30) == -signal.SIGKILL
+        os.kill(job.ranks[1], signal.SIGKILL)
         start = time.monotonic()
         asker.join(60)
         status, reply = answer[0]
         assert status == 503, reply
         assert reply["error"]["code"] == "rank_lost" and "rank" in reply["error"]["message"]
-        assert job.ranks[0].wait(30) == 1, job.outputs()  # no hang: it stops by itself
+        # No hang: rank 0 stops by itself, the launcher follows, nothing is left, the port
+        # is free again; the job's status is the first failure's (rank 1's SIGKILL).
+        assert job.gone_within(30), job.output()[-4000:]
         assert time.monotonic() - start < 30
-        assert "error: rank 0: a rank was lost" in job.ranks[0].output(), job.outputs()
+        log = job.output()
+        assert "rank=1 status=137" in log and "rank=0 status=1" in log, log[-4000:]
+        assert job.proc.exitcode == 128 + signal.SIGKILL
+        assert "error: rank 0: a rank was lost" in log, log[-4000:]
+        check_bindable("127.0.0.1", port)
     finally:
         job.kill()

@@ -4,12 +4,15 @@ files are ignored with a log line and never loaded; the directory stays in its b
 
 from __future__ import annotations
 
+import logging
 import struct
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
+import structlog
 from helpers_engine import engine_config, generate
 from structlog.testing import capture_logs
 
@@ -18,6 +21,16 @@ from pipeline.fingerprint import fingerprint
 from pipeline.prefix_disk import SUFFIX, DiskPrefixCache, Header, encode_state, read_header
 
 PROMPT = list(range(300, 340))  # 40 tokens
+
+
+@pytest.fixture(autouse=True)
+def info_logs() -> Iterator[None]:
+    """The events checked here are info: a CLI run in-process earlier in this worker may
+    have left structlog filtering at warning, which drops them before any capture."""
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    yield
+    structlog.configure(**saved)
 
 
 @pytest.fixture(scope="module")

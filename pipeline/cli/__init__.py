@@ -11,14 +11,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.cli import bench, commands, config, pack, replay, serve, synth
+# First: a rank must learn which process started it before that one can be gone.
+import pipeline.distributed.launcher_watch  # noqa: F401, I001
+from pipeline.cli import bench, commands, config, launch, pack, replay, serve, synth
 from pipeline.cli.failures import EXIT_INTERRUPTED, broken_pipe, interrupted_by, report
 from pipeline.logging_setup import configure_logging, debug_enabled
 
 __all__ = ["build_parser", "main"]
 
 # The order of `moestream --help`.
-COMMAND_MODULES = (commands, serve, bench, replay, pack, synth, config)
+COMMAND_MODULES = (commands, serve, launch, bench, replay, pack, synth, config)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -123,9 +123,10 @@ def distributed(cfg: PipelineConfig, face: Any, *, server: bool = False) -> int:
         from pipeline.distributed.gpu import pin_gpu_per_rank
 
         pin_gpu_per_rank()
-    from pipeline.distributed.job import run_distributed
+    from pipeline.distributed.job import exit_now, run_distributed
 
-    return run_distributed(cfg, face, stop_on_loss=server)
+    exit_now(run_distributed(cfg, face, stop_on_loss=server))
+    return 1  # not reached
 
 
 def check_outputs(cfg: PipelineConfig, trace: str | None) -> None:

@@ -7,6 +7,7 @@ the sum of the ranks' pools. Files: plan (who runs which layers), wire (what cro
 link (the thread that talks to mlx.distributed), stage (a rank's part, rank 0's
 boundary), model (the streamed model of a slice), worker (the later ranks' loop),
 prefixes (the prefix cache's entries on every rank), job
-(one rank's life: join, run, finish), active (the stage open_engine uses), probe
-(free memory and disk speed for a weighted split), errors.
+(one rank's life: join, run, finish), launcher_watch (a rank stops when its launcher is
+gone), launch (`moestream launch`: local ranks under a service manager), active (the
+stage open_engine uses), probe (free memory and disk speed for a weighted split), errors.
 """

@@ -12,6 +12,11 @@ Every receive of the pipeline comes from the left neighbour (rank r-1, and for r
 last rank), which the ring reaches over the sockets it accepted on this rank's own
 address from the hostfile. Those are found by their local port. Where they cannot be
 found (another backend, an unusual platform), receives simply spin as before.
+
+Those sockets also get TCP keepalive (`KEEPALIVE`): a neighbour whose machine is lost
+(powered off, unplugged) sends nothing, not even a reset, and a later rank waiting for
+work would wait on it forever; the probes fail the idle connection within about 25 s,
+and the receive then fails as for a closed socket (`RankLost`, one `error:` line).
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ import structlog
 
 log = structlog.get_logger("moestream.distributed")
 
+# Idle seconds before the first probe, seconds between probes, probes unanswered.
+KEEPALIVE = (10, 5, 3)
+
 
 class Doorbell:
     def __init__(self, sockets: list[socket.socket]) -> None:
@@ -38,6 +46,7 @@ class Doorbell:
         found = []
         for s in _sockets():
             if ports and _local_port(s) in ports:
+                keep_alive(s)
                 found.append(s)
             else:
                 s.close()
@@ -56,6 +65,21 @@ class Doorbell:
         for s in self._sockets:
             s.close()  # our duplicates only: MLX keeps its own descriptors
         self._sockets = []
+
+
+def keep_alive(s: socket.socket) -> None:
+    """Keepalive on `s` (a duplicate: the options are the socket's, so MLX's too)."""
+    idle, interval, count = KEEPALIVE
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    # macOS names the idle time TCP_KEEPALIVE.
+    idle_option = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))
+    for option, value in ((idle_option, idle), (getattr(socket, "TCP_KEEPINTVL", None), interval),
+                          (getattr(socket, "TCP_KEEPCNT", None), count)):
+        if option is not None:
+            try:
+                s.setsockopt(socket.IPPROTO_TCP, option, value)
+            except OSError:  # an option this platform refuses: its default stays
+                pass
 
 
 def _own_ports(rank: int) -> set[int]:

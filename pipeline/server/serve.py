@@ -2,7 +2,9 @@
 
 The engine is opened once for the server's life; a signal starts hypercorn's graceful
 shutdown (in-flight requests get `server.shutdown_grace_s` to finish, then are cancelled),
-then the engine closes.
+then the engine closes. A SIGTERM after the first is absorbed: a service manager that
+signals every process of a job and the launcher that forwards the signal both send one,
+and the second must not cut the drain short (SIGINT again, or SIGKILL, still do).
 """
 
 from __future__ import annotations
@@ -54,11 +56,19 @@ def check_bindable(host: str, port: int) -> None:
             raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from None
 
 
-async def _wait_for_signal() -> None:
+async def _watch_signals(stop: trio.Event) -> None:
+    """The first SIGINT or SIGTERM stops the server; a repeated SIGTERM is absorbed, a
+    repeated SIGINT (a second Ctrl-C) stops the process at once."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
-            log.info("server.shutdown", signal=signal.Signals(signum).name)
-            return
+            name = signal.Signals(signum).name
+            if not stop.is_set():
+                log.info("server.shutdown", signal=name)
+                stop.set()
+            elif signum == signal.SIGTERM:
+                log.info("server.shutdown_repeated", signal=name)
+            else:
+                raise KeyboardInterrupt
 
 
 async def serve_config(cfg: PipelineConfig, *, hide_reasoning: bool = False,
@@ -68,7 +78,9 @@ async def serve_config(cfg: PipelineConfig, *, hide_reasoning: bool = False,
     if not is_loopback(server.host) and server.api_key is None:
         log.warning("server.open_without_key", host=server.host,
                     hint="anyone who can reach this host can use the model; pass --api-key")
-    async with open_engine(cfg) as engine:
+    async with open_engine(cfg) as engine, trio.open_nursery() as nursery:
+        stop = trio.Event()
+        nursery.start_soon(_watch_signals, stop)
         await serve_engine(
             engine, server.host, server.port, api_key=server.api_key,
             max_queue=server.max_queue, max_body_bytes=server.max_body_bytes,
@@ -77,7 +89,8 @@ async def serve_config(cfg: PipelineConfig, *, hide_reasoning: bool = False,
             strict_model=server.strict_model, cors_origins=server.cors_origins,
             metrics_without_key=server.metrics_without_key,
             prompt_budget_s=server.prompt_budget_s,
-            shutdown_trigger=_wait_for_signal, shutdown_grace_s=server.shutdown_grace_s,
+            shutdown_trigger=stop.wait, shutdown_grace_s=server.shutdown_grace_s,
         )
+        nursery.cancel_scope.cancel()
     log.info("server.stopped")
     return 0

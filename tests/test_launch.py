@@ -1,0 +1,204 @@
+"""A distributed job stops with its launcher, however the launcher goes.
+
+Real processes and real signals: a launcher (`moestream launch`, pipeline/distributed/
+launch.py) of two ranks serving the tiny container on the ring backend over loopback
+(tests/forked_launch.py), stopped the way service managers stop things; and the
+launcher watch of a rank (pipeline/distributed/launcher_watch.py) in plain processes.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from forked_launch import Launched, alive
+from forked_ranks import free_ports
+from test_shutdown import check_events, read_events, stream
+
+from pipeline.cli import main
+from pipeline.distributed.launcher_watch import available_watches
+from pipeline.server.serve import check_bindable
+
+REPO = Path(__file__).resolve().parents[1]
+GONE_S = 10  # what the issue allows the whole job to take to be gone
+
+
+@pytest.fixture(scope="module")
+def container(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next"), bits=None)
+
+
+# -- the watch, in plain processes -----------------------------------------------------------
+
+# A rank's stand-in: arms the watch, says so, and once the SIGTERM it brings has come
+# (outside the handler, as trio does) writes to the stdout and stderr it shares with its
+# dead launcher, as a draining server logs.
+RANK = """
+import signal, sys, time
+from pipeline.distributed.launcher_watch import watch_launcher
+told = []
+signal.signal(signal.SIGTERM, lambda signum, frame: told.append(signum))
+print(watch_launcher(how=sys.argv[1]), flush=True)
+while not told:
+    time.sleep(0.02)
+for _ in range(100):
+    print("draining", flush=True)
+    print("still draining", file=sys.stderr, flush=True)
+with open(sys.argv[2], "w") as f:
+    f.write("stopped")
+"""
+
+# The launcher's stand-in: starts the rank with its output in pipes only it reads.
+LAUNCHER = """
+import subprocess, sys
+rank = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+print(rank.pid, rank.stdout.readline().decode().strip(), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("how", available_watches())
+def test_a_rank_stops_when_its_launcher_is_killed(how: str, tmp_path: Path) -> None:
+    done = tmp_path / "done"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, RANK, how, str(done)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                env={"PYTHONPATH": str(REPO)})
+    try:
+        pid, armed = launcher.stdout.readline().decode().split()
+        assert armed == how
+        launcher.kill()  # SIGKILL: nothing of the launcher's runs
+        launcher.wait(10)
+        deadline = time.monotonic() + GONE_S
+        while alive(int(pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(int(pid)), f"the rank outlived its launcher ({how})"
+        # Its output had no reader any more: the writes went to /dev/null, not to EPIPE.
+        assert done.read_text() == "stopped"
+    finally:
+        launcher.kill()
+
+
+# -- the launcher command --------------------------------------------------------------------
+
+
+def _launch(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", "--log-level", "info", "launch",
+                           *argv], capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+
+
+def test_launch_refuses_in_one_line_and_stops_the_job_when_a_rank_fails(capsys) -> None:
+    # Refused before any rank runs: safe in this process (the launcher reaps any child).
+    for argv, status, words in ((["-n", "0", "--", "true"], 2, "at least one rank"),
+                                (["-n", "2"], 2, "no command for the ranks"),
+                                (["-n", "2", "--", "/no/such/rank"], 1, "cannot start rank 0")):
+        assert main(["launch", *argv]) == status
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(lines) == 1 and words in lines[0] and "Traceback" not in err, err
+    # Rank 1 fails: the others (asleep for a minute) are stopped at once, the hostfile
+    # removed; the job's status is the failure's.
+    rank = ('test -f "$MLX_HOSTFILE" && [ "$MOESTREAM_LAUNCHER_PID" = "$PPID" ] || exit 9; '
+            '[ "$MLX_RANK" = 1 ] && exit 3; exec sleep 60')
+    done = _launch("-n", "3", "--", "sh", "-c", rank)
+    assert done.returncode == 3, done.stderr
+    assert "launch.rank_failed" in done.stderr and "rank=1 status=3" in done.stderr
+    assert done.stderr.count("status=143") == 2  # rank 0 and 2: SIGTERM, not the minute
+    hostfile = re.search(r"hostfile=(\S+)", done.stderr)[1]
+    assert not Path(hostfile).exists()
+
+
+def test_launch_forwards_a_sigint_no_terminal_delivered() -> None:
+    # `kill -INT <launcher>` (no terminal: its Ctrl-C would have reached the ranks itself).
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "info",
+                             "launch", "-n", "2", "--", "sh", "-c", "exec sleep 60"],
+                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "launch.started" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 128 + signal.SIGINT  # both sleeps died of it, not the minute
+    finally:
+        proc.kill()
+
+
+# -- a serving job, stopped the way service managers stop things -----------------------------
+
+
+def _job(fork_server, container: Path) -> tuple[Launched, int]:
+    port = free_ports(1)[0]
+    argv = ["--log-level", "info", "serve", str(container), "--distributed", "--port", str(port),
+            "--slots", "8", "--prefill-chunk", "2", "--set", "server.shutdown_grace_s=3"]
+    job = Launched(fork_server, 2, argv)
+    job.wait_for("server.listening", 120)
+    return job, port
+
+
+def _post_status(port: int) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}),
+                     {"Content-Type": "application/json"})
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def _stopped_as_on_sigterm(job: Launched, port: int, stop: Callable[[], None]) -> None:
+    """A reply streaming when the job is told to stop (`stop()`): rank 0 drains (503 to
+    new requests, the stream ends with one error event), then every process is gone
+    within GONE_S and the port is free."""
+    conn, resp = stream(port, 3000)
+    first = read_events(resp, 3)
+    stop()
+    job.wait_for("server.shutdown", GONE_S)  # rank 0 has begun to drain
+    assert _post_status(port) == 503
+    rest = read_events(resp)
+    conn.close()
+    check_events(first + rest)
+    assert json.loads(rest[-1])["error"]["code"] == "server_shutting_down", rest[-3:]
+    assert job.gone_within(GONE_S), job.output()[-4000:]
+    check_bindable("127.0.0.1", port)  # raises PortInUse if anything still holds it
+    log = job.output()
+    assert "distributed.stage_done" in log and "Traceback" not in log, log[-4000:]
+
+
+def test_sigkill_to_the_launcher_stops_every_rank(fork_server, container) -> None:
+    job, port = _job(fork_server, container)
+    try:
+        _stopped_as_on_sigterm(job, port, lambda: job.proc.kill())
+        log = job.output()
+        assert log.count("distributed.launcher_gone") == 2  # each rank saw it
+        assert not Path(re.search(r"hostfile=(\S+)", log)[1]).exists()  # the ranks removed it
+    finally:
+        job.kill()
+
+
+def test_sigterm_to_the_launcher_is_forwarded_and_waited_for(fork_server, container) -> None:
+    job, port = _job(fork_server, container)
+    try:
+        def twice() -> None:  # as a service manager that signals the launcher and its group
+            job.proc.terminate()
+            # Once rank 0 took the first (signals that arrive together count once).
+            job.wait_for("server.shutdown", GONE_S)
+            job.proc.terminate()
+
+        _stopped_as_on_sigterm(job, port, twice)
+        assert job.proc.exitcode == 0, job.output()[-4000:]  # the ranks drained and ended 0
+        log = job.output()
+        assert "server.shutdown_repeated" in log, log  # the second SIGTERM did not cut the drain
+        assert log.count("launch.rank_done") == 2
+    finally:
+        job.kill()
