@@ -10,6 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 from helpers_server import serving
+from structlog.testing import capture_logs
 
 from actors.sampling_params import SamplingParams
 from pipeline.chat_template import TemplateKwargsError, template_kwargs
@@ -108,14 +109,51 @@ def test_precedence_and_bad_files(tmp_path: Path) -> None:
     assert SamplingConfig().params() == SamplingParams()
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "top_k": 0}))
     assert model_defaults(tmp_path).temperature == 0.0 and model_defaults(tmp_path).top_k == 0
-    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0}))
-    with pytest.raises(QpackError, match=r"generation_config.json: top_p must be in \(0, 1\]"):
-        model_defaults(tmp_path)
+    # Odd values (as hub files carry them) are warned about and left unsaid, field by field.
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0, "top_k": 7}))
+    with capture_logs() as logs:
+        model = model_defaults(tmp_path)
+    assert (model.top_p, model.top_k) == (SamplingParams().top_p, 7)
+    assert [(e["event"], e["field"]) for e in logs] == [("generation_config.field_ignored", "top_p")]
+    assert "top_p must be in (0, 1]" in logs[0]["reason"]
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    assert eos_token_ids(tmp_path) is None  # nor does config.json say: the tokenizer's
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, -1]}))
+    with capture_logs() as logs:
+        assert eos_token_ids(tmp_path) is None
+    assert "eos_token_id -1 is negative" in logs[0]["reason"]
+    # Not a JSON object at all: refused, as transformers refuses it.
+    (tmp_path / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(QpackError, match="generation_config.json does not read: a JSON object"):
+        model_defaults(tmp_path)
+    (tmp_path / "generation_config.json").write_text("{")
     with pytest.raises(QpackError, match="generation_config.json does not read"):
-        eos_token_ids(tmp_path)
+        model_defaults(tmp_path)
     with pytest.raises(ConfigError, match="sampling.temperature must be in"):
         config_from_dict({"model": {"path": str(tmp_path)}, "sampling": {"temperature": 3}})
+
+
+async def test_a_wrong_type_in_generation_config_is_warned_and_served(
+        synth_checkpoint, tmp_path: Path) -> None:
+    """A packed checkpoint whose generation_config.json says `"temperature": "hot"` (and a
+    top_k of the wrong type): `serve` starts, warns naming each field, and uses the
+    config's default for it while keeping the file's other values."""
+    src = synth_checkpoint("qwen3_next", dtype="bfloat16")
+    odd = _pack_with(src, tmp_path, {"temperature": "hot", "top_p": 0.8, "top_k": "many",
+                                     "eos_token_id": [QWEN3_NEXT_EOS]})
+    with capture_logs() as logs:
+        async with serving(odd, server={}) as (engine, port):
+            params = default_params(engine)
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+            reply = await client.chat.completions.create(model="tiny", messages=USER,
+                                                         max_tokens=3)
+    api = SamplingParams()
+    assert (params.temperature, params.top_p, params.top_k) == (api.temperature, 0.8, api.top_k)
+    assert reply.usage is not None and reply.usage.completion_tokens == 3
+    ignored = {e["field"]: e for e in logs if e["event"] == "generation_config.field_ignored"}
+    assert set(ignored) == {"temperature", "top_k"}, ignored
+    assert ignored["temperature"]["value"] == "'hot'" and "float" in ignored["temperature"]["reason"]
+    assert all(e["log_level"] == "warning" for e in ignored.values())
 
 
 def test_template_kwargs_layers() -> None:
