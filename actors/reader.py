@@ -28,7 +28,12 @@ log = structlog.get_logger("moestream.reader")
 
 
 class ExpertReadError(RuntimeError):
-    """An expert could not be read after the configured retries."""
+    """An expert could not be read after the configured retries; `key` is (layer, expert)
+    and the failed attempt's error is the `__cause__` (what kind of damage it was)."""
+
+    def __init__(self, message: str, key: ExpertKey | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass(eq=False)
@@ -173,7 +178,7 @@ class ExpertReader:
                 if attempt == self.retries:
                     raise ExpertReadError(
                         f"expert {expert} of layer {layer}: read failed after "
-                        f"{attempt + 1} attempts: {exc}"
+                        f"{attempt + 1} attempts: {exc}", key
                     ) from exc
                 self.stats.retries += 1
                 time.sleep(self.retry_backoff_s * (2**attempt))
