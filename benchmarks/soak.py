@@ -226,10 +226,11 @@ async def _sample(proc: psutil.Process, port: int, t0: float) -> dict[str, Any]:
 
 
 def _grows(values: list[float]) -> bool:
-    """Whether the later half of a series reaches above the earlier half's highest (a
-    count that only comes and goes, as trio's idle worker threads do, does not)."""
+    """Whether the later half of a series stays above everything the earlier half saw: a
+    leak raises the floor; a count that comes and goes (trio's idle worker threads, a
+    file open for a moment) does not."""
     half = len(values) // 2
-    return half > 0 and max(values[half:]) > max(values[:half])
+    return half > 0 and min(values[half:]) > max(values[:half])
 
 
 def _slope_mb_per_hour(points: list[tuple[float, float]]) -> float:
@@ -297,7 +298,7 @@ async def soak(args: argparse.Namespace, proc: psutil.Process, port: int) -> dic
                                                       "pool_pinned_experts", "pool_loads_in_flight")}
     unexpected = sum(n for c in outcomes.values() for k, n in c.items() if k != "ok")
     slope = _slope_mb_per_hour([(s["minute"], s["rss_mb"]) for s in warm])
-    growing = [k for k in ("open_files", "threads", "sockets") if _grows([s[k] for s in warm])]
+    growing = [k for k in ("open_files", "threads") if _grows([s[k] for s in warm])]
     ok = (unexpected == 0 and all(s["health"] == 200 for s in samples)
           and flat["pool_pinned_experts"] == [0] and flat["pool_loads_in_flight"] == [0]
           and not growing and slope <= args.max_rss_slope
