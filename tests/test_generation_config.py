@@ -4,7 +4,9 @@ and config. On tiny synthetic checkpoints with the hub's files (Instruct and Thi
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import openai
@@ -133,23 +135,35 @@ def test_precedence_and_bad_files(tmp_path: Path) -> None:
         config_from_dict({"model": {"path": str(tmp_path)}, "sampling": {"temperature": 3}})
 
 
+def _replace_listed(container: Path, name: str, data: bytes) -> None:
+    """`name` in `container` replaced by `data`, its manifest entry (size, sha256) with it:
+    what a pack of a checkpoint carrying that file would have written."""
+    (container / name).write_bytes(data)
+    manifest = json.loads((container / spec.MANIFEST).read_text())
+    entry = next(f for f in manifest["files"] if f["path"] == name)
+    entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (container / spec.MANIFEST).write_text(json.dumps(manifest))
+
+
 async def test_a_wrong_type_in_generation_config_is_warned_and_served(
-        synth_checkpoint, tmp_path: Path) -> None:
-    """A packed checkpoint whose generation_config.json says `"temperature": "hot"` (and a
-    top_k of the wrong type): `serve` starts, warns naming each field, and uses the
-    config's default for it while keeping the file's other values."""
-    src = synth_checkpoint("qwen3_next", dtype="bfloat16")
-    odd = _pack_with(src, tmp_path, {"temperature": "hot", "top_p": 0.8, "top_k": "many",
-                                     "eos_token_id": [QWEN3_NEXT_EOS]})
+        synth_checkpoint, packed, tmp_path: Path) -> None:
+    """A container whose generation_config.json says `"temperature": "hot"` (and a top_k
+    of the wrong type), as packed from such a hub checkpoint: `serve` starts, warns
+    naming each field, and uses the config's default for it while keeping the file's
+    other values."""
+    odd = tmp_path / "odd.qpack"
+    shutil.copytree(packed(synth_checkpoint("qwen3_next"), bits=None), odd)
+    _replace_listed(odd, "generation_config.json", json.dumps(
+        {"temperature": "hot", "top_p": 0.8, "top_k": "many", "eos_token_id": [QWEN3_NEXT_EOS]}).encode())
     with capture_logs() as logs:
-        async with serving(odd, server={}) as (engine, port):
+        async with serving(odd) as (engine, port):
             params = default_params(engine)
             client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
             reply = await client.chat.completions.create(model="tiny", messages=USER,
-                                                         max_tokens=3)
+                                                         max_tokens=1)
     api = SamplingParams()
     assert (params.temperature, params.top_p, params.top_k) == (api.temperature, 0.8, api.top_k)
-    assert reply.usage is not None and reply.usage.completion_tokens == 3
+    assert reply.usage is not None and reply.usage.completion_tokens == 1
     ignored = {e["field"]: e for e in logs if e["event"] == "generation_config.field_ignored"}
     assert set(ignored) == {"temperature", "top_k"}, ignored
     assert ignored["temperature"]["value"] == "'hot'" and "float" in ignored["temperature"]["reason"]
