@@ -73,6 +73,8 @@ def read_generation_config(root: Path) -> GenerationConfig:
         raw = msgspec.json.decode(path.read_bytes())
     except msgspec.DecodeError as exc:
         raise QpackError(path, f"{FILE} does not read: {exc}") from None
+    except RecursionError:
+        raise QpackError(path, f"nested too deeply to be a valid {FILE}") from None
     if not isinstance(raw, dict):
         raise QpackError(path, f"{FILE} does not read: a JSON object was expected, "
                          f"not {type(raw).__name__}")
@@ -110,7 +112,7 @@ def eos_token_ids(root: Path) -> list[int] | None:
     if config_path.is_file():
         try:
             config = msgspec.json.decode(config_path.read_bytes())
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             return None  # the container's own check names this file
         if isinstance(config, dict):
             ids = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))

@@ -131,6 +131,9 @@ def test_precedence_and_bad_files(tmp_path: Path) -> None:
     (tmp_path / "generation_config.json").write_text("{")
     with pytest.raises(QpackError, match="generation_config.json does not read"):
         model_defaults(tmp_path)
+    (tmp_path / "generation_config.json").write_text('{"top_k": ' + "[" * 100_000)
+    with pytest.raises(QpackError, match="nested too deeply to be a valid generation_config.json"):
+        model_defaults(tmp_path)
     with pytest.raises(ConfigError, match="sampling.temperature must be in"):
         config_from_dict({"model": {"path": str(tmp_path)}, "sampling": {"temperature": 3}})
 
