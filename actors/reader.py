@@ -51,7 +51,12 @@ MAX_STAGERS = 4
 
 
 class ExpertReadError(RuntimeError):
-    """An expert could not be read after the configured retries."""
+    """An expert could not be read after the configured retries; `key` is (layer, expert)
+    and the failed attempt's error is the `__cause__` (what kind of damage it was)."""
+
+    def __init__(self, message: str, key: ExpertKey | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass(eq=False)
@@ -249,7 +254,7 @@ class ExpertReader:
                 if n == self.retries:
                     raise ExpertReadError(
                         f"expert {expert} of layer {layer}: read failed after "
-                        f"{n + 1} attempts: {exc}"
+                        f"{n + 1} attempts: {exc}", key
                     ) from exc
                 self._count_retry()
             time.sleep(self.retry_backoff_s * (2**n))

@@ -68,7 +68,7 @@ class ExpertRouter:
         self.reader = reader
         self.num_experts = num_experts
         self.loads: dict[ExpertKey, Load] = {}
-        self.failures: dict[ExpertKey, str] = {}
+        self.failures: dict[ExpertKey, BaseException] = {}
         self.stats = RouterStats()
         # Reads land in milliseconds; a disk that hangs must not hold a finished
         # generation's end longer than this (the next demand collects what is left).
@@ -181,8 +181,11 @@ class ExpertRouter:
         for expert in ids:
             slot = self.table.lookup((layer, int(expert)))
             if slot is None or self.table.state((layer, int(expert))) != "ready":
-                raise ExpertReadError(self.failures.pop((layer, int(expert)), None) or
-                                      f"expert {expert} of layer {layer} could not be loaded")
+                # The read's own error is the cause: it says what kind of damage it was.
+                failure = self.failures.pop((layer, int(expert)), None)
+                raise ExpertReadError(str(failure) if failure is not None else
+                                      f"expert {expert} of layer {layer} could not be loaded",
+                                      (layer, int(expert))) from failure
             slot_of[int(expert)] = slot
         return slot_of
 
@@ -223,7 +226,7 @@ class ExpertRouter:
             del self.loads[key]
             slot = self.table.lookup(key)
             if load.error is not None:
-                self.failures[key] = str(load.error)
+                self.failures[key] = load.error
                 if slot is not None:
                     self.table.release(key)
                 continue

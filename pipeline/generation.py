@@ -25,6 +25,7 @@ from actors.sampler import Sampler, prompt_logprobs
 from actors.sampling_params import SamplingParams
 from actors.text_stream import TextStream
 from actors.token_logprob import TokenLogprob
+from pipeline.container_damage import explain
 from pipeline.engine_parts import detokenizer
 from pipeline.events import Done, Event, GenerationStats, TextDelta
 from pipeline.resident_map import current_rss_mb, peak_rss_mb
@@ -162,7 +163,8 @@ class Generation:
                     yield event
             await job.finished.wait()
             if job.error is not None:
-                raise job.error
+                # A damaged expert becomes one line naming it and the fix (and /health's).
+                raise explain(job.error, self.engine.container)
         finally:
             await self.close()
 

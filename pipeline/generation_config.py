@@ -8,6 +8,12 @@ container; here it is read once per container and applied under the config and t
     request field  >  [sampling] key in the config  >  generation_config.json  >  API default
 
 `do_sample: false` means greedy (temperature 0), as transformers reads it.
+
+Hub checkpoints carry these files with odd values (`"temperature": "hot"`, a top_p of 0);
+transformers warns and goes on, and so does this: a field of the wrong type or out of
+range is logged (`generation_config.field_ignored`, naming it) and left unsaid, so the
+config's `[sampling]` or the API default applies. A file that is not a JSON object at
+all is refused, as transformers refuses it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import structlog
 
 from actors.sampling_params import SamplingParams
 from pipeline.config.sampling import OPTIONAL_KNOBS, SamplingConfig
@@ -26,6 +33,7 @@ if TYPE_CHECKING:
     from pipeline.engine import Engine
 
 FILE = "generation_config.json"
+log = structlog.get_logger("moestream.generation_config")
 
 
 class GenerationConfig(msgspec.Struct, frozen=True):
@@ -56,22 +64,42 @@ class GenerationConfig(msgspec.Struct, frozen=True):
 
 
 def read_generation_config(root: Path) -> GenerationConfig:
-    """The container's generation_config.json; a missing file says nothing."""
+    """The container's generation_config.json; a missing file says nothing, a field that
+    does not read (wrong type, out of range) is warned about and left out."""
     path = Path(root) / FILE
     if not path.is_file():
         return GenerationConfig()
     try:
-        gen = msgspec.json.decode(path.read_bytes(), type=GenerationConfig)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raw = msgspec.json.decode(path.read_bytes())
+    except msgspec.DecodeError as exc:
         raise QpackError(path, f"{FILE} does not read: {exc}") from None
-    try:
-        SamplingParams(**gen.sampling())
-    except ValueError as exc:
-        raise QpackError(path, str(exc)) from None
-    for t in gen.eos_ids():
+    except RecursionError:
+        raise QpackError(path, f"nested too deeply to be a valid {FILE}") from None
+    if not isinstance(raw, dict):
+        raise QpackError(path, f"{FILE} does not read: a JSON object was expected, "
+                         f"not {type(raw).__name__}")
+    kept: dict[str, Any] = {}
+    for field in msgspec.structs.fields(GenerationConfig):
+        if field.name not in raw:
+            continue
+        try:
+            kept[field.name] = _checked(field.name, field.type, raw[field.name])
+        except (msgspec.ValidationError, ValueError) as exc:
+            log.warning("generation_config.field_ignored", path=str(path), field=field.name,
+                        value=repr(raw[field.name])[:80], reason=str(exc), using="default")
+    return GenerationConfig(**kept)
+
+
+def _checked(name: str, tp: Any, value: Any) -> Any:
+    """`value` as field `name` of GenerationConfig, its range checked the way a generation
+    would use it (SamplingParams' own checks); ValueError / ValidationError if not."""
+    value = msgspec.convert(value, type=tp)
+    alone = GenerationConfig(**{name: value})
+    SamplingParams(**alone.sampling())
+    for t in alone.eos_ids():
         if t < 0:
-            raise QpackError(path, f"{FILE}: eos_token_id {t} is negative")
-    return gen
+            raise ValueError(f"eos_token_id {t} is negative")
+    return value
 
 
 def eos_token_ids(root: Path) -> list[int] | None:
@@ -84,7 +112,7 @@ def eos_token_ids(root: Path) -> list[int] | None:
     if config_path.is_file():
         try:
             config = msgspec.json.decode(config_path.read_bytes())
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             return None  # the container's own check names this file
         if isinstance(config, dict):
             ids = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))

@@ -17,6 +17,7 @@ import os
 import shutil
 import stat
 import tempfile
+import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -161,3 +162,26 @@ def unreadable_files(root: Path, manifest: spec.Manifest) -> list[str]:
         if size != f.size:
             problems.append(f"{f.path}: {size} bytes, manifest says {f.size}")
     return problems
+
+
+def expert_problem(root: Path, manifest: spec.Manifest, layer: int, expert: int) -> str | None:
+    """What is wrong with one expert on disk now (cannot open, short, crc32), or None: a
+    health check re-examines an expert that failed a read once its file has changed."""
+    entry = next(e for e in manifest.layers if e.index == layer)
+    path = root / entry.file
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        return f"{path}: cannot open: {exc.strerror}"
+    try:
+        data = os.pread(fd, entry.format.nbytes, expert * entry.stride)
+    except OSError as exc:
+        return f"{path}: expert {expert} of layer {layer}: cannot read: {exc.strerror}"
+    finally:
+        os.close(fd)
+    if len(data) < entry.format.nbytes:
+        return f"{path}: expert {expert} of layer {layer}: cut short ({len(data)} of {entry.format.nbytes} bytes)"
+    crc = zlib.crc32(data)
+    if crc != entry.checksums[expert]:
+        return f"{path}: expert {expert} of layer {layer}: crc32 {crc:08x} != {entry.checksums[expert]:08x}"
+    return None

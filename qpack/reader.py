@@ -265,7 +265,7 @@ def load_manifest(root: Path) -> spec.Manifest:
     if not path.is_file():
         raise QpackError(root, "incomplete container (no manifest.json); re-run pack to resume")
     data = path.read_bytes()
-    raw = spec.parse_json(data, path, "manifest")
+    raw = spec.parse_json(data, path, "qpack manifest")
     if not isinstance(raw, dict) or raw.get("magic") != spec.MAGIC:
         magic = raw.get("magic") if isinstance(raw, dict) else None
         raise QpackError(path, f"not a qpack container (magic {magic!r}, expected {spec.MAGIC!r})")

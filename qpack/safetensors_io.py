@@ -112,6 +112,8 @@ class SafetensorsFile:
             header = json.loads(pread_exact(self.fd, hlen, 8, self.path))
         except ValueError as exc:
             raise QpackError(self.path, f"safetensors header is not JSON: {exc}") from None
+        except RecursionError:
+            raise QpackError(self.path, "safetensors header is nested too deeply to be one") from None
         metadata = header.pop("__metadata__", None) or {}
         base = 8 + hlen
         tensors: dict[str, TensorInfo] = {}

@@ -61,6 +61,8 @@ def parse_json(data: bytes, path: Path, what: str) -> Any:
         return json.loads(data)
     except ValueError as exc:
         raise QpackError(path, f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:  # arrays or objects nested past the interpreter's recursion limit
+        raise QpackError(path, f"nested too deeply to be a valid {what}") from None
 
 
 class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

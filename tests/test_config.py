@@ -217,6 +217,29 @@ def test_bad_overrides_are_named(tmp_path: Path) -> None:
     assert "reader.concurrency: expected int in [1, 256], got 0 (override 'reader.concurrency=0')" in msg
 
 
+def test_an_override_is_one_toml_value(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What follows the value (a line break and a table, another key) is refused, naming
+    the override; before, `v = <text>` parsed it as more keys and dropped them."""
+    p = _write(tmp_path, '[model]\npath = "synth:tiny"\n[pool]\nbudget_mb = 5\n')
+    for bad in ("pool.budget_mb=4\n[evil]\nx=1", 'pool.budget_mb=4\nserver_api_key = "k"',
+                "pool.budget_mb=4\nv = 5", "model.path=demo-data/x.qpack\n[evil]",
+                "server.api_key=se\x1bcret"):
+        msg = _error(p, [bad])
+        assert f"override {bad!r}: the value must be one TOML value" in msg, msg
+        assert "\n" not in msg  # one line: the override is shown as its repr
+    # One value may still span lines (an array), carry a comment, or be a bare word.
+    cfg = load_config(p, ['run.prompts=["a",\n "b"]', "pool.budget_mb=7 # note",
+                          "model.path=demo-data/x.qpack"], check_paths=False)
+    assert cfg.run.prompts == ("a", "b") and cfg.pool.budget_mb == 7
+    assert cfg.model.path == "demo-data/x.qpack"
+    parser = argparse.ArgumentParser(prog="moestream")
+    register(parser.add_subparsers())
+    args = parser.parse_args(["config", str(p), "--set", "pool.budget_mb=4\n[evil]\nx=1"])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'pool.budget_mb=4\\n[evil]\\nx=1'" in err, err
+
+
 def test_cli_config_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser(prog="moestream")
     register(parser.add_subparsers())

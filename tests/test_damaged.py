@@ -96,6 +96,18 @@ def test_bad_json(copy):
     _refused(copy, "manifest is not valid JSON")
 
 
+def test_deeply_nested_manifest(copy):
+    """Nesting past Python's recursion limit is the manifest's problem, not a RecursionError."""
+    text = (copy / spec.MANIFEST).read_text()
+    (copy / spec.MANIFEST).write_text(text.rstrip()[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    _refused(copy, "nested too deeply to be a valid qpack manifest")
+
+
+def test_deeply_nested_config(copy):
+    (copy / spec.CONFIG).write_text('{"a": ' + "[" * 100_000)
+    _refused(copy, "nested too deeply to be a valid config.json", names="config.json")
+
+
 def test_schema_error(copy):
     _edit_manifest(copy, lambda d: d.update(top_k="eight"))
     _refused(copy, "does not match the qpack v1 schema")

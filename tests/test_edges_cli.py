@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -57,9 +58,17 @@ def test_a_corrupt_expert_is_one_line_not_an_exception_group(copy, capsys):
     for e in range(entry.num_experts):  # every expert of the layer: any route hits one
         data[e * entry.stride + 17] ^= 0x10
     path.write_bytes(bytes(data))
-    assert main(["generate", str(copy), "--prompt", "Hello", *ENGINE]) == 1
-    line = one_error(capsys.readouterr().err)
-    assert "crc32" in line and "layer 1" in line, line
+    config = copy.parent / "c.toml"
+    config.write_text(f'[model]\npath = "{copy}"\n[run]\nprompts = ["Hello"]\nmax_tokens = 2\n')
+    # generate, chat and run end with the same line: the damage and the fix, not the crc.
+    want = re.compile(r"error: expert \d+ of layer 1 failed its checksum: the container is "
+                      rf"damaged; run moestream verify {re.escape(str(copy))}$")
+    for command in (["generate", str(copy), "--prompt", "Hello", *ENGINE],
+                    ["chat", str(copy), "Hello", *ENGINE],
+                    ["run", str(config), "--slots", "16", "--prefill-chunk", "2"]):
+        assert main(command) == 1
+        line = one_error(capsys.readouterr().err)
+        assert want.match(line), line
 
     # --log-level debug shows where it came from, then the same line.
     assert main(["--log-level", "debug", "generate", str(copy), "--prompt", "Hello", *ENGINE]) == 1

@@ -10,6 +10,7 @@ naming layer, expert and attempts, and leave the engine fully usable.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -104,6 +105,10 @@ async def test_transient_faults_are_retried_and_invisible(tiny_qpack, reference)
 async def test_persistent_faults_fail_one_request_then_the_engine_recovers(tiny_qpack, reference):
     io = FaultIO(tiny_qpack)
     details = {"flip": "crc32", "eio": "Input/output error", "eof": "short read"}
+    # What the user's line says for each (the detail stays in the cause chain and the log).
+    says = {"flip": "failed its checksum: the container is damaged",
+            "eio": "cannot be read from .*layer_003.bin: Input/output error: the disk or",
+            "eof": "is cut short: .*layer_000.bin ends before it"}
     async with open_engine(_config(tiny_qpack), io=io) as engine:
         # flip first, on a layer no read has verified yet: verify="first-use" checks each
         # expert's crc once, so a flip in a later re-read of a verified expert is not seen.
@@ -112,9 +117,10 @@ async def test_persistent_faults_fail_one_request_then_the_engine_recovers(tiny_
             rule = io.inject(kind, layer=layer)
             with pytest.raises(ExpertReadError) as info:
                 await _tokens(engine, prompt)
-            message = str(info.value)
-            assert f"of layer {layer}: read failed after {RETRIES + 1} attempts" in message, message
-            assert details[kind] in message, message
+            assert re.match(rf"expert \d+ of layer {layer} {says[kind]}", str(info.value)), info.value
+            cause = str(info.value.__cause__)
+            assert f"of layer {layer}: read failed after {RETRIES + 1} attempts" in cause, cause
+            assert details[kind] in cause, cause
             assert rule.hits >= RETRIES + 1
             assert_pool_clean(engine)
             io.clear()
@@ -199,11 +205,13 @@ async def test_flipped_byte_on_disk_is_caught_before_use(tiny_qpack, tmp_path):
     shutil.copytree(tiny_qpack, copy)
     _flip_on_disk(copy, 1)
     async with open_engine(_config(copy)) as engine:
-        with pytest.raises(ExpertReadError, match=r"of layer 1: read failed after 3 attempts:.*crc32"):
+        with pytest.raises(ExpertReadError, match=r"of layer 1 failed its checksum: the container is "
+                           rf"damaged; run moestream verify {re.escape(str(copy))}$") as info:
             await _tokens(engine, PROMPTS[0])
+        assert "crc32" in info.value.damage.detail  # type: ignore[attr-defined]
         assert_pool_clean(engine)
         # Still refuses (never "verified" by a failed read), and still cleanly.
-        with pytest.raises(ExpertReadError, match="crc32"):
+        with pytest.raises(ExpertReadError, match="failed its checksum"):
             await _tokens(engine, PROMPTS[1])
         assert_pool_clean(engine)
     report = verify_container(copy)

@@ -4,12 +4,15 @@ and config. On tiny synthetic checkpoints with the hub's files (Instruct and Thi
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import openai
 import pytest
 from helpers_server import serving
+from structlog.testing import capture_logs
 
 from actors.sampling_params import SamplingParams
 from pipeline.chat_template import TemplateKwargsError, template_kwargs
@@ -108,14 +111,66 @@ def test_precedence_and_bad_files(tmp_path: Path) -> None:
     assert SamplingConfig().params() == SamplingParams()
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "top_k": 0}))
     assert model_defaults(tmp_path).temperature == 0.0 and model_defaults(tmp_path).top_k == 0
-    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0}))
-    with pytest.raises(QpackError, match=r"generation_config.json: top_p must be in \(0, 1\]"):
-        model_defaults(tmp_path)
+    # Odd values (as hub files carry them) are warned about and left unsaid, field by field.
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0, "top_k": 7}))
+    with capture_logs() as logs:
+        model = model_defaults(tmp_path)
+    assert (model.top_p, model.top_k) == (SamplingParams().top_p, 7)
+    assert [(e["event"], e["field"]) for e in logs] == [("generation_config.field_ignored", "top_p")]
+    assert "top_p must be in (0, 1]" in logs[0]["reason"]
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    assert eos_token_ids(tmp_path) is None  # nor does config.json say: the tokenizer's
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, -1]}))
+    with capture_logs() as logs:
+        assert eos_token_ids(tmp_path) is None
+    assert "eos_token_id -1 is negative" in logs[0]["reason"]
+    # Not a JSON object at all: refused, as transformers refuses it.
+    (tmp_path / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(QpackError, match="generation_config.json does not read: a JSON object"):
+        model_defaults(tmp_path)
+    (tmp_path / "generation_config.json").write_text("{")
     with pytest.raises(QpackError, match="generation_config.json does not read"):
-        eos_token_ids(tmp_path)
+        model_defaults(tmp_path)
+    (tmp_path / "generation_config.json").write_text('{"top_k": ' + "[" * 100_000)
+    with pytest.raises(QpackError, match="nested too deeply to be a valid generation_config.json"):
+        model_defaults(tmp_path)
     with pytest.raises(ConfigError, match="sampling.temperature must be in"):
         config_from_dict({"model": {"path": str(tmp_path)}, "sampling": {"temperature": 3}})
+
+
+def _replace_listed(container: Path, name: str, data: bytes) -> None:
+    """`name` in `container` replaced by `data`, its manifest entry (size, sha256) with it:
+    what a pack of a checkpoint carrying that file would have written."""
+    (container / name).write_bytes(data)
+    manifest = json.loads((container / spec.MANIFEST).read_text())
+    entry = next(f for f in manifest["files"] if f["path"] == name)
+    entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (container / spec.MANIFEST).write_text(json.dumps(manifest))
+
+
+async def test_a_wrong_type_in_generation_config_is_warned_and_served(
+        synth_checkpoint, packed, tmp_path: Path) -> None:
+    """A container whose generation_config.json says `"temperature": "hot"` (and a top_k
+    of the wrong type), as packed from such a hub checkpoint: `serve` starts, warns
+    naming each field, and uses the config's default for it while keeping the file's
+    other values."""
+    odd = tmp_path / "odd.qpack"
+    shutil.copytree(packed(synth_checkpoint("qwen3_next"), bits=None), odd)
+    _replace_listed(odd, "generation_config.json", json.dumps(
+        {"temperature": "hot", "top_p": 0.8, "top_k": "many", "eos_token_id": [QWEN3_NEXT_EOS]}).encode())
+    with capture_logs() as logs:
+        async with serving(odd) as (engine, port):
+            params = default_params(engine)
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+            reply = await client.chat.completions.create(model="tiny", messages=USER,
+                                                         max_tokens=1)
+    api = SamplingParams()
+    assert (params.temperature, params.top_p, params.top_k) == (api.temperature, 0.8, api.top_k)
+    assert reply.usage is not None and reply.usage.completion_tokens == 1
+    ignored = {e["field"]: e for e in logs if e["event"] == "generation_config.field_ignored"}
+    assert set(ignored) == {"temperature", "top_k"}, ignored
+    assert ignored["temperature"]["value"] == "'hot'" and "float" in ignored["temperature"]["reason"]
+    assert all(e["log_level"] == "warning" for e in ignored.values())
 
 
 def test_template_kwargs_layers() -> None:

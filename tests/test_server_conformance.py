@@ -229,6 +229,16 @@ async def test_constrained_decoding_json_and_tool_calls(container: Path) -> None
                                                               "json_schema": {"name": "x",
                                                                               "schema": {"type": "bogus"}}})
         assert bad.value.body["param"] == "response_format"
+        # A $ref that loops on itself describes no value: a 400, not an empty 200.
+        loops = ({"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                 "$ref": "#/$defs/a"}, {"anyOf": [{"$ref": "#"}]})
+        for schema in loops:
+            with pytest.raises(openai.BadRequestError) as bad:
+                await v1.chat.completions.create(
+                    model="tiny", messages=USER, max_tokens=5, response_format={
+                        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+            assert bad.value.body["param"] == "response_format", bad.value.body
+            assert "the schema admits no value" in bad.value.body["message"]
 
 
 def test_serve_flags_become_server_config() -> None:

@@ -38,11 +38,12 @@ class Server:
     """`moestream serve` in a process of its own (forked, tests/forked_cli.py), its output
     collected line by line."""
 
-    def __init__(self, ctx: BaseContext, container: Path, *flags: str) -> None:
+    def __init__(self, ctx: BaseContext, container: Path, *flags: str,
+                 permissions: bool = False) -> None:
         self.port = free_port()
         argv = ["--log-level", "info", "serve", str(container), "--port", str(self.port),
                 "--slots", "16", "--prefill-chunk", "4", *flags]
-        self.proc = ForkedCLI(ctx, argv)
+        self.proc = ForkedCLI(ctx, argv, permissions=permissions)
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()

@@ -20,7 +20,7 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports when the reader we
 # `KeyError: 'x'` does not shrink to a bare `'x'`.
 _SELF_EXPLAINING = ("QpackError", "ConfigError", "PoolTooSmall", "PoolExhausted", "PoolBudgetError",
                     "ExpertReadError", "ExpertCorrupt", "HubError", "PortInUse", "DiskSpaceError",
-                    "RankLost", "PoolAllocationError")
+                    "RankLost", "PoolAllocationError", "ContainerDamaged")
 
 
 def leaf_errors(exc: BaseException) -> list[BaseException]:

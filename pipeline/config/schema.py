@@ -347,13 +347,27 @@ def _apply_override(raw: dict[str, Any], key: str, value_text: str, where: Locat
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {name!r}: {p!r} is not a section")
+    node[parts[-1]] = _override_value(name, value_text)
+    where.overridden[tuple(parts)] = name
+
+
+def _override_value(name: str, value_text: str) -> Any:
+    """`value_text` as one TOML value (a bare word: that string). It is parsed as the
+    document `v = <text>`, so whatever follows the value (a newline and `[table]`, another
+    key) would come back as more keys: refused, never silently dropped or merged."""
     try:
-        node[parts[-1]] = tomllib.loads(f"v = {value_text}")["v"]
-    except tomllib.TOMLDecodeError:
-        node[parts[-1]] = value_text  # a bare word like `demo-data/x.qpack` means the string
+        doc = tomllib.loads(f"v = {value_text}")
     except RecursionError:
         raise ConfigError(f"override {name[:80]!r}: value nested too deeply") from None
-    where.overridden[tuple(parts)] = name
+    except tomllib.TOMLDecodeError:
+        if any(ch < " " or ch == "\x7f" for ch in value_text):
+            raise ConfigError(f"override {name!r}: the value must be one TOML value "
+                              "(it holds a line break or control character)") from None
+        return value_text  # a bare word like `demo-data/x.qpack` means the string
+    if list(doc) != ["v"]:
+        raise ConfigError(f"override {name!r}: the value must be one TOML value; "
+                          "found more after it")
+    return doc["v"]
 
 
 def _check_model_path(cfg: PipelineConfig, where: Locator) -> None:

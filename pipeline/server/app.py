@@ -36,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actors.sampling_params import SamplingParams
 from pipeline.config.errors import ConfigError
+from pipeline.container_damage import damage_log
 from pipeline.distributed.errors import RankLost
 from pipeline.engine import Engine
 from pipeline.generation_config import default_params
@@ -114,6 +115,10 @@ def _guarded(handler: Callable[[Request], Awaitable[Response]],
             return _error(s.APIError(503, f"the model is unavailable: {exc}", type="server_error",
                                      code="rank_lost"), body)
         except Exception as exc:
+            if (damaged := s.damage_error(exc)) is not None:  # known and named: no traceback
+                log.warning("server.container_damaged", path=request.url.path,
+                            reason=damaged.message)
+                return _error(damaged, body)
             log.error("server.internal_error", path=request.url.path, exc_info=exc)
             return _error(s.APIError(500, "internal server error", type="server_error"), body)
 
@@ -134,12 +139,18 @@ def create_app(engine: Engine, settings: ServerSettings | None = None,
     api = Api(engine, settings or ServerSettings(), metrics or Metrics(), drain)
 
     async def health(request: Request) -> Response:
-        """503 while shutting down or when a container file is gone, truncated or
-        unreadable: a load balancer then stops sending requests that could only fail."""
+        """503 while shutting down, when a container file is gone, truncated or unreadable,
+        or once a read found an expert damaged (until its file is mended): a load
+        balancer then stops sending requests that could only fail."""
         if api.drain.stopping:
             return json_response({"status": "shutting_down", "model": engine.name}, 503)
         c = engine.container
-        problems = await trio.to_thread.run_sync(unreadable_files, c.root, c.manifest)
+        damaged = damage_log(c)
+
+        def examine() -> list[str]:
+            return unreadable_files(c.root, c.manifest) + damaged.problems(c.root, c.manifest)
+
+        problems = await trio.to_thread.run_sync(examine)
         if problems:
             log.warning("server.unhealthy", problems=problems[:5])
             # Without the key (when there is one) a prober learns that, not which files.

@@ -192,7 +192,13 @@ class GrammarConstraint(TokenConstraint):
 
 def compile_constraint(tokenizer: Any, grammar: str, vocab: int,
                        eos: Sequence[int]) -> Callable[[], GrammarConstraint]:
-    """Check `grammar` once (GrammarError if it does not compile); returns a factory of
-    fresh constraints, one per generated choice."""
-    GrammarConstraint(tokenizer, grammar, vocab, eos)
+    """Check `grammar` once (GrammarError if it does not compile, or if no output can even
+    begin); returns a factory of fresh constraints, one per generated choice."""
+    probe = GrammarConstraint(tokenizer, grammar, vocab, eos)
+    probe.allowed()  # the first mask: where llguidance finds a grammar with no start
+    if probe.matcher.is_error():
+        # A schema whose `$ref`s only lead back to themselves describes no value at all:
+        # its first mask errs (and allowed() would end the reply at once, an empty 200).
+        raise GrammarError("the schema admits no value: nothing can be generated from its start "
+                           "(a $ref that refers only to itself?)")
     return lambda: GrammarConstraint(tokenizer, grammar, vocab, eos)

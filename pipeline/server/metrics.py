@@ -73,6 +73,11 @@ class Metrics:
         metric("pool_slots", "gauge", "Expert slots in the pool.", [("", pool["slots"])])
         metric("pool_resident_experts", "gauge", "Experts resident in the pool.",
                [("", pool["resident"])])
+        # Both 0 whenever the server is idle: what a long-running server's soak watches.
+        metric("pool_pinned_experts", "gauge", "Experts pinned by a forward pass now.",
+               [("", pool["pinned"])])
+        metric("pool_loads_in_flight", "gauge", "Expert reads issued and not yet installed.",
+               [("", pool["loads_in_flight"])])
         metric("pool_hit_rate", "gauge", "Expert pool hit rate since the engine opened.",
                [("", pool["hit_rate"])])
         metric("generations_total", "counter", "Generations finished or cancelled.",

@@ -17,6 +17,7 @@ import msgspec
 import structlog
 
 from actors.sampling_params import SamplingParams
+from pipeline.container_damage import find_damaged
 
 
 class APIError(Exception):
@@ -218,6 +219,15 @@ def _invalid(exc: msgspec.ValidationError) -> APIError:
     return APIError(400, f"invalid request: {text}", param=param)
 
 
+def damage_error(exc: BaseException) -> APIError | None:
+    """A generation that needed a damaged expert: 503 with the damage and the fix (the
+    server cannot serve it until the container is mended; /health says so too)."""
+    damaged = find_damaged(exc)
+    if damaged is None:
+        return None
+    return APIError(503, str(damaged), type="server_error", code="container_damaged")
+
+
 def stream_failure(exc: BaseException) -> APIError:
     """What a stream that fails after its status line reports in its last event: a refusal
     with its own body as it is (e.g. the server shutting down), anything else as a logged,
@@ -226,6 +236,9 @@ def stream_failure(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         log.info("server.stream_ended", status=exc.status, reason=exc.message)
         return exc
+    if (damaged := damage_error(exc)) is not None:
+        log.warning("server.container_damaged", reason=damaged.message)
+        return damaged
     log.error("server.stream_failed", exc_info=exc)
     return APIError(500, "internal error while generating", type="server_error")
 
