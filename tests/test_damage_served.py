@@ -135,7 +135,7 @@ def test_a_layer_file_made_unreadable_under_moestream_serve(fork_server, contain
         events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
         assert status == 200 and unreadable.match(json.loads(events[-1])["error"]["message"]), text
         status, health = _get(server.port, "/health")
-        assert status == 503 and f"{layer}: cannot open: Permission denied" in health["problems"]
+        assert status == 503 and "experts/layer_001.bin: cannot open: Permission denied" in health["problems"]
         assert any(p.startswith(f"{layer}: expert ") for p in health["problems"]), health
 
         layer.chmod(0o644)  # mended: readable again, the damage record is re-examined
