@@ -21,6 +21,8 @@ from multiprocessing import connection
 from multiprocessing.context import BaseContext
 from pathlib import Path
 
+from forked_ranks import LineLog
+
 PRELOAD = ["forked_launch", "pipeline.distributed.launch"]
 
 
@@ -70,7 +72,7 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-class Launched:
+class Launched(LineLog):
     """A launcher of `size` ranks of `moestream ARGV`; `pids` once they started."""
 
     def __init__(self, ctx: BaseContext, size: int, argv: list[str],
@@ -87,16 +89,6 @@ class Launched:
         started = self.wait_for("launch.started", 60)
         self.ranks = [int(p) for p in re.search(r"pids=\[([\d, ]+)\]", started)[1].split(",")]
 
-    def _pump(self, out: io.TextIOWrapper) -> None:
-        for line in out:
-            self.lines.put(line)
-
-    def output(self) -> str:
-        while True:
-            try:
-                self.log.append(self.lines.get_nowait())
-            except queue.Empty:
-                return "".join(self.log)
 
     def wait_for(self, text: str, timeout: float) -> str:
         """The first line with `text`, of those already seen too."""

@@ -13,7 +13,6 @@ import io
 import json
 import os
 import queue
-import socket
 import sys
 import threading
 import time
@@ -23,18 +22,9 @@ from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
 
+from pipeline.distributed.launch import free_ports
+
 PRELOAD = ["forked_ranks", "distributed_ranks", "pipeline.distributed.job", "pipeline.distributed.worker"]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _child(w: connection.Connection, rank: int, hostfile: str,
@@ -55,7 +45,25 @@ def cli(argv: list[str]) -> int:
     return main(argv)
 
 
-class Rank:
+class LineLog:
+    """A child's output, read by a thread into a queue; what was seen so far kept."""
+
+    lines: queue.Queue[str]
+    log: list[str]
+
+    def _pump(self, out: io.TextIOWrapper) -> None:
+        for line in out:
+            self.lines.put(line)
+
+    def output(self) -> str:
+        while True:
+            try:
+                self.log.append(self.lines.get_nowait())
+            except queue.Empty:
+                return "".join(self.log)
+
+
+class Rank(LineLog):
     def __init__(self, ctx: BaseContext, rank: int, hostfile: str,
                  target: Callable[..., int], args: tuple[Any, ...]) -> None:
         r, w = ctx.Pipe(duplex=False)
@@ -68,16 +76,6 @@ class Rank:
         r.close()
         threading.Thread(target=self._pump, args=(out,), daemon=True).start()
 
-    def _pump(self, out: io.TextIOWrapper) -> None:
-        for line in out:
-            self.lines.put(line)
-
-    def output(self) -> str:
-        while True:
-            try:
-                self.log.append(self.lines.get_nowait())
-            except queue.Empty:
-                return "".join(self.log)
 
     def wait_for(self, text: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout
