@@ -74,7 +74,10 @@ def test_an_interrupted_synth_removes_its_output_so_a_rerun_starts_clean(tmp_pat
     out = tmp_path / "src"
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "synth", "--family", "qwen3_next",
                              "--preset", "demo", "-o", str(out)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # A job started in the background by a shell inherits SIGINT
+                            # ignored (and Python then keeps it so): Ctrl-C must reach it.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not any(out.glob("*.partial")) and proc.poll() is None:
