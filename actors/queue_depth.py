@@ -88,7 +88,6 @@ def _measure(container: Container) -> DepthProbe:
         batch = [keys[(nxt + i) % total] for i in range(want)]
         nxt += want
         measured[depth] = _bandwidth(container, batch, depth)
-        best = max(measured.values())
         spent = time.perf_counter() - started
         if depth > 1 and measured[depth] < measured[depth // 2] * GAIN:
             break

@@ -179,10 +179,6 @@ class ExpertReader:
             self._demand.append(load)
 
     @property
-    def queued(self) -> int:
-        return len(self._demand) + len(self._prefetch)
-
-    @property
     def starved(self) -> bool:
         """Every staging buffer holds a finished blob or a read: installs must free some."""
         return not self._free

@@ -15,7 +15,6 @@ import queue
 import re
 import signal
 import sys
-import threading
 import time
 from multiprocessing import connection
 from multiprocessing.context import BaseContext
@@ -81,11 +80,7 @@ class Launched(LineLog):
         self.proc = ctx.Process(target=_launcher, args=(w, size, argv, kill_after_s))
         self.proc.start()
         w.close()
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.log: list[str] = []
-        out = io.TextIOWrapper(os.fdopen(os.dup(r.fileno()), "rb"))
-        r.close()
-        threading.Thread(target=self._pump, args=(out,), daemon=True).start()
+        self._follow(r)
         started = self.wait_for("launch.started", 60)
         self.ranks = [int(p) for p in re.search(r"pids=\[([\d, ]+)\]", started)[1].split(",")]
 

@@ -51,6 +51,14 @@ class LineLog:
     lines: queue.Queue[str]
     log: list[str]
 
+    def _follow(self, r: connection.Connection) -> None:
+        """Read the child's end of the pipe `r` (this side's copy is closed) in a thread."""
+        self.lines = queue.Queue()
+        self.log = []
+        out = io.TextIOWrapper(os.fdopen(os.dup(r.fileno()), "rb"))
+        r.close()
+        threading.Thread(target=self._pump, args=(out,), daemon=True).start()
+
     def _pump(self, out: io.TextIOWrapper) -> None:
         for line in out:
             self.lines.put(line)
@@ -70,11 +78,7 @@ class Rank(LineLog):
         self.proc = ctx.Process(target=_child, args=(w, rank, hostfile, target, args))
         self.proc.start()
         w.close()
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.log: list[str] = []
-        out = io.TextIOWrapper(os.fdopen(os.dup(r.fileno()), "rb"))
-        r.close()
-        threading.Thread(target=self._pump, args=(out,), daemon=True).start()
+        self._follow(r)
 
 
     def wait_for(self, text: str, timeout: float) -> str:
