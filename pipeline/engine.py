@@ -275,15 +275,16 @@ async def open_engine(
         )
     worker = MlxWorker.shared()
     try:
+        # First: its load's transient is freed before the dense core arrives (docs/memory.md).
+        # A later pipeline rank never sees text: no tokenizer (seconds for a 150k vocabulary).
+        tokenizer = None if stage and not stage.plan.first else await trio.to_thread.run_sync(
+            guarded, container.root / "tokenizer.json", lambda: cached_tokenizer(container.tokenizer_dir())
+        )
         # Loaded before the actors' nursery opens, so a bad container surfaces as one
         # QpackError naming the file rather than inside an exception group.
         dense = await worker.run(
             guarded, container.dense_path, stage.load_dense if stage else load_dense,
             container.config, container.dense_path,
-        )
-        # A later pipeline rank never sees text: no tokenizer (seconds for a 150k vocabulary).
-        tokenizer = None if stage and not stage.plan.first else await trio.to_thread.run_sync(
-            guarded, container.root / "tokenizer.json", lambda: cached_tokenizer(container.tokenizer_dir())
         )
         storage = await worker.run(PoolStorage, layout, slots)
         stage_in_threads = await staging_probe(config.reader.stage_in_threads, worker)

@@ -15,7 +15,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.utils import infer_quant_config
 
 from qpack.mlx_model import model_classes
 from qpack.spec import QpackError
@@ -44,6 +43,8 @@ def _quantize(model: nn.Module, config: dict[str, Any], weights: dict[str, mx.ar
             return quantization[path]
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
             return False
+        from mlx_lm.utils import infer_quant_config  # imports transformers: only when needed
+
         return infer_quant_config(path, module, weights)
 
     nn.quantize(
