@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from qpack.mlx_model import model_classes
+from qpack.quant_infer import infer_quant_config
 from qpack.spec import QpackError
 
 ROUTED = "switch_mlp"
@@ -43,8 +44,6 @@ def _quantize(model: nn.Module, config: dict[str, Any], weights: dict[str, mx.ar
             return quantization[path]
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
             return False
-        from mlx_lm.utils import infer_quant_config  # imports transformers: only when needed
-
         return infer_quant_config(path, module, weights)
 
     nn.quantize(
