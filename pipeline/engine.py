@@ -27,7 +27,7 @@ from actors.compute_task import ComputeTask
 from actors.decode_batch import DecodeBatch
 from actors.mlx_worker import MlxWorker
 from actors.pool.eviction import make_policy
-from actors.pool.layout import PoolLayout
+from actors.pool.layout import PoolLayout, widen_for
 from actors.pool.slots import SlotTable
 from actors.pool.storage import PoolStorage
 from actors.prefetch import PrefetchScorer, make_strategy
@@ -257,7 +257,8 @@ async def open_engine(
     container = Container.open(Path(config.model.path), verify=config.model.verify, io=io,
                                o_direct=config.reader.o_direct)
     manifest = container.manifest
-    layout = PoolLayout.of(manifest.layers)  # one format, or one per layer (mixed precision)
+    # One format, or one per layer (mixed precision); scales as wide as the activations.
+    layout = PoolLayout.of(manifest.layers, widen_for(activation_dtype(config.compute.dtype)))
     fmt = layout.formats[next(iter(layout.formats))]
     storage_probe = layout.slot_nbytes
     layers = stage.expert_layers(container) if stage else len(manifest.layers)

@@ -17,7 +17,7 @@ import numpy as np
 
 from actors.device_staging import to_device
 from actors.pool.layout import PoolLayout
-from qpack.spec import ExpertFormat, QpackError
+from qpack.spec import ExpertFormat, QpackError, TensorSpec
 
 _MX_DTYPES = {
     "uint32": mx.uint32,
@@ -107,6 +107,16 @@ class PoolStorage:
         """An expert blob in device memory, copied in a reader's thread (see `device_staging`)."""
         return to_device(blob[: self.layout.max_nbytes])
 
+    def _copy_in(self, name: str, slot: int, t: TensorSpec, src: np.ndarray) -> None:
+        """A tensor's blob bytes into its slot row, widened when the pool stores it wider."""
+        row = self.host_bytes[name][slot]  # type: ignore[index]
+        if row.nbytes == t.nbytes:
+            row[:] = src
+        elif t.dtype == "bfloat16":  # bfloat16 is float32's top half: shift it up
+            row.view(np.uint32)[:] = src.view(np.uint16).astype(np.uint32) << 16
+        else:
+            row.view(np.float32)[:] = src.view(np.float16)
+
     def write(self, items: Sequence[tuple[int, np.ndarray]]) -> None:
         """CPU installs: copy blobs straight into the slots' memory, from any thread.
 
@@ -119,7 +129,7 @@ class PoolStorage:
         for slot, blob in items:
             fmt, names = self._layer_format(slot)
             for t in fmt.tensors:
-                self.host_bytes[names[t.name]][slot] = blob[t.offset : t.offset + t.nbytes]
+                self._copy_in(names[t.name], slot, t, blob[t.offset : t.offset + t.nbytes])
 
     def install(self, items: Sequence[tuple[int, np.ndarray | mx.array]]) -> None:
         """Copy expert blobs (uint8, at least fmt.nbytes; numpy or staged) into their slots.
@@ -144,7 +154,8 @@ class PoolStorage:
             for t in fmt.tensors:
                 raw = blobs[:, t.offset : t.offset + t.nbytes]
                 value = raw.view(_MX_DTYPES[t.dtype]).reshape(n, *t.shape)
-                self.arrays[names[t.name]][slots] = value
+                target = self.arrays[names[t.name]]
+                target[slots] = value.astype(target.dtype)  # a no-op unless widened
         mx.eval(list(self.arrays.values()))
 
 
