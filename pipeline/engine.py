@@ -57,7 +57,14 @@ from pipeline.events import Event
 from pipeline.generation import Generation
 from pipeline.generation_config import default_params
 from pipeline.heap_trim import HeapTrimmer
-from pipeline.memory_budget import batch_budget, check_pool_fits
+from pipeline.memory_budget import (
+    MemoryPlan,
+    apply_plan,
+    batch_budget,
+    check_pool_fits,
+    engine_plan,
+    staging_buffers,
+)
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_cache import PrefixCache
@@ -94,6 +101,7 @@ class Engine:
             disk, container.root, model.make_cache,
             disk_mb=server.prefix_cache_disk_mb, min_tokens=server.prefix_cache_min_tokens)
         self.heap_trimmer = HeapTrimmer()
+        self.memory_plan: MemoryPlan | None = None  # with memory.budget_mb: where it went
         # The compute turn: held for each prefill chunk and batch step (and by direct
         # users of the compute actor); fair, so prefill and decode alternate.
         self.lock = trio.Lock()
@@ -281,6 +289,12 @@ async def open_engine(
         tokenizer = None if stage and not stage.plan.first else await trio.to_thread.run_sync(
             guarded, container.root / "tokenizer.json", lambda: cached_tokenizer(container.tokenizer_dir())
         )
+        readers = await trio.to_thread.run_sync(reader_concurrency, config, container)
+        # One total budget (memory.budget_mb): the pool is what the measured parts leave.
+        plan = engine_plan(config, dense_bytes=dense_bytes, slot_nbytes=storage_probe,
+                           stride=manifest.max_stride, readers=readers, need_slots=need,
+                           max_slots=manifest.num_experts * layers)
+        slots = plan.slots if plan else slots
         # Loaded before the actors' nursery opens, so a bad container surfaces as one
         # QpackError naming the file rather than inside an exception group.
         dense = await worker.run(
@@ -289,7 +303,6 @@ async def open_engine(
         )
         storage = await worker.run(PoolStorage, layout, slots)
         stage_in_threads = await staging_probe(config.reader.stage_in_threads, worker)
-        readers = await trio.to_thread.run_sync(reader_concurrency, config, container)
         dtype = await worker.run(activation_dtype, config.compute.dtype)
         model = (stage.model if stage else StreamedModel)(
             dense, fmt, storage.arrays, dtype, views=storage.view)
@@ -298,6 +311,9 @@ async def open_engine(
                 config, container, worker, nursery, model, storage, tokenizer, slots,
                 record_routing, started, stage_in_threads, readers,
             )
+            engine.memory_plan = plan
+            if plan:
+                apply_plan(engine, plan)
             if stage:
                 await stage.attach(engine)
             yield engine
@@ -329,6 +345,7 @@ def _start_actors(
     reader = ExpertReader(
         container,
         concurrency=readers,
+        buffers=staging_buffers(readers),
         retries=config.reader.retries,
         retry_backoff_s=config.reader.retry_backoff_ms / 1000,
         stage=storage.stage if stage_in_threads else None,
