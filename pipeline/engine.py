@@ -67,6 +67,7 @@ from pipeline.memory_budget import (
 )
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
+from pipeline.prefill_slices import slice_tokens
 from pipeline.prefix_cache import PrefixCache
 from pipeline.prefix_disk import prefix_cache_for
 from qpack.reader import Container, ExpertIO
@@ -306,6 +307,8 @@ async def open_engine(
         dtype = await worker.run(activation_dtype, config.compute.dtype)
         model = (stage.model if stage else StreamedModel)(
             dense, fmt, storage.arrays, dtype, views=storage.view)
+        model.slice_tokens = slice_tokens(model.parts.layers, config.memory.temporaries_mb * 2**20,
+                                          config.compute.prefill_max_tokens)
         async with trio.open_nursery() as nursery:
             engine = _start_actors(
                 config, container, worker, nursery, model, storage, tokenizer, slots,
