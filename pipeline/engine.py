@@ -57,6 +57,7 @@ from pipeline.events import Event
 from pipeline.generation import Generation
 from pipeline.generation_config import default_params
 from pipeline.heap_trim import HeapTrimmer
+from pipeline.memory_breakdown import OpenMarks
 from pipeline.memory_budget import (
     MemoryPlan,
     apply_plan,
@@ -103,6 +104,7 @@ class Engine:
             disk_mb=server.prefix_cache_disk_mb, min_tokens=server.prefix_cache_min_tokens)
         self.heap_trimmer = HeapTrimmer()
         self.memory_plan: MemoryPlan | None = None  # with memory.budget_mb: where it went
+        self.memory_marks: OpenMarks | None = None  # RSS as it opened (memory_breakdown)
         # The compute turn: held for each prefill chunk and batch step (and by direct
         # users of the compute actor); fair, so prefill and decode alternate.
         self.lock = trio.Lock()
@@ -262,6 +264,7 @@ async def open_engine(
     `io` replaces the container's positional-read layer (fault injection in tests).
     """
     started = time.perf_counter()
+    marks = OpenMarks()  # RSS before any part: what `memory_breakdown` calls the process
     stage = active_stage()  # a pipeline-parallel rank: its slice of the layers only
     container = Container.open(Path(config.model.path), verify=config.model.verify, io=io,
                                o_direct=config.reader.o_direct)
@@ -290,6 +293,7 @@ async def open_engine(
         tokenizer = None if stage and not stage.plan.first else await trio.to_thread.run_sync(
             guarded, container.root / "tokenizer.json", lambda: cached_tokenizer(container.tokenizer_dir())
         )
+        marks.after_tokenizer()
         readers = await trio.to_thread.run_sync(reader_concurrency, config, container)
         # One total budget (memory.budget_mb): the pool is what the measured parts leave.
         plan = engine_plan(config, dense_bytes=dense_bytes, slot_nbytes=storage_probe,
@@ -314,7 +318,7 @@ async def open_engine(
                 config, container, worker, nursery, model, storage, tokenizer, slots,
                 record_routing, started, stage_in_threads, readers,
             )
-            engine.memory_plan = plan
+            engine.memory_plan, engine.memory_marks = plan, marks
             if plan:
                 apply_plan(engine, plan)
             if stage:

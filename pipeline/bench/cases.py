@@ -42,6 +42,7 @@ async def measure_engine(case: Case) -> Result:
     from pipeline.config.schema import config_from_dict
     from pipeline.engine import open_engine
     from pipeline.events import Done
+    from pipeline.memory_breakdown import breakdown
     from pipeline.resident_map import resident_by_mapping, resident_kinds
 
     cfg = config_from_dict(engine_dict(case), source=f"<bench {case.name}>")
@@ -123,6 +124,8 @@ async def measure_engine(case: Case) -> Result:
             run_ahead_tokens=compute.stats.run_ahead_tokens - ahead0[0],
             run_ahead_misses=compute.stats.run_ahead_misses - ahead0[1],
             seconds=time.perf_counter() - started, read_path=read_path,
+            memory=msgspec.to_builtins(breakdown(engine, s.peak_rss_mb, s.peak_device_mb,
+                                                 s.prompt_tokens + s.completion_tokens)),
             queue_depth_gb_s=_probed(cfg, engine), **phases,
         )
 
