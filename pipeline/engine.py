@@ -60,7 +60,7 @@ from pipeline.heap_trim import HeapTrimmer
 from pipeline.memory_breakdown import OpenMarks
 from pipeline.memory_budget import (
     MemoryPlan,
-    apply_plan,
+    attach_memory,
     batch_budget,
     check_pool_fits,
     engine_plan,
@@ -68,7 +68,6 @@ from pipeline.memory_budget import (
 )
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
-from pipeline.prefill_slices import slice_tokens
 from pipeline.prefix_cache import PrefixCache
 from pipeline.prefix_disk import prefix_cache_for
 from qpack.reader import Container, ExpertIO
@@ -311,16 +310,12 @@ async def open_engine(
         dtype = await worker.run(activation_dtype, config.compute.dtype)
         model = (stage.model if stage else StreamedModel)(
             dense, fmt, storage.arrays, dtype, views=storage.view)
-        model.slice_tokens = slice_tokens(model.parts.layers, config.memory.temporaries_mb * 2**20,
-                                          config.compute.prefill_max_tokens)
         async with trio.open_nursery() as nursery:
             engine = _start_actors(
                 config, container, worker, nursery, model, storage, tokenizer, slots,
                 record_routing, started, stage_in_threads, readers,
             )
-            engine.memory_plan, engine.memory_marks = plan, marks
-            if plan:
-                apply_plan(engine, plan)
+            attach_memory(engine, nursery, plan, marks, need)  # docs/memory.md
             if stage:
                 await stage.attach(engine)
             yield engine

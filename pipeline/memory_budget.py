@@ -21,8 +21,11 @@ import psutil
 from pipeline.config.schema import MemoryConfig
 
 if TYPE_CHECKING:
+    import trio
+
     from pipeline.config.schema import PipelineConfig
     from pipeline.engine import Engine
+    from pipeline.memory_breakdown import OpenMarks
 
 # Kept aside for the rest of the process (Python, MLX, tokenizer, KV cache, staging).
 RESERVE_BYTES = 512 * 2**20
@@ -175,10 +178,23 @@ def context_within(state_bytes: Callable[[int], int], state: int, limit: int) ->
     return lo
 
 
-def apply_plan(engine: Engine, plan: MemoryPlan) -> None:
-    """Hold the open engine to the plan: the batch's state within its reserve (which also
-    caps one request's context), MLX's buffer cache within the temporaries' share."""
-    state = int(plan.state_mb * 2**20)
-    engine.compute_task.budget = state
-    engine.context_limit = context_within(engine.model.state_bytes, state, engine.context_limit)
-    apply_cache_limit(engine.config.memory)
+def attach_memory(engine: Engine, nursery: trio.Nursery, plan: MemoryPlan | None,
+                  marks: OpenMarks, need_slots: int) -> None:
+    """Hold the open engine to its memory: prefill mixers in slices sized from the
+    temporaries' share; with a plan, the batch's state within its reserve (which also caps
+    one request's context) and MLX's buffer cache within the temporaries' share; with
+    memory.adapt, the pool following the machine's memory pressure."""
+    from pipeline.memory_pressure import PoolAdapter
+    from pipeline.prefill_slices import slice_tokens
+
+    mem = engine.config.memory
+    engine.memory_plan, engine.memory_marks = plan, marks
+    engine.model.slice_tokens = slice_tokens(engine.model.parts.layers, mem.temporaries_mb * 2**20,
+                                             engine.config.compute.prefill_max_tokens)
+    if plan is not None:
+        state = int(plan.state_mb * 2**20)
+        engine.compute_task.budget = state
+        engine.context_limit = context_within(engine.model.state_bytes, state, engine.context_limit)
+        apply_cache_limit(mem)
+    if mem.adapt:
+        nursery.start_soon(PoolAdapter(engine, need_slots).run)

@@ -124,3 +124,39 @@ def test_prefill_mixers_in_slices_compute_what_a_whole_chunk_does(qwen35: Path) 
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
     trio.run(main)
+
+
+PRESSED = ("some avg10=35.20 avg60=12.00 avg300=3.10 total=9123456\n"
+           "full avg10=4.00 avg60=1.00 avg300=0.20 total=812345\n")
+CALM = ("some avg10=0.00 avg60=0.00 avg300=0.00 total=9123456\n"
+        "full avg10=0.00 avg60=0.00 avg300=0.00 total=812345\n")
+
+
+def test_the_pool_shrinks_under_memory_pressure_and_grows_back(qwen35: Path, tmp_path: Path) -> None:
+    """The PSI file's format, read by the real parser; the engine generating throughout."""
+    from helpers_engine import generate
+
+    from pipeline.memory_pressure import CALM_POLLS, PoolAdapter, read_pressure
+
+    psi = tmp_path / "memory"
+
+    async def main() -> None:
+        async with open_engine(engine_config(qwen35, pool={"slots": 64})) as engine:
+            table = engine.router.table
+            adapter = PoolAdapter(engine, floor_slots=8, read=lambda: read_pressure(psi))
+            first = await generate(engine, PROMPT, 6)
+            psi.write_text(PRESSED)
+            for _ in range(20):  # an eighth per poll, down to the floor
+                reading = await adapter.poll()
+            assert reading is not None and reading.level == "pressed" and reading.some_avg10 == 35.2
+            assert table.usable == 8 and len(table) <= 8
+            shrunk = await generate(engine, PROMPT, 6)  # no failed request, same tokens
+            assert shrunk.token_ids == first.token_ids and len(table) <= 8
+            psi.write_text(CALM)
+            for _ in range(CALM_POLLS * 8):
+                await adapter.poll()
+            assert table.usable == 64
+            grown = await generate(engine, PROMPT, 6)
+            assert grown.token_ids == first.token_ids
+
+    trio.run(main)

@@ -10,6 +10,11 @@ routing sync, when no lazy graph refers to the pool).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import os
+import sys
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
@@ -26,6 +31,20 @@ _MX_DTYPES = {
     "float16": mx.float16,
     "float32": mx.float32,
 }
+
+
+_PAGE = 4096 if not hasattr(os, "sysconf") else os.sysconf("SC_PAGE_SIZE")
+_MADV_DONTNEED = 4  # Linux
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    fn = libc.madvise
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
 
 
 def slot_bytes(fmt: ExpertFormat | PoolLayout) -> int:
@@ -116,6 +135,25 @@ class PoolStorage:
             row.view(np.uint32)[:] = src.view(np.uint16).astype(np.uint32) << 16
         else:
             row.view(np.float32)[:] = src.view(np.float16)
+
+    def release(self, slots: Sequence[int]) -> int:
+        """Hand the memory of withdrawn slots back to the OS (CPU pools on Linux: their
+        rows' whole pages, MADV_DONTNEED; they read as zeros until written again). The
+        slots must hold no key. Returns the bytes released (0 where it cannot)."""
+        if self.host_bytes is None or not slots:
+            return 0
+        madvise = _madvise()
+        if madvise is None:
+            return 0
+        released = 0
+        for rows in self.host_bytes.values():
+            for slot in slots:
+                row = rows[slot]
+                start = -(-row.ctypes.data // _PAGE) * _PAGE
+                end = (row.ctypes.data + row.nbytes) // _PAGE * _PAGE
+                if end > start and madvise(start, end - start, _MADV_DONTNEED) == 0:
+                    released += end - start
+        return released
 
     def write(self, items: Sequence[tuple[int, np.ndarray]]) -> None:
         """CPU installs: copy blobs straight into the slots' memory, from any thread.
