@@ -1,4 +1,4 @@
-"""One process vs pipeline-parallel ranks at the same per-rank pool (README "Distributed").
+"""One process vs pipeline-parallel ranks at the same per-rank pool (docs/distributed.md).
 
     # one process, pool P (and 2P for the hit-rate target):
     python benchmarks/distributed_bench.py MODEL --pool-mb P --out one.json

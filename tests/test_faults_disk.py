@@ -143,7 +143,7 @@ async def test_one_bad_expert_and_a_cancelled_slow_read(tiny_qpack, reference):
                 assert "expert 0 of layer 1" in str(exc)
                 assert_pool_clean(engine)
                 outcomes[prompt] = "failed"
-        print("single bad expert:", outcomes)  # quoted by the README's reliability table
+        print("single bad expert:", outcomes)  # quoted by docs/reliability.md's table
         assert False not in outcomes.values(), outcomes
         assert {"failed", True} <= set(outcomes.values()), outcomes  # both kinds really happen
         io.clear()

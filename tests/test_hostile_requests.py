@@ -218,7 +218,7 @@ async def test_fuzzed_requests_get_4xx_never_5xx_and_the_server_keeps_serving(co
         tally: dict[str, int] = {}
         await trio.to_thread.run_sync(lambda: _fuzz_posts(port, tally))
         await trio.to_thread.run_sync(lambda: _fuzz_routes(port, tally))
-        print("outcomes:", tally)  # the README's reliability table quotes these
+        print("outcomes:", tally)  # docs/reliability.md's table quotes these
         assert sum(v for k, v in tally.items() if k.startswith("4")) > 50, tally
         status, headers, data = await trio.to_thread.run_sync(
             lambda: request(port, "POST", CHAT, _encode({**VALID[CHAT], "max_tokens": 3}),

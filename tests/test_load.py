@@ -124,7 +124,7 @@ async def test_concurrent_streaming_clients_leave_nothing_behind(container: Path
             async with trio.open_nursery() as nursery:
                 for i in range(CLIENTS):
                     nursery.start_soon(client, i)
-        print("load outcomes:", dict(outcomes))  # quoted by the README's reliability table
+        print("load outcomes:", dict(outcomes))  # quoted by docs/reliability.md's table
         assert sum(outcomes.values()) == CLIENTS * REQUESTS, outcomes
         assert outcomes["completed"] > CLIENTS * REQUESTS // 4, outcomes
         assert outcomes["hung up"] > 0, outcomes

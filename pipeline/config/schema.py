@@ -77,7 +77,7 @@ class PoolConfig(_Section):
     # "reuse" (actors/pool/eviction_scored.py): on calibrated routing it had the smallest
     # loss to the best policy at each pool size (mean 2.1, worst 5.8 points over 3 model
     # shapes x 6-7 sizes); LFU with the decay below lost up to 42 points at small pools.
-    # README "Routing realism", benchmarks/results/routing/.
+    # docs/routing.md, benchmarks/results/routing/.
     eviction: str = "reuse"
     # LFU counts fade by this factor every `lfu_period` pool accesses (1.0 = plain LFU);
     # the parameters of actors.eviction.LFUDecay, ignored by the other policies.
@@ -198,7 +198,7 @@ class ServerConfig(_Section):
 
 
 class DistributedConfig(_Section):
-    """Pipeline-parallel ranks over mlx.distributed (README "Distributed")."""
+    """Pipeline-parallel ranks over mlx.distributed (docs/distributed.md)."""
 
     # Set by `--distributed`: this process is one rank of an `mlx.launch` job.
     enabled: bool = False
