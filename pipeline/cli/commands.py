@@ -26,16 +26,17 @@ def readers_arg(text: str) -> int | str:
 
 def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) -> None:
     """Flags that override config keys; shared by run, generate, chat and serve."""
-    from pipeline.config.schema import EVICTION_POLICIES, PREFETCH_STRATEGIES  # the registries
+    from actors.prefetch.registry import DEPTH_STRATEGIES, strategies_help  # the registries
+    from pipeline.config.schema import EVICTION_POLICIES
 
     g = p.add_argument_group("engine")
     if config_flag:
         g.add_argument("--config", type=Path, help="a TOML config to start from (flags override it)")
     g.add_argument("--pool-mb", type=int, help="expert pool budget in MiB")
     g.add_argument("--slots", type=int, help="expert pool size in experts (instead of --pool-mb)")
-    g.add_argument("--strategy", help=f"prefetch strategy: {', '.join(PREFETCH_STRATEGIES)} "
-                   "(default next-gate; combined unions prefetch.combine)")
-    g.add_argument("--depth", type=int, help="layers ahead for lookahead prefetch")
+    g.add_argument("--strategy", help=f"prefetch strategy (default next-gate): {strategies_help()}")
+    g.add_argument("--depth", type=int,
+                   help=f"layers ahead the strategy predicts ({', '.join(DEPTH_STRATEGIES)})")
     g.add_argument("--eviction", help=f"pool eviction policy: {', '.join(EVICTION_POLICIES)} "
                    "(default reuse)")
     g.add_argument("--readers", type=readers_arg,
