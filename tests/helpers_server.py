@@ -14,6 +14,7 @@ import trio
 from pipeline.config.schema import config_from_dict
 from pipeline.engine import Engine, open_engine
 from pipeline.server.app import serve_engine
+from pipeline.server.settings import ServerSettings
 
 
 def own_copy(container: Path, tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
@@ -38,7 +39,8 @@ async def serving(container: Path, server: dict[str, Any] | None = None,
                             "compute": {"prefill_chunk": prefill_chunk, "max_batch": max_batch}, "prefetch": {"strategy": "next-gate"},
                             "server": server or {}})
     async with open_engine(cfg) as engine, trio.open_nursery() as nursery:
+        settings = ServerSettings.of(cfg.server, port=0, **serve_kw)
         port = await nursery.start(lambda task_status: serve_engine(
-            engine, "127.0.0.1", 0, task_status=task_status, **serve_kw))
+            engine, settings, task_status=task_status))
         yield engine, port
         nursery.cancel_scope.cancel()

@@ -119,7 +119,7 @@ def engine_config(args: argparse.Namespace, model: str | None = None, *,
 
 
 def distributed(cfg: PipelineConfig, face: Any, *, server: bool = False) -> int:
-    """`face(cfg)` on rank 0 of a distributed job, the stage loop on the other ranks."""
+    """`face(cfg, stage)` on rank 0 of a distributed job, the stage loop on the others."""
     if cfg.distributed.gpu_per_rank:  # before anything below loads MLX
         from pipeline.distributed.gpu import pin_gpu_per_rank
 
@@ -162,7 +162,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return refused(exc)
     with timeline.recording(args.trace or cfg.run.trace):
         if cfg.distributed.enabled:
-            return distributed(cfg, lambda c: trio.run(run_pipeline, c, args.trace))
+            return distributed(cfg, lambda c, s: trio.run(run_pipeline, c, args.trace, "run", s))
         return trio.run(run_pipeline, cfg, args.trace)
 
 
@@ -185,7 +185,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except QpackError as exc:
         return refused(exc)
     if cfg.distributed.enabled:
-        return distributed(cfg, lambda c: trio.run(run_pipeline, c, None, "generate"))
+        return distributed(cfg, lambda c, s: trio.run(run_pipeline, c, None, "generate", s))
     return trio.run(run_pipeline, cfg, None, "generate")
 
 
@@ -200,7 +200,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         return refused(exc)
     if cfg.distributed.enabled:
-        return distributed(cfg, lambda c: trio.run(chat, c, list(args.turns)))
+        return distributed(cfg, lambda c, s: trio.run(chat, c, list(args.turns), s))
     return trio.run(chat, cfg, list(args.turns))
 
 

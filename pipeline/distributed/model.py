@@ -18,17 +18,24 @@ regroup their own batch as rank 0's, from the ids alone (`worker.StageLoop`).
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import mlx.core as mx
 
+from pipeline.distributed.plan import StagePlan
 from pipeline.models.batch_caches import BatchCaches
 from pipeline.models.streamed import ForwardStep, StreamedModel
 
-if TYPE_CHECKING:
-    from collections.abc import Sequence
 
-    from pipeline.distributed.stage import Stage
+class Boundary(Protocol):
+    """What a rank's model needs of its stage (`Stage`, pipeline/distributed/stage.py):
+    its plan, and rank 0's crossing to the later ranks and back."""
+
+    plan: StagePlan
+
+    def exchange(self, h: mx.array, seqs: list[int], all_positions: bool,
+                 decode: bool) -> mx.array: ...
 
 
 class SequenceCache(list):  # type: ignore[type-arg]
@@ -79,7 +86,7 @@ def new_seq() -> int:
 
 
 class StageModel(StreamedModel):
-    def __init__(self, stage: Stage, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, stage: Boundary, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, layers=stage.plan.layers, **kwargs)
         self.stage = stage
         self.inbox: mx.array | None = None  # a later rank: the residual stream received
@@ -106,7 +113,7 @@ def _is_decode(tokens: list[int] | mx.array) -> bool:
 class StageStep:
     """A `ForwardStep` whose `logits` crosses the boundary; everything else is the step's."""
 
-    def __init__(self, inner: ForwardStep, stage: Stage, cache: list[Any], phase_decode: bool):
+    def __init__(self, inner: ForwardStep, stage: Boundary, cache: list[Any], phase_decode: bool):
         self.inner = inner
         self.stage = stage
         self.cache = cache

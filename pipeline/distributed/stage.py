@@ -49,7 +49,7 @@ from pipeline.prefix_cache import PrefixCache
 from qpack.reader import Container
 
 if TYPE_CHECKING:
-    from pipeline.engine import Engine
+    from pipeline.engine_core import EngineCore
 
 log = structlog.get_logger("moestream.distributed")
 
@@ -94,7 +94,7 @@ class Stage:
         self.stats = BoundaryStats()
         self.dense_bytes = 0  # this rank's share of dense.safetensors
         self.ranks_on_host = 1  # ranks of the job on this machine (this one included)
-        self.engine: Engine | None = None
+        self.core: EngineCore | None = None  # this rank's engine, once its actors run
 
     # -- setting up ----------------------------------------------------------------------
 
@@ -159,30 +159,29 @@ class Stage:
         """MoE layers this rank streams (the pool's upper bound)."""
         return sum(1 for e in container.manifest.layers if e.index in self.plan.layers)
 
-    async def attach(self, engine: Engine) -> None:
+    async def attach(self, core: EngineCore) -> None:
         """After the actors start: the settings a rank needs, and the batch size every
         rank's pool can pin (a step's rows reach every rank: the smallest pool sets it)."""
-        self.engine = engine
-        row = np.array([engine.max_batch])
+        self.core = core
+        row = np.array([core.max_batch])
         table = await self.link.run(lambda: wire.all_rows(row, self.link.rank, self.link.size),
                                     self.settings.peer_timeout_s, "batch size")
-        engine.max_batch = engine.compute_task.capacity = int(table[:, 0].min())
-        log.info("distributed.batch", rank=self.plan.rank, max_batch=engine.max_batch,
+        core.max_batch = core.compute_task.capacity = int(table[:, 0].min())
+        log.info("distributed.batch", rank=self.plan.rank, max_batch=core.max_batch,
                  per_rank=[int(v) for v in table[:, 0]])
         # One sync per layer: a run-ahead token is rolled back at times, which the later
         # ranks would have to mirror; the boundary is crossed once per forward either way.
-        engine.compute.run_ahead = RunAheadPolicy("off")
-        own = engine.prefix_cache
-        engine.prefix_cache = (StagePrefixCache(own.max_bytes, own.max_entries, own.interval)
+        core.compute.run_ahead = RunAheadPolicy("off")
+        own = core.prefix_cache
+        core.prefix_cache = (StagePrefixCache(own.max_bytes, own.max_entries, own.interval)
                                if self.plan.first else NoPrefixCache())
 
     def pool_counters(self) -> list[float]:
         """hits, misses, reads, bytes read of this rank's pool (zeros before an engine)."""
-        if self.engine is None:
+        if self.core is None:
             return [0.0] * 4
-        table = self.engine.router.table.snapshot()
-        reader = self.engine.router.reader.stats
-        return [table.hits, table.misses, reader.reads, reader.bytes_read]
+        c = self.core.counters()
+        return [c.hits, c.misses, c.reads, c.bytes_read]
 
     # -- rank 0, on the MLX thread -------------------------------------------------------
 
@@ -196,7 +195,7 @@ class Stage:
         bits = wire.to_bits(h)
         shape = (tokens if all_positions else rows, self.vocab_size)
         last = self.plan.size - 1
-        prefixes = self.engine.prefix_cache if self.engine is not None else None
+        prefixes = self.core.prefix_cache if self.core is not None else None
         commands = prefixes.take_pending() if isinstance(prefixes, StagePrefixCache) else []
 
         def cross() -> np.ndarray:
