@@ -51,16 +51,16 @@ def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) ->
     g.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="override any config key; repeatable")
     s = p.add_argument_group("sampling")
-    s.add_argument("--temperature", type=float)
-    s.add_argument("--top-p", type=float)
-    s.add_argument("--top-k", type=int)
-    s.add_argument("--min-p", type=float)
-    s.add_argument("--seed", type=int)
-    s.add_argument("--max-tokens", type=int)
+    for knob, kind in SAMPLING_FLAGS.items():
+        s.add_argument("--" + knob.replace("_", "-"), type=kind, help=f"sampling.{knob}")
     s.add_argument("--stop", action="append", help="a stop string; repeatable")
     s.add_argument("--thinking", dest="enable_thinking", action=argparse.BooleanOptionalAction,
                    default=None, help="the chat template's thinking switch (chat.enable_thinking)")
 
+
+# The `[sampling]` keys with a flag of their own (any other: `--set sampling.KEY=...`).
+SAMPLING_FLAGS: dict[str, type] = {"temperature": float, "top_p": float, "top_k": int,
+                                   "min_p": float, "seed": int, "max_tokens": int}
 
 _FLAG_KEYS = {
     "pool_mb": ("pool", "budget_mb"),
@@ -71,12 +71,7 @@ _FLAG_KEYS = {
     "readers": ("reader", "concurrency"),
     "prefill_chunk": ("compute", "prefill_chunk"),
     "verify": ("model", "verify"),
-    "temperature": ("sampling", "temperature"),
-    "top_p": ("sampling", "top_p"),
-    "top_k": ("sampling", "top_k"),
-    "min_p": ("sampling", "min_p"),
-    "seed": ("sampling", "seed"),
-    "max_tokens": ("sampling", "max_tokens"),
+    **{knob: ("sampling", knob) for knob in SAMPLING_FLAGS},
     "enable_thinking": ("chat", "enable_thinking"),
     "distributed": ("distributed", "enabled"),
 }

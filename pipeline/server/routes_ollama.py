@@ -24,6 +24,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from actors.sampling_params import SCALAR_KNOBS
 from pipeline.events import Done, TextDelta
 from pipeline.server import schema as s
 from pipeline.server.api import Api
@@ -92,11 +93,10 @@ class GenerateBody(_Body, kw_only=True):
 
 
 # Ollama option -> the OpenAI request field it sets.
-_OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                  "min_p": "min_p", "seed": "seed", "stop": "stop",
-                  "repeat_penalty": "repetition_penalty",
-                  "presence_penalty": "presence_penalty",
-                  "frequency_penalty": "frequency_penalty"}
+# Ollama's own name for a knob, where it differs.
+OLLAMA_NAMES = {"repetition_penalty": "repeat_penalty"}
+_OPTION_FIELDS = {**{OLLAMA_NAMES.get(k, k): k for k in SCALAR_KNOBS},
+                  "seed": "seed", "stop": "stop"}
 
 
 def _common(req: _Body) -> dict[str, Any]:
