@@ -116,3 +116,15 @@ def test_the_walker_sees_a_cycle_and_an_upward_import() -> None:
     # The checks above can fail: a made-up graph with both faults is flagged.
     assert _cycles({"actors.a": {"actors.b"}, "actors.b": {"actors.a"}})
     assert RANK["pipeline"] > RANK["actors"]
+
+
+def test_the_faces_use_the_engines_surface_not_its_core() -> None:
+    # The server, the CLI and the benchmarks hold an `Engine` and use its documented
+    # surface; only the engine's own modules (generation, the distributed stage) take the
+    # `EngineCore` with the actors in it.
+    faces = [p for d in ("pipeline/server", "pipeline/cli", "pipeline/bench")
+             for p in (ROOT / d).rglob("*.py")]
+    reaching = [str(p.relative_to(ROOT)) for p in faces
+                if "._core" in (text := p.read_text()) or "engine_core" in text
+                or "engine_open" in text]
+    assert faces and reaching == []

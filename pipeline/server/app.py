@@ -1,19 +1,21 @@
 """The OpenAI-compatible HTTP face: a starlette app over one open engine, served by hypercorn/trio.
 
     async with open_engine(config) as engine:
-        await serve_engine(engine, "127.0.0.1", 8000, api_key="...")
+        await serve_engine(engine, ServerSettings.of(config.server, api_key="..."))
 
 Every request is checked (auth, body size, JSON, fields, model, prompt length, queue)
 before a response starts, so refusals are proper OpenAI error bodies with the right
 status. Generations run in the request's task: a client that goes away cancels its
 task, and `aclosing` hands the engine's generator back at once (the engine drains
-its reads and unpins the pool). The engine serves one generation at a time; the
-others wait on its FIFO lock, up to `max_queue` of them.
+its reads and unpins the pool). Concurrent requests decode together in the engine's
+batch (up to `compute.max_batch` rows); the others wait in FIFO order, up to
+`server.max_queue` of them (then 429).
 
-Routes answer with and without the `/v1` prefix (clients configured with a bare base
-URL). This module wires the app: api.py holds the shared checks, routes_*.py the
-handlers, responses.py and the other reply modules build the bodies. Browser UIs need
-CORS, which is off unless origins are listed (`cors_origins`).
+The routes are one table (`route_table.ROUTES`: path, method, handler, help), each
+answering with and without the `/v1` prefix where its clients may add one. This module
+wires the app: api.py holds the shared checks, routes_*.py the handlers, responses.py
+and the other reply modules build the bodies. Browser UIs need CORS, which is off unless
+origins are listed (`cors_origins`).
 """
 
 from __future__ import annotations
