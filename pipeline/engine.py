@@ -13,7 +13,7 @@ the scarce resource); cancelling a caller stops its generation at the next step.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing, asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -177,7 +177,7 @@ class Engine:
         params: SamplingParams | None = None,
         on_prefill: Callable[[int, int], None] | None = None,
         admitted: trio.Event | None = None,
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:
         """Text deltas as they are decoded, then `Done` with stats.
 
         `on_prefill(done, total)` is called after each prefill chunk (progress bars);
@@ -213,7 +213,7 @@ class Engine:
         tools: Sequence[dict[str, Any]] | None = None,
         on_prefill: Callable[[int, int], None] | None = None,
         enable_thinking: bool | None = None,
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:
         # Close the inner generator here, in this task: it holds the engine's lock.
         tokens = self.chat_tokens(messages, tools, enable_thinking)
         async with aclosing(self.generate(tokens, params, on_prefill)) as events:

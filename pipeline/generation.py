@@ -11,7 +11,7 @@ from a clean pool; the pool's contents stay valid and keep serving as a cache.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import mlx.core as mx
@@ -144,7 +144,7 @@ class Generation:
         self.core.waiting += 1
         self.core.compute_task.submit(self.job)
 
-    async def run(self) -> AsyncIterator[Event]:
+    async def run(self) -> AsyncGenerator[Event, None]:
         """Submit (if not yet) and stream what the generation produces.
 
         Leaving early (a break, a cancel, a client gone) cancels the job and waits for it

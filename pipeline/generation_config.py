@@ -112,10 +112,10 @@ def eos_token_ids(root: Path) -> list[int] | None:
         except (msgspec.DecodeError, RecursionError):
             return None  # the container's own check names this file
         if isinstance(config, dict):
-            ids = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
-            ids = [ids] if isinstance(ids, int) else ids
-            if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
-                return ids
+            said = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
+            listed = [said] if isinstance(said, int) else said
+            if isinstance(listed, list) and all(isinstance(i, int) for i in listed):
+                return listed
     return None
 
 

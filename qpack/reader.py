@@ -30,6 +30,7 @@ import structlog
 from qpack import spec
 from qpack.checked_files import check_listed, non_expert_files, tokenizer_dir
 from qpack.manifest_checks import check_files, check_layers
+from qpack.safetensors_io import load_safetensors
 from qpack.spec import QpackError
 
 log = structlog.get_logger("qpack.reader")
@@ -125,7 +126,7 @@ class Container:
         return tokenizer_dir(self.root, self.manifest, verify=self.verify != "off")
 
     def dense_weights(self) -> dict[str, mx.array]:
-        return mx.load(str(self.dense_path))
+        return load_safetensors(self.dense_path)
 
     # -- experts -----------------------------------------------------------------
     def layer(self, layer_index: int) -> spec.LayerEntry:

@@ -60,7 +60,7 @@ Arm = Callable[[int], Callable[[], None]]
 
 
 def _pidfd(pid: int) -> Callable[[], None]:
-    fd = os.pidfd_open(pid)  # type: ignore[attr-defined]  # Linux >= 5.3
+    fd = os.pidfd_open(pid)  # Linux >= 5.3
 
     def wait() -> None:
         select.select([fd], [], [])  # readable once the process has exited

@@ -38,7 +38,7 @@ class Boundary(Protocol):
                  decode: bool) -> mx.array: ...
 
 
-class SequenceCache(list):  # type: ignore[type-arg]
+class SequenceCache(list[Any]):
     """A sequence's caches (one per layer), or a batch's, tagged with its rows' ids."""
 
     seqs: list[int]
@@ -97,7 +97,9 @@ class StageModel(StreamedModel):
     def batch_caches(self) -> StageBatchCaches:
         return StageBatchCaches(self.layers)
 
-    def step(self, tokens: list[int] | mx.array, cache: list[Any]) -> StageStep:
+    # A rank's step wraps the whole model's ForwardStep (StageStep hands on what it does
+    # not change), so it is no ForwardStep subclass: the override's return type differs.
+    def step(self, tokens: list[int] | mx.array, cache: list[Any]) -> StageStep:  # type: ignore[override]
         if self.stage.plan.first:
             inner = super().step(tokens, cache)
         else:

@@ -14,6 +14,7 @@ ranks in their stage loop (`pipeline/distributed/worker.py`).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,13 +71,13 @@ class BoundaryStats:
 class NoPrefixCache(PrefixCache):
     """A later rank's own prefix cache stays off: it never generates (rank 0's decides)."""
 
-    def take(self, tokens: list[int]) -> tuple[None, int]:  # type: ignore[override]
+    def take(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
         return None, 0
 
-    def put(self, tokens: list[int], cache: Any) -> None:
+    def put(self, tokens: Sequence[int], cache: list[Any]) -> None:
         return None
 
-    def wants(self, start: int, end: int, total: int) -> bool:
+    def wants(self, before: int, after: int, end: int) -> bool:
         return False
 
 
@@ -120,7 +121,7 @@ class Stage:
         if settings.boundaries:
             bounds = check_boundaries(m.num_layers, link.size, settings.boundaries)
         elif weighted:
-            bounds = weighted_boundaries(m.num_layers, share_weights(free_mb, table[:, 3]))
+            bounds = weighted_boundaries(m.num_layers, share_weights(free_mb.tolist(), table[:, 3].tolist()))
         else:
             bounds = equal_boundaries(m.num_layers, link.size)
         plan = plan_for(link.rank, link.size, m.num_layers, bounds)

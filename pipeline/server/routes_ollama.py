@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from datetime import UTC, datetime
 from importlib import metadata
@@ -206,7 +206,7 @@ class OllamaReply:
             out["context"] = [*self.choice.tokens, *done.token_ids]
         return out
 
-    async def parts(self) -> AsyncIterator[tuple[str, str, list[Call], Done | None]]:
+    async def parts(self) -> AsyncGenerator[tuple[str, str, list[Call], Done | None], None]:
         """(text, thinking, calls, done) pieces of the reply, as they come."""
         reply = self.reply
         if isinstance(reply, ChatReply):  # parsed into content, reasoning, calls
@@ -245,7 +245,7 @@ class OllamaReply:
         return json_response(self.obj(text.strip() if calls else text, "".join(thoughts),
                                       calls, done))
 
-    async def stream(self) -> AsyncIterator[bytes]:
+    async def stream(self) -> AsyncGenerator[bytes, None]:
         try:
             async with aclosing(self.parts()) as parts:
                 async for text, thinking, calls, done in parts:

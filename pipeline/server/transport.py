@@ -4,7 +4,7 @@ client goes away."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -70,7 +70,7 @@ class ClosingStreamingResponse(StreamingResponse):
                     await _send_json(send, refused[0], self.error_body)
                     return
 
-                async def held() -> AsyncIterator[bytes]:
+                async def held() -> AsyncGenerator[bytes, None]:
                     async with chunks_out:
                         async for chunk in chunks_out:
                             yield chunk
