@@ -246,6 +246,7 @@ class DecodeBatch:
         if not members and len(joining) == 1:
             # Alone: the one-row decoder draws its first token, as a lone generation does.
             row = joining[0]
+            assert row.logits is not None  # a newcomer brings its prefill's last logits
             self._start([row], cache, Decoder(self.compute, row.cache,
                                               RowSamplers([row.sampler]),
                                               logits=row.logits[None]))

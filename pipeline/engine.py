@@ -190,6 +190,12 @@ class Engine:
             async for event in events:
                 yield event
 
+    def check(self, tokens: Sequence[int], params: SamplingParams | None = None) -> None:
+        """Refuse what `start` would: an empty prompt, one at the context limit
+        (`PromptTooLong`), a token id or a `logit_bias` id outside the vocabulary
+        (ValueError, one line naming it)."""
+        Generation(self._core, list(tokens), params or self.default_params()).check()
+
     def start(
         self,
         prompt: str | Sequence[int],

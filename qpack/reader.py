@@ -159,7 +159,7 @@ class Container:
                 self.o_direct = False  # e.g. tmpfs: fall back to buffered reads, once
         return os.open(path, os.O_RDONLY)
 
-    def read_expert(self, layer_index: int, expert: int, out: memoryview | np.ndarray, *,
+    def read_expert(self, layer_index: int, expert: int, out: memoryview | bytearray | np.ndarray, *,
                     check: bool = True) -> None:
         """Read one expert blob into `out` (writable bytes, at least nbytes long; a full
         stride when it fits, so the read stays one aligned request). `check=False` leaves
@@ -284,7 +284,7 @@ def _load_config(root: Path, manifest: spec.Manifest) -> dict:
         raise QpackError(path, "config.json is missing")
     config = spec.parse_json(path.read_bytes(), path, "config.json")
     model_type = config.get("model_type") if isinstance(config, dict) else None
-    if MODEL_TYPE_ALIASES.get(model_type, model_type) != manifest.model_type:
+    if MODEL_TYPE_ALIASES.get(str(model_type), model_type) != manifest.model_type:
         raise QpackError(path, f"config.json model_type {model_type!r} does not match the manifest's {manifest.model_type!r}")
     return config
 

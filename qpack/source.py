@@ -295,7 +295,7 @@ def open_source(root: str | Path) -> SourceCheckpoint:
     quantization = config.get("quantization")
     index = open_index(root)
     fp8 = hf_quantization(config)
-    fp8_block = tuple(int(b) for b in fp8["weight_block_size"]) if is_fp8_block(fp8) else None
+    fp8_block = tuple(int(b) for b in fp8["weight_block_size"]) if fp8 and is_fp8_block(fp8) else None
     # FP8 block scales are read with their weights, never as tensors of their own.
     names = sorted(n for n in index if not (fp8_block and n.endswith(SCALE_SUFFIX)))
     src = SourceCheckpoint(root, config, model_type, text, quantization, False, index,

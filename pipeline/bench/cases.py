@@ -21,6 +21,7 @@ import sys
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +114,8 @@ async def measure_engine(case: Case) -> Result:
             run_ahead_tokens=spent.run_ahead_tokens,
             run_ahead_misses=spent.run_ahead_misses,
             seconds=time.perf_counter() - started, read_path=read_path,
-            queue_depth_gb_s=_probed(cfg, engine), **phases,
+            queue_depth_gb_s=_probed(cfg, engine), open_s=phases["open_s"],
+            warmup_s=phases["warmup_s"],
         )
 
 
@@ -285,7 +287,7 @@ def machine_info() -> dict[str, Any]:
     try:
         import mlx.core as mx
 
-        info["mlx"] = mx.__version__
+        info["mlx"] = metadata.version("mlx")
         info["device"] = str(mx.default_device())
         if hasattr(mx, "device_info"):
             info["device_info"] = {k: str(v) for k, v in mx.device_info().items()}

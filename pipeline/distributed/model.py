@@ -86,8 +86,10 @@ def new_seq() -> int:
 
 
 class StageModel(StreamedModel):
-    def __init__(self, stage: Boundary, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, layers=stage.plan.layers, **kwargs)
+    def __init__(self, stage: Boundary, model: Any, fmt: Any, slot_arrays: dict[str, mx.array],
+                 activation_dtype: mx.Dtype | None = None, **kwargs: Any) -> None:
+        super().__init__(model, fmt, slot_arrays, activation_dtype, layers=stage.plan.layers,
+                         **kwargs)
         self.stage = stage
         self.inbox: mx.array | None = None  # a later rank: the residual stream received
 

@@ -31,6 +31,7 @@ import numpy as np
 import structlog
 
 from actors.batch_regroup import regroup_caches
+from actors.compute import Phase
 from pipeline.distributed import wire
 from pipeline.distributed.errors import DistributedSetupError
 from pipeline.distributed.model import seqs_of, with_seqs
@@ -148,7 +149,7 @@ class StageLoop:
             # One process would have predicted this layer from the layer before it (on
             # the rank before): predict it from what arrived, ahead of its attention.
             await core.router.prefetch([(first, guess)], core.compute.tick)
-        phase = "decode" if header.decode else "prefill"
+        phase: Phase = "decode" if header.decode else "prefill"
         placeholders = [0] * header.tokens  # the count only: the stream is in the inbox
         async with core.lock:
             out = await core.compute.forward(placeholders, cache, phase, header.all_positions)

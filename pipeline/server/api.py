@@ -20,7 +20,7 @@ from starlette.requests import Request
 from actors.sampling_params import SamplingParams
 from pipeline.engine import Engine
 from pipeline.fingerprint import fingerprint
-from pipeline.generation import Generation, PromptTooLong
+from pipeline.generation import PromptTooLong
 from pipeline.server import grammar
 from pipeline.server import schema as s
 from pipeline.server.drain import Drain
@@ -128,7 +128,7 @@ class Api:
 
     def check_prompt(self, tokens: list[int], params: SamplingParams, param: str) -> None:
         try:
-            Generation(self.engine, tokens, params).check()
+            self.engine.check(tokens, params)
         except PromptTooLong as exc:
             raise s.APIError(400, str(exc), param=param, code="context_length_exceeded") from None
         except ValueError as exc:

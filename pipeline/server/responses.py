@@ -143,7 +143,7 @@ class Reply:
             return
         yield b"data: [DONE]\n\n"
 
-    def chunks(self) -> AsyncIterator[bytes]:
+    def chunks(self) -> AsyncGenerator[bytes, None]:
         raise NotImplementedError
 
 
