@@ -43,6 +43,8 @@ def _ids(tokens: Tokens) -> list[int] | mx.array:
     """On the MLX thread (arrays are made where they are used)."""
     if isinstance(tokens, mx.array):
         return tokens
+    # `Tokens` is one sequence's ids or a batch's rows of them; the first item says which
+    # (the checker cannot narrow a sequence by its first item, hence the two ignores).
     if tokens and not isinstance(tokens[0], int):
         return mx.array([list(row) for row in tokens])  # type: ignore[arg-type]
     return list(tokens)  # type: ignore[arg-type]

@@ -27,7 +27,7 @@ from actors.token_logprob import TokenLogprob
 from pipeline.container_damage import explain
 from pipeline.engine_core import EngineCore
 from pipeline.engine_parts import detokenizer
-from pipeline.events import Done, Event, TextDelta
+from pipeline.events import Done, Event, FinishReason, TextDelta
 from pipeline.generation_stats import GenerationMeasure
 
 log = structlog.get_logger("moestream.generation")
@@ -206,7 +206,7 @@ class Generation:
         await measure.reset_peak()
         generated: list[int] = []
         text_parts: list[str] = []
-        finish = "length"
+        finish: FinishReason = "length"
 
         async def emit(text: str, token: int | None) -> None:
             # Log-probabilities of every token sampled since the last delta (a token whose
@@ -269,4 +269,4 @@ class Generation:
         )
         # Between generations, not in anyone's latency: see `heap_trim`.
         await worker.run(core.heap_trimmer.maybe_trim)
-        await events.send(Done(finish, "".join(text_parts), tuple(generated), stats))  # type: ignore[arg-type]
+        await events.send(Done(finish, "".join(text_parts), tuple(generated), stats))

@@ -17,7 +17,7 @@ import zlib
 try:
     import fcntl
 except ImportError:  # Windows
-    fcntl = None  # type: ignore[assignment]
+    fcntl = None  # type: ignore[assignment]  # the module or None: callers check
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, Protocol

@@ -48,7 +48,7 @@ def with_seqs(cache: list[Any], seqs: Sequence[int]) -> list[Any]:
     """`cache` tagged with `seqs` (a tagged list subclass, e.g. calibrated routing's
     `Routed`, keeps its class and takes the attribute)."""
     out = SequenceCache(cache) if type(cache) is list else cache
-    out.seqs = list(seqs)  # type: ignore[attr-defined]
+    out.seqs = list(seqs)  # type: ignore[attr-defined]  # a tagged list subclass takes it
     return out
 
 
@@ -66,7 +66,7 @@ class StageBatchCaches(BatchCaches):
     def extend(self, batch: list[Any], caches: Sequence[list[Any]]) -> None:
         ids = seqs_of(batch) + [s for c in caches for s in seqs_of(c)]
         super().extend(batch, caches)
-        batch.seqs = ids  # type: ignore[attr-defined]
+        batch.seqs = ids  # type: ignore[attr-defined]  # merged caches are a tagged list
 
     def extract(self, batch: list[Any], row: int) -> list[Any]:
         return with_seqs(super().extract(batch, row), [seqs_of(batch)[row]])
@@ -74,7 +74,7 @@ class StageBatchCaches(BatchCaches):
     def keep(self, batch: list[Any], rows: Sequence[int]) -> None:
         ids = seqs_of(batch)
         super().keep(batch, rows)
-        batch.seqs = [ids[r] for r in rows]  # type: ignore[attr-defined]
+        batch.seqs = [ids[r] for r in rows]  # type: ignore[attr-defined]  # as in extend
 
 
 _SEQUENCES = itertools.count(1)

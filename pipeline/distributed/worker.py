@@ -62,8 +62,8 @@ class StageLoop:
 
     def _caches_for(self, seqs: list[int]) -> list[Any]:
         old = seqs_of(self.batch) if self.batch is not None else []
-        if seqs == old:
-            return self.batch  # type: ignore[return-value]
+        if seqs == old and self.batch is not None:
+            return self.batch
         if len(seqs) == 1 and seqs[0] not in old:
             # A sequence on its own: a newcomer's prefill (the batch decodes on), or a lone
             # decode (an ended batch's caches go at the next regroup).
@@ -141,7 +141,7 @@ class StageLoop:
 
         def inbox() -> list[int]:
             h = wire.from_bits(bits, dtype)
-            core.model.inbox = h  # type: ignore[attr-defined]
+            core.model.inbox = h  # type: ignore[attr-defined]  # a rank's model is a StageModel
             return _first_layer_guess(core, first, h) if predict else []
 
         guess = await core.worker.run(inbox)

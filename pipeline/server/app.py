@@ -230,6 +230,8 @@ async def serve_engine(
         await drain.shut_down(grace_s=max(0.0, config.graceful_timeout - 1.5))
 
     async def run(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+        # hypercorn types its app as its own ASGI framework protocol; starlette's (and the
+        # counting middleware's) ASGI callable is one, spelled with other type names.
         await serve(create_app(engine, settings, drain=drain), config,  # type: ignore[arg-type]
                     shutdown_trigger=shut_down, task_status=task_status)
 

@@ -181,6 +181,7 @@ class WeightWriter:
                 if self.recipe == "float_experts":
                     # A predicate that leaves the routed experts unquantized: mlx-lm
                     # records `false` for them and saves their float weights.
+                    # (`overrides` holds dicts, and mlx-lm's `false` for a module left out)
                     self.overrides[name.removesuffix(".weight")] = False  # type: ignore[assignment]
                     out.append(self._plain(name, shape, stacked(proj), self.dtype))
                     continue

@@ -180,7 +180,7 @@ PRESETS[("qwen3_next", "qwen3-next-80b-a3b")] = ModelDims(
     num_experts_per_tok=10,
     vocab_size=151936,
     intermediate_size=5120,
-    **_A3B,  # type: ignore[arg-type]
+    **_A3B,  # type: ignore[arg-type]  # int fields only (see the loop above)
 )
 PRESETS[("qwen3_5_moe", "qwen3.6-35b-a3b")] = ModelDims(
     family="qwen3_5_moe",
@@ -189,7 +189,7 @@ PRESETS[("qwen3_5_moe", "qwen3.6-35b-a3b")] = ModelDims(
     num_experts=256,
     num_experts_per_tok=8,
     vocab_size=248320,
-    **_A3B,  # type: ignore[arg-type]
+    **_A3B,  # type: ignore[arg-type]  # int fields only
 )
 # Named presets that imply their family.
 FULL_SIZE: dict[str, str] = {"qwen3-next-80b-a3b": "qwen3_next", "qwen3.6-35b-a3b": "qwen3_5_moe"}
