@@ -328,6 +328,7 @@ def _start_actors(
         container,
         concurrency=readers,
         demand_lane=config.reader.demand_lane if overlap else 0,
+        prefetch_yields=config.reader.prefetch_yields,
         retries=config.reader.retries,
         retry_backoff_s=config.reader.retry_backoff_ms / 1000,
         stage=storage.stage if stage_in_threads else None,

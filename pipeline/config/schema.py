@@ -97,6 +97,9 @@ class ReaderConfig(_Section):
     # More disk threads that take demand reads only, so a read the compute waits for never
     # queues behind predictions in flight (none in the serial baseline; actors/reader.py).
     demand_lane: Annotated[int, within(0, 4)] = 1
+    # No prediction starts while a demand read runs: reads in flight share the disk's
+    # bandwidth, and the compute waits for the demand read only.
+    prefetch_yields: bool = False
     # The GIL's switch interval while reading (ms; 0 leaves Python's 5 ms): a disk thread
     # waits for the GIL between reads (actors/reader.py).
     switch_interval_ms: Annotated[float, msgspec.Meta(ge=0.0, le=5.0)] = 0.2
