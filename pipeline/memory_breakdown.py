@@ -19,7 +19,7 @@ import msgspec
 from pipeline.resident_map import current_rss_mb
 
 if TYPE_CHECKING:
-    from pipeline.engine import Engine
+    from pipeline.engine_core import EngineCore
 
 MIB = 2**20
 
@@ -49,14 +49,14 @@ class MemoryBreakdown(msgspec.Struct, frozen=True):
     budget_mb: float | None = None  # memory.budget_mb when set
 
 
-def breakdown(engine: Engine, peak_rss_mb: float, mlx_peak_mb: float, tokens: int,
+def breakdown(engine: EngineCore, peak_rss_mb: float, mlx_peak_mb: float, tokens: int,
               rows: int = 1) -> MemoryBreakdown:
     """The split of this process's peak; `tokens` per sequence, `rows` sequences at once."""
     marks: OpenMarks | None = getattr(engine, "memory_marks", None)
     process = marks.start_mb if marks else 0.0
     tokenizer = marks.tokenizer_mb if marks else 0.0
     dense = engine.container.manifest.dense_bytes / MIB
-    pool = engine.pool_bytes / MIB
+    pool = engine.storage.nbytes / MIB
     state = rows * engine.model.state_bytes(tokens) / MIB
     staging = engine.router.reader.staging_bytes / MIB
     temporaries = max(mlx_peak_mb - dense - pool - state, 0.0)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import trio
 
     from pipeline.config.schema import PipelineConfig
-    from pipeline.engine import Engine
+    from pipeline.engine_core import EngineCore
     from pipeline.memory_breakdown import OpenMarks
 
 # Kept aside for the rest of the process (Python, MLX, tokenizer, KV cache, staging).
@@ -178,7 +178,7 @@ def context_within(state_bytes: Callable[[int], int], state: int, limit: int) ->
     return lo
 
 
-def attach_memory(engine: Engine, nursery: trio.Nursery, plan: MemoryPlan | None,
+def attach_memory(core: EngineCore, nursery: trio.Nursery, plan: MemoryPlan | None,
                   marks: OpenMarks, need_slots: int) -> None:
     """Hold the open engine to its memory: prefill mixers in slices sized from the
     temporaries' share; with a plan, the batch's state within its reserve (which also caps
@@ -187,14 +187,15 @@ def attach_memory(engine: Engine, nursery: trio.Nursery, plan: MemoryPlan | None
     from pipeline.memory_pressure import PoolAdapter
     from pipeline.prefill_slices import slice_tokens
 
-    mem = engine.config.memory
-    engine.memory_plan, engine.memory_marks = plan, marks
-    engine.model.slice_tokens = slice_tokens(engine.model.parts.layers, mem.temporaries_mb * 2**20,
-                                             engine.config.compute.prefill_max_tokens)
+    mem = core.config.memory
+    core.memory_plan, core.memory_marks = plan, marks
+    core.model.slice_tokens = slice_tokens(core.model.parts.layers, mem.temporaries_mb * 2**20,
+                                           core.config.compute.prefill_max_tokens)
     if plan is not None:
         state = int(plan.state_mb * 2**20)
-        engine.compute_task.budget = state
-        engine.context_limit = context_within(engine.model.state_bytes, state, engine.context_limit)
+        core.compute_task.budget = state
+        limit = context_within(core.model.state_bytes, state, core.facts.context_limit)
+        core.facts = msgspec.structs.replace(core.facts, context_limit=limit)
         apply_cache_limit(mem)
     if mem.adapt:
-        nursery.start_soon(PoolAdapter(engine, need_slots).run)
+        nursery.start_soon(PoolAdapter(core, need_slots).run)

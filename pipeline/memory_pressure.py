@@ -27,7 +27,7 @@ import structlog
 import trio
 
 if TYPE_CHECKING:
-    from pipeline.engine import Engine
+    from pipeline.engine_core import EngineCore
 
 log = structlog.get_logger("moestream.memory")
 
@@ -82,7 +82,7 @@ def read_pressure(psi: Path = PSI) -> Pressure | None:
 class PoolAdapter:
     """Shrinks and regrows the engine's pool with the pressure `read` reports."""
 
-    def __init__(self, engine: Engine, floor_slots: int,
+    def __init__(self, engine: EngineCore, floor_slots: int,
                  read: Callable[[], Pressure | None] = read_pressure) -> None:
         self.engine = engine
         self.read = read

@@ -56,7 +56,7 @@ async def main():
         mx.reset_peak_memory()
         async for _ in engine.generate(list(range(100, 164)), SamplingParams(max_tokens=8, temperature=0)):
             pass
-        state = engine.model.state_bytes(64 + 8)
+        state = engine._core.model.state_bytes(64 + 8)
         return (mx.get_peak_memory() - base - state) / 2**20
 
 temporaries_mb = trio.run(main)
@@ -91,16 +91,16 @@ def test_a_budget_sizes_the_pool_and_too_small_is_refused_with_the_numbers(qwen3
             plan = engine.memory_plan
             assert plan is not None and plan.budget_mb == budget
             # The tiny model's every expert fits: the pool holds them all, within the budget.
-            cap = engine.container.manifest.num_experts * len(engine.model.moe_layers)
-            assert engine.storage.num_slots == plan.slots == cap
+            cap = engine.container.manifest.num_experts * len(engine._core.model.moe_layers)
+            assert engine._core.storage.num_slots == plan.slots == cap
             assert engine.pool_bytes == plan.pool_mb * 2**20
             parts = (plan.process_mb + plan.dense_mb + plan.state_mb + plan.staging_mb
                      + plan.temporaries_mb + plan.pool_mb)
             assert parts <= budget
             # The state reserve caps a request's context and the batch's state.
-            assert engine.model.state_bytes(engine.context_limit) <= 2**20
-            assert engine.model.state_bytes(engine.context_limit + 256) > 2**20
-            assert engine.compute_task.budget == 2**20
+            assert engine._core.model.state_bytes(engine.context_limit) <= 2**20
+            assert engine._core.model.state_bytes(engine.context_limit + 256) > 2**20
+            assert engine._core.compute_task.budget == 2**20
         with pytest.raises(PoolBudgetError) as err:
             async with open_engine(engine_config(qwen35, pool={"slots": None},
                                                  memory={"budget_mb": 64})):
@@ -116,9 +116,9 @@ def test_prefill_mixers_in_slices_compute_what_a_whole_chunk_does(qwen35: Path) 
     async def main() -> None:
         cfg = engine_config(qwen35, pool={"slots": 64}, compute={"prefill_chunk": 13})
         async with open_engine(cfg) as engine:
-            assert engine.model.slice_tokens >= 13  # the tiny dims fit a whole chunk
+            assert engine._core.model.slice_tokens >= 13  # the tiny dims fit a whole chunk
             whole = await forward_logits(engine, PROMPT, [3, 141])
-            engine.model.slice_tokens = 4  # 4 + 4 + 4 + 1 tokens, caches carried between
+            engine._core.model.slice_tokens = 4  # 4 + 4 + 4 + 1 tokens, caches carried between
             sliced = await forward_logits(engine, PROMPT, [3, 141])
         for a, b in zip(whole, sliced, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
@@ -142,8 +142,8 @@ def test_the_pool_shrinks_under_memory_pressure_and_grows_back(qwen35: Path, tmp
 
     async def main() -> None:
         async with open_engine(engine_config(qwen35, pool={"slots": 64})) as engine:
-            table = engine.router.table
-            adapter = PoolAdapter(engine, floor_slots=8, read=lambda: read_pressure(psi))
+            table = engine._core.router.table
+            adapter = PoolAdapter(engine._core, floor_slots=8, read=lambda: read_pressure(psi))
             first = await generate(engine, PROMPT, 6)
             psi.write_text(PRESSED)
             for _ in range(20):  # an eighth per poll, down to the floor

@@ -16,11 +16,12 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
 
-from actors.device_staging import to_device
+from actors.device_staging import to_device_many
 from actors.pool.layout import PoolLayout
 from qpack.spec import ExpertFormat, QpackError, TensorSpec
 
@@ -102,7 +103,9 @@ class PoolStorage:
         self.host_bytes: dict[str, np.ndarray] | None = None
         if mx.default_device() == mx.cpu:
             self.host_bytes = {
-                name: np.asarray(memoryview(self.arrays[name]).cast("B")).reshape(num_slots, nbytes)
+                # MLX arrays have the buffer protocol; MLX's stubs do not declare it.
+                name: np.asarray(memoryview(self.arrays[name]).cast("B"))  # type: ignore[arg-type]
+                .reshape(num_slots, nbytes)
                 for name, (_, _, nbytes) in self.layout.arrays.items()
             }
 
@@ -122,9 +125,10 @@ class PoolStorage:
             raise RuntimeError("a pool of mixed formats needs layer_of(slot) to install")
         return self.layout.layer(self.layer_of(slot))
 
-    def stage(self, blob: np.ndarray) -> mx.array:
-        """An expert blob in device memory, copied in a reader's thread (see `device_staging`)."""
-        return to_device(blob[: self.layout.max_nbytes])
+    def stage(self, blobs: Sequence[np.ndarray]) -> list[mx.array]:
+        """Expert blobs in device memory, copied together in a reader's staging thread
+        (see `device_staging`)."""
+        return to_device_many([blob[: self.layout.max_nbytes] for blob in blobs])
 
     def _copy_in(self, name: str, slot: int, t: TensorSpec, src: np.ndarray) -> None:
         """A tensor's blob bytes into its slot row, widened when the pool stores it wider."""
@@ -184,8 +188,8 @@ class PoolStorage:
             groups.setdefault(id(names), (fmt, names, []))[2].append((slot, blob))
         for fmt, names, group in groups.values():
             slots = mx.array([slot for slot, _ in group], dtype=mx.int32)
-            if isinstance(group[0][1], mx.array):
-                blobs = mx.stack([blob[: fmt.nbytes] for _, blob in group])
+            if isinstance(group[0][1], mx.array):  # a reader stages all its blobs or none
+                blobs = mx.stack([cast(mx.array, blob)[: fmt.nbytes] for _, blob in group])
             else:
                 blobs = mx.array(np.stack([blob[: fmt.nbytes] for _, blob in group]))
             n = len(group)
