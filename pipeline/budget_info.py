@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from pipeline.memory_budget import MemoryPlan
+from pipeline.memory_facts import MemoryPlan
 
 
 class BudgetInfo(msgspec.Struct, frozen=True):

@@ -31,7 +31,7 @@ from pipeline.events import Event
 from pipeline.generation import Generation
 from pipeline.generation_config import default_params
 from pipeline.memory_breakdown import MemoryBreakdown, breakdown
-from pipeline.memory_budget import MemoryPlan
+from pipeline.memory_facts import MemoryPlan
 from pipeline.prefix_cache import PrefixCache
 from qpack.reader import Container, ExpertIO
 

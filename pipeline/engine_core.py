@@ -26,8 +26,7 @@ from actors.sampling_task import SamplingTask
 from pipeline.config.schema import PipelineConfig
 from pipeline.counters import Counters
 from pipeline.heap_trim import HeapTrimmer
-from pipeline.memory_breakdown import OpenMarks
-from pipeline.memory_budget import MemoryPlan
+from pipeline.memory_facts import MemoryPlan, OpenMarks
 from pipeline.models.streamed import StreamedModel
 from pipeline.prefix_cache import PrefixCache
 from qpack.reader import Container

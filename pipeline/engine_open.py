@@ -49,7 +49,6 @@ from pipeline.engine_sizing import (
     smallest_workable_slots,
 )
 from pipeline.heap_trim import HeapTrimmer
-from pipeline.memory_breakdown import OpenMarks
 from pipeline.memory_budget import (
     attach_memory,
     batch_budget,
@@ -57,6 +56,7 @@ from pipeline.memory_budget import (
     engine_plan,
     staging_buffers,
 )
+from pipeline.memory_facts import OpenMarks
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_disk import prefix_cache_for

@@ -16,23 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from pipeline.resident_map import current_rss_mb
-
 if TYPE_CHECKING:
     from pipeline.engine_core import EngineCore
 
 MIB = 2**20
-
-
-class OpenMarks:
-    """RSS at the points of an engine's open that split the process from its parts."""
-
-    def __init__(self) -> None:
-        self.start_mb = current_rss_mb()
-        self.tokenizer_mb = 0.0
-
-    def after_tokenizer(self) -> None:
-        self.tokenizer_mb = max(current_rss_mb() - self.start_mb, 0.0)
 
 
 class MemoryBreakdown(msgspec.Struct, frozen=True):
@@ -52,7 +39,7 @@ class MemoryBreakdown(msgspec.Struct, frozen=True):
 def breakdown(engine: EngineCore, peak_rss_mb: float, mlx_peak_mb: float, tokens: int,
               rows: int = 1) -> MemoryBreakdown:
     """The split of this process's peak; `tokens` per sequence, `rows` sequences at once."""
-    marks: OpenMarks | None = getattr(engine, "memory_marks", None)
+    marks = engine.memory_marks
     process = marks.start_mb if marks else 0.0
     tokenizer = marks.tokenizer_mb if marks else 0.0
     dense = engine.container.manifest.dense_bytes / MIB

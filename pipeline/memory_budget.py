@@ -19,13 +19,14 @@ import msgspec
 import psutil
 
 from pipeline.config.schema import MemoryConfig
+from pipeline.memory_facts import MemoryPlan
 
 if TYPE_CHECKING:
     import trio
 
     from pipeline.config.schema import PipelineConfig
     from pipeline.engine_core import EngineCore
-    from pipeline.memory_breakdown import OpenMarks
+    from pipeline.memory_facts import OpenMarks
 
 # Kept aside for the rest of the process (Python, MLX, tokenizer, KV cache, staging).
 RESERVE_BYTES = 512 * 2**20
@@ -75,25 +76,6 @@ def batch_budget(batch_memory_mb: int, dense_bytes: int) -> int:
 
 
 # -- one total budget (`memory.budget_mb`, `--memory-mb`) ---------------------------------
-
-
-class MemoryPlan(msgspec.Struct, frozen=True):
-    """Where a total budget goes, in MiB: measured parts, reserves, and the pool (the rest)."""
-
-    budget_mb: float
-    process_mb: float  # RSS when the pool was sized: Python, libraries, the tokenizer
-    dense_mb: float  # the dense core's weights (manifest: what MLX holds once loaded)
-    state_mb: float  # KV + DeltaNet state of the sequences decoding at once
-    staging_mb: float  # the reader's staging buffers
-    temporaries_mb: float  # MLX's temporaries above dense + pool + state, and its cache
-    pool_mb: float
-    slots: int
-
-    def line(self) -> str:
-        return (f"budget {self.budget_mb:,.0f} MiB = process with tokenizer {self.process_mb:,.0f}"
-                f" + dense core {self.dense_mb:,.0f} + state {self.state_mb:,.0f} + staging "
-                f"{self.staging_mb:,.0f} + temporaries {self.temporaries_mb:,.0f} + expert pool "
-                f"{self.pool_mb:,.0f} ({self.slots} slots)")
 
 
 def staging_buffers(readers: int) -> int:

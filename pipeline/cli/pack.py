@@ -209,7 +209,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from pipeline.memory_budget import MemoryPlan
+    from pipeline.memory_facts import MemoryPlan
 
     q = info["quantization"]
     quant = "none (float)" if q["bits"] is None else (
