@@ -27,14 +27,6 @@ HEAD_RESERVE = 64 * MIB
 MIN_SLICE = 16
 
 
-def _cache_arrays(state: Any) -> list[mx.array]:
-    if isinstance(state, mx.array):
-        return [state]
-    if isinstance(state, (list, tuple)):
-        return [a for part in state for a in _cache_arrays(part)]
-    return []
-
-
 def per_token_bytes(layers: list[Any], context: int) -> int:
     """Temporaries one prompt token adds to the largest mixer: a DeltaNet step's state on
     the ops path (float32), or a row of attention scores over `context` keys."""
@@ -65,6 +57,6 @@ def mix(mixer: Any, x: mx.array, mask: Any, cache: Any, tokens: int) -> mx.array
     for start in range(0, length, tokens):
         part = x[:, start : start + tokens]
         y = mixer(part, mask if part.shape[1] > 1 else None, cache)
-        mx.eval(y, *_cache_arrays(cache.state))
+        mx.eval(y, cache.state)  # a tree: MLX skips what is not an array
         outs.append(y)
     return mx.concatenate(outs, axis=1)

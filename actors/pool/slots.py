@@ -171,13 +171,17 @@ class SlotTable:
                 f"expert pool exhausted: {len(self._pins)} of {self.num_slots} slots pinned"
                 f" and the rest protected; nothing can be evicted"
             )
-        slot = self._slot_of.pop(victim)
+        return self._evict(victim)
+
+    def _evict(self, key: ExpertKey) -> int:
+        """Drop `key` (not pinned) from the pool; its slot, now empty."""
+        slot = self._slot_of.pop(key)
         self._key_at[slot] = None
-        del self._state[victim]
-        self.policy.remove(victim)
+        del self._state[key]
+        self.policy.remove(key)
         self.evictions += 1
-        if victim in self._prefetched:
-            self._prefetched.discard(victim)
+        if key in self._prefetched:
+            self._prefetched.discard(key)
             self.prefetch_wasted += 1
         return slot
 
@@ -202,14 +206,7 @@ class SlotTable:
             if key is not None:
                 if key in self._pins or self._state[key] != "ready":
                     continue
-                del self._slot_of[key]
-                self._key_at[slot] = None
-                del self._state[key]
-                self.policy.remove(key)
-                self.evictions += 1
-                if key in self._prefetched:
-                    self._prefetched.discard(key)
-                    self.prefetch_wasted += 1
+                self._evict(key)
                 self.version += 1
             taken.append(slot)
         if taken:
