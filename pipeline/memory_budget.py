@@ -163,8 +163,9 @@ def context_within(state_bytes: Callable[[int], int], state: int, limit: int) ->
 def attach_memory(core: EngineCore, nursery: trio.Nursery, plan: MemoryPlan | None,
                   marks: OpenMarks, need_slots: int) -> None:
     """Hold the open engine to its memory: prefill mixers in slices sized from the
-    temporaries' share; with a plan, the batch's state within its reserve (which also caps
-    one request's context) and MLX's buffer cache within the temporaries' share; with
+    temporaries' share; with a plan, the batch's state and the prefix cache's copies within
+    half of the state reserve each (the first half also caps one request's context) and
+    MLX's buffer cache within the temporaries' share; with
     memory.adapt, the pool following the machine's memory pressure."""
     from pipeline.memory_pressure import PoolAdapter
     from pipeline.prefill_slices import slice_tokens
@@ -174,8 +175,11 @@ def attach_memory(core: EngineCore, nursery: trio.Nursery, plan: MemoryPlan | No
     core.model.slice_tokens = slice_tokens(core.model.parts.layers, mem.temporaries_mb * 2**20,
                                            core.config.compute.prefill_max_tokens)
     if plan is not None:
-        state = int(plan.state_mb * 2**20)
+        # Half the state reserve for the sequences decoding, half for the prefix cache's
+        # copies (1 GiB by default otherwise: outside any budget).
+        state = int(plan.state_mb * 2**20) // 2
         core.compute_task.budget = state
+        core.prefix_cache.max_bytes = state
         limit = context_within(core.model.state_bytes, state, core.facts.context_limit)
         core.facts = msgspec.structs.replace(core.facts, context_limit=limit)
         apply_cache_limit(mem)

@@ -100,8 +100,9 @@ class MemoryConfig(_Section, frozen=True):
     # it reserves (model state, staging buffers, MLX temporaries) and sizes the pool from
     # the rest; too small a budget is refused at start with the numbers.
     budget_mb: Annotated[int, within(1, MIB_MAX)] | None = None
-    # Model state (KV caches, DeltaNet state) of the sequences decoding at once, within the
-    # budget; it also caps a request's context. 0 = an eighth of the budget.
+    # Model state (KV caches, DeltaNet state) within the budget: half for the sequences
+    # decoding at once (it also caps a request's context), half for the prefix cache's
+    # copies. 0 = an eighth of the budget.
     state_mb: Annotated[int, within(0, MIB_MAX)] = 0
     # MLX's temporaries above dense + pool + state (activations of a prefill slice, a
     # decode graph) and its buffer cache.
