@@ -31,6 +31,7 @@ PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
 # model a few MiB. The bounds leave room for allocator noise, not for a Python copy of the
 # vocabulary (+60 MiB and more) or a whole-pool cast (~the pool's scales again).
 TOKENIZER_MAX_MB = 120
+READERS = {"concurrency": 2}  # no queue-depth probe at open
 TEMPORARIES_MAX_MB = 24
 
 PROBE = r"""
@@ -50,7 +51,8 @@ load_tokenizer(Container.open(path, verify="off").tokenizer_dir())
 tokenizer_mb = current_rss_mb() - before
 
 async def main():
-    cfg = config_from_dict({"model": {"path": path}, "pool": {"slots": 16}})
+    cfg = config_from_dict({"model": {"path": path}, "pool": {"slots": 16},
+                            "reader": {"concurrency": 2}})
     async with E.open_engine(cfg) as engine:
         base = mx.get_active_memory()  # dense + pool
         mx.reset_peak_memory()
@@ -86,7 +88,7 @@ def test_a_budget_sizes_the_pool_and_too_small_is_refused_with_the_numbers(qwen3
         # What this test process already holds, plus room for a pool of some dozens of slots.
         budget = int(current_rss_mb()) + 160
         memory = {"budget_mb": budget, "state_mb": 1, "temporaries_mb": 32}
-        cfg = engine_config(qwen35, pool={"slots": None}, memory=memory)
+        cfg = engine_config(qwen35, pool={"slots": None}, memory=memory, reader=READERS)
         async with open_engine(cfg) as engine:
             plan = engine.memory_plan
             assert plan is not None and plan.budget_mb == budget
@@ -105,7 +107,7 @@ def test_a_budget_sizes_the_pool_and_too_small_is_refused_with_the_numbers(qwen3
             assert engine._core.model.state_bytes(engine.context_limit + 256) > half
             assert engine._core.compute_task.budget == half == engine.prefix_cache.max_bytes
         with pytest.raises(PoolBudgetError) as err:
-            async with open_engine(engine_config(qwen35, pool={"slots": None},
+            async with open_engine(engine_config(qwen35, pool={"slots": None}, reader=READERS,
                                                  memory={"budget_mb": 64})):
                 pass
         line = one_line(err.value)
@@ -144,22 +146,22 @@ def test_the_pool_shrinks_under_memory_pressure_and_grows_back(qwen35: Path, tmp
     psi = tmp_path / "memory"
 
     async def main() -> None:
-        async with open_engine(engine_config(qwen35, pool={"slots": 64})) as engine:
+        async with open_engine(engine_config(qwen35, pool={"slots": 64}, reader=READERS)) as engine:
             table = engine._core.router.table
             adapter = PoolAdapter(engine._core, floor_slots=8, read=lambda: read_pressure(psi))
-            first = await generate(engine, PROMPT, 6)
+            first = await generate(engine, PROMPT, 4)
             psi.write_text(PRESSED)
             for _ in range(20):  # an eighth per poll, down to the floor
                 reading = await adapter.poll()
             assert reading is not None and reading.level == "pressed" and reading.some_avg10 == 35.2
             assert table.usable == 8 and len(table) <= 8
-            shrunk = await generate(engine, PROMPT, 6)  # no failed request, same tokens
+            shrunk = await generate(engine, PROMPT, 4)  # no failed request, same tokens
             assert shrunk.token_ids == first.token_ids and len(table) <= 8
             psi.write_text(CALM)
             for _ in range(CALM_POLLS * 8):
                 await adapter.poll()
             assert table.usable == 64
-            grown = await generate(engine, PROMPT, 6)
+            grown = await generate(engine, PROMPT, 4)
             assert grown.token_ids == first.token_ids
 
     trio.run(main)
