@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from qpack.families import family
 from qpack.quantize import (
     MODE_DEFAULTS,
     QuantPlan,
@@ -66,8 +67,8 @@ class ContainerPlan:
 
 
 def _switch_path(model_type: str, layer: int, proj: str) -> str:
-    prefix = "language_model.model" if model_type == "qwen3_5_moe" else "model"
-    return f"{prefix}.layers.{layer}.mlp.switch_mlp.{proj}"
+    fam = family(model_type)
+    return f"{fam.decoder_prefix}.layers.{layer}.mlp.{fam.routed_module}.{proj}"
 
 
 def _source_rule(block: dict, path: str) -> Rule | None:

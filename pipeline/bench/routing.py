@@ -25,7 +25,7 @@ def calibrate(model: Any, routing: str, seed: int) -> Any:
         return None
     if routing not in ROUTINGS:
         raise ValueError(f"unknown routing {routing!r}; valid: {', '.join(ROUTINGS)}")
-    if all(block.is_linear for block in model.parts.layers):
+    if all(model.family.is_linear(block) for block in model.parts.layers):
         # The token's position is the first KV cache's offset; DeltaNet states have none.
         raise ValueError("calibrated routing needs a full-attention layer (its KV offset is the "
                          "token's position) and this model has none: use more layers (--max-layers >= 4)")

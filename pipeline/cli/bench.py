@@ -14,6 +14,7 @@ from pipeline.bench.cases import Case, Report, machine_info, run_case
 from pipeline.bench.routing import ROUTINGS
 from pipeline.cli.commands import readers_arg
 from pipeline.cli.counts import LAYERS, TOKENS, WORKERS, seconds
+from qpack import families
 
 # The default run; warm-all (every expert pooled, vs mlx-lm resident in the same
 # process) and the long-prompt pair are asked for by name.
@@ -211,7 +212,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Write a valid .qpack directly, without synth + pack: the dense core as "
         "synth --bits writes it, experts as random 4-bit words with scales that give "
         "zero-mean weights of std ~1/sqrt(fan_in). For speed measurements only.")
-    c.add_argument("--family", choices=("qwen3_next", "qwen3_5_moe"), default=None)
+    c.add_argument("--family", choices=families.names(), default=None)
     c.add_argument("--preset", required=True, help="tiny, demo, qwen3.6-35b-a3b, qwen3-next-80b-a3b")
     c.add_argument("-o", "--out", required=True, type=Path, help="output .qpack directory")
     c.add_argument("--bits", type=int, choices=(4, 8), default=4)
