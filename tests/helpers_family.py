@@ -1,0 +1,185 @@
+"""Test helpers for a family beyond the Qwen hybrids: mlx-lm's resident model run layer by
+layer over the same checkpoint (any full-attention decoder), and the checks every family
+runs against it (tests/test_family_<name>.py).
+
+`FullAttentionReference.forward` is mlx-lm's `Model.__call__` with each layer's output
+kept: embed, one causal mask from the first cache, the layers, norm, head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from helpers_forward import DirectForward, max_abs
+from mlx_lm.models.base import create_attention_mask
+
+PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
+TOLERANCE = {None: 1e-4, 4: 2e-3}
+_REFERENCES: dict[tuple[Path, int | None], FullAttentionReference] = {}
+
+
+class FullAttentionReference:
+    """mlx-lm's model over `src`, every expert resident (quantized in memory if asked)."""
+
+    def __init__(self, src: Path, quantize: int | None = None) -> None:
+        from mlx_lm.utils import load_model, quantize_model
+
+        self.model, self.config = load_model(Path(src))
+        if quantize is not None:
+            self.model, self.config = quantize_model(self.model, self.config, group_size=64, bits=quantize)
+        self.decoder = self.model.model
+
+    def make_cache(self) -> list[Any]:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)
+
+    def forward(self, tokens: Sequence[int], cache: list[Any], *, layer_outputs: bool = False,
+                all_positions: bool = True) -> tuple[mx.array, list[mx.array]]:
+        d = self.decoder
+        h = d.embed_tokens(mx.array([list(tokens)]))
+        mask = create_attention_mask(h, cache[0])
+        outputs: list[mx.array] = []
+        for layer, c in zip(d.layers, cache, strict=True):
+            h = layer(h, mask, c)
+            if layer_outputs:
+                mx.eval(h)
+                outputs.append(h)
+        h = d.norm(h if all_positions else h[:, -1:])
+        tied = getattr(self.model.args, "tie_word_embeddings", False)
+        logits = (d.embed_tokens.as_linear(h) if tied else self.model.lm_head(h))[0]
+        mx.eval(logits)
+        return logits, outputs
+
+    def logits(self, tokens: Sequence[int], cache: list[Any]) -> mx.array:
+        out = self.model(mx.array([list(tokens)]), cache=cache)[0, -1]
+        mx.eval(out)
+        return out
+
+
+def reference(src: Path, quantize: int | None = None) -> FullAttentionReference:
+    if (src, quantize) not in _REFERENCES:
+        _REFERENCES[(src, quantize)] = FullAttentionReference(src, quantize)
+    return _REFERENCES[(src, quantize)]
+
+
+def assert_layers_and_logits_match(qpack: Path, ref: FullAttentionReference, tol: float) -> None:
+    """A prompt, then two decode steps on the caches it left: every layer's output and the
+    logits within `tol` of mlx-lm's; mlx-lm's own __call__ equals the layer-by-layer read."""
+    ours = DirectForward(qpack, num_slots=16, seed=1)
+    ours_cache, ref_cache = ours.make_cache(), ref.make_cache()
+    for tokens in (PROMPT, [5], [4242]):
+        logits, layers = ours.forward(tokens, ours_cache, layer_outputs=True, all_positions=False)
+        want_logits, want_layers = ref.forward(tokens, ref_cache, layer_outputs=True, all_positions=False)
+        assert len(layers) == len(want_layers) == ours.model.num_layers
+        for i, (got, want) in enumerate(zip(layers, want_layers, strict=True)):
+            assert got.dtype == want.dtype
+            assert max_abs(got, want) <= tol, f"layer {i} output, tokens {tokens}"
+        assert max_abs(logits, want_logits) <= tol, f"logits, tokens {tokens}"
+    assert mx.array_equal(ref.logits(PROMPT, ref.make_cache()),
+                          ref.forward(PROMPT, ref.make_cache(), all_positions=False)[0][-1]).item()
+    assert ours.installs > 0
+    ours.close()
+
+
+def run_chunks(qpack: Path, num_slots: int | None, seed: int, chunk: int) -> list[mx.array]:
+    """Logits of each prefill chunk of PROMPT, then of four decode steps."""
+    ours = DirectForward(qpack, num_slots=num_slots, seed=seed)
+    cache = ours.make_cache()
+    out = [ours.forward(PROMPT[i : i + chunk], cache, all_positions=False)[0]
+           for i in range(0, len(PROMPT), chunk)]
+    for token in (3, 141, 59, 26):
+        out.append(ours.forward([token], cache)[0])
+    ours.close()
+    return out
+
+
+def assert_bit_identical_across_pools(qpack: Path, chunk: int, top_k: int) -> None:
+    """Smallest workable pool, a larger one, every expert resident: the same bits."""
+    smallest = min(16, min(chunk, len(PROMPT)) * top_k)
+    runs = [run_chunks(qpack, n, seed, chunk) for n, seed in ((smallest, 0), (smallest + 5, 7), (None, 3))]
+    for n, run in enumerate(runs[1:], start=1):
+        for i, (a, b) in enumerate(zip(runs[0], run, strict=True)):
+            assert mx.array_equal(a, b).item(), f"run {n}, forward {i}"
+
+
+def greedy_reference(ref: FullAttentionReference, prompt: Sequence[int], max_tokens: int,
+                     eos: set[int], chunk: int) -> list[int]:
+    cache = ref.make_cache()
+    logits = None
+    for i in range(0, len(prompt), chunk):
+        logits = ref.logits(prompt[i : i + chunk], cache)
+    assert logits is not None
+    out: list[int] = []
+    while len(out) < max_tokens:
+        token = int(mx.argmax(logits.astype(mx.float32)).item())
+        out.append(token)
+        if token in eos:
+            break
+        logits = ref.logits([token], cache)
+    return out
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}]
+SCHEMAS = {"get_weather": TOOLS[0]["function"]["parameters"]}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+async def served_tool_round_trip(container: Path) -> str:
+    """Through the real server and the official openai client: a request with tools, then
+    the assistant's call and the tool's result fed back. Returns the prompt the server built
+    for the last request (the family's markup for calls and results, for the caller to check)."""
+    import json
+
+    import openai
+    from helpers_server import serving
+
+    async with serving(container, prefill_chunk=16) as (engine, port):
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        plain = await client.chat.completions.create(model="tiny", messages=USER, max_tokens=1)
+        call = {"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 2})}}
+        result = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+        answered = await client.chat.completions.create(model="tiny", messages=result, tools=TOOLS, max_tokens=1)
+        assert plain.usage and answered.usage and answered.usage.prompt_tokens > plain.usage.prompt_tokens
+        tokens = engine.chat_tokens(
+            [*USER, {"role": "assistant", "content": "", "tool_calls": [
+                {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]},
+             result[-1]], TOOLS)
+        assert len(tokens) == answered.usage.prompt_tokens
+        return engine.tokenizer.decode(tokens)
+
+
+def parse_streamed(container: Path, text: str, in_reasoning: bool) -> tuple[str, str, list[tuple[str, dict]]]:
+    """`text` as the model would stream it (encoded by the container's tokenizer, decoded
+    token by token), through the server's output parser: (reasoning, content, calls)."""
+    import json
+
+    from actors.text_stream import TextStream
+    from pipeline.engine_parts import cached_tokenizer
+    from pipeline.server.tool_calls import Call, Content, OutputParser, Reasoning
+    from qpack.reader import Container
+
+    with Container.open(container) as c:
+        tok = cached_tokenizer(c.tokenizer_dir())
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = tok.detokenizer
+    detok.reset()
+    chain = TextStream(detok, ())
+    parser = OutputParser(in_reasoning=in_reasoning, schemas=SCHEMAS)
+    parts = []
+    for token in ids:
+        delta, _ = chain.add(token)
+        parts += parser.feed(delta)
+    parts += parser.feed(chain.finish()) + parser.finish()
+    reasoning = "".join(p.text for p in parts if isinstance(p, Reasoning)).strip()
+    content = "".join(p.text for p in parts if isinstance(p, Content)).strip()
+    calls = [(p.name, json.loads(p.arguments)) for p in parts if isinstance(p, Call)]
+    return reasoning, content, calls

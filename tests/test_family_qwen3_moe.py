@@ -1,0 +1,115 @@
+"""Qwen3 MoE (Qwen3-30B-A3B / 235B-A22B / Coder) streamed: tiny random checkpoints in the
+hub layout, packed from fp32, from bf16 at 4 bits and from an MLX 4-bit conversion, against
+mlx-lm's resident qwen3_moe and transformers' Qwen3MoeForCausalLM; served with Qwen3's
+chat template and tool calls."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers_engine import engine_config, generate
+from helpers_family import (
+    PROMPT,
+    TOLERANCE,
+    assert_bit_identical_across_pools,
+    assert_layers_and_logits_match,
+    greedy_reference,
+    parse_streamed,
+    reference,
+    served_tool_round_trip,
+)
+from helpers_forward import DirectForward
+
+from pipeline.engine import open_engine
+from qpack.reader import Container
+
+FAMILY = "qwen3_moe"
+
+
+@pytest.fixture
+def pair(synth_checkpoint, packed):
+    """kind -> (source, container, bits): fp32 (float experts), bf16 packed at 4 bits,
+    MLX 4-bit (mlx_lm.convert's layout) packed as it is."""
+    def get(kind: str) -> tuple[Path, Path, int | None]:
+        if kind == "fp32":
+            src = synth_checkpoint(FAMILY, dtype="float32")
+            return src, packed(src, bits=16), None
+        if kind == "bf16-q4":
+            src = synth_checkpoint(FAMILY, dtype="bfloat16")
+            return src, packed(src, bits=4), 4
+        src = synth_checkpoint(FAMILY, dtype="bfloat16", bits=4)
+        return src, packed(src), None
+
+    return get
+
+
+def test_hub_layout_is_per_expert_and_the_router_stays_dense(pair):
+    src, qpack, _ = pair("fp32")
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.0.mlp.experts.15.down_proj.weight" in index
+    assert "model.layers.1.self_attn.q_norm.weight" in index and "model.layers.0.mlp.gate.weight" in index
+    assert not any("shared_expert" in name for name in index)
+    with Container.open(qpack) as c:
+        m = c.manifest
+        assert (m.model_type, m.num_experts, m.top_k, [e.index for e in m.layers]) == (FAMILY, 16, 4, [0, 1])
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16-q4", "mlx-q4"])
+def test_every_layer_and_the_logits_match_mlx_lm(pair, kind):
+    src, qpack, quantize = pair(kind)
+    ref = reference(src, quantize)
+    assert type(ref.model).__module__ == "mlx_lm.models.qwen3_moe"
+    assert_layers_and_logits_match(qpack, ref, TOLERANCE[4 if kind != "fp32" else None])
+
+
+@pytest.mark.parametrize(("kind", "chunk"), [("fp32", 2), ("mlx-q4", 16)])
+def test_logits_bit_identical_across_pool_sizes_and_slot_assignments(pair, kind, chunk):
+    _src, qpack, _ = pair(kind)
+    assert_bit_identical_across_pools(qpack, chunk, top_k=4)
+
+
+@pytest.mark.parametrize(("strategy", "reader"), [
+    ("next-gate", {"concurrency": 1}),
+    ("lookahead", {"concurrency": 4, "o_direct": True}),
+    ("transition", {"concurrency": 2}),
+])
+async def test_engine_greedy_equals_mlx_lm_with_each_prefetch_strategy_and_reader(pair, strategy, reader):
+    """The real engine at its smallest pool (8 slots), the router's own predictions."""
+    src, qpack, _ = pair("fp32")
+    prefetch = {"strategy": strategy, **({"depth": 2} if strategy == "lookahead" else {})}
+    async with open_engine(engine_config(qpack, prefetch=prefetch, reader=reader)) as engine:
+        want = greedy_reference(reference(src), PROMPT, 12, set(engine.tokenizer.eos_token_ids), chunk=2)
+        done = await generate(engine, PROMPT, 12)
+        assert list(done.token_ids) == want
+        assert engine.storage.num_slots == 8
+
+
+def test_logits_match_transformers(pair):
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    src, qpack, _ = pair("fp32")
+    ours = DirectForward(qpack)
+    got = np.array(ours.forward(PROMPT, ours.make_cache())[0])
+    ours.close()
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([PROMPT]), use_cache=False).logits[0].numpy()
+    assert got.shape == want.shape
+    assert float(np.max(np.abs(got - want))) <= 1e-4
+
+
+async def test_served_tool_calls_and_reasoning_in_qwen3_markup(pair):
+    _src, qpack, _ = pair("fp32")
+    prompt = await served_tool_round_trip(qpack)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>' in prompt
+    assert "<tool_response>\n18 degrees and sunny\n</tool_response>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")  # the hybrid model opens <think> itself
+    out = ('<think>\nThe user wants weather.\n</think>\n\nLet me check.\n<tool_call>\n'
+           '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>')
+    reasoning, content, calls = parse_streamed(qpack, out, in_reasoning=False)
+    assert (reasoning, content) == ("The user wants weather.", "Let me check.")
+    assert calls == [("get_weather", {"city": "Paris", "days": 2})]
