@@ -29,7 +29,7 @@ import structlog
 
 from qpack import spec
 from qpack.checked_files import check_listed, non_expert_files, tokenizer_dir
-from qpack.families import canonical
+from qpack.families import canonical, family
 from qpack.manifest_checks import check_files, check_layers
 from qpack.spec import QpackError
 
@@ -290,8 +290,9 @@ def _load_config(root: Path, manifest: spec.Manifest) -> dict:
 
 def _check_config_matches(root: Path, m: spec.Manifest, config: dict) -> None:
     """The model config must describe the packed weights, and text must be encodable."""
-    text = config.get("text_config", config)
-    for key, want in (("num_hidden_layers", m.num_layers), ("num_experts", m.num_experts),
+    fam = family(m.model_type)
+    text = fam.text_config(config)
+    for key, want in (("num_hidden_layers", m.num_layers), (fam.experts_key, m.num_experts),
                       ("num_experts_per_tok", m.top_k)):
         if text.get(key) != want:
             raise QpackError(root / spec.CONFIG, f"config.json {key} = {text.get(key)!r} does not match the manifest's {want}")
