@@ -137,16 +137,20 @@ SCHEMAS = {"get_weather": TOOLS[0]["function"]["parameters"]}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-async def served_tool_round_trip(container: Path) -> str:
-    """Through the real server and the official openai client: a request with tools, then
-    the assistant's call and the tool's result fed back. Returns the prompt the server built
-    for the last request (the family's markup for calls and results, for the caller to check)."""
+async def served_tool_round_trip(container: Path, src: Path) -> str:
+    """The served engine's greedy tokens equal mlx-lm's (next-gate prefetch, every expert
+    poolable); then, through the real server and the official openai client, a request with
+    tools, the assistant's call and the tool's result fed back. Returns the prompt the server
+    built for the last request (the family's markup, for the caller to check)."""
     import json
 
     import openai
+    from helpers_engine import generate
     from helpers_server import serving
 
-    async with serving(container, prefill_chunk=16) as (engine, port):
+    async with serving(container, prefill_chunk=4) as (engine, port):
+        want = greedy_reference(reference(src), PROMPT, 12, set(engine.tokenizer.eos_token_ids), chunk=4)
+        assert list((await generate(engine, PROMPT, 12)).token_ids) == want
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         plain = await client.chat.completions.create(model="tiny", messages=USER, max_tokens=1)
         call = {"id": "call_1", "type": "function",
