@@ -140,7 +140,7 @@ async def assert_engine_greedy_with_lookahead(src: Path, qpack: Path) -> None:
     async with open_engine(cfg) as engine:
         want = greedy_reference(reference(src), PROMPT, 12, set(engine.tokenizer.eos_token_ids), chunk=2)
         assert list((await generate(engine, PROMPT, 12)).token_ids) == want
-        assert engine.storage.num_slots == 8
+        assert engine.facts.slots == 8
 
 
 def assert_close_to_transformers(src: Path, qpack: Path, class_name: str, tol: float = 1e-4) -> None:
@@ -195,7 +195,7 @@ async def served_tool_round_trip(container: Path, src: Path) -> str:
             for i in range(len(prompts)):
                 nursery.start_soon(run, i)
         assert [got[i] for i in range(len(prompts))] == want
-        assert engine.batch.stats.largest == 2
+        assert engine.largest_batch == 2
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         plain = await client.chat.completions.create(model="tiny", messages=USER, max_tokens=1)
         call = {"id": "call_1", "type": "function",
