@@ -137,6 +137,8 @@ def _dense_item(src: SourceCheckpoint, ref: DenseRef, quant: QuantPlan, cast_to,
     shape = info.shape
     if ref.moveaxis:
         shape = (shape[0], shape[2], shape[1])
+    if ref.part:
+        shape = src.family.dense_part_shape(ref.target, tuple(shape), src.text)
     if copy_quantized:
         return DenseItem(ref, None, None, [PlannedTensor(ref.target, info.dtype, tuple(shape))])
     floating = info.dtype in ("BF16", "F16", "F32")

@@ -34,9 +34,13 @@ class TokenizerFacts:
     eos_token: str
     pad_token: str
     bos_token: str | None = None
+    # Added tokens before the BPE ranks, ids 0.. (DeepSeek: BOS 0, EOS 1, pad 2); the ranks
+    # then start after them and `first_special` still counts them.
+    leading: tuple[str, ...] = ()
 
     def special_ids(self) -> dict[str, int]:
-        return {tok: self.first_special + i for i, tok in enumerate(self.specials)}
+        ids = {tok: i for i, tok in enumerate(self.leading)}
+        return ids | {tok: self.first_special + i for i, tok in enumerate(self.specials)}
 
 
 class CheckpointFamily:
@@ -58,6 +62,7 @@ class CheckpointFamily:
     float32_suffixes: ClassVar[tuple[str, ...]] = ()  # tensors the hub keeps in float32
     routers_8bit: ClassVar[tuple[str, ...]] = ()  # modules mlx-lm's quant_predicate puts at 8 bits
     not_quantized: ClassVar[tuple[str, ...]] = ()  # 2-D weights mlx-lm cannot quantize (no Linear)
+    multi_linear: ClassVar[tuple[str, ...]] = ()  # 3-D per-head weights mlx-lm quantizes (MultiLinear)
 
     # -- reading a source checkpoint -----------------------------------------
     def text_config(self, config: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +81,26 @@ class CheckpointFamily:
         """(moveaxis, plus_one) for a dense tensor, as mlx-lm's sanitize would apply them."""
         return False, False
 
+    def dense_parts(self, target: str) -> tuple[str, ...]:
+        """The mlx-lm tensors one source tensor becomes: itself, or the parts mlx-lm's
+        sanitize cuts it into (DeepSeek's kv_b_proj -> embed_q, unembed_out)."""
+        return (target,)
+
+    def dense_part_shape(self, part: str, shape: tuple[int, ...], text: dict[str, Any]) -> tuple[int, ...]:
+        """The shape of `part` (one of `dense_parts`) cut from a source tensor of `shape`."""
+        return shape
+
+    def dense_part(self, part: str, arr: Any, text: dict[str, Any]) -> Any:
+        """`part` cut from the whole source tensor `arr` (an mx.array), as sanitize cuts it."""
+        return arr
+
     # -- synthesizing one ----------------------------------------------------
+    def mlx_split(self, rel: str, init: Init, full: Any, dims: ModelDims) -> list[tuple[str, tuple[int, ...], Any]] | None:
+        """The MLX layout's tensors for one logical tensor where mlx-lm's sanitize cuts it:
+        (name, shape, zero-argument function giving its float32 values); `full(init)` gives
+        the logical tensor's values. None: written as it is."""
+        return None
+
     def hf_config(self, dims: ModelDims, torch_dtype: str, layout: str) -> dict[str, Any]:
         raise NotImplementedError
 
