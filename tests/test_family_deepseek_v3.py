@@ -1,0 +1,155 @@
+"""DeepSeek-V3.x / Kimi-K2 streamed: tiny random checkpoints in the hub layout (multi-head
+latent attention with YaRN, a dense first layer, a shared expert, a sigmoid router with
+correction bias and grouped top-k, routed scaling), packed from fp32, from bf16 at 4 bits and
+from an MLX 4-bit conversion, against mlx-lm's resident deepseek_v3 and transformers'
+DeepseekV3ForCausalLM; served with DeepSeek-V3.1's template and tool-call markup."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers_engine import engine_config, generate
+from helpers_family import (
+    PROMPT,
+    TOLERANCE,
+    assert_bit_identical_across_pools,
+    assert_layers_and_logits_match,
+    greedy_reference,
+    parse_streamed,
+    reference,
+    served_tool_round_trip,
+)
+from helpers_forward import DirectForward
+
+from pipeline.engine import open_engine
+from qpack.names import target_name
+from qpack.reader import Container
+from qpack.spec import QpackError
+
+FAMILY = "deepseek_v3"
+
+
+@pytest.fixture
+def pair(synth_checkpoint, packed):
+    """kind -> (source, container, bits to quantize the reference with)."""
+    def get(kind: str) -> tuple[Path, Path, int | None]:
+        if kind == "fp32":
+            src = synth_checkpoint(FAMILY, dtype="float32")
+            return src, packed(src, bits=16), None
+        if kind == "bf16-q4":
+            src = synth_checkpoint(FAMILY, dtype="bfloat16")
+            return src, packed(src, bits=4), 4
+        src = synth_checkpoint(FAMILY, dtype="bfloat16", bits=4)
+        return src, packed(src), None
+
+    return get
+
+
+def test_mla_dense_layer_shared_expert_and_router_bias_stay_in_the_dense_core(pair):
+    src, qpack, _ = pair("fp32")
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {"model.layers.0.mlp.gate_proj.weight", "model.layers.1.self_attn.kv_b_proj.weight",
+            "model.layers.1.self_attn.q_a_layernorm.weight", "model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+            "model.layers.2.mlp.shared_experts.up_proj.weight", "model.layers.1.mlp.experts.15.down_proj.weight",
+            "model.layers.1.mlp.gate.e_score_correction_bias"} <= set(index)
+    with Container.open(qpack) as c:
+        m = c.manifest
+        assert (m.model_type, m.num_layers, m.num_experts, m.top_k) == (FAMILY, 3, 16, 4)
+        assert [e.index for e in m.layers] == [1, 2]  # only the MoE layers stream
+        dense = mx.load(str(c.dense_path))
+    # kv_b_proj [heads * (nope + v), rank] is cut as mlx-lm's sanitize cuts it.
+    assert "model.layers.1.self_attn.kv_b_proj.weight" not in dense
+    assert dense["model.layers.1.self_attn.embed_q.weight"].shape == (4, 64, 64)  # [heads, rank, nope]
+    assert dense["model.layers.1.self_attn.unembed_out.weight"].shape == (4, 64, 64)  # [heads, v, rank]
+    assert dense["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == mx.float32
+    assert "model.layers.2.mlp.shared_experts.down_proj.weight" in dense
+    # The hub's MTP layer is one more decoder layer: dropped, like mlx-lm's sanitize.
+    text = {"num_hidden_layers": 3}
+    assert target_name(FAMILY, "model.layers.3.mlp.experts.0.up_proj.weight", text) is None
+    assert target_name("kimi_k2", "model.layers.2.mlp.gate.weight", text) == "model.layers.2.mlp.gate.weight"
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16-q4", "mlx-q4"])
+def test_every_layer_and_the_logits_match_mlx_lm(pair, kind):
+    src, qpack, quantize = pair(kind)
+    ref = reference(src, quantize)
+    assert type(ref.model).__module__ == "mlx_lm.models.deepseek_v3"
+    assert_layers_and_logits_match(qpack, ref, TOLERANCE[4 if kind != "fp32" else None])
+
+
+def test_logits_bit_identical_across_pool_sizes_and_slot_assignments(pair):
+    """Chunks of 16 tokens route 64 (token, expert) pairs: the sorted gather_qmm path too."""
+    _src, qpack, _ = pair("mlx-q4")
+    assert_bit_identical_across_pools(qpack, 16, top_k=4)
+
+
+async def test_engine_greedy_equals_mlx_lm_with_lookahead_and_four_direct_readers(pair):
+    """The real engine at its smallest pool (8 slots), two layers of router predictions
+    ahead, four O_DIRECT readers (next-gate runs in the served test)."""
+    src, qpack, _ = pair("fp32")
+    cfg = engine_config(qpack, prefetch={"strategy": "lookahead", "depth": 2},
+                        reader={"concurrency": 4, "o_direct": True})
+    async with open_engine(cfg) as engine:
+        want = greedy_reference(reference(src), PROMPT, 12, set(engine.tokenizer.eos_token_ids), chunk=2)
+        assert list((await generate(engine, PROMPT, 12)).token_ids) == want
+        assert engine.storage.num_slots == 8
+        # One latent and one rotary key per position, shared by the heads: (64 + 16) floats.
+        assert engine.model.state_bytes(256) == 3 * 256 * (64 + 16) * 4
+
+
+def test_logits_match_transformers(pair):
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    src, qpack, _ = pair("fp32")
+    ours = DirectForward(qpack)
+    got = np.array(ours.forward(PROMPT, ours.make_cache())[0])
+    ours.close()
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([PROMPT]), use_cache=False).logits[0].numpy()
+    assert got.shape == want.shape
+    assert float(np.max(np.abs(got - want))) <= 1e-4
+
+
+def test_an_old_mlx_conversion_with_kv_b_proj_quantized_whole_is_refused(synth_checkpoint, tmp_path):
+    """mlx-lm before its MultiLinear split saved kv_b_proj quantized as one Linear: one line."""
+    import shutil
+
+    from qpack.source import open_source
+
+    src = synth_checkpoint(FAMILY, dtype="bfloat16", bits=4)
+    old = tmp_path / "old"
+    shutil.copytree(src, old)
+    index_path = old / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = index["weight_map"].pop("model.layers.1.self_attn.embed_q.weight")
+    index["weight_map"]["model.layers.1.self_attn.kv_b_proj.weight"] = shard
+    index_path.write_text(json.dumps(index))
+    tensors = mx.load(str(old / shard))
+    tensors["model.layers.1.self_attn.kv_b_proj.weight"] = tensors.pop("model.layers.1.self_attn.embed_q.weight")
+    mx.save_safetensors(str(old / shard), tensors, metadata={"format": "mlx"})
+    with pytest.raises(QpackError, match="kv_b_proj.weight' is quantized as one tensor"):
+        open_source(old)
+
+
+async def test_served_tool_calls_and_reasoning_in_deepseek_markup(pair):
+    src, qpack, _ = pair("fp32")
+    prompt = await served_tool_round_trip(qpack, src)
+    assert prompt.startswith("<｜begin▁of▁sentence｜>## Tools\nYou have access to the following tools:\n\n"
+                             "### get_weather\nDescription: Current weather for a city")
+    assert ("<｜User｜>What is the weather in Paris?<｜Assistant｜></think><｜tool▁calls▁begin｜>"
+            '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", "days": 2}<｜tool▁call▁end｜>'
+            "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>"
+            "<｜tool▁output▁begin｜>18 degrees and sunny<｜tool▁output▁end｜>") in prompt
+    assert prompt.endswith("<｜tool▁output▁end｜>")  # the model goes on after a result
+    out = ("The user wants weather.</think>Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
+           'get_weather<｜tool▁sep｜>{"city": "Paris", "days": 2}<｜tool▁call▁end｜><｜tool▁call▁begin｜>'
+           'get_weather<｜tool▁sep｜>{"city": "Lyon"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    reasoning, content, calls = parse_streamed(qpack, out, in_reasoning=True)
+    assert (reasoning, content) == ("The user wants weather.", "Let me check.")
+    assert calls == [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Lyon"})]
