@@ -116,6 +116,27 @@ def test_logits_match_transformers(pair):
     assert float(np.max(np.abs(got - want))) <= 1e-4
 
 
+def test_the_official_fp8_layout_packs_to_its_dequantized_weights(synth_checkpoint, tmp_path):
+    """DeepSeek's releases are FP8 block-scaled, kv_b_proj too: dequantized, then cut."""
+    from test_fp8 import _expected
+
+    from qpack.families.deepseek_v3 import split_kv_b
+    from qpack.synth.wild import derive
+    from qpack.writer import pack
+
+    wild = derive(synth_checkpoint(FAMILY, dtype="bfloat16"), tmp_path / "fp8", "fp8-block")
+    out = pack(wild, tmp_path / "fp8.qpack", bits=16, progress=False).path
+    with Container.open(out) as c:
+        dense = mx.load(str(c.dense_path))
+    kv_b = _expected(wild, "model.layers.2.self_attn.kv_b_proj.weight", None)
+    text = {"num_attention_heads": 4, "qk_nope_head_dim": 64, "v_head_dim": 64}
+    for part in ("embed_q", "unembed_out"):
+        got = np.array(dense[f"model.layers.2.self_attn.{part}.weight"].astype(mx.float32))
+        np.testing.assert_array_equal(got, split_kv_b(kv_b, f"{part}.weight", text))
+    got = np.array(dense["model.layers.2.self_attn.q_b_proj.weight"].astype(mx.float32))
+    np.testing.assert_array_equal(got, _expected(wild, "model.layers.2.self_attn.q_b_proj.weight", None))
+
+
 def test_an_old_mlx_conversion_with_kv_b_proj_quantized_whole_is_refused(synth_checkpoint, tmp_path):
     """mlx-lm before its MultiLinear split saved kv_b_proj quantized as one Linear: one line."""
     import shutil

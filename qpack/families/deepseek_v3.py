@@ -177,7 +177,8 @@ class DeepseekV3(CheckpointFamily):
 
     def hf_config(self, dims: ModelDims, torch_dtype: str, layout: str) -> dict[str, Any]:
         """config.json of deepseek-ai/DeepSeek-V3.1 (DeepseekV3ForCausalLM; the FP8 block
-        quantization_config left out: synth writes float weights), this preset's dimensions."""
+        quantization_config and the auto_map to its remote code left out: synth writes float
+        weights, and mlx-lm and transformers have the architecture), this preset's dimensions."""
         return {
             "architectures": ["DeepseekV3ForCausalLM"],
             "attention_bias": False,
@@ -205,6 +206,7 @@ class DeepseekV3(CheckpointFamily):
             "num_hidden_layers": dims.num_hidden_layers,
             "num_key_value_heads": dims.num_key_value_heads,
             "num_nextn_predict_layers": 1,
+            "pretraining_tp": 1,
             "q_lora_rank": dims.q_lora_rank,
             "qk_nope_head_dim": dims.qk_nope_head_dim,
             "qk_rope_head_dim": dims.qk_rope_head_dim,
