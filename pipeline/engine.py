@@ -327,6 +327,8 @@ def _start_actors(
     reader = ExpertReader(
         container,
         concurrency=readers,
+        demand_lane=config.reader.demand_lane if overlap else 0,
+        prefetch_yields=config.reader.prefetch_yields,
         retries=config.reader.retries,
         retry_backoff_s=config.reader.retry_backoff_ms / 1000,
         stage=storage.stage if stage_in_threads else None,
@@ -345,6 +347,7 @@ def _start_actors(
         depth=config.prefetch.depth,
         max_per_layer=config.prefetch.max_per_layer,
         combine=config.prefetch.combine,
+        extra=config.prefetch.extra,
     )
     recorder = None
     if record_routing:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from helpers_forward import DirectForward, max_abs
+from helpers_forward import DirectForward, greedy_reference, max_abs
 from mlx_lm.models.base import create_attention_mask
 
 PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
@@ -116,21 +116,52 @@ def assert_bit_identical_across_pools(qpack: Path, chunk: int, top_k: int) -> No
             assert mx.array_equal(a, b).item(), f"run {n}, forward {i}"
 
 
-def greedy_reference(ref: FullAttentionReference, prompt: Sequence[int], max_tokens: int,
-                     eos: set[int], chunk: int) -> list[int]:
-    cache = ref.make_cache()
-    logits = None
-    for i in range(0, len(prompt), chunk):
-        logits = ref.logits(prompt[i : i + chunk], cache)
-    assert logits is not None
-    out: list[int] = []
-    while len(out) < max_tokens:
-        token = int(mx.argmax(logits.astype(mx.float32)).item())
-        out.append(token)
-        if token in eos:
-            break
-        logits = ref.logits([token], cache)
-    return out
+def tiny_pair(synth_checkpoint: Any, packed: Any, family: str, kind: str) -> tuple[Path, Path, int | None]:
+    """(source, container, bits to quantize the reference with) of the family's tiny preset:
+    "fp32" (float experts: MLX CPU's gather_mm wants fp32), "bf16-q4" (bf16 packed at 4
+    bits; mlx-lm quantizes its model the same way in memory), "mlx-q4" (what
+    mlx_lm.convert -q writes, packed as it is)."""
+    if kind == "fp32":
+        src = synth_checkpoint(family, dtype="float32")
+        return src, packed(src, bits=16), None
+    if kind == "bf16-q4":
+        src = synth_checkpoint(family, dtype="bfloat16")
+        return src, packed(src, bits=4), 4
+    src = synth_checkpoint(family, dtype="bfloat16", bits=4)
+    return src, packed(src), None
+
+
+async def assert_engine_greedy_with_lookahead(src: Path, qpack: Path) -> None:
+    """The real engine at its smallest pool (8 slots: chunks of 2 tokens, top-4), two layers
+    of router predictions ahead, four O_DIRECT readers: mlx-lm's greedy tokens."""
+    from helpers_engine import engine_config, generate
+
+    from pipeline.engine import open_engine
+
+    cfg = engine_config(qpack, prefetch={"strategy": "lookahead", "depth": 2},
+                        reader={"concurrency": 4, "o_direct": True})
+    async with open_engine(cfg) as engine:
+        want = greedy_reference(reference(src), PROMPT, 12, set(engine.tokenizer.eos_token_ids), chunk=2)
+        assert list((await generate(engine, PROMPT, 12)).token_ids) == want
+        assert engine.storage.num_slots == 8
+
+
+def assert_close_to_transformers(src: Path, qpack: Path, class_name: str, tol: float = 1e-4) -> None:
+    """Every position's logits within `tol` of transformers' PyTorch model in fp32."""
+    import numpy as np
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    ours = DirectForward(qpack)
+    got = np.array(ours.forward(PROMPT, ours.make_cache())[0])
+    ours.close()
+    model = getattr(transformers, class_name).from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([PROMPT]), use_cache=False).logits[0].numpy()
+    assert got.shape == want.shape
+    assert float(np.max(np.abs(got - want))) <= tol
 
 
 TOOLS = [{"type": "function", "function": {

@@ -62,3 +62,23 @@ def test_no_product_module_outside_the_family_modules_names_a_family():
             if not rel.startswith(allowed):
                 found += [f"{rel}: {s}" for s in _string_constants(path) & set(families.names())]
     assert found == []
+
+
+@pytest.mark.parametrize("name", families.names())
+def test_each_template_writes_tool_calls_in_its_declared_style(name):
+    """`tool_calls` is what the family's chat template renders (transformers' Jinja setup)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    fam = family(name)
+    marker = {"json": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',
+              "xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>",
+              "kv": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>"}[fam.tool_calls]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}]
+    for variant in fam.variants:
+        text = _compile_jinja_template(fam.chat_template(variant)).render(
+            messages=messages, tools=tools, add_generation_prompt=False)
+        assert marker in text, (variant, text)

@@ -7,25 +7,22 @@ transformers' Glm4MoeForCausalLM; served with GLM's chat template and tool-call 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
-from helpers_engine import engine_config, generate
 from helpers_family import (
-    PROMPT,
     TOLERANCE,
     assert_bit_identical_across_pools,
+    assert_close_to_transformers,
+    assert_engine_greedy_with_lookahead,
     assert_layers_and_logits_match,
-    greedy_reference,
     parse_streamed,
     reference,
     served_tool_round_trip,
+    tiny_pair,
 )
 from helpers_forward import DirectForward
 
-from pipeline.engine import open_engine
 from qpack.names import target_name
 from qpack.reader import Container
 
@@ -34,18 +31,7 @@ FAMILY = "glm4_moe"
 
 @pytest.fixture
 def pair(synth_checkpoint, packed):
-    """kind -> (source, container, bits to quantize the reference with)."""
-    def get(kind: str) -> tuple[Path, Path, int | None]:
-        if kind == "fp32":
-            src = synth_checkpoint(FAMILY, dtype="float32")
-            return src, packed(src, bits=16), None
-        if kind == "bf16-q4":
-            src = synth_checkpoint(FAMILY, dtype="bfloat16")
-            return src, packed(src, bits=4), 4
-        src = synth_checkpoint(FAMILY, dtype="bfloat16", bits=4)
-        return src, packed(src), None
-
-    return get
+    return lambda kind: tiny_pair(synth_checkpoint, packed, FAMILY, kind)
 
 
 def test_dense_layers_shared_experts_and_router_bias_stay_in_the_dense_core(pair):
@@ -82,16 +68,9 @@ def test_logits_bit_identical_across_pool_sizes_and_slot_assignments(pair):
 
 
 async def test_engine_greedy_equals_mlx_lm_with_lookahead_and_four_direct_readers(pair):
-    """The real engine at its smallest pool (8 slots), two layers of router predictions
-    ahead, four O_DIRECT readers (next-gate runs in the served test)."""
+    """Next-gate runs in the served test."""
     src, qpack, _ = pair("fp32")
-    cfg = engine_config(qpack, prefetch={"strategy": "lookahead", "depth": 2},
-                        reader={"concurrency": 4, "o_direct": True})
-    async with open_engine(cfg) as engine:
-        want = greedy_reference(reference(src), PROMPT, 12, set(engine.tokenizer.eos_token_ids), chunk=2)
-        done = await generate(engine, PROMPT, 12)
-        assert list(done.token_ids) == want
-        assert engine.storage.num_slots == 8
+    await assert_engine_greedy_with_lookahead(src, qpack)
 
 
 def test_forced_routing_weighs_the_ids_as_the_router_would(pair):
@@ -108,18 +87,8 @@ def test_forced_routing_weighs_the_ids_as_the_router_would(pair):
 
 
 def test_logits_match_transformers(pair):
-    torch = pytest.importorskip("torch")
-    import transformers
-
     src, qpack, _ = pair("fp32")
-    ours = DirectForward(qpack)
-    got = np.array(ours.forward(PROMPT, ours.make_cache())[0])
-    ours.close()
-    model = transformers.Glm4MoeForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = model(input_ids=torch.tensor([PROMPT]), use_cache=False).logits[0].numpy()
-    assert got.shape == want.shape
-    assert float(np.max(np.abs(got - want))) <= 1e-4
+    assert_close_to_transformers(src, qpack, "Glm4MoeForCausalLM")
 
 
 async def test_served_tool_calls_and_reasoning_in_glm_markup(pair):

@@ -94,6 +94,13 @@ class ReaderConfig(_Section):
     # Expert reads in flight at once (disk threads). "auto": the smallest queue depth
     # that reaches the disk's bandwidth, measured at start (actors/queue_depth.py).
     concurrency: Annotated[int, msgspec.Meta(ge=1, le=MAX_READERS)] | Literal["auto"] = "auto"
+    # More disk threads that take demand reads only, so a read the compute waits for never
+    # queues behind predictions in flight (none in the serial baseline; actors/reader.py).
+    demand_lane: Annotated[int, within(0, 4)] = 1
+    # No prediction starts while a demand read runs: reads in flight share the disk's
+    # bandwidth, and the compute waits for the demand read only (with realistic routing a
+    # demand read beside predictions took 2.3 ms, alone 1.0: H200, 2026-12-01).
+    prefetch_yields: bool = True
     # The GIL's switch interval while reading (ms; 0 leaves Python's 5 ms): a disk thread
     # waits for the GIL between reads (actors/reader.py).
     switch_interval_ms: Annotated[float, msgspec.Meta(ge=0.0, le=5.0)] = 0.2
@@ -112,6 +119,9 @@ class PrefetchConfig(_Section):
     strategy: str = "next-gate"
     depth: Annotated[int, within(1, 64)] = 1  # layers ahead, for "lookahead"
     max_per_layer: Annotated[int, within(1, 1 << 16)] | None = None  # cap on predicted experts per layer
+    # Gate strategies: experts predicted beyond the top-k per layer, next in the gate's
+    # ranking (more recall for more bytes; worth it where the disk idles).
+    extra: Annotated[int, within(0, 64)] = 0
     combine: tuple[str, ...] = ()  # the strategies "combined" unions
 
     def __post_init__(self) -> None:

@@ -88,6 +88,7 @@ class Glm4Moe(CheckpointFamily):
     variants = ("hybrid",)  # thinks unless enable_thinking is false (then /nothink, empty <think>)
     tokenizer = TOKENIZER
     template_file = True
+    tool_calls = "kv"
     float32_suffixes = ("e_score_correction_bias",)  # mlx-lm's cast_predicate keeps it float32
     not_quantized = ("mlp.gate.weight",)  # MoEGate is no Linear: mlx_lm.convert leaves it float
 

@@ -135,6 +135,7 @@ class Qwen35Moe(CheckpointFamily):
                                262144, "TokenizersBackend", NOT_SPECIAL, ADDITIONAL, "<|im_end|>",
                                "<|endoftext|>")
     template_file = True  # Qwen3.5/3.6 ship the template as its own file
+    tool_calls = "xml"
     zero_centred = ZERO_CENTRED
     float32_suffixes = ("A_log",)  # the hub keeps A_log in float32; mlx-lm's cast_predicate too
     routers_8bit = ("mlp.gate", "shared_expert_gate")
