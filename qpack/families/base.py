@@ -58,8 +58,9 @@ class CheckpointFamily:
     variants: ClassVar[tuple[str, ...]] = ("instruct",)  # chat variants; the first is the default
     tokenizer: ClassVar[TokenizerFacts]
     template_file: ClassVar[bool] = False  # chat_template.jinja beside the tokenizer (else inline)
-    # How the template writes a <tool_call> body: "json" (hermes), "xml" (<function=...>)
-    # or "kv" (<arg_key>/<arg_value>); the server reads every style (server/call_formats.py).
+    # How the template writes a <tool_call> body: "json" (hermes), "xml" (<function=...>),
+    # "kv" (<arg_key>/<arg_value>) or "sep" (DeepSeek: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>JSON);
+    # the server reads every style (server/call_formats.py).
     tool_calls: ClassVar[str] = "json"
     zero_centred: ClassVar[tuple[str, ...]] = ()  # norm suffixes stored as w (1 + w applied)
     float32_suffixes: ClassVar[tuple[str, ...]] = ()  # tensors the hub keeps in float32

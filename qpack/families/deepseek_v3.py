@@ -109,6 +109,7 @@ class DeepseekV3(CheckpointFamily):
     full_size = ("deepseek-v3", "kimi-k2")
     variants = ("hybrid",)  # V3.1: answers directly unless `thinking` (or enable_thinking) is true
     tokenizer = TOKENIZER
+    tool_calls = "sep"
     float32_suffixes = ("e_score_correction_bias",)  # mlx-lm's cast_predicate keeps it float32
     not_quantized = ("mlp.gate.weight",)  # MoEGate is no Linear: mlx_lm.convert leaves it float
     multi_linear = ("self_attn.embed_q.weight", "self_attn.unembed_out.weight")
