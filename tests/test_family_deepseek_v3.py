@@ -137,6 +137,19 @@ def test_the_official_fp8_layout_packs_to_its_dequantized_weights(synth_checkpoi
     np.testing.assert_array_equal(got, _expected(wild, "model.layers.2.self_attn.q_b_proj.weight", None))
 
 
+async def test_the_bench_container_opens_and_generates(tmp_path):
+    """`bench-container` writes the MLX layout's dense core (kv_b_proj already cut) beside
+    random 4-bit experts: it verifies, loads into mlx-lm's model and decodes."""
+    from qpack.synth.bench_container import write_bench_container
+    from qpack.reader import verify_container
+
+    out = write_bench_container(tmp_path / "bench.qpack", FAMILY, "tiny", seed=3).path
+    report = verify_container(out)
+    assert report.ok, report.problems
+    async with open_engine(engine_config(out)) as engine:
+        assert len((await generate(engine, PROMPT, 3)).token_ids) == 3
+
+
 def test_an_old_mlx_conversion_with_kv_b_proj_quantized_whole_is_refused(synth_checkpoint, tmp_path):
     """mlx-lm before its MultiLinear split saved kv_b_proj quantized as one Linear: one line."""
     import shutil
