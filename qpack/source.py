@@ -161,7 +161,8 @@ class SourceCheckpoint:
         mlx-lm would. Every fix-up keeps the leading axis, so rows can be done apart."""
         scale = self._fp8_scale(ref.source)
         if ref.part:  # cut from the whole tensor (small: one attention projection)
-            arr = self.family.dense_part(ref.target, self.raw(ref.source).to_mx(), self.text)
+            arr = self.family.dense_part(ref.target, ref.source, lambda n: self.raw(n).to_mx(), self.text,
+                                         self.quantization is not None)
             return arr if rows is None else arr[rows[0] : rows[1]]
         if rows is None:
             arr = self.raw(ref.source).to_mx()
@@ -316,11 +317,7 @@ def _dense_refs(src: SourceCheckpoint, names: list[str]) -> list[DenseRef]:
             continue
         info = src.info(name)
         moveaxis, plus_one = src.family.dense_fixups(target, tuple(info.shape), src.is_mlx, conv_unsanitized)
-        parts = src.family.dense_parts(target)
-        if parts != (target,) and src.quantization is not None:
-            raise QpackError(src.root, f"{name!r} is quantized as one tensor (an MLX conversion older "
-                             f"than mlx-lm's split into {', '.join(p.rsplit('.', 2)[-2] for p in parts)}); "
-                             "pack the hub's bf16 / FP8 repo, or re-convert with a current mlx-lm")
+        parts = src.family.dense_parts(target, src.quantization is not None)
         refs += [DenseRef(p, name, moveaxis, plus_one, part=parts != (target,)) for p in parts]
     refs.sort(key=lambda r: r.target)
     counts = Counter(r.target for r in refs)

@@ -24,11 +24,11 @@ from helpers_family import (
     served_tool_round_trip,
 )
 from helpers_forward import DirectForward
+from mlx.utils import tree_flatten
 
 from pipeline.engine import open_engine
 from qpack.names import target_name
 from qpack.reader import Container
-from qpack.spec import QpackError
 
 FAMILY = "deepseek_v3"
 
@@ -64,7 +64,7 @@ def test_mla_dense_layer_shared_expert_and_router_bias_stay_in_the_dense_core(pa
     # kv_b_proj [heads * (nope + v), rank] is cut as mlx-lm's sanitize cuts it.
     assert "model.layers.1.self_attn.kv_b_proj.weight" not in dense
     assert dense["model.layers.1.self_attn.embed_q.weight"].shape == (4, 64, 64)  # [heads, rank, nope]
-    assert dense["model.layers.1.self_attn.unembed_out.weight"].shape == (4, 64, 64)  # [heads, v, rank]
+    assert dense["model.layers.1.self_attn.unembed_out.weight"].shape == (4, 128, 64)  # [heads, v, rank]
     assert dense["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == mx.float32
     assert "model.layers.2.mlp.shared_experts.down_proj.weight" in dense
     # The hub's MTP layer is one more decoder layer: dropped, like mlx-lm's sanitize.
@@ -129,10 +129,10 @@ def test_the_official_fp8_layout_packs_to_its_dequantized_weights(synth_checkpoi
     with Container.open(out) as c:
         dense = mx.load(str(c.dense_path))
     kv_b = _expected(wild, "model.layers.2.self_attn.kv_b_proj.weight", None)
-    text = {"num_attention_heads": 4, "qk_nope_head_dim": 64, "v_head_dim": 64}
+    text = {"num_attention_heads": 4, "qk_nope_head_dim": 64, "v_head_dim": 128}
     for part in ("embed_q", "unembed_out"):
         got = np.array(dense[f"model.layers.2.self_attn.{part}.weight"].astype(mx.float32))
-        np.testing.assert_array_equal(got, split_kv_b(kv_b, f"{part}.weight", text))
+        np.testing.assert_array_equal(got, split_kv_b(kv_b, f"self_attn.{part}.weight", text))
     got = np.array(dense["model.layers.2.self_attn.q_b_proj.weight"].astype(mx.float32))
     np.testing.assert_array_equal(got, _expected(wild, "model.layers.2.self_attn.q_b_proj.weight", None))
 
@@ -140,8 +140,8 @@ def test_the_official_fp8_layout_packs_to_its_dequantized_weights(synth_checkpoi
 async def test_the_bench_container_opens_and_generates(tmp_path):
     """`bench-container` writes the MLX layout's dense core (kv_b_proj already cut) beside
     random 4-bit experts: it verifies, loads into mlx-lm's model and decodes."""
-    from qpack.synth.bench_container import write_bench_container
     from qpack.reader import verify_container
+    from qpack.synth.bench_container import write_bench_container
 
     out = write_bench_container(tmp_path / "bench.qpack", FAMILY, "tiny", seed=3).path
     report = verify_container(out)
@@ -150,25 +150,49 @@ async def test_the_bench_container_opens_and_generates(tmp_path):
         assert len((await generate(engine, PROMPT, 3)).token_ids) == 3
 
 
-def test_an_old_mlx_conversion_with_kv_b_proj_quantized_whole_is_refused(synth_checkpoint, tmp_path):
-    """mlx-lm before its MultiLinear split saved kv_b_proj quantized as one Linear: one line."""
+def _old_mlx_conversion(new: Path, hf: Path, out: Path) -> Path:
+    """What mlx_lm.convert wrote before its MultiLinear split (every mlx-community DeepSeek
+    conversion of 2025): kv_b_proj quantized whole, at the conversion's 4 bits, group 64."""
     import shutil
 
-    from qpack.source import open_source
-
-    src = synth_checkpoint(FAMILY, dtype="bfloat16", bits=4)
-    old = tmp_path / "old"
-    shutil.copytree(src, old)
-    index_path = old / "model.safetensors.index.json"
+    shutil.copytree(new, out)
+    index_path = out / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    shard = index["weight_map"].pop("model.layers.1.self_attn.embed_q.weight")
-    index["weight_map"]["model.layers.1.self_attn.kv_b_proj.weight"] = shard
+    hf_index = json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]
+    weight_map = index["weight_map"]
+    for shard in sorted(set(weight_map.values())):
+        tensors = mx.load(str(out / shard))
+        cut = [n for n in tensors if ".embed_q." in n or ".unembed_out." in n]
+        for base in sorted({n.split(".self_attn.")[0] for n in cut}):
+            name = base + ".self_attn.kv_b_proj.weight"
+            w = mx.load(str(hf / hf_index[name]))[name]
+            for part, arr in zip(("weight", "scales", "biases"), mx.quantize(w, group_size=64, bits=4), strict=True):
+                tensors[f"{base}.self_attn.kv_b_proj.{part}"] = arr
+                weight_map[f"{base}.self_attn.kv_b_proj.{part}"] = shard
+        for n in cut:
+            del tensors[n], weight_map[n]
+        mx.save_safetensors(str(out / shard), tensors, metadata={"format": "mlx"})
     index_path.write_text(json.dumps(index))
-    tensors = mx.load(str(old / shard))
-    tensors["model.layers.1.self_attn.kv_b_proj.weight"] = tensors.pop("model.layers.1.self_attn.embed_q.weight")
-    mx.save_safetensors(str(old / shard), tensors, metadata={"format": "mlx"})
-    with pytest.raises(QpackError, match="kv_b_proj.weight' is quantized as one tensor"):
-        open_source(old)
+    return out
+
+
+def test_an_old_mlx_conversion_with_kv_b_proj_quantized_whole_packs_as_mlx_lm_loads_it(
+        synth_checkpoint, packed, tmp_path_factory):
+    """mlx-lm dequantizes kv_b_proj, cuts it and quantizes the parts again; so does the packer,
+    to the same bits: the dense core is mlx-lm's model's, and so are the logits."""
+    old = _old_mlx_conversion(synth_checkpoint(FAMILY, dtype="bfloat16", bits=4),
+                              synth_checkpoint(FAMILY, dtype="bfloat16"), tmp_path_factory.mktemp("old") / "old")
+    ref = reference(old)
+    qpack = packed(old)
+    with Container.open(qpack) as c:
+        dense = mx.load(str(c.dense_path))
+    assert not [n for n in dense if "kv_b_proj" in n]
+    want = dict(tree_flatten(ref.model.parameters()))
+    for part in ("embed_q", "unembed_out"):
+        for kind in ("weight", "scales", "biases"):
+            name = f"model.layers.1.self_attn.{part}.{kind}"
+            assert mx.array_equal(dense[name], want[name]).item(), name
+    assert_layers_and_logits_match(qpack, ref, TOLERANCE[4])
 
 
 async def test_served_tool_calls_and_reasoning_in_deepseek_markup(pair):

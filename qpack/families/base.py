@@ -85,18 +85,22 @@ class CheckpointFamily:
         """(moveaxis, plus_one) for a dense tensor, as mlx-lm's sanitize would apply them."""
         return False, False
 
-    def dense_parts(self, target: str) -> tuple[str, ...]:
-        """The mlx-lm tensors one source tensor becomes: itself, or the parts mlx-lm's
-        sanitize cuts it into (DeepSeek's kv_b_proj -> embed_q, unembed_out)."""
+    def dense_parts(self, target: str, quantized: bool) -> tuple[str, ...]:
+        """The mlx-lm tensors one source tensor becomes: itself, the parts mlx-lm's sanitize
+        cuts it into (DeepSeek's kv_b_proj -> embed_q, unembed_out), or none (a quantized
+        tensor's scales, consumed by its weight's parts). `quantized`: an MLX-quantized source."""
         return (target,)
 
-    def dense_part_shape(self, part: str, shape: tuple[int, ...], text: dict[str, Any]) -> tuple[int, ...]:
-        """The shape of `part` (one of `dense_parts`) cut from a source tensor of `shape`."""
-        return shape
+    def dense_part_plan(self, part: str, source: str, info: Any, text: dict[str, Any],
+                        quantized: bool) -> tuple[str, tuple[int, ...]]:
+        """(safetensors tag, shape) of `part`, cut from source tensor `source`; `info(name)`
+        gives a source tensor's TensorInfo."""
+        raise NotImplementedError
 
-    def dense_part(self, part: str, arr: Any, text: dict[str, Any]) -> Any:
-        """`part` cut from the whole source tensor `arr` (an mx.array), as sanitize cuts it."""
-        return arr
+    def dense_part(self, part: str, source: str, read: Any, text: dict[str, Any], quantized: bool) -> Any:
+        """`part` (an mx.array) cut from source tensor `source`, as sanitize cuts it;
+        `read(name)` gives a whole source tensor as an mx.array."""
+        raise NotImplementedError
 
     # -- synthesizing one ----------------------------------------------------
     def mlx_split(self, rel: str, init: Init, full: Any, dims: ModelDims) -> list[tuple[str, tuple[int, ...], Any]] | None:

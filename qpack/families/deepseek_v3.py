@@ -35,6 +35,7 @@ from qpack.families.base import (
     router,
     vector,
 )
+from qpack.quantize import Rule, quantized_shapes
 from qpack.synth.dims import ModelDims
 from qpack.synth.init_weights import Init
 
@@ -72,13 +73,14 @@ _V3 = dict(hidden_size=7168, num_hidden_layers=61, num_experts=256, num_experts_
            rms_norm_eps=1e-6, max_position_embeddings=163840, q_lora_rank=1536, kv_lora_rank=512,
            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 PRESETS = {
-    # V3's routing (8 groups of the experts, the best 4 kept; scaling 2.5) and YaRN, at a
-    # size MLX's CPU runs in milliseconds; every Linear's input a multiple of 64.
+    # V3's routing (groups of the experts, the best half kept; scaling 2.5) and YaRN, at a
+    # size MLX's CPU runs in milliseconds; every Linear's input a multiple of 64, and the
+    # value head unlike the others (a swapped embed_q / unembed_out cannot load).
     "tiny": ModelDims(family="deepseek_v3", name="tiny", **dict(
         _V3, hidden_size=64, num_hidden_layers=3, num_experts=16, num_experts_per_tok=4,
         moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
         intermediate_size=128, first_dense_layers=1, n_group=4, topk_group=2, q_lora_rank=64,
-        kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=16, v_head_dim=64)),  # type: ignore[arg-type]
+        kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=16, v_head_dim=128)),  # type: ignore[arg-type]
     # Real dimensions (hub config.json). ~6.3 GB of 4-bit experts per MoE layer (Kimi-K2:
     # ~9.5 GB): bench them with --max-layers (see docs/families.md).
     "deepseek-v3": ModelDims(family="deepseek_v3", name="deepseek-v3", **_V3),  # type: ignore[arg-type]
@@ -91,6 +93,17 @@ ROPE_SCALING = {"tiny": _YARN_V3, "deepseek-v3": _YARN_V3, "kimi-k2": _YARN_KIMI
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _KV_B = "self_attn.kv_b_proj.weight"
 _PARTS = ("self_attn.embed_q.weight", "self_attn.unembed_out.weight")
+_KV_B_QUANT = ("self_attn.kv_b_proj.scales", "self_attn.kv_b_proj.biases")
+
+
+def _sibling(weight: str, part: str) -> str:
+    return weight.removesuffix("weight") + part
+
+
+def _kv_b_quant(weight: tuple[int, ...], scales: tuple[int, ...], text: dict[str, Any]) -> tuple[int, int]:
+    """(bits, group size) of a quantized kv_b_proj, read off its shapes as mlx-lm does."""
+    rank = int(text["kv_lora_rank"])
+    return weight[-1] * 32 // rank, rank // scales[-1]
 
 
 def split_kv_b(w: Any, part: str, text: dict[str, Any]) -> Any:
@@ -98,7 +111,7 @@ def split_kv_b(w: Any, part: str, text: dict[str, Any]) -> Any:
     sanitize cuts it (numpy or MLX arrays: the same reshape, slice and swap)."""
     heads, nope = int(text["num_attention_heads"]), int(text["qk_nope_head_dim"])
     v = w.reshape(heads, nope + int(text["v_head_dim"]), -1)
-    return v[:, :nope, :].swapaxes(-1, -2) if part.endswith("embed_q.weight") else v[:, nope:, :]
+    return v[:, :nope, :].swapaxes(-1, -2) if ".embed_q" in part else v[:, nope:, :]
 
 
 class DeepseekV3(CheckpointFamily):
@@ -122,17 +135,44 @@ class DeepseekV3(CheckpointFamily):
             return None
         return super().target_name(name, text)
 
-    def dense_parts(self, target: str) -> tuple[str, ...]:
+    def dense_parts(self, target: str, quantized: bool) -> tuple[str, ...]:
+        """kv_b_proj -> embed_q, unembed_out (with their scales and biases from a quantized
+        source: mlx-lm's conversions before its MultiLinear split quantized kv_b_proj whole)."""
         if target.endswith(_KV_B):
             base = target[: -len(_KV_B)]
-            return tuple(base + p for p in _PARTS)
+            kinds = ("weight", "scales", "biases") if quantized else ("weight",)
+            return tuple(base + p.replace(".weight", f".{k}") for p in _PARTS for k in kinds)
+        if quantized and target.endswith(_KV_B_QUANT):
+            return ()
         return (target,)
 
-    def dense_part_shape(self, part: str, shape: tuple[int, ...], text: dict[str, Any]) -> tuple[int, ...]:
-        return tuple(split_kv_b(np.empty(shape, np.uint8), part, text).shape)
+    def dense_part_plan(self, part: str, source: str, info: Any, text: dict[str, Any],
+                        quantized: bool) -> tuple[str, tuple[int, ...]]:
+        module, kind = part.rsplit(".", 1)
+        w = info(source)
+        if not quantized:
+            return w.dtype, tuple(split_kv_b(np.empty(w.shape, np.uint8), module, text).shape)
+        bits, group_size = _kv_b_quant(w.shape, info(_sibling(source, "scales")).shape, text)
+        rank = int(text["kv_lora_rank"])
+        cut = split_kv_b(np.empty((w.shape[0], rank), np.uint8), module, text).shape
+        shapes = quantized_shapes(tuple(cut), Rule(bits, group_size))
+        return ("U32" if kind == "weight" else info(_sibling(source, "scales")).dtype), shapes[kind]
 
-    def dense_part(self, part: str, arr: Any, text: dict[str, Any]) -> Any:
-        return split_kv_b(arr, part, text)
+    def dense_part(self, part: str, source: str, read: Any, text: dict[str, Any], quantized: bool) -> Any:
+        import mlx.core as mx
+
+        module, kind = part.rsplit(".", 1)
+        w = read(source)
+        if not quantized:
+            return mx.contiguous(split_kv_b(w, module, text))
+        # mlx-lm's sanitize: dequantize, cut, quantize again at the bits and group size
+        # the shapes say (affine: mx.dequantize's default).
+        scales, biases = read(_sibling(source, "scales")), read(_sibling(source, "biases"))
+        bits, group_size = _kv_b_quant(w.shape, scales.shape, text)
+        whole = mx.dequantize(w, scales, biases, bits=bits, group_size=group_size)
+        cut = mx.contiguous(split_kv_b(whole, module, text))
+        return dict(zip(("weight", "scales", "biases"), mx.quantize(cut, bits=bits, group_size=group_size),
+                        strict=True))[kind]
 
     def mlx_split(self, rel: str, init: Init, full: Callable[[Init], np.ndarray],
                   dims: ModelDims) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]] | None:
@@ -144,7 +184,7 @@ class DeepseekV3(CheckpointFamily):
         base = rel[: -len(_KV_B)]
         out = []
         for p in _PARTS:
-            shape = self.dense_part_shape(p, init.shape, text)
+            shape = tuple(split_kv_b(np.empty(init.shape, np.uint8), p, text).shape)
             out.append((base + p, shape, lambda p=p: np.ascontiguousarray(split_kv_b(full(init), p, text))))
         return out
 
