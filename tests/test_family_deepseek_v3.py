@@ -195,6 +195,26 @@ def test_an_old_mlx_conversion_with_kv_b_proj_quantized_whole_packs_as_mlx_lm_lo
     assert_layers_and_logits_match(qpack, ref, TOLERANCE[4])
 
 
+def test_the_template_thinks_when_asked_and_keeps_only_earlier_answers():
+    """V3.1 answers directly (`</think>`) unless `thinking` (the released template's switch)
+    or `enable_thinking` is true; an earlier answer keeps what follows its </think>."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from qpack.families import family
+
+    template = _compile_jinja_template(family(FAMILY).chat_template("hybrid"))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Greeting.</think>Hello!"}, {"role": "user", "content": "2+2?"}]
+
+    def render(**kwargs: bool) -> str:
+        return template.render(messages=messages, bos_token="<BOS>", add_generation_prompt=True, **kwargs)
+
+    assert render() == ("<BOS>Be brief.<｜User｜>Hi<｜Assistant｜></think>Hello!<｜end▁of▁sentence｜>"
+                        "<｜User｜>2+2?<｜Assistant｜></think>")
+    assert render(thinking=True).endswith("<｜User｜>2+2?<｜Assistant｜><think>")
+    assert render(enable_thinking=True).endswith("<｜Assistant｜><think>")
+
+
 async def test_served_tool_calls_and_reasoning_in_deepseek_markup(pair):
     src, qpack, _ = pair("fp32")
     prompt = await served_tool_round_trip(qpack, src)
