@@ -17,11 +17,13 @@ from helpers_family import (
     PROMPT,
     TOLERANCE,
     assert_bit_identical_across_pools,
+    assert_close_to_transformers,
+    assert_engine_greedy_with_lookahead,
     assert_layers_and_logits_match,
-    greedy_reference,
     parse_streamed,
     reference,
     served_tool_round_trip,
+    tiny_pair,
 )
 from helpers_forward import DirectForward
 from mlx.utils import tree_flatten
@@ -35,18 +37,7 @@ FAMILY = "deepseek_v3"
 
 @pytest.fixture
 def pair(synth_checkpoint, packed):
-    """kind -> (source, container, bits to quantize the reference with)."""
-    def get(kind: str) -> tuple[Path, Path, int | None]:
-        if kind == "fp32":
-            src = synth_checkpoint(FAMILY, dtype="float32")
-            return src, packed(src, bits=16), None
-        if kind == "bf16-q4":
-            src = synth_checkpoint(FAMILY, dtype="bfloat16")
-            return src, packed(src, bits=4), 4
-        src = synth_checkpoint(FAMILY, dtype="bfloat16", bits=4)
-        return src, packed(src), None
-
-    return get
+    return lambda kind: tiny_pair(synth_checkpoint, packed, FAMILY, kind)
 
 
 def test_mla_dense_layer_shared_expert_and_router_bias_stay_in_the_dense_core(pair):
@@ -67,6 +58,10 @@ def test_mla_dense_layer_shared_expert_and_router_bias_stay_in_the_dense_core(pa
     assert dense["model.layers.1.self_attn.unembed_out.weight"].shape == (4, 128, 64)  # [heads, v, rank]
     assert dense["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == mx.float32
     assert "model.layers.2.mlp.shared_experts.down_proj.weight" in dense
+    # A sequence's cache: one latent and one rotary key per position, shared by the heads.
+    ours = DirectForward(qpack)
+    assert ours.model.state_bytes(256) == 3 * 256 * (64 + 16) * 4
+    ours.close()
     # The hub's MTP layer is one more decoder layer: dropped, like mlx-lm's sanitize.
     text = {"num_hidden_layers": 3}
     assert target_name(FAMILY, "model.layers.3.mlp.experts.0.up_proj.weight", text) is None
@@ -88,32 +83,14 @@ def test_logits_bit_identical_across_pool_sizes_and_slot_assignments(pair):
 
 
 async def test_engine_greedy_equals_mlx_lm_with_lookahead_and_four_direct_readers(pair):
-    """The real engine at its smallest pool (8 slots), two layers of router predictions
-    ahead, four O_DIRECT readers (next-gate runs in the served test)."""
+    """Next-gate runs in the served test."""
     src, qpack, _ = pair("fp32")
-    cfg = engine_config(qpack, prefetch={"strategy": "lookahead", "depth": 2},
-                        reader={"concurrency": 4, "o_direct": True})
-    async with open_engine(cfg) as engine:
-        want = greedy_reference(reference(src), PROMPT, 12, set(engine.tokenizer.eos_token_ids), chunk=2)
-        assert list((await generate(engine, PROMPT, 12)).token_ids) == want
-        assert engine.storage.num_slots == 8
-        # One latent and one rotary key per position, shared by the heads: (64 + 16) floats.
-        assert engine.model.state_bytes(256) == 3 * 256 * (64 + 16) * 4
+    await assert_engine_greedy_with_lookahead(src, qpack)
 
 
 def test_logits_match_transformers(pair):
-    torch = pytest.importorskip("torch")
-    import transformers
-
     src, qpack, _ = pair("fp32")
-    ours = DirectForward(qpack)
-    got = np.array(ours.forward(PROMPT, ours.make_cache())[0])
-    ours.close()
-    model = transformers.DeepseekV3ForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = model(input_ids=torch.tensor([PROMPT]), use_cache=False).logits[0].numpy()
-    assert got.shape == want.shape
-    assert float(np.max(np.abs(got - want))) <= 1e-4
+    assert_close_to_transformers(src, qpack, "DeepseekV3ForCausalLM")
 
 
 def test_the_official_fp8_layout_packs_to_its_dequantized_weights(synth_checkpoint, tmp_path):

@@ -191,3 +191,14 @@ def mlp(prefix: str, where: str, h: int, inner: int, res: float) -> list[tuple[s
         linear(prefix, where + "up_proj.weight", inner, h),
         linear(prefix, where + "down_proj.weight", h, inner, res),
     ]
+
+
+def routed_mlp(prefix: str, dims: ModelDims, layer: int) -> list[tuple[str, Init]]:
+    """A DeepSeek-style MoE block's dense tensors (GLM-4.5, DeepSeek-V3): the MoEGate with its
+    correction bias, and `n_shared_experts` shared experts as one SwiGLU MLP."""
+    return [
+        router(prefix, dims, layer),
+        vector(prefix, "mlp.gate.e_score_correction_bias", dims.num_experts, 0.0, 0.1),
+        *mlp(prefix, "mlp.shared_experts.", dims.hidden_size, dims.moe_intermediate_size * dims.n_shared_experts,
+             residual_scale(dims)),
+    ]
