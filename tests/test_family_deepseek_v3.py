@@ -20,6 +20,7 @@ from helpers_family import (
     assert_close_to_transformers,
     assert_engine_greedy_with_lookahead,
     assert_layers_and_logits_match,
+    greedy_reference,
     parse_streamed,
     reference,
     served_tool_round_trip,
@@ -86,6 +87,28 @@ async def test_engine_greedy_equals_mlx_lm_with_lookahead_and_four_direct_reader
     """Next-gate runs in the served test."""
     src, qpack, _ = pair("fp32")
     await assert_engine_greedy_with_lookahead(src, qpack)
+
+
+async def test_two_prompts_decoded_in_one_batch_get_their_alone_tokens(pair):
+    """Batched decode merges the MLA caches (latent + rotary key) and masks them as arrays:
+    each row gets mlx-lm's greedy tokens for its prompt alone (16 slots: every step misses)."""
+    import trio
+
+    src, qpack, _ = pair("fp32")
+    prompts = [PROMPT, [40, 1079, 264, 8, 3, 90000, 512, 2]]
+    async with open_engine(engine_config(qpack, pool={"slots": 16}, reader={"concurrency": 4})) as engine:
+        eos = set(engine.tokenizer.eos_token_ids)
+        want = [greedy_reference(reference(src), p, 8, eos, chunk=2) for p in prompts]
+        got: list[list[int]] = [[], []]
+
+        async def run(i: int) -> None:
+            got[i] = list((await generate(engine, prompts[i], 8)).token_ids)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(run, i)
+        assert got == want
+        assert engine.batch.stats.largest == 2, engine.batch.stats
 
 
 def test_logits_match_transformers(pair):
