@@ -13,7 +13,7 @@ from typing import Any
 from qpack.families import family
 
 
-def model_classes(config: dict[str, Any]) -> tuple[type, type]:
+def model_classes(config: dict[str, Any]) -> tuple[type[Any], type[Any]]:
     """(Model, ModelArgs) of mlx-lm for `config["model_type"]` (ValueError, one line, if unsupported)."""
     module = importlib.import_module(f"mlx_lm.models.{family(config.get('model_type')).name}")
     return module.Model, module.ModelArgs

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import trio
 from helpers_forward import DirectForward, greedy_reference, max_abs
 from mlx_lm.models.base import create_attention_mask
 
@@ -143,7 +144,7 @@ async def assert_engine_greedy_with_lookahead(src: Path, qpack: Path) -> None:
     async with open_engine(cfg) as engine:
         want = greedy_reference(reference(src), PROMPT, 12, set(engine.tokenizer.eos_token_ids), chunk=2)
         assert list((await generate(engine, PROMPT, 12)).token_ids) == want
-        assert engine.storage.num_slots == 8
+        assert engine.facts.slots == 8
 
 
 def assert_close_to_transformers(src: Path, qpack: Path, class_name: str, tol: float = 1e-4) -> None:
@@ -173,8 +174,8 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 async def served_tool_round_trip(container: Path, src: Path) -> str:
-    """The served engine's greedy tokens equal mlx-lm's (next-gate prefetch, every expert
-    poolable); then, through the real server and the official openai client, a request with
+    """The served engine's greedy tokens equal mlx-lm's for two prompts decoded in one batch
+    (next-gate prefetch); then, through the real server and the official openai client, a request with
     tools, the assistant's call and the tool's result fed back. Returns the prompt the server
     built for the last request (the family's markup, for the caller to check)."""
     import json
@@ -184,8 +185,21 @@ async def served_tool_round_trip(container: Path, src: Path) -> str:
     from helpers_server import serving
 
     async with serving(container, prefill_chunk=4) as (engine, port):
-        want = greedy_reference(reference(src), PROMPT, 12, set(engine.tokenizer.eos_token_ids), chunk=4)
-        assert list((await generate(engine, PROMPT, 12)).token_ids) == want
+        # Two requests at once decode in one batch (plain KV caches merged); each row gets
+        # mlx-lm's tokens for its prompt alone.
+        prompts = (PROMPT, PROMPT[5:])
+        eos = set(engine.tokenizer.eos_token_ids)
+        want = [greedy_reference(reference(src), p, 12, eos, chunk=4) for p in prompts]
+        got: dict[int, list[int]] = {}
+
+        async def run(i: int) -> None:
+            got[i] = list((await generate(engine, prompts[i], 12)).token_ids)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(run, i)
+        assert [got[i] for i in range(len(prompts))] == want
+        assert engine.largest_batch == 2
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         plain = await client.chat.completions.create(model="tiny", messages=USER, max_tokens=1)
         call = {"id": "call_1", "type": "function",

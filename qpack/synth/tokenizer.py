@@ -109,7 +109,9 @@ def build_tokenizer(family: str):  # -> tokenizers.Tokenizer
         pre_tokenizers.Split(Regex(spec.pattern), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
     ])
-    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    # The ByteLevel decoder has no settings (tokenizers ignores any given: tokenizer.json
+    # records its defaults either way).
+    tok.decoder = decoders.ByteLevel()
     # Added tokens take the next free ids, in order: exactly the real tokenizers' ids.
     for text in (*spec.facts.leading, *spec.specials):  # leading ones keep their vocab ids
         tok.add_special_tokens([AddedToken(text, special=text not in spec.facts.not_special,
