@@ -113,6 +113,10 @@ def split_kv_b(w: Any, part: str, text: dict[str, Any]) -> Any:
     return v[:, :nope, :].swapaxes(-1, -2) if ".embed_q" in part else v[:, nope:, :]
 
 
+def _cut(full: Callable[[Init], np.ndarray], init: Init, part: str, text: dict[str, Any]) -> Callable[[], np.ndarray]:
+    return lambda: np.ascontiguousarray(split_kv_b(full(init), part, text))
+
+
 class DeepseekV3(CheckpointFamily):
     name = "deepseek_v3"
     aliases = ("kimi_k2",)
@@ -184,7 +188,7 @@ class DeepseekV3(CheckpointFamily):
         out = []
         for p in _PARTS:
             shape = tuple(split_kv_b(np.empty(init.shape, np.uint8), p, text).shape)
-            out.append((base + p, shape, lambda p=p: np.ascontiguousarray(split_kv_b(full(init), p, text))))
+            out.append((base + p, shape, _cut(full, init, p, text)))
         return out
 
     def dense_inits(self, dims: ModelDims, layer: int) -> list[tuple[str, Init]]:

@@ -88,7 +88,7 @@ class WeightWriter:
         if split is not None:  # sanitize cuts it (DeepSeek's kv_b_proj): write the parts
             out: list[TensorEntry] = []
             for part, shape, values in split:
-                part_blocks: Blocks = lambda values=values: iter([values()])  # noqa: E731
+                part_blocks = _one_block(values)
                 quantized = part.endswith(fam.multi_linear)
                 out += (self._quantized(self.prefix + part, shape, part_blocks) if quantized
                         else [self._plain(self.prefix + part, shape, part_blocks, store)])
@@ -204,6 +204,10 @@ class WeightWriter:
                 init = expert_init(d, layer, e, proj)
                 out += self.entries(f"layers.{layer}.mlp.experts.{e}.{proj}.weight", init)
         return out
+
+
+def _one_block(values: Callable[[], np.ndarray]) -> Blocks:
+    return lambda: iter([values()])
 
 
 def checkpoint_entries(writer: WeightWriter, dims: ModelDims) -> list[TensorEntry]:
