@@ -66,6 +66,7 @@ class DenseRef:
     source: str
     moveaxis: bool = False  # conv1d weight [C,1,K] -> [C,K,1]
     plus_one: bool = False  # HF stores (1 + w) norms as w
+    part: bool = False  # one of the parts the family cuts the source into (read whole, then cut)
 
 
 @dataclass
@@ -160,6 +161,10 @@ class SourceCheckpoint:
         """One dense tensor (or rows start..stop of it) under its mlx-lm name, sanitized as
         mlx-lm would. Every fix-up keeps the leading axis, so rows can be done apart."""
         scale = self._fp8_scale(ref.source)
+        if ref.part:  # cut from the whole tensor (small: one attention projection)
+            arr = self.family.dense_part(ref.target, ref.source, lambda n: self.raw(n).to_mx(), self.text,
+                                         self.quantization is not None)
+            return arr if rows is None else arr[rows[0] : rows[1]]
         if rows is None:
             arr = self.raw(ref.source).to_mx()
         elif scale is not None:
@@ -314,7 +319,8 @@ def _dense_refs(src: SourceCheckpoint, names: list[str]) -> list[DenseRef]:
             continue
         info = src.info(name)
         moveaxis, plus_one = src.family.dense_fixups(target, tuple(info.shape), src.is_mlx, conv_unsanitized)
-        refs.append(DenseRef(target, name, moveaxis, plus_one))
+        parts = src.family.dense_parts(target, src.quantization is not None)
+        refs += [DenseRef(p, name, moveaxis, plus_one, part=parts != (target,)) for p in parts]
     refs.sort(key=lambda r: r.target)
     counts = Counter(r.target for r in refs)
     dupes = [t for t, n in counts.items() if n > 1]

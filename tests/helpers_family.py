@@ -8,6 +8,7 @@ kept: embed, one causal mask from the first cache, the layers, norm, head.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,9 @@ class FullAttentionReference:
         if quantize is not None:
             self.model, self.config = quantize_model(self.model, self.config, group_size=64, bits=quantize)
         self.decoder = self.model.model
+        # Whether mlx-lm's decoder builds its causal mask as an array (DeepSeek's MLA masks
+        # its rotary scores itself): read from its own __call__, so the reference stays mlx-lm's.
+        self.array_mask = "return_array=True" in inspect.getsource(type(self.decoder).__call__)
 
     def make_cache(self) -> list[Any]:
         from mlx_lm.models.cache import make_prompt_cache
@@ -42,7 +46,7 @@ class FullAttentionReference:
                 all_positions: bool = True) -> tuple[mx.array, list[mx.array]]:
         d = self.decoder
         h = d.embed_tokens(mx.array([list(tokens)]))
-        mask = create_attention_mask(h, cache[0])
+        mask = create_attention_mask(h, cache[0], return_array=self.array_mask)
         outputs: list[mx.array] = []
         for layer, c in zip(d.layers, cache, strict=True):
             h = layer(h, mask, c)

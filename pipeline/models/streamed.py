@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.base import create_ssm_mask
 
 from actors.forward import Presync, Routing
 from pipeline.models.batch_caches import BatchCaches
@@ -176,7 +176,7 @@ class ForwardStep:
         linear = model.family.is_linear
         first_fa = next((i for i, b in local if not linear(b)), None)
         first_ssm = next((i for i, b in local if linear(b)), None)
-        self.fa_mask = None if first_fa is None else create_attention_mask(h, cache[first_fa])
+        self.fa_mask = None if first_fa is None else model.family.attention_mask(h, cache[first_fa])
         self.ssm_mask = None if first_ssm is None else create_ssm_mask(h, cache[first_ssm])
         self.h = h
         # Each row's (position, request) before this step's tokens: calibrated routing only.

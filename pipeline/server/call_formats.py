@@ -9,6 +9,9 @@
 - Key/value tags (GLM-4.5/4.6): `NAME\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n`,
   values typed from the schema the same way (vLLM's glm45 parser reads them so).
 
+- Separator (DeepSeek-V3.1): `NAME<｜tool▁sep｜>{"city": "Paris"}`; V3-0324 / R1 wrote
+  `function<｜tool▁sep｜>NAME` then the arguments in a ```json fence, read too.
+
 Which style a family writes is fixed by its chat template, but every style is accepted for
 every family: a body is unambiguous (JSON starts with `{`, XML with `<function=`, key/value
 tags with a bare name), and a fine-tune that drifts to another style still gets its call
@@ -98,6 +101,26 @@ def parse_kv_call(body: str, schemas: Schemas | None = None) -> tuple[str, dict[
     if not args and schemas and name not in schemas:
         return None  # a bare word is a call only if it names a tool
     return name, args
+
+
+TOOL_SEP = "<｜tool▁sep｜>"
+_FENCED = re.compile(r"\s*([\w.\-]+)\s*\n```(?:json)?\s*\n?(.*?)\n?```\s*\Z", re.S)
+
+
+def parse_sep_call(body: str) -> tuple[str, dict[str, Any]] | None:
+    """`NAME<｜tool▁sep｜>{...}` (DeepSeek-V3.1), or `function<｜tool▁sep｜>NAME` + a ```json
+    fence (V3-0324 / R1) -> (name, arguments); None if the arguments are no JSON object."""
+    left, _, right = body.partition(TOOL_SEP)
+    name, text = left.strip(), right
+    if name == "function" and (m := _FENCED.match(right)):
+        name, text = m[1], m[2]
+    if not re.fullmatch(r"[\w.\-]+", name):
+        return None
+    try:
+        args = json.loads(text) if text.strip() else {}
+    except ValueError:
+        return None
+    return (name, args) if isinstance(args, dict) else None
 
 
 def _strip_newline(text: str) -> str:
@@ -192,7 +215,9 @@ def _convert(text: str, kind: str) -> tuple[bool, Any]:
 def parse_call_body(body: str, schemas: Schemas | None = None) -> tuple[str, str] | None:
     """A `<tool_call>` body in either style -> (name, arguments as JSON text), or None."""
     start = body.lstrip()
-    if start.startswith("{"):
+    if TOOL_SEP in body:
+        parsed = parse_sep_call(body)
+    elif start.startswith("{"):
         parsed = parse_json_call(body)
     elif start.startswith("<function="):
         parsed = parse_xml_call(body, schemas)

@@ -34,9 +34,13 @@ class TokenizerFacts:
     eos_token: str
     pad_token: str
     bos_token: str | None = None
+    # Added tokens before the BPE ranks, ids 0.. (DeepSeek: BOS 0, EOS 1, pad 2); the ranks
+    # then start after them and `first_special` still counts them.
+    leading: tuple[str, ...] = ()
 
     def special_ids(self) -> dict[str, int]:
-        return {tok: self.first_special + i for i, tok in enumerate(self.specials)}
+        ids = {tok: i for i, tok in enumerate(self.leading)}
+        return ids | {tok: self.first_special + i for i, tok in enumerate(self.specials)}
 
 
 class CheckpointFamily:
@@ -54,13 +58,15 @@ class CheckpointFamily:
     variants: ClassVar[tuple[str, ...]] = ("instruct",)  # chat variants; the first is the default
     tokenizer: ClassVar[TokenizerFacts]
     template_file: ClassVar[bool] = False  # chat_template.jinja beside the tokenizer (else inline)
-    # How the template writes a <tool_call> body: "json" (hermes), "xml" (<function=...>)
-    # or "kv" (<arg_key>/<arg_value>); the server reads every style (server/call_formats.py).
+    # How the template writes a <tool_call> body: "json" (hermes), "xml" (<function=...>),
+    # "kv" (<arg_key>/<arg_value>) or "sep" (DeepSeek: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>JSON);
+    # the server reads every style (server/call_formats.py).
     tool_calls: ClassVar[str] = "json"
     zero_centred: ClassVar[tuple[str, ...]] = ()  # norm suffixes stored as w (1 + w applied)
     float32_suffixes: ClassVar[tuple[str, ...]] = ()  # tensors the hub keeps in float32
     routers_8bit: ClassVar[tuple[str, ...]] = ()  # modules mlx-lm's quant_predicate puts at 8 bits
     not_quantized: ClassVar[tuple[str, ...]] = ()  # 2-D weights mlx-lm cannot quantize (no Linear)
+    multi_linear: ClassVar[tuple[str, ...]] = ()  # 3-D per-head weights mlx-lm quantizes (MultiLinear)
 
     # -- reading a source checkpoint -----------------------------------------
     def text_config(self, config: dict[str, Any]) -> dict[str, Any]:
@@ -79,7 +85,30 @@ class CheckpointFamily:
         """(moveaxis, plus_one) for a dense tensor, as mlx-lm's sanitize would apply them."""
         return False, False
 
+    def dense_parts(self, target: str, quantized: bool) -> tuple[str, ...]:
+        """The mlx-lm tensors one source tensor becomes: itself, the parts mlx-lm's sanitize
+        cuts it into (DeepSeek's kv_b_proj -> embed_q, unembed_out), or none (a quantized
+        tensor's scales, consumed by its weight's parts). `quantized`: an MLX-quantized source."""
+        return (target,)
+
+    def dense_part_plan(self, part: str, source: str, info: Any, text: dict[str, Any],
+                        quantized: bool) -> tuple[str, tuple[int, ...]]:
+        """(safetensors tag, shape) of `part`, cut from source tensor `source`; `info(name)`
+        gives a source tensor's TensorInfo."""
+        raise NotImplementedError
+
+    def dense_part(self, part: str, source: str, read: Any, text: dict[str, Any], quantized: bool) -> Any:
+        """`part` (an mx.array) cut from source tensor `source`, as sanitize cuts it;
+        `read(name)` gives a whole source tensor as an mx.array."""
+        raise NotImplementedError
+
     # -- synthesizing one ----------------------------------------------------
+    def mlx_split(self, rel: str, init: Init, full: Any, dims: ModelDims) -> list[tuple[str, tuple[int, ...], Any]] | None:
+        """The MLX layout's tensors for one logical tensor where mlx-lm's sanitize cuts it:
+        (name, shape, zero-argument function giving its float32 values); `full(init)` gives
+        the logical tensor's values. None: written as it is."""
+        return None
+
     def hf_config(self, dims: ModelDims, torch_dtype: str, layout: str) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -161,4 +190,15 @@ def mlp(prefix: str, where: str, h: int, inner: int, res: float) -> list[tuple[s
         linear(prefix, where + "gate_proj.weight", inner, h),
         linear(prefix, where + "up_proj.weight", inner, h),
         linear(prefix, where + "down_proj.weight", h, inner, res),
+    ]
+
+
+def routed_mlp(prefix: str, dims: ModelDims, layer: int) -> list[tuple[str, Init]]:
+    """A DeepSeek-style MoE block's dense tensors (GLM-4.5, DeepSeek-V3): the MoEGate with its
+    correction bias, and `n_shared_experts` shared experts as one SwiGLU MLP."""
+    return [
+        router(prefix, dims, layer),
+        vector(prefix, "mlp.gate.e_score_correction_bias", dims.num_experts, 0.0, 0.1),
+        *mlp(prefix, "mlp.shared_experts.", dims.hidden_size, dims.moe_intermediate_size * dims.n_shared_experts,
+             residual_scale(dims)),
     ]

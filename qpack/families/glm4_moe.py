@@ -23,8 +23,7 @@ from qpack.families.base import (
     attention,
     mlp,
     residual_scale,
-    router,
-    vector,
+    routed_mlp,
 )
 from qpack.synth.dims import ModelDims
 from qpack.synth.init_weights import Init
@@ -108,11 +107,7 @@ class Glm4Moe(CheckpointFamily):
         ]
         if not dims.is_moe(layer):
             return out + mlp(p, "mlp.", h, dims.intermediate_size, res)
-        return out + [
-            router(p, dims, layer),
-            vector(p, "mlp.gate.e_score_correction_bias", dims.num_experts, 0.0, 0.1),
-            *mlp(p, "mlp.shared_experts.", h, dims.moe_intermediate_size * dims.n_shared_experts, res),
-        ]
+        return out + routed_mlp(p, dims, layer)
 
     def generation_config(self, dims: ModelDims, variant: str) -> dict[str, Any]:
         return {

@@ -84,6 +84,15 @@ class WeightWriter:
         if not self.mlx:
             return [TensorEntry(name, ST_DTYPES[store], init.shape,
                                 lambda: self.src.stored_blocks(init, store))]
+        split = fam.mlx_split(rel, init, self.src.full, self.dims)
+        if split is not None:  # sanitize cuts it (DeepSeek's kv_b_proj): write the parts
+            out: list[TensorEntry] = []
+            for part, shape, values in split:
+                part_blocks = _one_block(values)
+                quantized = part.endswith(fam.multi_linear)
+                out += (self._quantized(self.prefix + part, shape, part_blocks) if quantized
+                        else [self._plain(self.prefix + part, shape, part_blocks, store)])
+            return out
         if fam.zero_centred and (rel.endswith(fam.zero_centred) or rel == "norm.weight"):
             return [self._plain(name, init.shape, blocks, store, plus_one=True)]
         if "conv1d" in rel:
@@ -195,6 +204,10 @@ class WeightWriter:
                 init = expert_init(d, layer, e, proj)
                 out += self.entries(f"layers.{layer}.mlp.experts.{e}.{proj}.weight", init)
         return out
+
+
+def _one_block(values: Callable[[], np.ndarray]) -> Blocks:
+    return lambda: iter([values()])
 
 
 def checkpoint_entries(writer: WeightWriter, dims: ModelDims) -> list[TensorEntry]:

@@ -43,6 +43,12 @@ class ModelDims(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     routed_scaling_factor: float = 1.0
     attention_bias: bool = False
     use_qk_norm: bool = False
+    # Multi-head latent attention (DeepSeek-V3 / Kimi-K2); 0: the family has none.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def key_dim(self) -> int:
@@ -82,6 +88,9 @@ class ModelDims(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             inputs["intermediate_size"] = self.intermediate_size
         if self.full_attention_interval > 1:
             inputs["linear value dim"] = self.value_dim
+        if self.kv_lora_rank:  # MLA's Linears and its per-head up-projections (embed_q, unembed_out)
+            inputs.update(q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                          qk_nope_head_dim=self.qk_nope_head_dim)
         for what, value in inputs.items():
             if value % 64:
                 raise ValueError(

@@ -89,13 +89,18 @@ def build_tokenizer(family: str):  # -> tokenizers.Tokenizer
     spec = TokenizerSpec(family)
     # A family whose vocabulary is a prefix of the file's keeps its first ranks only
     # (BPE with fewer merges is still a valid BPE).
-    ranks = {tok: r for tok, r in load_ranks(spec.ranks_file).items() if r < spec.first_special}
-    if max(ranks.values()) + 1 != spec.first_special or len(ranks) != spec.first_special:
+    # Leading added tokens (DeepSeek's BOS/EOS/pad at 0..2) push the ranks up by their count.
+    lead = len(spec.facts.leading)
+    kept = spec.first_special - lead
+    ranks = {tok: r for tok, r in load_ranks(spec.ranks_file).items() if r < kept}
+    if max(ranks.values()) + 1 != kept or len(ranks) != kept:
         raise ValueError(
-            f"{spec.ranks_file}: expected ranks 0..{spec.first_special - 1}, got {len(ranks)} "
+            f"{spec.ranks_file}: expected ranks 0..{kept - 1}, got {len(ranks)} "
             f"ranks up to {max(ranks.values())}"
         )
     vocab, merges = bpe_model(ranks)
+    if lead:
+        vocab = {t: i for i, t in enumerate(spec.facts.leading)} | {t: r + lead for t, r in vocab.items()}
     tok = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None,
                         continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
                         byte_fallback=False))
@@ -108,10 +113,10 @@ def build_tokenizer(family: str):  # -> tokenizers.Tokenizer
     # records its defaults either way).
     tok.decoder = decoders.ByteLevel()
     # Added tokens take the next free ids, in order: exactly the real tokenizers' ids.
-    for text in spec.specials:
+    for text in (*spec.facts.leading, *spec.specials):  # leading ones keep their vocab ids
         tok.add_special_tokens([AddedToken(text, special=text not in spec.facts.not_special,
                                            normalized=False)])
-    got = {t: tok.token_to_id(t) for t in spec.specials}
+    got = {t: tok.token_to_id(t) for t in (*spec.facts.leading, *spec.specials)}
     if got != spec.special_ids():
         raise AssertionError(f"special token ids {got} differ from {spec.special_ids()}")
     return tok

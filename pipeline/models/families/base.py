@@ -30,6 +30,13 @@ class ForwardFamily:
 
         return KVCache()
 
+    def attention_mask(self, h: mx.array, cache: Any) -> Any:
+        """The mask the attention layers take for `h` over `cache`, as the family's mlx-lm
+        model makes it ("causal", an array, or None for one token)."""
+        from mlx_lm.models.base import create_attention_mask
+
+        return create_attention_mask(h, cache)
+
     def mixer(self, block: nn.Module) -> nn.Module:
         """The layer's token mixer (attention), called as mixer(x, mask, cache)."""
         return block.self_attn
