@@ -131,6 +131,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     console.print(results_table(report))
     if (reads := read_path_table(report)) is not None:
         console.print(reads)
+    from pipeline.memory_breakdown import memory_table
+
+    if (memory := memory_table(report)) is not None:
+        console.print(memory)
     if args.json:
         write_json(report, args.json)
     if args.trace and args.plots:

@@ -15,10 +15,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.utils import infer_quant_config
 
 from qpack.families import family
 from qpack.mlx_model import model_classes
+from qpack.quant_infer import infer_quant_config
 from qpack.quantize import flat_parameters
 from qpack.safetensors_io import load_safetensors
 from qpack.spec import QpackError

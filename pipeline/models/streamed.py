@@ -23,6 +23,7 @@ from pipeline.models.batch_caches import BatchCaches
 from pipeline.models.moe import routed_experts
 from pipeline.models.routing_override import RoutingOverride
 from pipeline.models.text_parts import TextParts, moe_layers, text_parts
+from pipeline.prefill_slices import mix
 from qpack.spec import ExpertFormat
 
 
@@ -82,6 +83,7 @@ class StreamedModel:
     """The resident dense core plus a view of the pool's slot arrays."""
 
     routing: RoutingOverride | None = None  # benchmark-only calibrated routing (bench --routing)
+    slice_tokens: int = 1 << 30  # prefill mixers run in slices this long (pipeline/prefill_slices.py)
 
     def __init__(
         self,
@@ -202,8 +204,8 @@ class ForwardStep:
     def _mix_and_route(self, block: nn.Module) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """The MoE block's attention / DeltaNet half and its router: (h_mid, x, ids, scores)."""
         mixer = self.m.family.mixer(block)
-        h_mid = self.h + mixer(block.input_layernorm(self.h), self._mask(block),
-                               self.cache[self.layer])
+        h_mid = self.h + mix(mixer, block.input_layernorm(self.h), self._mask(block),
+                             self.cache[self.layer], self.m.slice_tokens)
         x = block.post_attention_layernorm(h_mid)
         forced = None
         if self.m.routing is not None:
