@@ -61,6 +61,7 @@ from pipeline.memory_budget import batch_budget, check_pool_fits
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_cache import PrefixCache
+from pipeline.speculation import EmulatedDrafts, policy_for
 from pipeline.prefix_disk import prefix_cache_for
 from qpack.reader import Container, ExpertIO
 
@@ -98,6 +99,9 @@ class Engine:
         # users of the compute actor); fair, so prefill and decode alternate.
         self.lock = trio.Lock()
         self.batch = DecodeBatch(compute, model.batch_caches(), self.lock)
+        self.emulated_drafts: EmulatedDrafts | None = None  # benchmark-only drafts (bench)
+        self.batch.speculation = policy_for(router.table.num_slots, container.manifest.top_k,
+                                            config.compute.draft_tokens)
         # A batch step pins the union of its rows' experts for a layer at once: at most
         # slots // top_k rows fit for sure, whatever they route to.
         manifest = container.manifest

@@ -26,6 +26,7 @@ from actors.sampling_params import SamplingParams
 from actors.text_stream import TextStream
 from actors.token_logprob import TokenLogprob
 from pipeline.container_damage import explain
+from pipeline import speculation
 from pipeline.engine_parts import detokenizer
 from pipeline.events import Done, Event, GenerationStats, TextDelta
 from pipeline.resident_map import current_rss_mb, peak_rss_mb
@@ -78,6 +79,7 @@ class Generation:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         self.params.check_vocab(vocab)
+        speculation.check(self.engine, self.params)
 
     def state_bytes(self) -> int:
         """The most model state this generation can grow to (batch admission)."""
@@ -247,7 +249,8 @@ class Generation:
             raise
         decode_rss = current_rss_mb()
         batch = engine.batch
-        row = batch.join(cache, sampler, logits)
+        spec = speculation.row_speculation(engine, self.params, self.tokens, max_tokens)
+        row = batch.join(cache, sampler, logits, spec)
         try:
             while len(generated) < max_tokens:
                 with timeline.span("compute", "decode-step", index=len(generated)):
@@ -311,6 +314,7 @@ class Generation:
             decode_rss_mb=decode_rss,
             decode_device_mb=decode_device / 2**20,
             seed=sampler.seed,
+            **speculation.stats_fields(spec),
         )
         log.info(
             "generation.done",

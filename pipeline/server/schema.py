@@ -154,6 +154,8 @@ class _Sampling(_Req, kw_only=True):
     # llama.cpp's own constraints: a JSON schema, or a GBNF grammar, for the reply's text.
     json_schema: dict[str, Any] | None = None
     grammar: str | None = None
+    # moestream: speculative decoding for this request ("auto", "mtp", "ngram", "off").
+    speculative: Literal["auto", "mtp", "ngram", "off"] | None = None
     # Accepted and ignored: they change nothing a client can observe here.
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -305,7 +307,7 @@ def logit_bias(req: ChatRequest | CompletionRequest, vocab: int) -> tuple[tuple[
 
 
 _PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "seed")
+                 "frequency_penalty", "repetition_penalty", "seed", "speculative")
 
 
 def sampling_params(req: ChatRequest | CompletionRequest, defaults: SamplingParams) -> SamplingParams:
