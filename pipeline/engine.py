@@ -61,8 +61,8 @@ from pipeline.memory_budget import batch_budget, check_pool_fits
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_cache import PrefixCache
-from pipeline.speculation import EmulatedDrafts, policy_for
 from pipeline.prefix_disk import prefix_cache_for
+from pipeline.speculation import EmulatedDrafts, policy_for
 from qpack.reader import Container, ExpertIO
 
 log = structlog.get_logger("moestream.engine")

@@ -25,8 +25,8 @@ from actors.sampler import Sampler, prompt_logprobs
 from actors.sampling_params import SamplingParams
 from actors.text_stream import TextStream
 from actors.token_logprob import TokenLogprob
-from pipeline.container_damage import explain
 from pipeline import speculation
+from pipeline.container_damage import explain
 from pipeline.engine_parts import detokenizer
 from pipeline.events import Done, Event, GenerationStats, TextDelta
 from pipeline.resident_map import current_rss_mb, peak_rss_mb
