@@ -1,0 +1,161 @@
+"""Speculative decoding: the tokens, log-probabilities, text and cached states of plain decode.
+
+Drafts come from a reference run's own tokens with a seeded fraction corrupted
+(`EmulatedDrafts`: random-weight models never repeat, so prompt lookup alone would
+draft nothing), so passes keep some drafts and reject others at every draft length.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+import msgspec
+import numpy as np
+import pytest
+from helpers_engine import engine_config
+from helpers_forward import tiny_pair
+
+from actors.sampling_params import SamplingParams
+from actors.speculative.accept import speculative_sample
+from actors.speculative.ngram import NgramDrafter
+from actors.speculative.policy import SpeculationPolicy
+from pipeline.engine import open_engine
+from pipeline.events import Done, TextDelta
+from pipeline.prefix_cache import _arrays
+from pipeline.speculation import EmulatedDrafts
+
+PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
+TOKENS = 16
+
+
+async def _run(engine: Any, params: SamplingParams, prompt: list[int] = PROMPT) -> list[Any]:
+    return [e async for e in engine.generate(list(prompt), params)]
+
+
+def _done(events: list[Any]) -> Done:
+    assert isinstance(events[-1], Done)
+    return events[-1]
+
+
+def _deltas(events: list[Any]) -> list[tuple[str, tuple[int, ...], Any]]:
+    return [(e.text, e.token_ids, e.logprobs) for e in events if isinstance(e, TextDelta)]
+
+
+@pytest.mark.parametrize(("family", "bits", "slots", "run_ahead", "lengths"), [
+    # Every expert pooled: each pass one sync.
+    ("qwen3_next", None, 64, "on", ((1, 0.7), (2, 0.5), (3, 0.6))),
+    # The smallest pool: passes that miss, resumed per layer; the guard cuts k to 1.
+    ("qwen3_next", None, 8, "on", ((3, 0.7),)),
+    # 4-bit, per layer, reads in every pass.
+    ("qwen3_5_moe", 4, 16, "off", ((2, 0.6),)),
+])
+async def test_greedy_tokens_equal_plain_decode_at_every_draft_length(
+        synth_checkpoint, packed, family, bits, slots, run_ahead, lengths):
+    _src, qpack = tiny_pair(synth_checkpoint, packed, family, bits)
+    config = engine_config(qpack, pool={"slots": slots}, compute={"run_ahead": run_ahead})
+    greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS)
+    async with open_engine(config) as engine:
+        plain = _done(await _run(engine, greedy)).token_ids
+        guard = engine.batch.speculation.longest
+        assert guard == min(3, slots // engine.model.top_k - 1)
+        for k, acceptance in lengths:
+            engine.batch.speculation.max_draft = k
+            engine.emulated_drafts = EmulatedDrafts(plain, acceptance, seed=k)
+            params = msgspec.structs.replace(greedy, speculative="ngram")
+            done = _done(await _run(engine, params))
+            assert done.token_ids == plain, f"k={k}"
+            s = done.stats
+            assert s.speculative == "ngram" and s.verify_passes > 0
+            # Some drafts kept, some rejected; a pass never drafts past the guard.
+            assert 0 < s.drafts_accepted < s.drafts_proposed <= s.verify_passes * min(k, guard)
+            assert s.tokens_per_pass == pytest.approx(
+                (s.drafts_accepted + s.verify_passes) / s.verify_passes, abs=1e-3)
+
+
+async def test_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_as_plain(
+        synth_checkpoint, packed):
+    _src, qpack = tiny_pair(synth_checkpoint, packed, "qwen3_next")
+    config = engine_config(qpack, pool={"slots": 16}, compute={"draft_tokens": 3})
+    cases = {
+        "logprobs+penalties": SamplingParams(temperature=0.0, max_tokens=TOKENS, logprobs=2,
+                                             repetition_penalty=1.3, presence_penalty=0.5),
+        "seeded": SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=TOKENS),
+    }
+    async with open_engine(config) as engine:
+        for name, params in cases.items():
+            engine.emulated_drafts = None
+            plain = await _run(engine, params)
+            tokens = _done(plain).token_ids
+            # A stop string inside the text: generation ends in the middle of a pass.
+            text = _done(plain).text
+            stop = text[len(text) // 2 : len(text) // 2 + 3]
+            stopped = msgspec.structs.replace(params, stop=(stop,))
+            plain_stop = await _run(engine, stopped)
+            done = _done(plain_stop)
+            assert done.finish_reason == "stop", name
+            kept = PROMPT + list(done.token_ids[:-1])
+            want_state, n = await engine.worker.run(engine.prefix_cache.take, [*kept, 0])
+            assert n == len(kept)
+            engine.prefix_cache.clear()
+            engine.emulated_drafts = EmulatedDrafts(tokens, 0.8, seed=3)
+            spec = msgspec.structs.replace(params, speculative="ngram")
+            got = await _run(engine, spec)
+            assert _deltas(got) == _deltas(plain), name
+            assert _done(got).stats.drafts_accepted > 0, name
+            got_stop = await _run(engine, msgspec.structs.replace(stopped, speculative="ngram"))
+            assert _deltas(got_stop) == _deltas(plain_stop), name
+            # The state kept for a follow-up is plain decode's, bit for bit.
+            state, n = await engine.worker.run(engine.prefix_cache.take, [*kept, 0])
+            assert n == len(kept)
+            for a, b in zip(_arrays(state), _arrays(want_state), strict=True):
+                assert mx.array_equal(a, b).item(), name
+            engine.prefix_cache.clear()
+
+
+async def test_auto_speculates_when_drafts_pay_and_backs_off_when_they_do_not():
+    policy = SpeculationPolicy(max_draft=3, pinnable_rows=8)
+    assert policy.draft_len("auto", 10) == 3  # a pass is measured first
+    policy.after_pass(3, 3, seconds=0.012)
+    assert policy.draft_len("auto", 10) == 0  # ... then a plain step
+    policy.after_plain(0.010)
+    # Every draft kept at 1.2x a plain step's cost: speculate at the longest length.
+    assert policy.draft_len("auto", 10) == 3
+    assert policy.draft_len("auto", 1) == 1  # never past the row's room
+    # Nothing kept at twice the cost (the colibri case): stop, then probe rarely.
+    for _ in range(40):
+        policy.after_pass(3, 0, seconds=0.020)
+        policy.after_pass(1, 0, seconds=0.020)
+    picks = [policy.draft_len("auto", 10) for _ in range(400)]
+    assert policy.stats.backoffs == 1
+    assert 0 < sum(1 for k in picks if k) <= 8  # probes, each one token, doubling apart
+    assert policy.draft_len("ngram", 10) == 3  # an explicit mode always drafts
+    assert SpeculationPolicy(max_draft=3, pinnable_rows=1).draft_len("ngram", 10) == 0
+
+
+def test_prompt_lookup_drafts_the_continuation_of_the_latest_longest_match():
+    d = NgramDrafter([1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3], max_n=3, min_n=2)
+    assert d.propose(3) == [4, 9, 2]  # the 3-gram "1 2 3" wins over the later "2 3"
+    d = NgramDrafter([2, 3, 4, 2, 3, 5, 2, 3], max_n=3, min_n=2)
+    assert d.propose(2) == [5, 2]  # the latest "2 3"
+    d.extend([7])
+    assert d.propose(2) == []  # "3 7" never seen
+    assert d.propose(0) == []
+
+
+def test_speculative_sampling_draws_from_the_target_distribution():
+    """Drafts from q, kept with min(1, p/q), else redrawn from the residual: tokens ~ p."""
+    vocab, n = 6, 60_000
+    p = mx.array([0.05, 0.4, 0.1, 0.2, 0.05, 0.2])
+    q = mx.array([0.3, 0.1, 0.3, 0.1, 0.1, 0.1])
+    draft = mx.random.categorical(mx.log(mx.broadcast_to(q, (n, vocab))), key=mx.random.key(1))
+    tokens, kept = speculative_sample(mx.broadcast_to(p, (n, vocab)), mx.broadcast_to(q, (n, vocab)),
+                                      draft, mx.random.key(2))
+    counts = np.bincount(np.array(tokens), minlength=vocab)
+    expected = np.array(p) * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5  # 5 degrees of freedom: p < 0.001 by chance
+    # The acceptance rate is sum(min(p, q)) (0.5 here).
+    rate = float(mx.minimum(p, q).sum())
+    assert math.isclose(float(np.array(kept).mean()), rate, abs_tol=0.01)
