@@ -62,7 +62,7 @@ from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_cache import PrefixCache
 from pipeline.prefix_disk import prefix_cache_for
-from pipeline.speculation import EmulatedDrafts, policy_for
+from pipeline.speculation import EmulatedDrafts, policy_for, speculation_snapshot
 from qpack.reader import Container, ExpertIO
 
 log = structlog.get_logger("moestream.engine")
@@ -241,6 +241,7 @@ class Engine:
             "mlx_seconds": self.compute.stats.mlx_seconds,
             "run_ahead_tokens": self.compute.stats.run_ahead_tokens,
             "run_ahead_misses": self.compute.stats.run_ahead_misses,
+            **speculation_snapshot(self.batch.speculation.stats),
         }
 
 

@@ -16,7 +16,7 @@ from actors.sampling_params import SamplingParams
 from actors.speculative.decoder import Drafter, RowSpeculation
 from actors.speculative.emulated import EmulatedDrafter
 from actors.speculative.ngram import NgramDrafter
-from actors.speculative.policy import SpeculationPolicy
+from actors.speculative.policy import SpecStats, SpeculationPolicy
 from pipeline.models.verify_step import can_verify
 
 if TYPE_CHECKING:
@@ -79,3 +79,10 @@ class EmulatedDrafts:
 
     def drafter(self, prompt: Sequence[int], vocab: int) -> EmulatedDrafter:
         return EmulatedDrafter(prompt, self.reference, self.acceptance, vocab, self.seed)
+
+
+def speculation_snapshot(stats: SpecStats) -> dict[str, float]:
+    """The engine's speculation counters, for `pool_snapshot` and /metrics."""
+    return {"verify_passes": stats.passes, "drafts_proposed": stats.proposed,
+            "drafts_accepted": stats.accepted, "pass_tokens": stats.pass_tokens,
+            "speculative_backoffs": stats.backoffs}

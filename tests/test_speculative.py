@@ -44,8 +44,6 @@ def _deltas(events: list[Any]) -> list[tuple[str, tuple[int, ...], Any]]:
 
 
 @pytest.mark.parametrize(("family", "bits", "slots", "run_ahead", "lengths"), [
-    # Every expert pooled: each pass one sync.
-    ("qwen3_next", None, 64, "on", ((1, 0.7), (2, 0.5), (3, 0.6))),
     # The smallest pool: passes that miss, resumed per layer; the guard cuts k to 1.
     ("qwen3_next", None, 8, "on", ((3, 0.7),)),
     # 4-bit, per layer, reads in every pass.
@@ -57,33 +55,41 @@ async def test_greedy_tokens_equal_plain_decode_at_every_draft_length(
     config = engine_config(qpack, pool={"slots": slots}, compute={"run_ahead": run_ahead})
     greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS)
     async with open_engine(config) as engine:
-        plain = _done(await _run(engine, greedy)).token_ids
-        guard = engine.batch.speculation.longest
-        assert guard == min(3, slots // engine.model.top_k - 1)
-        for k, acceptance in lengths:
-            engine.batch.speculation.max_draft = k
-            engine.emulated_drafts = EmulatedDrafts(plain, acceptance, seed=k)
-            params = msgspec.structs.replace(greedy, speculative="ngram")
-            done = _done(await _run(engine, params))
-            assert done.token_ids == plain, f"k={k}"
-            s = done.stats
-            assert s.speculative == "ngram" and s.verify_passes > 0
-            # Some drafts kept, some rejected; a pass never drafts past the guard.
-            assert 0 < s.drafts_accepted < s.drafts_proposed <= s.verify_passes * min(k, guard)
-            assert s.tokens_per_pass == pytest.approx(
-                (s.drafts_accepted + s.verify_passes) / s.verify_passes, abs=1e-3)
+        await _same_greedy_tokens(engine, greedy, lengths)
 
 
-async def test_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_as_plain(
+async def _same_greedy_tokens(engine: Any, greedy: SamplingParams, lengths: Any) -> None:
+    plain = _done(await _run(engine, greedy)).token_ids
+    guard = engine.batch.speculation.longest
+    assert guard == min(3, engine.router.table.num_slots // engine.model.top_k - 1)
+    for k, acceptance in lengths:
+        engine.batch.speculation.max_draft = k
+        engine.emulated_drafts = EmulatedDrafts(plain, acceptance, seed=k)
+        params = msgspec.structs.replace(greedy, speculative="ngram")
+        done = _done(await _run(engine, params))
+        assert done.token_ids == plain, f"k={k}"
+        s = done.stats
+        assert s.speculative == "ngram" and s.verify_passes > 0
+        # Some drafts kept, some rejected; a pass never drafts past the guard.
+        assert 0 < s.drafts_accepted < s.drafts_proposed <= s.verify_passes * min(k, guard)
+        assert s.tokens_per_pass == pytest.approx(
+            (s.drafts_accepted + s.verify_passes) / s.verify_passes, abs=1e-3)
+
+
+async def test_greedy_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_as_plain(
         synth_checkpoint, packed):
     _src, qpack = tiny_pair(synth_checkpoint, packed, "qwen3_next")
-    config = engine_config(qpack, pool={"slots": 16}, compute={"draft_tokens": 3})
+    config = engine_config(qpack, pool={"slots": 64}, compute={"run_ahead": "on"})
+    greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS)
     cases = {
         "logprobs+penalties": SamplingParams(temperature=0.0, max_tokens=TOKENS, logprobs=2,
                                              repetition_penalty=1.3, presence_penalty=0.5),
         "seeded": SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=TOKENS),
     }
     async with open_engine(config) as engine:
+        # Every expert pooled: each pass is one sync; greedy at every draft length.
+        await _same_greedy_tokens(engine, greedy, ((1, 0.7), (2, 0.5), (3, 0.6)))
+        engine.batch.speculation.max_draft = 3
         for name, params in cases.items():
             engine.emulated_drafts = None
             plain = await _run(engine, params)

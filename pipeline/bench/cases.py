@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from pipeline.bench.spec import Case, Result, backend, engine_dict, prompt_ids
+from pipeline.bench.speculative import spec_derived, spec_result_fields
 
 __all__ = ["Case", "Report", "Result", "engine_dict", "machine_info", "prompt_ids", "run_case"]
 
@@ -66,6 +67,10 @@ async def measure_engine(case: Case) -> Result:
         if override is not None:
             # The warm-up was request 0, the other domain; this one's table drawn now.
             override.begin_request(1, rows=case.prompt_tokens + case.max_tokens)
+        if case.emulate is not None:
+            from pipeline.speculation import EmulatedDrafts
+
+            engine.emulated_drafts = EmulatedDrafts(case.draft_reference, case.emulate, case.seed)
         router, compute = engine.router, engine.compute
         mark: dict[str, float] = {}
         marks: list[Any] = []
@@ -123,7 +128,8 @@ async def measure_engine(case: Case) -> Result:
             run_ahead_tokens=compute.stats.run_ahead_tokens - ahead0[0],
             run_ahead_misses=compute.stats.run_ahead_misses - ahead0[1],
             seconds=time.perf_counter() - started, read_path=read_path,
-            queue_depth_gb_s=_probed(cfg, engine), **phases,
+            queue_depth_gb_s=_probed(cfg, engine), token_ids=list(done.token_ids),
+            **spec_result_fields(s, case), **phases,
         )
 
 
@@ -161,7 +167,7 @@ def measure(case: Case) -> Result:
         return trio.run(measure_batch, case)
     if case.kind == "moestream":
         result = trio.run(measure_engine, case)
-        if case.warm_all:
+        if case.warm_all and case.config.get("compute", {}).get("speculative", "off") == "off":
             # The compute ceiling, measured in this same process and GPU state.
             from qpack.reader import Container
 
@@ -265,6 +271,7 @@ class Report:
         from pipeline.bench.batch import batch_derived
 
         out.update(batch_derived({r.name: r for r in self.results if r.error is None}))
+        out.update(spec_derived({r.name: r for r in self.results if r.error is None}))
         if default is not None:
             budget = self.container["dense_mb"] + default.pool_mb + 256
             gpu = "gpu" in default.backend

@@ -12,6 +12,12 @@ import msgspec
 
 from pipeline.bench.cases import Case, Report, machine_info, run_case
 from pipeline.bench.routing import ROUTINGS
+from pipeline.bench.speculative import (
+    is_spec_case,
+    spec_case_fields,
+    speculation_table,
+    with_references,
+)
 from pipeline.cli.commands import readers_arg
 from pipeline.cli.counts import LAYERS, TOKENS, WORKERS, seconds
 
@@ -21,6 +27,8 @@ CASES = ("default", "serial", "resident", "io")
 # batch-N / batch-warm-N: N sequences in one decode batch (cold pool / every expert pooled).
 BATCHES = tuple(f"batch{w}-{n}" for w in ("", "-warm") for n in (1, 2, 4, 8))
 ALL_CASES = (*CASES, "warm-all", "long-prompt", "long-prompt-c256", *BATCHES)
+# Speculative decoding (pipeline/bench/speculative.py): spec-k{1-8}-a{acceptance},
+# spec-auto-a{acceptance}, spec-auto, spec-ngram, spec-mtp, and warm-spec-... of each.
 DEFAULT_POOL_MB = 1024
 
 
@@ -70,6 +78,10 @@ def _cases(args: argparse.Namespace, base: dict[str, Any], common: dict[str, Any
             fixed = {**base, "compute": {**base["compute"], "prefill_chunk": 256}}
             cases.append(Case(name="long-prompt-c256", config=fixed,
                               **{**common, "prompt_tokens": args.long_prompt, "max_tokens": 8}))
+        elif is_spec_case(name):
+            fields = spec_case_fields(name, base)
+            warm = fields["warm_all"]
+            cases.append(Case(name=name, **fields, **{**common, "cold": common["cold"] and not warm}))
         elif name in BATCHES:
             warm = name.startswith("batch-warm")
             cases.append(Case(name=name, config=base, warm_all=warm,
@@ -85,7 +97,11 @@ def run_bench(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
     err = Console(stderr=True)
     report = Report(machine_info(), container_summary(args.model), command)
-    for case in plan_cases(args):
+    for case in with_references(plan_cases(args)):
+        if case.reference:
+            suffix = case.name.partition("@")[2]
+            ref = report.by_name(case.reference + (f"@{suffix}" if suffix else ""))
+            case.draft_reference = list(ref.token_ids) if ref is not None else []
         err.print(f"[dim]bench: {case.name} ...[/dim]")
         result = run_case(case, timeout_s=args.case_timeout)
         if result.error:
@@ -99,7 +115,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     from pipeline.bench.report import plot_timeline, read_path_table, results_table, write_json
 
-    unknown = [c for c in args.cases if c not in ALL_CASES]
+    unknown = [c for c in args.cases if c not in ALL_CASES and not is_spec_case(c)]
     if unknown:
         print(f"error: unknown case(s) {unknown}; choose from {list(ALL_CASES)}", file=sys.stderr)
         return 2
@@ -127,6 +143,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     console.print(results_table(report))
     if (reads := read_path_table(report)) is not None:
         console.print(reads)
+    if (spec := speculation_table(report)) is not None:
+        console.print(spec)
     if args.json:
         write_json(report, args.json)
     if args.trace and args.plots:
