@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -31,14 +32,23 @@ def _npy_header(nbytes: int) -> bytes:
 
 
 class NpyView:
-    """A read-only file object over (`.npy` header, blob); what `mx.load` needs of one."""
+    """A read-only file object over (`.npy` header, blobs...); what `mx.load` needs of one.
+
+    Several blobs are presented as one: a batch of finished reads costs one `mx.load`
+    (one host buffer, one DMA), where each load pays MLX's Python callbacks (each takes
+    the GIL, which the MLX thread and the event loop hold most of the time)."""
 
     closed = False
 
-    def __init__(self, blob: np.ndarray) -> None:
-        self._head = _npy_header(blob.nbytes)
-        self._blob = memoryview(blob).cast("B")
-        self._size = len(self._head) + len(self._blob)
+    def __init__(self, *blobs: np.ndarray) -> None:
+        views = [memoryview(blob).cast("B") for blob in blobs]
+        self._head = _npy_header(sum(len(v) for v in views))
+        self._parts: list[tuple[int, memoryview]] = []
+        start = 0
+        for part in (memoryview(self._head), *views):
+            self._parts.append((start, part))
+            start += len(part)
+        self._size = start
         self._pos = 0
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
@@ -52,7 +62,7 @@ class NpyView:
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
         done = 0
-        for start, part in ((0, self._head), (len(self._head), self._blob)):
+        for start, part in self._parts:
             lo = self._pos + done - start
             if done == len(out) or lo >= len(part) or lo < 0:
                 continue
@@ -80,3 +90,20 @@ def _copy_without_gil(dst: memoryview, src: memoryview) -> None:
 def to_device(blob: np.ndarray) -> mx.array:
     """The blob's bytes as a uint8 MLX array in device memory (see the module docstring)."""
     return mx.load(NpyView(blob), format="npy")
+
+
+def to_device_many(blobs: Sequence[np.ndarray]) -> list[mx.array]:
+    """Each blob's bytes in device memory, through one `mx.load`: views into one array,
+    which lives until the last of them is dropped (after their installs)."""
+    if len(blobs) == 1:
+        return [to_device(blobs[0])]
+    whole = mx.load(NpyView(*blobs), format="npy")
+    out: list[mx.array] = []
+    start = 0
+    for blob in blobs:
+        out.append(whole[start : start + blob.nbytes])
+        start += blob.nbytes
+    # Evaluated here: a lazy slice belongs to this thread's stream, which no other thread
+    # can evaluate ("There is no Stream(gpu, 2) in current thread"). A slice is a view.
+    mx.eval(out)
+    return out

@@ -65,7 +65,7 @@ def main() -> None:
     batch = 16
 
     def stage(i: int, threads: int) -> mx.array:
-        return MlxWorker.staging(i % threads).call(lambda: storage.stage(blobs[i % len(blobs)]))
+        return MlxWorker.staging(i % threads).call(lambda: storage.stage([blobs[i % len(blobs)]])[0])
 
     for threads in (1, 4, 8, 4):
         with ThreadPoolExecutor(threads) as pool:

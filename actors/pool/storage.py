@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from actors.device_staging import to_device
+from actors.device_staging import to_device_many
 from actors.pool.layout import PoolLayout
 from qpack.spec import ExpertFormat, QpackError
 
@@ -103,9 +103,10 @@ class PoolStorage:
             raise RuntimeError("a pool of mixed formats needs layer_of(slot) to install")
         return self.layout.layer(self.layer_of(slot))
 
-    def stage(self, blob: np.ndarray) -> mx.array:
-        """An expert blob in device memory, copied in a reader's thread (see `device_staging`)."""
-        return to_device(blob[: self.layout.max_nbytes])
+    def stage(self, blobs: Sequence[np.ndarray]) -> list[mx.array]:
+        """Expert blobs in device memory, copied together in a reader's staging thread
+        (see `device_staging`)."""
+        return to_device_many([blob[: self.layout.max_nbytes] for blob in blobs])
 
     def write(self, items: Sequence[tuple[int, np.ndarray]]) -> None:
         """CPU installs: copy blobs straight into the slots' memory, from any thread.
