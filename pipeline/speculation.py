@@ -10,6 +10,7 @@ never a reason for different tokens, so nothing else about a request changes it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from actors.sampling_params import SamplingParams
@@ -17,7 +18,7 @@ from actors.speculative.decoder import Drafter, RowSpeculation
 from actors.speculative.emulated import EmulatedDrafter
 from actors.speculative.ngram import NgramDrafter
 from actors.speculative.policy import SpecStats, SpeculationPolicy
-from pipeline.models.verify_step import can_verify
+from pipeline.models.verify_step import VerifyStep, can_verify
 
 if TYPE_CHECKING:
     from pipeline.engine import Engine
@@ -58,7 +59,7 @@ def row_speculation(engine: Engine, params: SamplingParams, tokens: list[int],
         drafter = emulated.drafter(tokens, engine.model.parts.args.vocab_size)
     else:
         drafter = NgramDrafter(tokens, max_n=NGRAM_MAX, min_n=NGRAM_MIN)
-    return RowSpeculation(mode, drafter, max_tokens)
+    return RowSpeculation(mode, drafter, max_tokens, partial(VerifyStep, engine.model))
 
 
 def stats_fields(spec: RowSpeculation | None) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from actors.decode import Decoder
 from actors.row_samplers import RowSamplers
 from actors.speculative.accept import Verdict, accept
 from actors.speculative.policy import SpecStats, SpeculationPolicy
-from actors.speculative.verify import VerifyStepper, verify_pass
+from actors.speculative.verify import MakeVerifyStep, VerifyStepper, verify_pass
 from actors.token_logprob import TokenLogprob
 
 
@@ -47,6 +47,7 @@ class RowSpeculation:
     mode: str  # "auto", "ngram" or "mtp" (never "off": then there is none)
     drafter: Drafter  # has seen the prompt and every token the row was given
     left: int  # tokens the row may still be given
+    verify_step: MakeVerifyStep  # the model's verify pass
     stats: SpecStats = field(default_factory=SpecStats)  # this row's passes
 
     def seen(self, token: int) -> None:
@@ -96,7 +97,8 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         await inner.park()  # a step queued on the last token: undone, its token is the feed
         assert inner.feed is not None
-        logits, step = await verify_pass(self.compute, [inner.feed[0], *draft], self.cache)
+        logits, step = await verify_pass(self.compute, self.spec.verify_step,
+                                         [inner.feed[0], *draft], self.cache)
         verdict: Verdict = await self.compute.on_mlx(self._accept, logits, step, draft)
         self.policy.after_pass(len(draft), verdict.accepted, time.perf_counter() - t0)
         self.spec.stats.add_pass(len(draft), verdict.accepted)

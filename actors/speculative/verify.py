@@ -9,6 +9,7 @@ expert several positions route to is read and pinned once for the pass.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -23,24 +24,31 @@ class VerifyStepper(ForwardStepper, Protocol):
     def keep(self, n: int) -> None: ...
 
 
-def _start(c: Compute, tokens: list[int], cache: list[Any]) -> tuple[VerifyStepper, Any, Any]:
-    step = c.model.verify_step(tokens, cache)  # type: ignore[attr-defined]
+# (tokens, cache) -> a pass over them; the model's own (pipeline/models/verify_step.py).
+MakeVerifyStep = Callable[[list[int], list[Any]], VerifyStepper]
+
+
+def _start(c: Compute, make: MakeVerifyStep, tokens: list[int],
+           cache: list[Any]) -> tuple[VerifyStepper, Any, Any]:
+    step = make(tokens, cache)
     routing = step.run_to_routing(c._presync("decode"))
     return step, routing, c._learn(routing, "decode")
 
 
-def _run_ahead(c: Compute, tokens: list[int], cache: list[Any]) -> tuple[VerifyStepper, Any]:
-    step = c.model.verify_step(tokens, cache)  # type: ignore[attr-defined]
+def _run_ahead(c: Compute, make: MakeVerifyStep, tokens: list[int],
+               cache: list[Any]) -> tuple[VerifyStepper, Any]:
+    step = make(tokens, cache)
     return step, step.run_ahead(c._slot_map(), c._row_of)
 
 
-async def verify_pass(c: Compute, tokens: list[int], cache: list[Any]) -> tuple[mx.array, VerifyStepper]:
+async def verify_pass(c: Compute, make: MakeVerifyStep, tokens: list[int],
+                      cache: list[Any]) -> tuple[mx.array, VerifyStepper]:
     """Every position's logits [len(tokens), vocab] (evaluated) and the pass (for `keep`)."""
     await c.begin_token("decode")
     misses0 = c.router.table.misses
     if c.run_ahead.wanted():
         c.stats.run_ahead_tokens += 1
-        step, result = await c.on_mlx(_run_ahead, c, tokens, cache)
+        step, result = await c.on_mlx(_run_ahead, c, make, tokens, cache)
         miss = await c.account(result, "decode")
         c.run_ahead.after_run_ahead(hit=miss is None)
         if miss is None:
@@ -48,7 +56,7 @@ async def verify_pass(c: Compute, tokens: list[int], cache: list[Any]) -> tuple[
         c.stats.run_ahead_misses += 1
         routing, preds = await c.on_mlx(c._resume, step, miss, "decode")
         return await c.layered(step, routing, preds, "decode", True), step
-    step, routing, preds = await c.on_mlx(_start, c, tokens, cache)
+    step, routing, preds = await c.on_mlx(_start, c, make, tokens, cache)
     logits = await c.layered(step, routing, preds, "decode", True)
     c.run_ahead.after_layered(hit=c.router.table.misses == misses0)
     return logits, step

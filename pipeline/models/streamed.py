@@ -108,13 +108,6 @@ class StreamedModel:
     def step(self, tokens: list[int] | mx.array, cache: list[Any]) -> ForwardStep:
         return ForwardStep(self, tokens, cache)
 
-    def verify_step(self, tokens: list[int], cache: list[Any]) -> ForwardStep | None:
-        """A speculative verify pass over `tokens` (pipeline/models/verify_step.py), or
-        None when this layout cannot restore its DeltaNet states."""
-        from pipeline.models.verify_step import VerifyStep, can_verify
-
-        return VerifyStep(self, tokens, cache) if can_verify(self) else None
-
     def batch_caches(self) -> BatchCaches:
         return BatchCaches(self.layers)
 
