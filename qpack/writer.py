@@ -22,11 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
 import msgspec
 import structlog
 
 from qpack import spec
 from qpack.layout import ContainerPlan, LayerPlan, make_plan
+from qpack.mtp import MTP_FILE, mtp_arrays, mtp_names
 from qpack.output_guard import bytes_under, exclusive_output, require_free_space
 from qpack.quantize import MODE_DEFAULTS, cast, quantize
 from qpack.safetensors_io import data_offsets, mx_to_bytes
@@ -207,7 +209,24 @@ class Packer:
         self._dense(bar)
         for layer in self.plan.layers:
             self._layer(layer, bar)
+        self._mtp()
         return self._manifest()
+
+    def _mtp(self) -> None:
+        """The MTP head, when the source has one mlx-lm conventions can hold (qpack/mtp.py)."""
+        names = mtp_names(self.src.index)
+        if not names or self.src.is_mlx or self.src.fp8_block or self._finished(MTP_FILE):
+            return
+        default = self.plan.quant.default
+        arrays = mtp_arrays({n: self.src.raw(n).to_mx() for n in names}, self.src.num_experts,
+                            default.bits if default is not None else None)
+        partial = self.out / "mtp.partial.safetensors"
+        _guard(partial, lambda: mx.save_safetensors(str(partial), arrays))
+        data = partial.read_bytes()
+        os.replace(partial, self.out / MTP_FILE)
+        _fsync_dir(self.out)
+        self.bytes_written += len(data)
+        self._commit(MTP_FILE, Done(len(data), hashlib.sha256(data).hexdigest()))
 
     def _small(self, rel: str, data: bytes) -> None:
         if self._finished(rel):
@@ -322,7 +341,7 @@ class Packer:
             model_type=self.src.model_type, num_layers=self.src.num_layers,
             num_experts=self.src.num_experts, top_k=self.src.top_k, quantization=quant,
             alignment=spec.ALIGNMENT, checksum="crc32", dense_bytes=done[spec.DENSE].size,
-            layers=layers, files=files,
+            layers=layers, files=files, mtp_layers=1 if MTP_FILE in done else 0,
         )
         data = json.dumps(json.loads(spec.encode_manifest(manifest)), indent=2, sort_keys=True).encode() + b"\n"
         with _Out(self.out, spec.MANIFEST) as o:

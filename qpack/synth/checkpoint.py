@@ -10,7 +10,8 @@ Layouts:
 - qwen3_5_moe, hub: everything under `model.language_model.`, fused experts
   `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I], split
   `in_proj_qkv` / `in_proj_z` / `in_proj_b` / `in_proj_a`, A_log in float32.
-  No vision or MTP weights are written (moestream is text-only; both loaders drop them).
+  No vision weights are written (moestream is text-only).
+- hub layouts carry the MTP head at the root (`mtp.*`, qpack/synth/mtp.py).
 - qwen3_5_moe, per-expert: transformers 5's Qwen3_5MoeForCausalLM (`model.layers...`,
   per-expert tensors, flat config with model_type `qwen3_5_moe_text`). mlx-lm cannot load this
   one (it has no `qwen3_5_moe_text` module); it exists to test the packer on both layouts.
@@ -36,6 +37,7 @@ import structlog
 
 from qpack.output_guard import DiskSpaceError, bytes_under, require_free_space
 from qpack.synth.init_weights import NORM_STD, Init, WeightSource, to_storage
+from qpack.synth.mtp import mtp_entries
 from qpack.synth.mlx_quant import (
     MIXED_RECIPES,
     MODE_DEFAULTS,
@@ -210,6 +212,9 @@ def checkpoint_entries(writer: WeightWriter, dims: ModelDims) -> list[TensorEntr
     entries += writer.entries("norm.weight", Init("norm.weight", (h,), "normal", NORM_STD))
     entries += writer.entries("lm_head.weight",
                               Init("lm_head.weight", (v, h), "normal", 1.0 / math.sqrt(h)))
+    if not writer.mlx and writer.layout == "hub":
+        # The MTP head, as the hub ships it (mlx_lm.convert drops it: no MLX layout has one).
+        entries += mtp_entries(writer.src, dims, writer.dtype)
     return entries
 
 
