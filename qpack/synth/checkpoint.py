@@ -37,7 +37,6 @@ import structlog
 
 from qpack.output_guard import DiskSpaceError, bytes_under, require_free_space
 from qpack.synth.init_weights import NORM_STD, Init, WeightSource, to_storage
-from qpack.synth.mtp import mtp_entries
 from qpack.synth.mlx_quant import (
     MIXED_RECIPES,
     MODE_DEFAULTS,
@@ -45,6 +44,7 @@ from qpack.synth.mlx_quant import (
     mlx_quantize,
     module_rule,
 )
+from qpack.synth.mtp import mtp_entries
 from qpack.synth.presets import ModelDims, get_preset, hf_config
 from qpack.synth.st_write import ST_DTYPES, TensorEntry, write_sharded
 from qpack.synth.tensor_inits import dense_inits, expert_init
