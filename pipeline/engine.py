@@ -62,7 +62,7 @@ from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_cache import PrefixCache
 from pipeline.prefix_disk import prefix_cache_for
-from pipeline.speculation import EmulatedDrafts, policy_for, speculation_snapshot
+from pipeline.speculation import EmulatedDrafts, open_mtp, policy_for, speculation_snapshot
 from qpack.reader import Container, ExpertIO
 
 log = structlog.get_logger("moestream.engine")
@@ -100,6 +100,7 @@ class Engine:
         self.lock = trio.Lock()
         self.batch = DecodeBatch(compute, model.batch_caches(), self.lock)
         self.emulated_drafts: EmulatedDrafts | None = None  # benchmark-only drafts (bench)
+        self.mtp = open_mtp(config, container, model)  # the MTP head, when it drafts
         self.batch.speculation = policy_for(router.table.num_slots, container.manifest.top_k,
                                             config.compute.draft_tokens)
         # A batch step pins the union of its rows' experts for a layer at once: at most

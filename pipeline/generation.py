@@ -63,6 +63,7 @@ class Generation:
         self.started = False
         self.closed = False
         self.job: Job | None = None
+        self.cache_seen: list[Any] | None = None
 
     def check(self) -> None:
         """Refuse what cannot run before taking the engine's lock."""
@@ -190,7 +191,10 @@ class Generation:
         if self.admitted is not None:
             self.admitted.set()
         async with events:
-            await self._generate(events)
+            try:
+                await self._generate(events)
+            finally:
+                speculation.release(self.engine, self.cache_seen)
 
     async def _generate(self, events: trio.MemorySendChannel[Event]) -> None:
         engine = self.engine
@@ -216,6 +220,8 @@ class Generation:
                                                                  self.tokens)
         if cache is None:
             cache = engine.model.make_cache()
+        spec = speculation.row_speculation(engine, self.params, self.tokens, max_tokens, cache)
+        self.cache_seen = cache  # an MTP drafter follows it until the generation ends
         await worker.run(mx.reset_peak_memory)
         t0 = time.perf_counter()
         generated: list[int] = []
@@ -249,7 +255,6 @@ class Generation:
             raise
         decode_rss = current_rss_mb()
         batch = engine.batch
-        spec = speculation.row_speculation(engine, self.params, self.tokens, max_tokens)
         row = batch.join(cache, sampler, logits, spec)
         try:
             while len(generated) < max_tokens:

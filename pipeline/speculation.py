@@ -9,16 +9,23 @@ never a reason for different tokens, so nothing else about a request changes it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
 
 from actors.sampling_params import SamplingParams
 from actors.speculative.decoder import Drafter, RowSpeculation
 from actors.speculative.emulated import EmulatedDrafter
 from actors.speculative.ngram import NgramDrafter
 from actors.speculative.policy import SpecStats, SpeculationPolicy
+from pipeline.config.schema import PipelineConfig
+from pipeline.models.mtp import MtpHead, load_mtp
+from pipeline.models.mtp_drafter import MtpDrafter
+from pipeline.models.streamed import StreamedModel
 from pipeline.models.verify_step import VerifyStep, can_verify
+from qpack.reader import Container
 
 if TYPE_CHECKING:
     from pipeline.engine import Engine
@@ -31,14 +38,48 @@ def mode_of(engine: Engine, params: SamplingParams) -> str:
 
 
 def has_mtp(engine: Engine) -> bool:
-    return getattr(engine, "mtp", None) is not None
+    return engine.mtp is not None
 
 
 def check(engine: Engine, params: SamplingParams) -> None:
     """Refuse a mode this container cannot serve (one line, before the request runs)."""
     if mode_of(engine, params) == "mtp" and not has_mtp(engine):
+        if engine.container.manifest.mtp_layers:
+            raise ValueError('speculative = "mtp": the MTP head is loaded only when the engine '
+                             'starts with compute.speculative = "mtp" or "auto"')
         raise ValueError('speculative = "mtp" needs a container packed with the checkpoint\'s '
                          'MTP head; this one has none (use "ngram" or "auto")')
+
+
+class HiddenSinks:
+    """The model's `hidden_sink` while an MTP head is loaded: each drafting sequence's
+    drafter, found by its cache (a batch's merged cache finds none)."""
+
+    def __init__(self) -> None:
+        self.by_cache: dict[int, Callable[[list[Any], mx.array], None]] = {}
+
+    def __call__(self, cache: list[Any], h: mx.array) -> None:
+        sink = self.by_cache.get(id(cache))
+        if sink is not None:
+            sink(cache, h)
+
+
+def open_mtp(config: PipelineConfig, container: Container, model: StreamedModel) -> MtpHead | None:
+    """The container's MTP head, when it has one and the engine may speculate with it (it
+    costs memory: its routed experts come with it)."""
+    if (not container.manifest.mtp_layers or config.compute.speculative not in ("mtp", "auto")
+            or config.distributed.enabled):
+        return None
+    head = load_mtp(container.root, model.parts)
+    model.hidden_sink = HiddenSinks()
+    return head
+
+
+def release(engine: Engine, cache: list[Any] | None) -> None:
+    """A generation is over: its drafter stops receiving hidden states."""
+    sinks = engine.model.hidden_sink
+    if cache is not None and isinstance(sinks, HiddenSinks):
+        sinks.by_cache.pop(id(cache), None)
 
 
 def policy_for(engine_slots: int, top_k: int, draft_tokens: int) -> SpeculationPolicy:
@@ -47,7 +88,8 @@ def policy_for(engine_slots: int, top_k: int, draft_tokens: int) -> SpeculationP
 
 
 def row_speculation(engine: Engine, params: SamplingParams, tokens: list[int],
-                    max_tokens: int) -> RowSpeculation | None:
+                    max_tokens: int, cache: list[Any]) -> RowSpeculation | None:
+    """Before the prompt is computed (an MTP drafter sees its hidden states), on `cache`."""
     mode = mode_of(engine, params)
     if mode == "off" or engine.batch.speculation.longest < 1:
         return None
@@ -57,6 +99,11 @@ def row_speculation(engine: Engine, params: SamplingParams, tokens: list[int],
     drafter: Drafter
     if emulated is not None:
         drafter = emulated.drafter(tokens, engine.model.parts.args.vocab_size)
+    elif engine.mtp is not None and mode in ("mtp", "auto"):
+        mtp = MtpDrafter(engine.mtp, engine.model.parts, tokens, engine.model.activation_dtype)
+        assert isinstance(engine.model.hidden_sink, HiddenSinks)
+        engine.model.hidden_sink.by_cache[id(cache)] = mtp.sink
+        drafter = mtp
     else:
         drafter = NgramDrafter(tokens, max_n=NGRAM_MAX, min_n=NGRAM_MIN)
     return RowSpeculation(mode, drafter, max_tokens, partial(VerifyStep, engine.model))

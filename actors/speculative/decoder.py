@@ -35,6 +35,8 @@ from actors.token_logprob import TokenLogprob
 
 
 class Drafter(Protocol):
+    on_mlx: bool  # `propose` runs MLX work (an MTP head): called on the MLX thread
+
     def extend(self, tokens: Iterable[int]) -> None: ...
 
     def propose(self, k: int) -> list[int]: ...
@@ -85,7 +87,8 @@ class SpeculativeDecoder:
             return self._give()
         inner = self.inner
         k = 0 if inner.logits is not None else self.policy.draft_len(self.spec.mode, self.spec.left - 1)
-        draft = self.spec.drafter.propose(k)
+        drafter = self.spec.drafter
+        draft = await self.compute.on_mlx(drafter.propose, k) if drafter.on_mlx and k else drafter.propose(k)
         if not draft:
             stepped = inner.logits is None  # the first token is drawn from logits at hand
             t0 = time.perf_counter()

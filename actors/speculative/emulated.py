@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 
 
 class EmulatedDrafter:
+    on_mlx = False
+
     def __init__(self, prompt: Sequence[int], reference: Sequence[int], acceptance: float,
                  vocab: int, seed: int = 0) -> None:
         if not 0.0 <= acceptance <= 1.0:

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 
 
 class NgramDrafter:
+    on_mlx = False
+
     def __init__(self, tokens: Iterable[int] = (), *, max_n: int = 3, min_n: int = 1) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
