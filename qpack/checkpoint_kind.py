@@ -72,6 +72,8 @@ def check_config(config: Mapping, where: str | Path) -> None:
 
 
 def needed_shards(weight_map: Mapping[str, str], model_type: str) -> set[str]:
-    """Shards holding at least one text-model tensor (MTP- or vision-only ones are skipped)."""
+    """Shards holding at least one text-model or MTP tensor (the packer keeps the MTP head,
+    qpack/mtp.py); vision-only ones are skipped."""
     family = MODEL_TYPE_ALIASES.get(model_type, model_type)
-    return {shard for name, shard in weight_map.items() if is_text_tensor(family, name)}
+    return {shard for name, shard in weight_map.items()
+            if is_text_tensor(family, name) or name.startswith("mtp.")}

@@ -217,6 +217,10 @@ class Packer:
         names = mtp_names(self.src.index)
         if not names or self.src.is_mlx or self.src.fp8_block or self._finished(MTP_FILE):
             return
+        if not all(self.src.index[n].is_file() for n in names):
+            # Hub downloads skip shards that hold only MTP tensors (qpack.names): no head then.
+            log.info("pack.mtp_skipped", reason="its shards were not downloaded")
+            return
         default = self.plan.quant.default
         arrays = mtp_arrays({n: self.src.raw(n).to_mx() for n in names}, self.src.num_experts,
                             default.bits if default is not None else None)

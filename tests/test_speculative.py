@@ -79,16 +79,25 @@ async def _same_greedy_tokens(engine: Any, greedy: SamplingParams, lengths: Any)
 async def test_greedy_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_as_plain(
         synth_checkpoint, packed):
     _src, qpack = tiny_pair(synth_checkpoint, packed, "qwen3_next")
-    config = engine_config(qpack, pool={"slots": 64}, compute={"run_ahead": "on"})
-    greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS)
+    # The engine loads the container's MTP head (speculative = "mtp"); plain runs say "off".
+    config = engine_config(qpack, pool={"slots": 64},
+                           compute={"run_ahead": "on", "speculative": "mtp"})
+    greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS, speculative="off")
     cases = {
         "logprobs+penalties": SamplingParams(temperature=0.0, max_tokens=TOKENS, logprobs=2,
-                                             repetition_penalty=1.3, presence_penalty=0.5),
-        "seeded": SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=TOKENS),
+                                             repetition_penalty=1.3, presence_penalty=0.5,
+                                             speculative="off"),
+        "seeded": SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=TOKENS,
+                                 speculative="off"),
     }
     async with open_engine(config) as engine:
         # Every expert pooled: each pass is one sync; greedy at every draft length.
         await _same_greedy_tokens(engine, greedy, ((1, 0.7), (2, 0.5), (3, 0.6)))
+        # MTP drafts (random weights: rarely right) are verified as exactly.
+        plain = _done(await _run(engine, greedy)).token_ids
+        done = _done(await _run(engine, msgspec.structs.replace(greedy, speculative="mtp")))
+        assert done.token_ids == plain
+        assert done.stats.speculative == "mtp" and done.stats.drafts_proposed > 0
         engine.batch.speculation.max_draft = 3
         for name, params in cases.items():
             engine.emulated_drafts = None

@@ -168,7 +168,8 @@ def _cmd_bench_container(args: argparse.Namespace) -> int:
         dims = get_preset(args.family, args.preset)
         result = write_bench_container(args.out, dims.family, args.preset, bits=args.bits,
                                        group_size=args.group_size, seed=args.seed,
-                                       max_layers=args.max_layers, workers=args.workers)
+                                       max_layers=args.max_layers, workers=args.workers,
+                                       mtp=args.mtp)
     except (ValueError, QpackError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -236,5 +237,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--group-size", type=int, default=64)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--max-layers", type=LAYERS, default=None, help="only the first N layers")
+    c.add_argument("--mtp", action="store_true",
+                   help="with the MTP head (8-bit, random weights: for the spec-mtp case's cost)")
     c.add_argument("--workers", type=WORKERS, default=None, help="writer threads (default: cores, <= 16)")
     c.set_defaults(func=_cmd_bench_container)
