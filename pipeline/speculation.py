@@ -91,8 +91,8 @@ def row_speculation(engine: Engine, params: SamplingParams, tokens: list[int],
                     max_tokens: int, cache: list[Any]) -> RowSpeculation | None:
     """Before the prompt is computed (an MTP drafter sees its hidden states), on `cache`."""
     mode = mode_of(engine, params)
-    if mode == "off" or engine.batch.speculation.longest < 1:
-        return None
+    if mode == "off" or engine.batch.speculation.longest < 1 or engine.config.distributed.enabled:
+        return None  # pipeline-parallel ranks would each have to keep their DeltaNet states
     if not can_verify(engine.model):
         return None  # a layout whose DeltaNet states a pass could not restore
     emulated = engine.emulated_drafts

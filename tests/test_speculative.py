@@ -54,8 +54,18 @@ async def test_greedy_tokens_equal_plain_decode_at_every_draft_length(
     _src, qpack = tiny_pair(synth_checkpoint, packed, family, bits)
     config = engine_config(qpack, pool={"slots": slots}, compute={"run_ahead": run_ahead})
     greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS)
-    async with open_engine(config) as engine:
+    async with open_engine(config, record_routing=True) as engine:
         await _same_greedy_tokens(engine, greedy, lengths)
+        # Reads shared by the pass: each layer of a verify pass demanded the union of its
+        # positions' experts from the pool, each expert once.
+        await engine.compute.prefetcher.caught_up()
+        steps = engine.compute.recorder.trace.steps
+        passes = [st for st in steps if st.phase == "decode" and len(st.layers[0].observed()) > 1]
+        assert passes
+        for st in passes:
+            for entry in st.layers:
+                union = list(dict.fromkeys(e for row in entry.observed() for e in row))
+                assert entry.chosen == union
 
 
 async def _same_greedy_tokens(engine: Any, greedy: SamplingParams, lengths: Any) -> None:
@@ -174,3 +184,22 @@ def test_speculative_sampling_draws_from_the_target_distribution():
     # The acceptance rate is sum(min(p, q)) (0.5 here).
     rate = float(mx.minimum(p, q).sum())
     assert math.isclose(float(np.array(kept).mean()), rate, abs_tol=0.01)
+
+
+def test_bench_speculative_cases_run_after_the_plain_reference_they_draft_from():
+    from pipeline.bench.spec import Case
+    from pipeline.bench.speculative import is_spec_case, spec_case_fields, with_references
+
+    base = {"pool": {"budget_mb": 1024}, "compute": {"prefill_chunk": 0}}
+    assert all(is_spec_case(n) for n in ("spec-k2-a0.8", "warm-spec-auto-a0.5", "spec-auto", "spec-mtp"))
+    assert not any(is_spec_case(n) for n in ("spec", "spec-k9-a0.8", "spec-k2-a2", "default"))
+    cases = [Case(name=n, model="m", **spec_case_fields(n, base))
+             for n in ("spec-k2-a0.8", "warm-spec-auto-a0.7", "spec-auto")]
+    k2 = cases[0]
+    assert k2.config["compute"] == {"prefill_chunk": 0, "speculative": "ngram", "draft_tokens": 2}
+    assert (k2.emulate, k2.reference, k2.warm_all) == (0.8, "default", False)
+    assert cases[2].emulate is None  # real prompt lookup: no reference needed
+    planned = [c.name for c in with_references([Case(name="io", model="m"), *cases])]
+    assert planned == ["io", "spec-auto", "default", "spec-k2-a0.8", "warm-all", "warm-spec-auto-a0.7"]
+    plain = next(c for c in with_references(cases) if c.name == "warm-all")
+    assert plain.warm_all and plain.config["compute"]["speculative"] == "off"
