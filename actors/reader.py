@@ -1,7 +1,13 @@
 """The reader actor: expert reads from the container into staging buffers.
 
 `concurrency` disk threads each keep one blocking `preadv` in flight: the number of
-threads is the queue depth the disk is offered. A thread that finishes a read takes the
+threads is the queue depth the disk is offered. `demand_lane` more threads take demand
+reads only: a read the compute waits for starts at once even when every other thread
+is busy with a prediction (with realistic routing, ~40 % of a layer's experts are not
+predicted, and each waited behind a prefetch read already in flight). With
+`prefetch_yields`, no prediction starts while a demand read is running, so the reads the
+compute waits for have the disk to themselves (reads in flight share its bandwidth: a
+demand read beside a prediction took twice as long). A thread that finishes a read takes the
 next load itself, under one lock, demand before prefetch, so the disk is never left
 waiting for the event loop; a prefetch that becomes a demand before it starts is
 promoted, one already running is simply waited on (never issued twice).
@@ -74,6 +80,7 @@ class Load:
     error: BaseException | None = None
     started: bool = False
     predicted: bool = False  # submitted as a prefetch (whatever it became later)
+    read_as_demand: bool = False  # a demand when its read started (predictions yield to it)
     # perf_counter times: submitted, pread started, pread ended, finished (checked/staged).
     t_submit: float = 0.0
     t_start: float = 0.0
@@ -111,6 +118,8 @@ class ExpertReader:
         container: Container,
         *,
         concurrency: int,
+        demand_lane: int = 0,
+        prefetch_yields: bool = False,
         retries: int = 2,
         retry_backoff_s: float = 0.01,
         buffers: int | None = None,
@@ -123,6 +132,9 @@ class ExpertReader:
         self.stage = stage
         self.container = container
         self.concurrency = concurrency
+        self.demand_lane = demand_lane
+        self.prefetch_yields = prefetch_yields
+        self._demand_reading = 0  # demand reads between their start and their pread's end
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
         stride = container.manifest.max_stride
@@ -133,7 +145,9 @@ class ExpertReader:
         self._demand: deque[Load] = deque()
         self._prefetch: deque[Load] = deque()
         # Guards the queues and the free buffers: trio submits, disk threads take.
-        self._cond = threading.Condition(threading.Lock())
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)
+        self._lane_cond = threading.Condition(lock)  # the demand lane's threads wait here
         self._closed = False
         self._any_done = trio.Event()
         self._stagers = max(1, min(MAX_STAGERS, concurrency))
@@ -154,8 +168,9 @@ class ExpertReader:
         token = trio.lowlevel.current_trio_token()
         with self._cond:
             self._closed = False
-        threads = [threading.Thread(target=self._disk_thread, args=(i, token), daemon=True,
-                                    name=f"moestream-read-{i}") for i in range(self.concurrency)]
+        threads = [threading.Thread(target=self._disk_thread, args=(i, token, i >= self.concurrency),
+                                    daemon=True, name=f"moestream-read-{i}")
+                   for i in range(self.concurrency + self.demand_lane)]
         for thread in threads:
             thread.start()
         _claim_switch_interval(self.switch_interval_s)
@@ -166,6 +181,7 @@ class ExpertReader:
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()
+                self._lane_cond.notify_all()
             # A read in flight ends in milliseconds; a hung disk must not hold shutdown.
             deadline = time.monotonic() + 2.0
             for thread in threads:
@@ -176,6 +192,8 @@ class ExpertReader:
         with self._cond:
             (self._demand if demand else self._prefetch).append(load)
             self._cond.notify()
+            if demand:
+                self._lane_cond.notify()
         return load
 
     def promote(self, load: Load) -> None:
@@ -187,6 +205,7 @@ class ExpertReader:
             load.demand = True
             self._prefetch.remove(load)
             self._demand.append(load)
+            self._lane_cond.notify()
 
     @property
     def starved(self) -> bool:
@@ -201,23 +220,42 @@ class ExpertReader:
         with self._cond:
             self._free.append(buffer)
             self._cond.notify()
+            if self._demand:
+                self._lane_cond.notify()
 
     # -- the disk threads -------------------------------------------------------------------
 
-    def _take(self) -> tuple[Load, np.ndarray] | None:
-        """Under the lock: the next load (demand first) and a free buffer, or None to exit."""
-        with self._cond:
-            while not self._closed and not ((self._demand or self._prefetch) and self._free):
-                self._cond.wait()
+    def _take(self, lane: bool) -> tuple[Load, np.ndarray] | None:
+        """Under the lock: the next load (demand first; a lane thread takes only demand)
+        and a free buffer, or None to exit."""
+        cond = self._lane_cond if lane else self._cond
+        with cond:
+            while not self._closed and not ((self._demand or self._may_prefetch(lane)) and self._free):
+                cond.wait()
             if self._closed:
                 return None
             load = self._demand.popleft() if self._demand else self._prefetch.popleft()
+            if load.demand:
+                load.read_as_demand = True
+                self._demand_reading += 1
             # Off the queue now: a promotion from here on must not look for it there.
             load.started = True
             return load, self._free.pop()
 
-    def _disk_thread(self, index: int, token: trio.lowlevel.TrioToken) -> None:
-        while (taken := self._take()) is not None:
+    def _may_prefetch(self, lane: bool) -> bool:
+        return bool(self._prefetch) and not lane and not (self.prefetch_yields and self._demand_reading)
+
+    def _read_done(self, load: Load) -> None:
+        """A read ended: predictions held back for it may start."""
+        if not load.read_as_demand:
+            return
+        with self._cond:
+            self._demand_reading -= 1
+            if not self._demand_reading and self._prefetch:
+                self._cond.notify_all()
+
+    def _disk_thread(self, index: int, token: trio.lowlevel.TrioToken, lane: bool) -> None:
+        while (taken := self._take(lane)) is not None:
             load, buffer = taken
             load.t_start = time.perf_counter()
             try:
@@ -226,9 +264,11 @@ class ExpertReader:
                     self._read(load.key, buffer)
             except Exception as exc:  # noqa: BLE001 - reported to whoever waits on the load
                 load.t_read = time.perf_counter()
+                self._read_done(load)
                 self._deliver(token, load, buffer, exc)
                 continue
             load.t_read = time.perf_counter()
+            self._read_done(load)
             layer, expert = load.key
             if self.stage is None and not self.container.needs_check(layer, expert):
                 self._deliver(token, load, buffer, None)

@@ -28,20 +28,20 @@ from pipeline.models.verify_step import VerifyStep, can_verify
 from qpack.reader import Container
 
 if TYPE_CHECKING:
-    from pipeline.engine import Engine
+    from pipeline.engine_core import EngineCore
 
 NGRAM_MAX, NGRAM_MIN = 3, 2  # the longest suffix looked up first; shorter matches are noise
 
 
-def mode_of(engine: Engine, params: SamplingParams) -> str:
+def mode_of(engine: EngineCore, params: SamplingParams) -> str:
     return params.speculative or engine.config.compute.speculative
 
 
-def has_mtp(engine: Engine) -> bool:
+def has_mtp(engine: EngineCore) -> bool:
     return engine.mtp is not None
 
 
-def check(engine: Engine, params: SamplingParams) -> None:
+def check(engine: EngineCore, params: SamplingParams) -> None:
     """Refuse a mode this container cannot serve (one line, before the request runs)."""
     if mode_of(engine, params) == "mtp" and not has_mtp(engine):
         if engine.container.manifest.mtp_layers:
@@ -75,7 +75,7 @@ def open_mtp(config: PipelineConfig, container: Container, model: StreamedModel)
     return head
 
 
-def release(engine: Engine, cache: list[Any] | None) -> None:
+def release(engine: EngineCore, cache: list[Any] | None) -> None:
     """A generation is over: its drafter stops receiving hidden states."""
     sinks = engine.model.hidden_sink
     if cache is not None and isinstance(sinks, HiddenSinks):
@@ -87,7 +87,7 @@ def policy_for(engine_slots: int, top_k: int, draft_tokens: int) -> SpeculationP
     return SpeculationPolicy(max_draft=draft_tokens, pinnable_rows=engine_slots // top_k)
 
 
-def row_speculation(engine: Engine, params: SamplingParams, tokens: list[int],
+def row_speculation(engine: EngineCore, params: SamplingParams, tokens: list[int],
                     max_tokens: int, cache: list[Any]) -> RowSpeculation | None:
     """Before the prompt is computed (an MTP drafter sees its hidden states), on `cache`."""
     mode = mode_of(engine, params)

@@ -122,3 +122,73 @@ async def test_the_gil_switch_interval_is_short_while_reading_and_restored(conta
             assert sys.getswitchinterval() == pytest.approx(min(before, SWITCH_INTERVAL_S), abs=2e-6)
             nursery.cancel_scope.cancel()
     assert sys.getswitchinterval() == before
+
+
+class HeldIO(PosixIO):
+    """Real preads; a read whose offset is in `held` waits for `release` first."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.held: set[int] = set()
+        self.started: list[int] = []
+        self._lock = threading.Lock()
+
+    def pread_into(self, fd: int, buf: memoryview, offset: int) -> int:
+        with self._lock:
+            self.started.append(offset)
+        if offset in self.held:
+            self.release.wait(10)
+        return super().pread_into(fd, buf, offset)
+
+
+@pytest.mark.parametrize("lane", [1, 0])
+async def test_a_demand_read_starts_at_once_in_its_lane_while_predictions_hold_every_thread(container, lane):
+    """Two disk threads busy with predictions: with a demand lane the demand read is
+    served now; without one it waits until a prediction's read ends."""
+    io = HeldIO()
+    with Container.open(container, verify="off", io=io) as c:
+        stride = c.manifest.layer(0).stride
+        io.held = {0, stride}  # experts 0 and 1 of layer 0
+        reader = ExpertReader(c, concurrency=2, demand_lane=lane)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.run)
+            predicted = [reader.submit((0, e), demand=False) for e in (0, 1)]
+            with trio.fail_after(10):
+                while len(io.started) < 2:
+                    await trio.sleep(0.002)
+            demand = reader.submit((0, 5), demand=True)
+            if lane:
+                with trio.fail_after(10):  # served while both predictions are still held
+                    await demand.done.wait()
+            else:
+                await trio.sleep(0.3)
+            served_first = demand.done.is_set() and not any(p.done.is_set() for p in predicted)
+            io.release.set()
+            for load in (*predicted, demand):
+                await load.done.wait()
+                assert load.error is None
+            nursery.cancel_scope.cancel()
+    assert served_first == bool(lane)
+
+
+@pytest.mark.parametrize("yields", [True, False])
+async def test_predictions_wait_while_a_demand_read_runs_when_they_yield(container, yields):
+    io = HeldIO()
+    with Container.open(container, verify="off", io=io) as c:
+        io.held = {0}  # the demand: expert 0 of layer 0
+        reader = ExpertReader(c, concurrency=2, prefetch_yields=yields)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.run)
+            demand = reader.submit((0, 0), demand=True)
+            with trio.fail_after(10):
+                while not io.started:
+                    await trio.sleep(0.002)
+            predicted = [reader.submit((0, e), demand=False) for e in (3, 4)]
+            await trio.sleep(0.2)
+            started_beside = len(io.started) - 1
+            io.release.set()
+            for load in (demand, *predicted):
+                await load.done.wait()
+                assert load.error is None
+            nursery.cancel_scope.cancel()
+    assert started_beside == (0 if yields else 2)

@@ -58,8 +58,10 @@ async def test_greedy_tokens_equal_plain_decode_at_every_draft_length(
         await _same_greedy_tokens(engine, greedy, lengths)
         # Reads shared by the pass: each layer of a verify pass demanded the union of its
         # positions' experts from the pool, each expert once.
-        await engine.compute.prefetcher.caught_up()
-        steps = engine.compute.recorder.trace.steps
+        await engine._core.compute.prefetcher.caught_up()
+        recorder = engine._core.compute.recorder
+        assert recorder is not None
+        steps = recorder.trace.steps
         passes = [st for st in steps if st.phase == "decode" and len(st.layers[0].observed()) > 1]
         assert passes
         for st in passes:
@@ -70,11 +72,11 @@ async def test_greedy_tokens_equal_plain_decode_at_every_draft_length(
 
 async def _same_greedy_tokens(engine: Any, greedy: SamplingParams, lengths: Any) -> None:
     plain = _done(await _run(engine, greedy)).token_ids
-    guard = engine.batch.speculation.longest
-    assert guard == min(3, engine.router.table.num_slots // engine.model.top_k - 1)
+    guard = engine._core.batch.speculation.longest
+    assert guard == min(3, engine.facts.slots // engine.facts.top_k - 1)
     for k, acceptance in lengths:
-        engine.batch.speculation.max_draft = k
-        engine.emulated_drafts = EmulatedDrafts(plain, acceptance, seed=k)
+        engine._core.batch.speculation.max_draft = k
+        engine.emulate_drafts(EmulatedDrafts(plain, acceptance, seed=k))
         params = msgspec.structs.replace(greedy, speculative="ngram")
         done = _done(await _run(engine, params))
         assert done.token_ids == plain, f"k={k}"
@@ -108,9 +110,9 @@ async def test_greedy_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_
         done = _done(await _run(engine, msgspec.structs.replace(greedy, speculative="mtp")))
         assert done.token_ids == plain
         assert done.stats.speculative == "mtp" and done.stats.drafts_proposed > 0
-        engine.batch.speculation.max_draft = 3
+        engine._core.batch.speculation.max_draft = 3
         for name, params in cases.items():
-            engine.emulated_drafts = None
+            engine.emulate_drafts(None)
             plain = await _run(engine, params)
             tokens = _done(plain).token_ids
             # A stop string inside the text: generation ends in the middle of a pass.
@@ -121,10 +123,10 @@ async def test_greedy_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_
             done = _done(plain_stop)
             assert done.finish_reason == "stop", name
             kept = PROMPT + list(done.token_ids[:-1])
-            want_state, n = await engine.worker.run(engine.prefix_cache.take, [*kept, 0])
+            want_state, n = await engine._core.worker.run(engine.prefix_cache.take, [*kept, 0])
             assert n == len(kept)
             engine.prefix_cache.clear()
-            engine.emulated_drafts = EmulatedDrafts(tokens, 0.8, seed=3)
+            engine.emulate_drafts(EmulatedDrafts(tokens, 0.8, seed=3))
             spec = msgspec.structs.replace(params, speculative="ngram")
             got = await _run(engine, spec)
             assert _deltas(got) == _deltas(plain), name
@@ -132,7 +134,7 @@ async def test_greedy_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_
             got_stop = await _run(engine, msgspec.structs.replace(stopped, speculative="ngram"))
             assert _deltas(got_stop) == _deltas(plain_stop), name
             # The state kept for a follow-up is plain decode's, bit for bit.
-            state, n = await engine.worker.run(engine.prefix_cache.take, [*kept, 0])
+            state, n = await engine._core.worker.run(engine.prefix_cache.take, [*kept, 0])
             assert n == len(kept)
             for a, b in zip(_arrays(state), _arrays(want_state), strict=True):
                 assert mx.array_equal(a, b).item(), name

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 
@@ -57,7 +58,7 @@ def _accept_lazy(sampler: Sampler, logits: mx.array, draft: Sequence[int]) -> Ve
     for i in range(len(draft) + 1):
         keys.append(sampler.key)
         draws.append(sampler.draw(logits[i]))
-    drawn = mx.stack(draws).tolist()
+    drawn = cast(list[int], mx.stack(draws).tolist())
     n = next((i + 1 for i, d in enumerate(draft) if drawn[i] != d), len(draft) + 1)
     if n < len(keys):
         sampler.restore_key(keys[n])

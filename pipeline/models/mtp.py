@@ -18,7 +18,7 @@ routed experts are loaded with the head (qpack/mtp.py), not streamed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -38,7 +38,8 @@ class MtpHead(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = nn.RMSNorm(h, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(h, eps=eps)
-        self.layer = type(parts.layers[fa])(args, fa)  # a full-attention decoder layer
+        layer_class: Any = type(parts.layers[fa])  # mlx-lm's decoder layer (args, index)
+        self.layer = layer_class(args, fa)  # a full-attention one
         self.norm = nn.RMSNorm(h, eps=eps)
 
     def __call__(self, embeds: mx.array, hidden: mx.array, cache: Any) -> mx.array:
@@ -53,7 +54,7 @@ class MtpHead(nn.Module):
 def load_mtp(root: Path, parts: TextParts) -> MtpHead:
     """The container's head (`mtp_layers` in its manifest says there is one), evaluated."""
     path = Path(root) / MTP_FILE
-    weights = mx.load(str(path))
+    weights = cast(dict[str, mx.array], mx.load(str(path)))  # a .safetensors file: a dict
     head = MtpHead(parts)
     if "fc.scales" in weights:
         # Quantized heads are 8-bit affine, group 64 (qpack.mtp); the rest stays float.

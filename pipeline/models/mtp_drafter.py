@@ -18,7 +18,7 @@ positions, which may draft worse, never wrong.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -85,4 +85,4 @@ class MtpDrafter:
             drafts.append(mx.argmax(self.parts.head(out)[0, 0]))
         if k > 1:
             self.cache.trim(k - 1)  # speculative positions: redone with the true hidden states
-        return [int(t) for t in mx.stack(drafts).tolist()]
+        return cast(list[int], mx.stack(drafts).tolist())

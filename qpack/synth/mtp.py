@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator
+from functools import partial
 
 import numpy as np
 
@@ -43,8 +44,7 @@ def mtp_inits(dims: ModelDims) -> list[tuple[str, Init]]:
 
 def mtp_entries(src: WeightSource, dims: ModelDims, dtype: str) -> list[TensorEntry]:
     """Every tensor of the head, encoded as `dtype`, experts in the family's hub layout."""
-    entries = [TensorEntry(name, ST_DTYPES[dtype], init.shape,
-                           lambda init=init: src.stored_blocks(init, dtype))
+    entries = [TensorEntry(name, ST_DTYPES[dtype], init.shape, partial(src.stored_blocks, init, dtype))
                for name, init in mtp_inits(dims)]
     layer, n = dims.num_hidden_layers, dims.num_experts
     p = "mtp.layers.0.mlp.experts."
@@ -54,7 +54,7 @@ def mtp_entries(src: WeightSource, dims: ModelDims, dtype: str) -> list[TensorEn
                 init = dataclasses.replace(expert_init(dims, layer, e, proj),
                                            key=f"mtp.{p}{e}.{proj}.weight")
                 entries.append(TensorEntry(f"{p}{e}.{proj}.weight", ST_DTYPES[dtype], init.shape,
-                                           lambda init=init: src.stored_blocks(init, dtype)))
+                                           partial(src.stored_blocks, init, dtype)))
         return entries
 
     def stacked(*projs: str) -> Iterator[np.ndarray]:
