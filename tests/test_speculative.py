@@ -27,7 +27,7 @@ from pipeline.prefix_cache import _arrays
 from pipeline.speculation import EmulatedDrafts
 
 PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
-TOKENS = 16
+TOKENS = 12
 
 
 async def _run(engine: Any, params: SamplingParams, prompt: list[int] = PROMPT) -> list[Any]:
@@ -43,6 +43,22 @@ def _deltas(events: list[Any]) -> list[tuple[str, tuple[int, ...], Any]]:
     return [(e.text, e.token_ids, e.logprobs) for e in events if isinstance(e, TextDelta)]
 
 
+@pytest.fixture
+def container(synth_checkpoint, packed, family, bits):
+    """The tiny container of (family, bits), made in the set-up (shared with other tests)."""
+    return tiny_pair(synth_checkpoint, packed, family, bits)[1]
+
+
+@pytest.fixture
+def family():
+    return "qwen3_next"
+
+
+@pytest.fixture
+def bits():
+    return None
+
+
 @pytest.mark.parametrize(("family", "bits", "slots", "run_ahead", "lengths"), [
     # The smallest pool: passes that miss, resumed per layer; the guard cuts k to 1.
     ("qwen3_next", None, 8, "on", ((3, 0.7),)),
@@ -50,8 +66,8 @@ def _deltas(events: list[Any]) -> list[tuple[str, tuple[int, ...], Any]]:
     ("qwen3_5_moe", 4, 16, "off", ((2, 0.6),)),
 ])
 async def test_greedy_tokens_equal_plain_decode_at_every_draft_length(
-        synth_checkpoint, packed, family, bits, slots, run_ahead, lengths):
-    _src, qpack = tiny_pair(synth_checkpoint, packed, family, bits)
+        container, family, bits, slots, run_ahead, lengths):
+    qpack = container
     config = engine_config(qpack, pool={"slots": slots}, compute={"run_ahead": run_ahead})
     greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS)
     async with open_engine(config, record_routing=True) as engine:
@@ -70,7 +86,8 @@ async def test_greedy_tokens_equal_plain_decode_at_every_draft_length(
                 assert entry.chosen == union
 
 
-async def _same_greedy_tokens(engine: Any, greedy: SamplingParams, lengths: Any) -> None:
+async def _same_greedy_tokens(engine: Any, greedy: SamplingParams, lengths: Any) -> tuple[int, ...]:
+    """Plain decode's tokens, and the same from every (draft length, acceptance)."""
     plain = _done(await _run(engine, greedy)).token_ids
     guard = engine._core.batch.speculation.longest
     assert guard == min(3, engine.facts.slots // engine.facts.top_k - 1)
@@ -86,11 +103,11 @@ async def _same_greedy_tokens(engine: Any, greedy: SamplingParams, lengths: Any)
         assert 0 < s.drafts_accepted < s.drafts_proposed <= s.verify_passes * min(k, guard)
         assert s.tokens_per_pass == pytest.approx(
             (s.drafts_accepted + s.verify_passes) / s.verify_passes, abs=1e-3)
+    return plain
 
 
-async def test_greedy_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_as_plain(
-        synth_checkpoint, packed):
-    _src, qpack = tiny_pair(synth_checkpoint, packed, "qwen3_next")
+async def test_greedy_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_as_plain(container):
+    qpack = container
     # The engine loads the container's MTP head (speculative = "mtp"); plain runs say "off".
     config = engine_config(qpack, pool={"slots": 64},
                            compute={"run_ahead": "on", "speculative": "mtp"})
@@ -104,9 +121,8 @@ async def test_greedy_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_
     }
     async with open_engine(config) as engine:
         # Every expert pooled: each pass is one sync; greedy at every draft length.
-        await _same_greedy_tokens(engine, greedy, ((1, 0.7), (2, 0.5), (3, 0.6)))
+        plain = await _same_greedy_tokens(engine, greedy, ((1, 0.7), (3, 0.6)))
         # MTP drafts (random weights: rarely right) are verified as exactly.
-        plain = _done(await _run(engine, greedy)).token_ids
         done = _done(await _run(engine, msgspec.structs.replace(greedy, speculative="mtp")))
         assert done.token_ids == plain
         assert done.stats.speculative == "mtp" and done.stats.drafts_proposed > 0
@@ -115,6 +131,14 @@ async def test_greedy_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_
             engine.emulate_drafts(None)
             plain = await _run(engine, params)
             tokens = _done(plain).token_ids
+            engine.emulate_drafts(EmulatedDrafts(tokens, 0.8, seed=3))
+            spec = msgspec.structs.replace(params, speculative="ngram")
+            got = await _run(engine, spec)
+            assert _deltas(got) == _deltas(plain), name
+            assert _done(got).stats.drafts_accepted > 0, name
+            if name != "logprobs+penalties":
+                continue
+            engine.emulate_drafts(None)
             # A stop string inside the text: generation ends in the middle of a pass.
             text = _done(plain).text
             stop = text[len(text) // 2 : len(text) // 2 + 3]
@@ -127,10 +151,6 @@ async def test_greedy_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_
             assert n == len(kept)
             engine.prefix_cache.clear()
             engine.emulate_drafts(EmulatedDrafts(tokens, 0.8, seed=3))
-            spec = msgspec.structs.replace(params, speculative="ngram")
-            got = await _run(engine, spec)
-            assert _deltas(got) == _deltas(plain), name
-            assert _done(got).stats.drafts_accepted > 0, name
             got_stop = await _run(engine, msgspec.structs.replace(stopped, speculative="ngram"))
             assert _deltas(got_stop) == _deltas(plain_stop), name
             # The state kept for a follow-up is plain decode's, bit for bit.

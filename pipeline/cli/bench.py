@@ -228,7 +228,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", type=Path, help="path of a .qpack container")
     p.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES),
                    help=f"comma-separated cases (default {','.join(CASES)}; "
-                   f"all: {','.join(ALL_CASES)})")
+                   f"all: {','.join(ALL_CASES)}; speculative decoding: spec-k{{1-8}}-a{{A}} "
+                   "(emulated acceptance A, drafts from the plain run's tokens), spec-auto-a{A}, "
+                   "spec-auto, spec-ngram, spec-mtp, and warm-spec-... of each: "
+                   "docs/speculative.md)")
     add_bench_flags(p)
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--trace", help="write the default case's Chrome/Perfetto timeline here")
