@@ -38,6 +38,17 @@ def mtp_names(names: Iterable[str]) -> list[str]:
     return sorted(n for n in names if n.startswith("mtp.") and not n.startswith("mtp.layers.1"))
 
 
+def packed_bytes(shape: tuple[int, ...], itemsize: int, bits: int | None) -> int:
+    """About what one source tensor becomes in `mtp.safetensors` (free-space checks):
+    float as it is, or a matrix at 8 bits with a scale and a bias per 64 values."""
+    n = 1
+    for d in shape:
+        n *= d
+    if bits is None or len(shape) < 2 or shape[-1] % 64:
+        return n * itemsize
+    return n * max(bits, MTP_BITS) // 8 + 2 * (n // 64) * itemsize
+
+
 def _target(name: str) -> str:
     return name.removeprefix("mtp.").replace("layers.0.", "layer.", 1)
 

@@ -283,4 +283,9 @@ def estimated_sizes(family: str | None, preset: str, bits: int = 4, group_size: 
     entries, _ = dense_entries(dims, bits, group_size, 0)
     _, stride = expert_layout(dims, bits, group_size)
     packed = sum(e.nbytes for e in entries) + dims.num_hidden_layers * dims.num_experts * stride
+    from qpack.mtp import packed_bytes
+    from qpack.synth.mtp import mtp_entries
+
+    src = WeightSource(0, dims.num_experts, dims.hidden_size)
+    packed += sum(packed_bytes(e.shape, 2, bits) for e in mtp_entries(src, dims, "bfloat16"))
     return synth, packed
