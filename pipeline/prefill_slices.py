@@ -33,12 +33,16 @@ def per_token_bytes(layers: list[Any], context: int) -> int:
     kernel = mx.default_device() == mx.gpu and mx.metal.is_available()  # mlx-lm's kernel
     worst = 0
     for block in layers:
-        if block.is_linear:
+        if getattr(block, "is_linear", False):
             la = block.linear_attn
             step = la.num_v_heads * la.head_v_dim * la.head_k_dim * 4
             worst = max(worst, (la.num_v_heads * la.head_v_dim * 16) if kernel else step)
         else:
-            worst = max(worst, block.self_attn.num_attention_heads * context * 4 * 2)  # scores + softmax
+            # Families name their attention's head count differently (mlx-lm's modules).
+            attn = getattr(block, "self_attn", None)
+            heads = next((getattr(attn, n) for n in ("num_attention_heads", "n_heads", "num_heads")
+                          if isinstance(getattr(attn, n, None), int)), 64)
+            worst = max(worst, heads * context * 4 * 2)  # scores + softmax
     return max(worst, 1)
 
 
