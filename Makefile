@@ -22,12 +22,15 @@ TESTING := $(VENV)/.installed-test+plot+$(BACKEND)
 demo: $(RUNTIME)
 	$(BIN)/moestream run config/demo.toml
 
+# The type checker reads [tool.mypy] in pyproject.toml (the product packages).
 test: $(TESTING)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -x -n 2 --durations=15
 
 lint: $(TESTING)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # The demo container (made by `make demo`, or here on first use), at the demo's pool.
 bench: $(RUNTIME)

@@ -44,7 +44,8 @@ def regroup_caches(ops: CacheBatcher, batch: list[Any] | None, rows: int, keep: 
         if joining:
             ops.extend(batch, list(joining))
         return batch, taken
-    staying = [taken[keep[0]] if merged else batch] if keep else []
+    kept = taken[keep[0]] if merged else batch
+    staying = [kept] if keep and kept is not None else []
     members = [*staying, *joining]
     if not members:
         return None, taken

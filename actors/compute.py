@@ -16,7 +16,7 @@ The generation that runs these forwards is itself a job of the compute task
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -43,6 +43,8 @@ def _ids(tokens: Tokens) -> list[int] | mx.array:
     """On the MLX thread (arrays are made where they are used)."""
     if isinstance(tokens, mx.array):
         return tokens
+    # `Tokens` is one sequence's ids or a batch's rows of them; the first item says which
+    # (the checker cannot narrow a sequence by its first item, hence the two ignores).
     if tokens and not isinstance(tokens[0], int):
         return mx.array([list(row) for row in tokens])  # type: ignore[arg-type]
     return list(tokens)  # type: ignore[arg-type]
@@ -82,6 +84,9 @@ class Compute:
         self.tick = 0
         self.stats = ComputeStats()
         self.run_ahead = run_ahead or RunAheadPolicy("off")
+        # Called with the phase as each forward starts (a benchmark splits prefill from
+        # decode there); the engine adds and removes them (`Engine.watch_tokens`).
+        self.token_hooks: list[Callable[[Phase], None]] = []
         self._row_of = {layer: i for i, layer in enumerate(moe_layers)}
         self._map: mx.array | None = None
         self._map_version = -1
@@ -155,6 +160,8 @@ class Compute:
 
     async def begin_token(self, phase: Phase) -> None:
         """Before a forward's bookkeeping: the recorder and the scorer start a token."""
+        for hook in self.token_hooks:
+            hook(phase)
         await self.prefetcher.send(TokenStart(phase))
 
     async def forward(self, tokens: Tokens, cache: list[Any], phase: Phase,

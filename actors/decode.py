@@ -37,6 +37,7 @@ import mlx.core as mx
 
 from actors.compute import Compute
 from actors.forward import ForwardStepper
+from actors.mx_typed import int_list
 from actors.row_samplers import RowSamplers
 
 
@@ -82,13 +83,13 @@ class Decoder:
     def _start(self, logits: mx.array, more: bool) -> tuple[list[int], _Launched | None]:
         tokens = self.sampler.draw(logits)
         launched = self._launch(tokens) if more else None
-        return tokens.tolist(), launched
+        return int_list(tokens), launched
 
     def _step(self, current: _Launched, more: bool) -> tuple[Any, list[int], _Launched | None]:
         """Queue the next step, then read this one: its routing, flags and tokens (the
         tokens are meaningless when the step missed; reading them costs nothing more)."""
         launched = self._launch(current.tokens) if more else None
-        return current.lazy.result(), current.tokens.tolist(), launched
+        return current.lazy.result(), int_list(current.tokens), launched
 
     def _undo_next(self, current: _Launched, nxt: _Launched | None, miss: int) -> None:
         """`current` missed at `miss`: wait for `nxt` (queued on wrong tokens), undo it."""

@@ -11,7 +11,7 @@ merged in (`CacheBatcher`), and a new decoder starts from each row's last token.
 A lone sequence keeps its own plain caches and the one-row decoder: alone, a generation
 computes exactly what it computed before batching existed. In a batch, each row's tokens
 are those it would get alone (its own sampler and RNG stream; the batched kernels give
-the same logits up to rounding, see the README).
+the same logits up to rounding, see docs/results.md).
 
 Compute turns: the engine's `turn` lock is held for each step and for each prefill
 chunk of a newcomer, so prefill and decode interleave, chunk by step (the lock is fair);
@@ -246,6 +246,7 @@ class DecodeBatch:
         if not members and len(joining) == 1:
             # Alone: the one-row decoder draws its first token, as a lone generation does.
             row = joining[0]
+            assert row.logits is not None  # a newcomer brings its prefill's last logits
             self._start([row], cache, Decoder(self.compute, row.cache,
                                               RowSamplers([row.sampler]),
                                               logits=row.logits[None]))

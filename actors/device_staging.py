@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import io
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import mlx.core as mx
 import numpy as np
@@ -87,9 +87,15 @@ def _copy_without_gil(dst: memoryview, src: memoryview) -> None:
     ctypes.memmove(target, np.frombuffer(src, dtype=np.uint8).ctypes.data, len(src))
 
 
+def _load(view: NpyView) -> mx.array:
+    # `mx.load` reads any object with read / seek / tell, and a .npy holds one array; MLX's
+    # stub says a BinaryIO, and the union of every format's result.
+    return cast(mx.array, mx.load(cast(BinaryIO, view), format="npy"))
+
+
 def to_device(blob: np.ndarray) -> mx.array:
     """The blob's bytes as a uint8 MLX array in device memory (see the module docstring)."""
-    return mx.load(NpyView(blob), format="npy")
+    return _load(NpyView(blob))
 
 
 def to_device_many(blobs: Sequence[np.ndarray]) -> list[mx.array]:
@@ -97,7 +103,7 @@ def to_device_many(blobs: Sequence[np.ndarray]) -> list[mx.array]:
     which lives until the last of them is dropped (after their installs)."""
     if len(blobs) == 1:
         return [to_device(blobs[0])]
-    whole = mx.load(NpyView(*blobs), format="npy")
+    whole = _load(NpyView(*blobs))
     out: list[mx.array] = []
     start = 0
     for blob in blobs:

@@ -26,6 +26,24 @@ class Routing:
     hidden: mx.array  # residual stream after this layer's attention block, [tokens, H]
 
 
+class RunAheadResult(Protocol):
+    """An evaluated run-ahead: the logits, valid when no MoE layer missed."""
+
+    logits: mx.array
+
+    def first_miss(self) -> int | None: ...
+
+
+class LaunchedRunAhead(Protocol):
+    """A run-ahead still lazy (its arrays queued), evaluated by `result`."""
+
+    logits: mx.array
+
+    def arrays(self) -> list[mx.array]: ...
+
+    def result(self) -> RunAheadResult: ...
+
+
 class ForwardStepper(Protocol):
     """One forward call over some tokens, stopped at each MoE layer's routing."""
 
@@ -34,6 +52,14 @@ class ForwardStepper(Protocol):
     def advance(self, slot_of: np.ndarray, presync: Presync | None = None) -> Routing | None: ...
 
     def logits(self, all_positions: bool = False) -> mx.array: ...
+
+    # The whole decode token in one evaluation (experts looked up on the device), and
+    # stepping on per layer from the layer a run-ahead missed at.
+    def run_ahead(self, slot_map: mx.array, row_of: dict[int, int]) -> RunAheadResult: ...
+
+    def launch(self, slot_map: mx.array, row_of: dict[int, int]) -> LaunchedRunAhead: ...
+
+    def resume(self, layer: int, presync: Presync | None = None) -> Routing | None: ...
 
 
 class CacheBatcher(Protocol):

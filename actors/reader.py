@@ -4,7 +4,10 @@
 threads is the queue depth the disk is offered. `demand_lane` more threads take demand
 reads only: a read the compute waits for starts at once even when every other thread
 is busy with a prediction (with realistic routing, ~40 % of a layer's experts are not
-predicted, and each waited behind a prefetch read already in flight). A thread that finishes a read takes the
+predicted, and each waited behind a prefetch read already in flight). With
+`prefetch_yields`, no prediction starts while a demand read is running, so the reads the
+compute waits for have the disk to themselves (reads in flight share its bandwidth: a
+demand read beside a prediction took twice as long). A thread that finishes a read takes the
 next load itself, under one lock, demand before prefetch, so the disk is never left
 waiting for the event loop; a prefetch that becomes a demand before it starts is
 promoted, one already running is simply waited on (never issued twice).
@@ -77,6 +80,7 @@ class Load:
     error: BaseException | None = None
     started: bool = False
     predicted: bool = False  # submitted as a prefetch (whatever it became later)
+    read_as_demand: bool = False  # a demand when its read started (predictions yield to it)
     # perf_counter times: submitted, pread started, pread ended, finished (checked/staged).
     t_submit: float = 0.0
     t_start: float = 0.0
@@ -115,6 +119,7 @@ class ExpertReader:
         *,
         concurrency: int,
         demand_lane: int = 0,
+        prefetch_yields: bool = False,
         retries: int = 2,
         retry_backoff_s: float = 0.01,
         buffers: int | None = None,
@@ -128,6 +133,8 @@ class ExpertReader:
         self.container = container
         self.concurrency = concurrency
         self.demand_lane = demand_lane
+        self.prefetch_yields = prefetch_yields
+        self._demand_reading = 0  # demand reads between their start and their pread's end
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
         stride = container.manifest.max_stride
@@ -223,14 +230,29 @@ class ExpertReader:
         and a free buffer, or None to exit."""
         cond = self._lane_cond if lane else self._cond
         with cond:
-            while not self._closed and not ((self._demand or (self._prefetch and not lane)) and self._free):
+            while not self._closed and not ((self._demand or self._may_prefetch(lane)) and self._free):
                 cond.wait()
             if self._closed:
                 return None
             load = self._demand.popleft() if self._demand else self._prefetch.popleft()
+            if load.demand:
+                load.read_as_demand = True
+                self._demand_reading += 1
             # Off the queue now: a promotion from here on must not look for it there.
             load.started = True
             return load, self._free.pop()
+
+    def _may_prefetch(self, lane: bool) -> bool:
+        return bool(self._prefetch) and not lane and not (self.prefetch_yields and self._demand_reading)
+
+    def _read_done(self, load: Load) -> None:
+        """A read ended: predictions held back for it may start."""
+        if not load.read_as_demand:
+            return
+        with self._cond:
+            self._demand_reading -= 1
+            if not self._demand_reading and self._prefetch:
+                self._cond.notify_all()
 
     def _disk_thread(self, index: int, token: trio.lowlevel.TrioToken, lane: bool) -> None:
         while (taken := self._take(lane)) is not None:
@@ -242,9 +264,11 @@ class ExpertReader:
                     self._read(load.key, buffer)
             except Exception as exc:  # noqa: BLE001 - reported to whoever waits on the load
                 load.t_read = time.perf_counter()
+                self._read_done(load)
                 self._deliver(token, load, buffer, exc)
                 continue
             load.t_read = time.perf_counter()
+            self._read_done(load)
             layer, expert = load.key
             if self.stage is None and not self.container.needs_check(layer, expert):
                 self._deliver(token, load, buffer, None)

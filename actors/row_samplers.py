@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from actors.mx_typed import to_int
 from actors.sampler import Sampler
 
 
@@ -37,7 +38,7 @@ class RowSamplers:
         out: list[int] = []
         for i, s in enumerate(self.samplers):
             if i in lazy:
-                token = int(lazy[i].item())
+                token = to_int(lazy[i])
                 s.record(token)
             else:
                 token = s.sample(logits[i])

@@ -29,6 +29,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from actors.mx_typed import float_list, float_rows, int_list, int_rows, to_float, to_int
 from actors.sampling_params import SamplingParams
 from actors.token_logprob import TokenLogprob
 
@@ -102,7 +103,7 @@ class Sampler:
     def sample(self, logits: mx.array) -> int:
         """One token id from `logits` of shape [vocab] (or [1, vocab]); records it, keeps
         its log-probability (when asked for) and advances the constraint with it."""
-        token = int(self.draw(logits).item())
+        token = to_int(self.draw(logits))
         self.record(token)
         if self.params.logprobs is not None:
             raw = self._vector(logits).astype(mx.float32)
@@ -167,10 +168,10 @@ class Sampler:
         best: tuple[tuple[int, float], ...] = ()
         if top > 0:
             ids = mx.argpartition(-lp, kth=top - 1)[:top]
-            values = lp[ids].tolist()
-            pairs = sorted(zip(ids.tolist(), values, strict=True), key=lambda p: -p[1])
+            values = float_list(lp[ids])
+            pairs = sorted(zip(int_list(ids), values, strict=True), key=lambda p: -p[1])
             best = tuple((int(i), float(v)) for i, v in pairs)
-        return TokenLogprob(token, float(lp[token].item()), best)
+        return TokenLogprob(token, to_float(lp[token]), best)
 
     def process(self, logits: mx.array) -> mx.array:
         """Penalties, temperature and filters; returns float32 logits (-inf = excluded).
@@ -257,13 +258,13 @@ def prompt_logprobs(logits: mx.array, targets: list[int], top: int) -> list[Toke
     lp = logits.astype(mx.float32)
     lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
     ids = mx.array(targets, dtype=mx.uint32)[:, None]
-    chosen = mx.take_along_axis(lp, ids, axis=-1)[:, 0].tolist()
+    chosen = float_list(mx.take_along_axis(lp, ids, axis=-1)[:, 0])
     best_ids: list[list[int]] = [[] for _ in targets]
     best_lp: list[list[float]] = [[] for _ in targets]
     if top > 0:
         order = mx.argpartition(-lp, kth=top - 1, axis=-1)[:, :top]
-        best_ids = order.tolist()
-        best_lp = mx.take_along_axis(lp, order, axis=-1).tolist()
+        best_ids = int_rows(order)
+        best_lp = float_rows(mx.take_along_axis(lp, order, axis=-1))
     out = []
     for t, c, bi, bl in zip(targets, chosen, best_ids, best_lp, strict=True):
         pairs = sorted(zip(bi, bl, strict=True), key=lambda p: -p[1])

@@ -9,6 +9,14 @@ from typing import Any
 
 import msgspec
 
+# The knobs that shape the distribution: each one number, and each said the same way by a
+# model's generation_config.json, a `[sampling]` key, an OpenAI request field and an Ollama
+# option (`repeat_penalty` there). Declared here once; the config, the generation config,
+# the server's requests and the Ollama options read this tuple (tests/test_sampling_knobs.py
+# holds their fields to it).
+SCALAR_KNOBS: tuple[str, ...] = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                 "frequency_penalty", "repetition_penalty")
+
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How to pick tokens; defaults and ranges follow the OpenAI API.

@@ -75,7 +75,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.pool_mb:
         raw["pool"] = {"budget_mb": args.pool_mb}
     async with open_engine(config_from_dict(raw, source="<batch_logits_check>")) as engine:
-        vocab = engine.model.parts.args.vocab_size
+        vocab = engine.facts.vocab_size
         prompts = [prompt_ids(args.prompt_tokens, vocab, args.seed + i) for i in range(args.rows)]
         alone = [await _one(engine, p, args.tokens) for p in prompts]
         batched: list[Run] = [([], [])] * args.rows
@@ -92,7 +92,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             "model": str(args.model), "rows": args.rows, "tokens": args.tokens,
             "device": str(mx.default_device()), "host": platform.node(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "largest_batch": engine.batch.stats.largest,
+            "largest_batch": engine.largest_batch,
             "per_row": [compare(a, b) for a, b in zip(alone, batched, strict=True)],
         }
 

@@ -1,4 +1,4 @@
-"""One process vs pipeline-parallel ranks at the same per-rank pool (README "Distributed").
+"""One process vs pipeline-parallel ranks at the same per-rank pool (docs/distributed.md).
 
     # one process, pool P (and 2P for the hit-rate target):
     python benchmarks/distributed_bench.py MODEL --pool-mb P --out one.json
@@ -60,13 +60,14 @@ def _prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
             for _ in range(args.prompts)]
 
 
-async def _generate(args: argparse.Namespace, cfg: PipelineConfig) -> dict[str, Any]:
+async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
+                    stage: Any = None) -> dict[str, Any]:
     from pipeline.engine import open_engine
 
-    async with open_engine(cfg) as engine:
-        vocab = engine.model.parts.args.vocab_size
+    async with open_engine(cfg, stage=stage) as engine:
+        vocab = engine.facts.vocab_size
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-        table0, reader0 = engine.router.table.snapshot(), engine.router.reader.stats.bytes_read
+        before = engine.counters()
         runs: list[Any] = []
         first_token: list[float] = []  # when the run's first token came
 
@@ -91,10 +92,10 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig) -> dict[str, 
             decode_s = sum(max(s.completion_tokens - 1, 0) / s.decode_tok_s
                            for s in runs if s.decode_tok_s)
         decoded = sum(max(s.completion_tokens - 1, 0) for s in runs)
-        snap, table = engine.pool_snapshot(), engine.router.table.snapshot()
+        snap, spent = engine.pool_snapshot(), engine.counters() - before
         return {
             "concurrent": args.concurrent,
-            "largest_batch": engine.batch.stats.largest,
+            "largest_batch": engine.largest_batch,
             "decode_tok_s": decoded / decode_s if decode_s else 0.0,
             "per_sequence_decode_tok_s": float(np.mean([s.decode_tok_s for s in runs])),
             "prefill_tok_s": float(np.mean([s.prefill_tok_s for s in runs])),
@@ -104,8 +105,7 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig) -> dict[str, 
             "decode_s": decode_s,
             "slots_rank0": snap["slots"],
             "pool_mb_rank0": snap["pool_bytes"] / 2**20,
-            "hits": table.hits - table0.hits, "misses": table.misses - table0.misses,
-            "bytes_read": engine.router.reader.stats.bytes_read - reader0,
+            "hits": spent.hits, "misses": spent.misses, "bytes_read": spent.bytes_read,
         }
 
 
@@ -176,18 +176,16 @@ def main() -> int:
         result["bytes_read_per_token"] = result["bytes_read"] / result["tokens"]
         return _write(args, result)
 
-    from pipeline.distributed.active import activate
     from pipeline.distributed.job import STATS_FIELDS, _stage_loop, finish, join
 
     stage = join(cfg)
     ping = _ping(stage, args.ping_rounds)
-    with activate(stage):
-        if stage.plan.first:
-            gen = trio.run(_generate, args, cfg)
-            stage.shutdown()
-        else:
-            trio.run(_stage_loop, cfg, stage)
-        table = finish(stage)
+    if stage.plan.first:
+        gen = trio.run(_generate, args, cfg, stage)
+        stage.shutdown()
+    else:
+        trio.run(_stage_loop, cfg, stage)
+    table = finish(stage)
     if not stage.plan.first:
         return 0
     rows = [dict(zip(STATS_FIELDS, map(float, row), strict=True)) for row in table]

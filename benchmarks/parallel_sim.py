@@ -4,7 +4,7 @@
 
 Replays the decode steps of a routing trace (a recorded one, `moestream generate
 --record-routing`, or by default the calibrated routing model's Qwen3-Next-80B workload,
-README "Routing realism") through one LRU expert pool per host, and turns each token's
+docs/routing.md) through one LRU expert pool per host, and turns each token's
 misses into time with a simple cost model (all times per decode token, one sequence):
 
 - pipeline (PP, what pipeline/distributed does): host h runs layers [hL/N, (h+1)L/N) and

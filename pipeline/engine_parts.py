@@ -62,7 +62,7 @@ def detokenizer(tokenizer: Any) -> Any:
 def _keep_space_bpe() -> type:
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 
-    class KeepSpaceBPE(BPEStreamingDetokenizer):  # type: ignore[misc]
+    class KeepSpaceBPE(BPEStreamingDetokenizer):
         def _maybe_trim_space(self, current_text: str) -> str:
             return current_text
 
@@ -90,6 +90,7 @@ async def staging_probe(setting: str, worker: MlxWorker) -> bool:
     import numpy as np
 
     from actors.device_staging import to_device
+    from actors.mx_typed import to_int
 
     if setting == "off":
         return False
@@ -98,7 +99,7 @@ async def staging_probe(setting: str, worker: MlxWorker) -> bool:
         return False
     try:
         probe = await MlxWorker.staging(0).run(to_device, np.arange(64, dtype=np.uint8))
-        ok = await worker.run(lambda: int((probe.astype(mx.int32) + 1).sum().item()) == 2080)
+        ok = await worker.run(lambda: to_int((probe.astype(mx.int32) + 1).sum()) == 2080)
     except Exception as exc:  # noqa: BLE001 - any failure means "not here"
         log.warning("engine.stage_in_threads_unavailable", error=str(exc))
         return False

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import structlog
@@ -28,9 +28,6 @@ import structlog
 from actors.sampling_params import SamplingParams
 from pipeline.config.sampling import OPTIONAL_KNOBS, SamplingConfig
 from qpack.spec import QpackError
-
-if TYPE_CHECKING:
-    from pipeline.engine import Engine
 
 FILE = "generation_config.json"
 log = structlog.get_logger("moestream.generation_config")
@@ -115,10 +112,10 @@ def eos_token_ids(root: Path) -> list[int] | None:
         except (msgspec.DecodeError, RecursionError):
             return None  # the container's own check names this file
         if isinstance(config, dict):
-            ids = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
-            ids = [ids] if isinstance(ids, int) else ids
-            if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
-                return ids
+            said = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
+            listed = [said] if isinstance(said, int) else said
+            if isinstance(listed, list) and all(isinstance(i, int) for i in listed):
+                return listed
     return None
 
 
@@ -132,11 +129,13 @@ def _resolved(root: str, section: SamplingConfig) -> SamplingParams:
     return section.params(model_defaults(Path(root)))
 
 
-def default_params(engine: Engine, **overrides: Any) -> SamplingParams:
-    """What a generation uses when its caller says nothing more: the engine's config
-    `[sampling]` over the model's generation_config.json; `overrides` on top.
+def default_params(root: Path, sampling: SamplingConfig, **overrides: Any) -> SamplingParams:
+    """What a generation uses when its caller says nothing more: the config's `[sampling]`
+    over the generation_config.json in the container at `root`; `overrides` on top.
 
-        params = default_params(engine, max_tokens=32)
+        params = default_params(container.root, config.sampling, max_tokens=32)
+
+    (`Engine.default_params(max_tokens=32)` says the same for an open engine.)
     """
-    base = _resolved(str(Path(engine.container.root).resolve()), engine.config.sampling)
+    base = _resolved(str(Path(root).resolve()), sampling)
     return msgspec.structs.replace(base, **overrides) if overrides else base

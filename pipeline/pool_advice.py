@@ -92,7 +92,7 @@ def pool_advice(moe_layers: int, num_experts: int, top_k: int, stride: int,
         family=family, eviction=eviction, rows=rows,
         pool_mb_for_hits={f"{t:.0%}": _interpolate(rows, t) for t in TARGETS},
         note=(f"decode hit rates replayed on calibrated routing ({family} parameters, fitted "
-              f"to published traces of trained routers; README 'Routing realism'): 2 requests "
+              f"to published traces of trained routers; docs/routing.md): 2 requests "
               f"x {TOKENS} tokens in 2 domains, {layers} layers, eviction {eviction}, with the "
               "emulated next-gate (default) and without prefetch; the first replayed layer is "
               "never predicted (as the engine's first MoE layer), so with few layers the "

@@ -38,6 +38,7 @@ from actors.pool.driver import PoolDriver
 from actors.pool.eviction import make_policy
 from actors.pool.slots import SlotCounters, SlotTable
 from actors.prefetch import (
+    GATE_STRATEGIES,
     PrefetchScorer,
     PrefetchStats,
     PrefetchStrategy,
@@ -48,7 +49,6 @@ from actors.routing_trace import RoutingTrace
 log = structlog.get_logger(__name__)
 
 RECORDED = "recorded"
-GATE_STRATEGIES = ("next-gate", "lookahead")
 
 
 class ReplayResult(msgspec.Struct):

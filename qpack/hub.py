@@ -132,9 +132,10 @@ def download(repo_id: str, *, revision: str | None = None, progress: bool = True
     timeout = _env_float(TIMEOUT_ENV, 10.0)
     attempts = max(1, int(_env_float(RETRIES_ENV, 4)))
     backoff = _env_float(BACKOFF_ENV, 1.0)
-    retry = {"attempts": attempts, "backoff": backoff, "timeout": timeout}
+    retry: dict[str, Any] = {"attempts": attempts, "backoff": backoff, "timeout": timeout}
     # huggingface_hub reads its download timeout once, at import; ours applies per call.
-    saved_timeout, constants.HF_HUB_DOWNLOAD_TIMEOUT = constants.HF_HUB_DOWNLOAD_TIMEOUT, timeout
+    # (annotated int there; it goes on to requests, which takes seconds as a float)
+    saved_timeout, constants.HF_HUB_DOWNLOAD_TIMEOUT = constants.HF_HUB_DOWNLOAD_TIMEOUT, timeout  # type: ignore[assignment]
     if not progress:
         disable_progress_bars()
     try:

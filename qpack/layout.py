@@ -103,7 +103,7 @@ def make_plan(src: SourceCheckpoint, bits: int | None, group_size: int, dtype: s
     config = src.mlx_config()
     model = skeleton(config)
     copy_quantized = src.quantization is not None
-    if copy_quantized:
+    if src.quantization is not None:  # copy_quantized
         src_bits = src.quantization.get("bits")
         if bits is not None and bits != src_bits:
             raise QpackError(
@@ -114,7 +114,9 @@ def make_plan(src: SourceCheckpoint, bits: int | None, group_size: int, dtype: s
         if any(isinstance(v, dict) and v.get("global_scale") for v in src.quantization.values()):
             raise QpackError(src.root / "config.json", "nvfp4 with a per-expert global_scale is not "
                              "supported (gather_qmm over pool slots has no per-slot global scale)")
-        quant = QuantPlan(check_rule(_source_rule(src.quantization, "\0"), str(src.root / "config.json")))
+        block_rule = _source_rule(src.quantization, "\0")  # "\0" names no module: the block's
+        assert block_rule is not None
+        quant = QuantPlan(check_rule(block_rule, str(src.root / "config.json")))
         # Nulls filled in (the manifest types them; to_quantized reads them the same way).
         quant.overrides = {k: _filled(v) for k, v in src.quantization.items() if isinstance(v, dict)}
         cast_to = None
@@ -159,6 +161,7 @@ def _layer_plan(src: SourceCheckpoint, layer: int, quant: QuantPlan, cast_to, co
     shapes = src.expert_shapes(layer)
     paths = {p: _switch_path(src.model_type, layer, p) for p in PROJECTIONS}
     if copy_quantized:
+        assert src.quantization is not None
         rules = {p: _source_rule(src.quantization, path) for p, path in paths.items()}
         for p, rule in rules.items():
             if rule is not None:

@@ -13,7 +13,7 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe")
 
 
-def model_classes(config: dict[str, Any]) -> tuple[type, type]:
+def model_classes(config: dict[str, Any]) -> tuple[type[Any], type[Any]]:
     """(Model, ModelArgs) of mlx-lm for `config["model_type"]`."""
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:

@@ -12,7 +12,9 @@ because affine quantization groups never cross rows.
 from __future__ import annotations
 
 import copy
+import typing
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -80,6 +82,14 @@ class QuantPlan:
         return block
 
 
+def flat_parameters(model: nn.Module) -> list[tuple[str, Any]]:
+    """`tree_flatten(model.parameters())`: (dotted name, array) pairs. (MLX annotates
+    tree_flatten for a dict destination too, which it returns when given one.)"""
+    from mlx.utils import tree_flatten
+
+    return typing.cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+
+
 def skeleton(config: dict) -> nn.Module:
     """The mlx-lm model for a config; parameters stay lazy, so this is cheap at any size."""
     try:
@@ -94,9 +104,7 @@ def plan(model: nn.Module, bits: int | None, group_size: int, mode: str = "affin
     cast_pred = getattr(model, "cast_predicate", None)
     exempt = set()
     if cast_pred is not None:
-        from mlx.utils import tree_flatten
-
-        exempt = {k for k, _ in tree_flatten(model.parameters()) if not cast_pred(k)}
+        exempt = {k for k, _ in flat_parameters(model) if not cast_pred(k)}
     if bits is None:
         return QuantPlan(None, cast_exempt=exempt)
     default = check_rule(Rule(bits, group_size, mode), "--mode")

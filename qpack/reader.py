@@ -17,7 +17,7 @@ import zlib
 try:
     import fcntl
 except ImportError:  # Windows
-    fcntl = None  # type: ignore[assignment]
+    fcntl = None  # type: ignore[assignment]  # the module or None: callers check
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, Protocol
@@ -30,6 +30,7 @@ import structlog
 from qpack import spec
 from qpack.checked_files import check_listed, non_expert_files, tokenizer_dir
 from qpack.manifest_checks import check_files, check_layers
+from qpack.safetensors_io import load_safetensors
 from qpack.spec import QpackError
 
 log = structlog.get_logger("qpack.reader")
@@ -125,7 +126,7 @@ class Container:
         return tokenizer_dir(self.root, self.manifest, verify=self.verify != "off")
 
     def dense_weights(self) -> dict[str, mx.array]:
-        return mx.load(str(self.dense_path))
+        return load_safetensors(self.dense_path)
 
     # -- experts -----------------------------------------------------------------
     def layer(self, layer_index: int) -> spec.LayerEntry:
@@ -158,7 +159,7 @@ class Container:
                 self.o_direct = False  # e.g. tmpfs: fall back to buffered reads, once
         return os.open(path, os.O_RDONLY)
 
-    def read_expert(self, layer_index: int, expert: int, out: memoryview | np.ndarray, *,
+    def read_expert(self, layer_index: int, expert: int, out: memoryview | bytearray | np.ndarray, *,
                     check: bool = True) -> None:
         """Read one expert blob into `out` (writable bytes, at least nbytes long; a full
         stride when it fits, so the read stays one aligned request). `check=False` leaves
@@ -283,7 +284,7 @@ def _load_config(root: Path, manifest: spec.Manifest) -> dict:
         raise QpackError(path, "config.json is missing")
     config = spec.parse_json(path.read_bytes(), path, "config.json")
     model_type = config.get("model_type") if isinstance(config, dict) else None
-    if MODEL_TYPE_ALIASES.get(model_type, model_type) != manifest.model_type:
+    if MODEL_TYPE_ALIASES.get(str(model_type), model_type) != manifest.model_type:
         raise QpackError(path, f"config.json model_type {model_type!r} does not match the manifest's {manifest.model_type!r}")
     return config
 

@@ -13,7 +13,7 @@ import os
 import struct
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import mlx.core as mx
 import msgspec
@@ -79,6 +79,13 @@ def bytes_to_mx(data: bytes | bytearray | memoryview, tag: str, shape: tuple[int
     np_dtype, dtype, _ = _DTYPES[tag]
     arr = mx.array(np.frombuffer(data, dtype=np_dtype).reshape(shape))
     return arr.view(dtype) if tag == "BF16" else arr
+
+
+def load_safetensors(path: Path | str) -> dict[str, mx.array]:
+    """A .safetensors file's tensors, lazily (`mx.load`). MLX's stubs type `mx.load` for
+    every format it reads (an array for .npy, arrays and metadata for .gguf); a
+    .safetensors file gives a dict of arrays."""
+    return cast(dict[str, mx.array], mx.load(str(path)))
 
 
 def mx_to_bytes(arr: mx.array) -> memoryview:

@@ -155,7 +155,8 @@ class SourceCheckpoint:
             s = self.file(scale).tensors[scale]
             s_arr = bytes_to_mx(self.file(scale).read_bytes(scale, row), s.dtype,
                                 s.shape if row is None else s.shape[1:])
-            arr = dequantize_rows(data, s_arr, self.fp8_block, 0, mx.bfloat16)  # type: ignore[arg-type]
+            assert self.fp8_block is not None  # a scale is found only in an FP8 block source
+            arr = dequantize_rows(data, s_arr, self.fp8_block, 0, mx.bfloat16)
             return RawTensor("BF16", shape, bytearray(mx_to_bytes(arr)))
         return RawTensor(info.dtype, shape, f.read_bytes(name, row))
 
@@ -169,11 +170,12 @@ class SourceCheckpoint:
             f = self.file(ref.source)
             info = f.tensors[ref.source]
             data = bytes_to_mx(f.read_rows(ref.source, *rows), "U8", (rows[1] - rows[0], *info.shape[1:]))
-            b0, _ = self.fp8_block  # type: ignore[misc]
+            assert self.fp8_block is not None  # as in `raw`
+            b0, _ = self.fp8_block
             lo, hi = scale_rows(rows[0], rows[1] - rows[0], b0)
             s = self.file(scale).tensors[scale]
             s_arr = bytes_to_mx(self.file(scale).read_rows(scale, lo, hi), s.dtype, (hi - lo, *s.shape[1:]))
-            arr = dequantize_rows(data, s_arr, self.fp8_block, rows[0], mx.bfloat16)  # type: ignore[arg-type]
+            arr = dequantize_rows(data, s_arr, self.fp8_block, rows[0], mx.bfloat16)
         else:
             f = self.file(ref.source)
             info = f.tensors[ref.source]
@@ -295,11 +297,11 @@ def open_source(root: str | Path) -> SourceCheckpoint:
     quantization = config.get("quantization")
     index = open_index(root)
     fp8 = hf_quantization(config)
-    fp8_block = tuple(int(b) for b in fp8["weight_block_size"]) if is_fp8_block(fp8) else None
+    fp8_block = tuple(int(b) for b in fp8["weight_block_size"]) if fp8 and is_fp8_block(fp8) else None
     # FP8 block scales are read with their weights, never as tensors of their own.
     names = sorted(n for n in index if not (fp8_block and n.endswith(SCALE_SUFFIX)))
     src = SourceCheckpoint(root, config, model_type, text, quantization, False, index,
-                           fp8_block=fp8_block)  # type: ignore[arg-type]
+                           fp8_block=fp8_block)  # type: ignore[arg-type]  # two sizes: is_fp8_block
     src.moe_layers = _experts(names, src.num_experts, root)
     if not src.moe_layers:
         raise QpackError(root, "no routed expert tensors found")

@@ -200,6 +200,7 @@ def expert_format(
         for d in shape:
             nbytes *= d
         offset = round_up(offset, TENSOR_ALIGNMENT)
+        # `dtype` is a DType name (DTYPE_SIZES above raised KeyError for any other).
         tensors.append(TensorSpec(name, dtype, tuple(shape), offset, nbytes))  # type: ignore[arg-type]
         offset += nbytes
     return ExpertFormat(tuple(tensors), offset, bits, group_size, mode, projections)

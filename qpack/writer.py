@@ -21,6 +21,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 import structlog
@@ -95,7 +96,7 @@ class _Out:
         self.partial = self.path.with_name(self.path.name + ".partial")
         self.sha = hashlib.sha256()
         self.size = 0
-        self.f = None
+        self.f: BinaryIO  # opened by __enter__
 
     def __enter__(self) -> _Out:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -67,10 +67,10 @@ async def batched(engine: Any) -> dict[str, np.ndarray]:
 
 async def collect(engine: Any) -> dict[str, np.ndarray]:
     out = {f"step{i}": x for i, x in enumerate(await forward_logits(engine, PROMPT, DECODE))}
-    cache = engine.model.make_cache()
-    async with engine.lock:
-        every = await engine.compute.forward(PROMPT[:2], cache, "prefill", all_positions=True)
-        out["every"] = await engine.worker.run(np.array, every)
+    cache = engine._core.model.make_cache()
+    async with engine._core.lock:
+        every = await engine._core.compute.forward(PROMPT[:2], cache, "prefill", all_positions=True)
+        out["every"] = await engine._core.worker.run(np.array, every)
     done = await generate(engine, PROMPT, GREEDY)
     out["greedy"] = np.array(done.token_ids)
     out["text"] = np.array(done.text)
@@ -96,23 +96,22 @@ def exact_job(paths: list[str], out_dir: str) -> int:
     `moestream generate --distributed` on the first (the CLI face, in the same processes)."""
     from mlx.utils import tree_flatten
 
-    from pipeline.distributed.active import active_stage
     from pipeline.distributed.job import run_distributed
     from pipeline.engine import open_engine
 
-    async def rank0(cfg: Any, dest: Path) -> int:
-        async with open_engine(cfg) as engine:
+    async def rank0(cfg: Any, stage: Any, dest: Path) -> int:
+        async with open_engine(cfg, stage=stage) as engine:
             np.savez(dest, **await collect(engine))
-            parts = engine.model.parts
-            others = [p for i in range(len(parts.layers)) if i not in engine.model.layers
+            parts = engine._core.model.parts
+            others = [p for i in range(len(parts.layers)) if i not in engine._core.model.layers
                       for _, p in tree_flatten(parts.layers[i].parameters())]
-            np.savez(dest.with_suffix(".stats.npz"), slots=engine.router.table.num_slots,
-                     layers=np.array(list(engine.model.layers)),
+            np.savez(dest.with_suffix(".stats.npz"), slots=engine._core.router.table.num_slots,
+                     layers=np.array(list(engine._core.model.layers)),
                      other_layers_elements=sum(p.size for p in others) + parts.norm.weight.size,
-                     dense_bytes=active_stage().dense_bytes,
-                     ranks_on_host=active_stage().ranks_on_host,
-                     largest_batch=engine.batch.stats.largest,
-                     max_batch=engine.max_batch, top_k=engine.model.top_k,
+                     dense_bytes=stage.dense_bytes,
+                     ranks_on_host=stage.ranks_on_host,
+                     largest_batch=engine.largest_batch,
+                     max_batch=engine.max_batch, top_k=engine.facts.top_k,
                      container_dense_bytes=engine.container.manifest.dense_bytes)
         return 0
 
@@ -122,7 +121,7 @@ def exact_job(paths: list[str], out_dir: str) -> int:
     for path in paths:
         cfg = config(Path(path), slots=slots)
         dest = Path(out_dir) / f"{Path(path).parent.name}.npz"
-        status = run_distributed(cfg, lambda c, dest=dest: trio.run(rank0, c, dest))
+        status = run_distributed(cfg, lambda c, s, dest=dest: trio.run(rank0, c, s, dest))
         if status:
             return status
     from pipeline.cli import main

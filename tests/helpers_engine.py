@@ -43,23 +43,23 @@ async def forward_logits(
 ) -> list[np.ndarray]:
     """Logits through the engine's compute actor: prompt in the config's chunks, then
     `decode` one token at a time, on a fresh cache. Copied to numpy on the MLX thread."""
-    chunk = engine.prefill_chunk
-    cache = engine.model.make_cache()
+    chunk = engine.facts.prefill_chunk
+    cache = engine._core.model.make_cache()
     out: list[np.ndarray] = []
-    async with engine.lock:
+    async with engine._core.lock:
         for i in range(0, len(prompt), chunk):
-            logits = await engine.compute.forward(list(prompt[i : i + chunk]), cache, "prefill")
-            out.append(await engine.worker.run(np.array, logits))
+            logits = await engine._core.compute.forward(list(prompt[i : i + chunk]), cache, "prefill")
+            out.append(await engine._core.worker.run(np.array, logits))
         for token in decode:
-            logits = await engine.compute.forward([token], cache, "decode")
-            out.append(await engine.worker.run(np.array, logits))
+            logits = await engine._core.compute.forward([token], cache, "decode")
+            out.append(await engine._core.worker.run(np.array, logits))
     return out
 
 
 def pool_is_clean(engine: Any) -> None:
     """Nothing pinned, no read in flight, nothing left 'loading', within the slot count."""
     snap = engine.pool_snapshot()
-    table = engine.router.table
+    table = engine._core.router.table
     assert snap["pinned"] == 0, snap
     assert snap["loads_in_flight"] == 0, snap
     loading = [k for k in table.resident() if table.state(k) == "loading"]
@@ -68,8 +68,8 @@ def pool_is_clean(engine: Any) -> None:
 
 
 def pool_within_slots(engine: Any) -> None:
-    slots = engine.storage.num_slots
-    for name, arr in engine.storage.arrays.items():
+    slots = engine.facts.slots
+    for name, arr in engine._core.storage.arrays.items():
         assert arr.shape[0] == slots, f"{name}: leading dim {arr.shape[0]} != {slots} slots"
-    assert len(engine.router.table) <= slots
-    assert engine.router.table.num_slots == slots
+    assert len(engine._core.router.table) <= slots
+    assert engine._core.router.table.num_slots == slots

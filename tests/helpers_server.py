@@ -14,6 +14,7 @@ import trio
 from pipeline.config.schema import config_from_dict
 from pipeline.engine import Engine, open_engine
 from pipeline.server.app import serve_engine
+from pipeline.server.settings import ServerSettings
 
 
 def own_copy(container: Path, tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
@@ -29,8 +30,9 @@ async def serving(container: Path, server: dict[str, Any] | None = None,
                   **serve_kw: Any) -> AsyncIterator[tuple[Engine, int]]:
     """An engine on `container` served on a free loopback port; yields (engine, port).
 
-    `server` is the config's [server] section (e.g. context_limit); `serve_kw` goes to
-    serve_engine (api_key, max_queue, max_body_bytes, ...). A larger `prefill_chunk` makes
+    `server` is the config's [server] section (e.g. context_limit); `serve_kw` are more
+    ServerSettings (api_key, max_queue, max_body_bytes, ...) and serve_engine's
+    `shutdown_trigger`. A larger `prefill_chunk` makes
     long prompts (tool definitions) cheaper; `max_batch` 1 makes requests queue one
     behind the other.
     """
@@ -38,7 +40,9 @@ async def serving(container: Path, server: dict[str, Any] | None = None,
                             "compute": {"prefill_chunk": prefill_chunk, "max_batch": max_batch}, "prefetch": {"strategy": "next-gate"},
                             "server": server or {}})
     async with open_engine(cfg) as engine, trio.open_nursery() as nursery:
+        trigger = serve_kw.pop("shutdown_trigger", None)
+        settings = ServerSettings.of(cfg.server, port=0, **serve_kw)
         port = await nursery.start(lambda task_status: serve_engine(
-            engine, "127.0.0.1", 0, task_status=task_status, **serve_kw))
+            engine, settings, shutdown_trigger=trigger, task_status=task_status))
         yield engine, port
         nursery.cancel_scope.cancel()

@@ -113,12 +113,12 @@ async def test_staggered_joins_leaves_and_cancels_give_each_row_its_alone_tokens
             nursery.start_soon(run, "c", scored, a3)  # joins while a and b decode
             nursery.start_soon(run, "d", _greedy(), b3, None, 2)  # joins, then is cancelled
             nursery.start_soon(run, "e", sampled, d_gone)  # joins after the cancel
-        assert engine.batch.stats.largest >= 3, engine.batch.stats
+        assert engine.largest_batch >= 3, engine._core.batch.stats
         for name in "abc":
             assert got[name] is not None and list(got[name].token_ids) == want[name], name
         assert got["d"] is None
         pool_is_clean(engine)
-        assert engine.waiting == 0 and not engine.busy and engine.batch.size == 0
+        assert engine.waiting == 0 and not engine.busy and engine.pool_snapshot()["batch_size"] == 0
 
         # Alone, on the same engine: the sampled row draws the same tokens (its own RNG
         # stream), the scored row's log-probabilities agree (bit for bit on MLX's CPU).
@@ -148,7 +148,7 @@ async def test_a_pipelined_batch_with_every_expert_pooled_matches_alone(pair) ->
         want = {k: _until_eos(greedy_reference(ref, PROMPTS[k], n, set(), CHUNK), eos)
                 for k, n in lengths.items()}
         got: dict[str, Done | None] = {}
-        ahead0 = engine.compute.stats.run_ahead_tokens
+        ahead0 = engine.counters().run_ahead_tokens
 
         async def run(name: str) -> None:
             params = SamplingParams(temperature=0.0, max_tokens=lengths[name])
@@ -159,9 +159,9 @@ async def test_a_pipelined_batch_with_every_expert_pooled_matches_alone(pair) ->
                 nursery.start_soon(run, name)
         for name in lengths:
             assert got[name] is not None and list(got[name].token_ids) == want[name], name
-        assert engine.batch.stats.largest == 3
-        assert engine.compute.stats.run_ahead_tokens > ahead0
-        assert engine.compute.stats.run_ahead_misses == 0
+        assert engine.largest_batch == 3
+        assert engine.counters().run_ahead_tokens > ahead0
+        assert engine.counters().run_ahead_misses == 0
         pool_is_clean(engine)
 
 
@@ -178,7 +178,7 @@ async def test_server_decodes_n_choices_and_concurrent_requests_in_one_batch(con
         assert [c.message.content for c in many.choices] == [one.choices[0].message.content] * 3
         assert [c.index for c in many.choices] == [0, 1, 2]
         assert many.usage.completion_tokens == 3 * one.usage.completion_tokens
-        assert engine.batch.stats.largest == 2  # compute.max_batch: the third waited
+        assert engine.largest_batch == 2  # compute.max_batch: the third waited
 
         texts: dict[int, str] = {}
 

@@ -106,8 +106,8 @@ async def test_serial_reads_one_expert_at_a_time_and_prefetches_nothing(tiny_ben
     serial = next(c for c in _planned(tiny_bench, "serial") if c.name == "serial")
     assert serial.config["compute"]["overlap"] is False
     async with open_engine(config_from_dict(engine_dict(serial))) as engine:
-        assert engine.router.reader.concurrency == 1
-        assert engine.compute.strategy.name == "none"
+        assert engine.facts.readers == 1
+        assert engine.facts.strategy == "none"
     results = [Result(name="default", kind="moestream", decode_tok_s=6.0),
                Result(name="serial", kind="moestream", decode_tok_s=4.0)]
     assert Report({}, {"dense_mb": 1.0}, "", results).derived()["default_over_serial"] == 1.5

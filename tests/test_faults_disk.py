@@ -74,7 +74,7 @@ def reference(tiny_qpack) -> dict[str, tuple[int, ...]]:
 def assert_pool_clean(engine: Engine) -> None:
     """Nothing left over from a failed or cancelled request."""
     snap = engine.pool_snapshot()
-    table = engine.router.table
+    table = engine._core.router.table
     assert snap["pinned"] == 0, snap
     assert snap["loads_in_flight"] == 0, snap
     assert [k for k in table.resident() if table.state(k) == "loading"] == []
@@ -85,7 +85,7 @@ def assert_pool_clean(engine: Engine) -> None:
 async def test_transient_faults_are_retried_and_invisible(tiny_qpack, reference):
     io = FaultIO(tiny_qpack)
     async with open_engine(_config(tiny_qpack), io=io) as engine:
-        reader = engine.router.reader
+        reader = engine._core.router.reader
         # flip first: a fresh engine has verified no expert yet, so every read is crc-checked.
         cases = [("flip", PROMPTS[0], True), ("eio", PROMPTS[1], True), ("eof", PROMPTS[2], True),
                  ("short", PROMPTS[3], False), ("slow", PROMPTS[4], False)]
@@ -143,7 +143,7 @@ async def test_one_bad_expert_and_a_cancelled_slow_read(tiny_qpack, reference):
                 assert "expert 0 of layer 1" in str(exc)
                 assert_pool_clean(engine)
                 outcomes[prompt] = "failed"
-        print("single bad expert:", outcomes)  # quoted by the README's reliability table
+        print("single bad expert:", outcomes)  # quoted by docs/reliability.md's table
         assert False not in outcomes.values(), outcomes
         assert {"failed", True} <= set(outcomes.values()), outcomes  # both kinds really happen
         io.clear()
@@ -164,7 +164,7 @@ async def test_a_generation_ends_with_its_slow_mispredicted_reads_landed(tiny_qp
     (installed for the next request), so an idle engine holds no read and no buffer."""
     io = FaultIO(tiny_qpack)
     async with open_engine(_config(tiny_qpack, "transition", readers=1), io=io) as engine:
-        last = io.inject("slow", layer=engine.model.moe_layers[-1], delay_s=0.02)
+        last = io.inject("slow", layer=engine.facts.moe_layers[-1], delay_s=0.02)
         for prompt in PROMPTS[:4]:  # from the third on, the transitions seen mispredict
             await _tokens(engine, prompt)
             assert_pool_clean(engine)
@@ -176,10 +176,10 @@ async def test_going_idle_waits_for_a_hung_read_only_so_long(tiny_qpack):
     the next demand; one that does is installed, ready."""
     io = FaultIO(tiny_qpack)
     async with open_engine(_config(tiny_qpack), io=io) as engine:
-        router = engine.router
+        router = engine._core.router
         io.inject("slow", layer=1, expert=5, delay_s=0.5)
         router.settle_timeout_s = 0.05
-        await router.prefetch([(1, [5])], engine.compute.tick)
+        await router.prefetch([(1, [5])], engine._core.compute.tick)
         with trio.fail_after(0.4):
             await router.settle()
         assert engine.pool_snapshot()["loads_in_flight"] == 1
@@ -254,11 +254,12 @@ async def test_disk_fault_under_the_http_server_fails_one_request_then_serves(ti
     import httpx2
 
     from pipeline.server.app import serve_engine
+    from pipeline.server.settings import ServerSettings
 
     io = FaultIO(tiny_qpack)
     async with open_engine(_config(tiny_qpack), io=io) as engine, trio.open_nursery() as nursery:
         port = await nursery.start(lambda task_status: serve_engine(
-            engine, "127.0.0.1", 0, task_status=task_status))
+            engine, ServerSettings(port=0), task_status=task_status))
         async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
             request = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 3}
             io.inject("eio", layer=2)

@@ -151,7 +151,7 @@ async def test_engine_greedy_64_tokens_equal_mlx_lm_greedy(pair, ref, family):
         done = events[-1]
         assert isinstance(done, Done)
         assert list(done.token_ids) == want
-        assert engine.storage.num_slots == 8
+        assert engine.facts.slots == 8
 
 
 async def test_pool_too_small_is_refused_with_the_smallest_workable_size(pair):

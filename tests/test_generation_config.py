@@ -67,9 +67,11 @@ async def test_kept_in_container_eos_and_sampling_defaults(thinking: Path) -> No
     cfg = _config(thinking, sampling={"top_k": 5})
     async with open_engine(cfg) as engine:
         assert set(engine.tokenizer.eos_token_ids) == {QWEN3_NEXT_EOS, QWEN3_NEXT_BOS}
-        params = default_params(engine)
+        params = engine.default_params()
         assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.95, 5)
-        assert default_params(engine, max_tokens=3).max_tokens == 3
+        assert engine.default_params(max_tokens=3).max_tokens == 3
+        # The same from the container and the config alone, without an engine.
+        assert default_params(thinking, cfg.sampling) == params
         # The Thinking template opens <think> in the prompt.
         assert engine.tokenizer.decode(engine.chat_tokens(USER)).endswith("<think>\n")
 
@@ -156,7 +158,7 @@ async def test_a_wrong_type_in_generation_config_is_warned_and_served(
         {"temperature": "hot", "top_p": 0.8, "top_k": "many", "eos_token_id": [QWEN3_NEXT_EOS]}).encode())
     with capture_logs() as logs:
         async with serving(odd) as (engine, port):
-            params = default_params(engine)
+            params = engine.default_params()
             client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
             reply = await client.chat.completions.create(model="tiny", messages=USER,
                                                          max_tokens=1)

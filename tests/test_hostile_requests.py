@@ -31,6 +31,7 @@ from pipeline.config.schema import ServerConfig
 from pipeline.engine import Engine
 from pipeline.server import api as server_api
 from pipeline.server.app import serve_engine
+from pipeline.server.settings import ServerSettings
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 TIMEOUT_S = 60  # per request: a hang fails the example instead of the whole run
@@ -218,7 +219,7 @@ async def test_fuzzed_requests_get_4xx_never_5xx_and_the_server_keeps_serving(co
         tally: dict[str, int] = {}
         await trio.to_thread.run_sync(lambda: _fuzz_posts(port, tally))
         await trio.to_thread.run_sync(lambda: _fuzz_routes(port, tally))
-        print("outcomes:", tally)  # the README's reliability table quotes these
+        print("outcomes:", tally)  # docs/reliability.md's table quotes these
         assert sum(v for k, v in tally.items() if k.startswith("4")) > 50, tally
         status, headers, data = await trio.to_thread.run_sync(
             lambda: request(port, "POST", CHAT, _encode({**VALID[CHAT], "max_tokens": 3}),
@@ -237,7 +238,9 @@ async def test_fuzzed_requests_get_4xx_never_5xx_and_the_server_keeps_serving(co
 
 def test_defaults_bind_loopback_only():
     assert ServerConfig().host == "127.0.0.1"
-    assert inspect.signature(serve_engine).parameters["host"].default == "127.0.0.1"
+    # serve_engine without settings serves by ServerSettings(), the config's defaults.
+    assert inspect.signature(serve_engine).parameters["settings"].default is None
+    assert ServerSettings().host == "127.0.0.1"
 
 
 def test_api_key_is_compared_in_constant_time():

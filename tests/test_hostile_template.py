@@ -22,6 +22,7 @@ from test_server_errors import AUTH, CHAT, KEY, body, error_of, running_server
 
 from pipeline.server import offload
 from pipeline.server.app import serve_engine
+from pipeline.server.settings import ServerSettings
 
 ENDLESS = ("{% for a in range(99999) %}{% for b in range(99999) %}{% for c in range(99999) %}"
            "{% endfor %}{% endfor %}{% endfor %}")
@@ -108,9 +109,9 @@ async def test_an_endless_template_is_a_400_the_server_keeps_answering_and_the_k
         with trio.fail_after(60):  # a hang guard, not a measurement
             async with trio.open_nursery() as nursery:
                 port = await nursery.start(lambda task_status: serve_engine(
-                    engine, "127.0.0.1", 0, api_key=KEY, metrics_without_key=True,
-                    prompt_budget_s=60, shutdown_grace_s=120, shutdown_trigger=stop.wait,
-                    task_status=task_status))
+                    engine, ServerSettings(port=0, api_key=KEY, metrics_without_key=True,
+                                           prompt_budget_s=60, shutdown_grace_s=120),
+                    shutdown_trigger=stop.wait, task_status=task_status))
 
                 async def rendering(other: httpx2.AsyncClient) -> None:
                     statuses.append((await other.post(CHAT, json=body(), headers=AUTH)).status_code)

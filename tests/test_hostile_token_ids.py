@@ -17,6 +17,7 @@ from actors.sampling_params import SamplingParams
 from pipeline.config.errors import ConfigError
 from pipeline.events import Done
 from pipeline.server.app import serve_engine
+from pipeline.server.settings import ServerSettings
 
 
 @pytest.fixture(scope="module")
@@ -67,5 +68,5 @@ async def test_ids_past_the_vocabulary_are_refused_and_serve_applies_the_config_
         # The server refuses, at start, a config bias the model cannot take.
         bad = SamplingParams(logit_bias=((vocab, 1.0),))
         with pytest.raises(ConfigError, match=f"sampling.logit_bias token id {vocab}"):
-            await serve_engine(engine, "127.0.0.1", 0, defaults=bad)
+            await serve_engine(engine, ServerSettings(port=0, defaults=bad))
         assert (await http.get("/health")).status_code == 200

@@ -21,6 +21,7 @@ import trio
 from pipeline.config.schema import config_from_dict
 from pipeline.engine import Engine, open_engine
 from pipeline.server.app import serve_engine
+from pipeline.server.settings import ServerSettings
 
 CLIENTS, REQUESTS, MAX_TOKENS, MAX_QUEUE = 8, 5, 4, 4
 RSS_GROWTH_MB = 200  # generous: allocator caches and httpx state, but not per-request growth
@@ -40,7 +41,7 @@ def count_tasks() -> int:
 
 def assert_idle(engine: Engine) -> None:
     snapshot = engine.pool_snapshot()
-    table = engine.router.table
+    table = engine._core.router.table
     assert snapshot["pinned"] == 0, snapshot
     assert snapshot["loads_in_flight"] == 0, snapshot
     assert [k for k in table.resident() if table.state(k) == "loading"] == []
@@ -103,13 +104,13 @@ async def test_concurrent_streaming_clients_leave_nothing_behind(container: Path
     process = psutil.Process()
     async with open_engine(cfg) as engine, trio.open_nursery() as server:
         port = await server.start(lambda task_status: serve_engine(
-            engine, "127.0.0.1", 0, max_queue=MAX_QUEUE, task_status=task_status))
+            engine, ServerSettings(port=0, max_queue=MAX_QUEUE), task_status=task_status))
         base = f"http://127.0.0.1:{port}"
         async with httpx2.AsyncClient(base_url=base, timeout=120) as http:  # warm-up
             assert (await http.post("/v1/completions", json={
                 "model": "tiny", "prompt": "warm", "max_tokens": MAX_TOKENS})).status_code == 200
         tasks0 = await settle(engine)
-        rss0, pool0 = process.memory_info().rss, engine.storage.nbytes
+        rss0, pool0 = process.memory_info().rss, engine.pool_bytes
         assert_idle(engine)
 
         outcomes: Counter[str] = Counter()
@@ -124,14 +125,14 @@ async def test_concurrent_streaming_clients_leave_nothing_behind(container: Path
             async with trio.open_nursery() as nursery:
                 for i in range(CLIENTS):
                     nursery.start_soon(client, i)
-        print("load outcomes:", dict(outcomes))  # quoted by the README's reliability table
+        print("load outcomes:", dict(outcomes))  # quoted by docs/reliability.md's table
         assert sum(outcomes.values()) == CLIENTS * REQUESTS, outcomes
         assert outcomes["completed"] > CLIENTS * REQUESTS // 4, outcomes
         assert outcomes["hung up"] > 0, outcomes
 
         assert await settle(engine) == tasks0
         assert_idle(engine)
-        assert engine.storage.nbytes == pool0
+        assert engine.pool_bytes == pool0
         growth_mb = (process.memory_info().rss - rss0) / 2**20
         print(f"rss growth: {growth_mb:.1f} MiB")
         assert growth_mb < RSS_GROWTH_MB, growth_mb

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pipeline.pool_advice import pool_advice
 
 # Qwen3.6-35B-A3B dims (256 experts, top-8, 1.69 MiB experts at 4 bits), 10 MoE layers:
-# the bench container of the README's H200 runs.
+# the bench container of the H200 runs of docs/results.md.
 SHAPE = (10, 256, 8, 1_769_472)
 
 

@@ -153,3 +153,15 @@ def test_scorer_precision_recall_and_wasted_bytes() -> None:
     assert (st.predicted, st.correct, st.actual) == (5, 3, 6)
     assert st.precision == pytest.approx(3 / 5) and st.recall == pytest.approx(3 / 6)
     assert st.bytes_wasted == 2000
+
+
+def test_the_cli_help_lists_every_registered_strategy() -> None:
+    # The help is derived from the table: a new row shows up in `--help` on its own.
+    from actors.prefetch import STRATEGIES
+    from pipeline.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command" or a.choices)
+    for command in ("generate", "serve", "bench"):
+        text = " ".join(sub.choices[command].format_help().split())
+        for name, row in STRATEGIES.items():
+            assert f"{name}: {row.help}" in text, (command, name)

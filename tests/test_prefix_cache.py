@@ -42,7 +42,7 @@ async def test_reuse_of_resent_and_extended_prompts(container: Path) -> None:
 
 async def test_checkpoints_inside_a_long_shared_start(container: Path) -> None:
     async with open_engine(engine_config(container, pool={"slots": 16})) as engine:
-        engine.prefix_cache = PrefixCache(interval=8)
+        engine._core.prefix_cache = PrefixCache(interval=8)
         system = list(range(600, 620))  # a shared start of 20 tokens
         first = await generate(engine, system + [1, 2, 3], 2)
         assert first.stats.cached_tokens == 0
@@ -61,7 +61,7 @@ async def test_byte_budget_drops_least_recently_used(container: Path) -> None:
         one = engine.prefix_cache.bytes
         assert one > 0 and len(engine.prefix_cache) == 2  # prompt checkpoint + end state
         # Room for about two entries: older prompts' states go first.
-        engine.prefix_cache = small = PrefixCache(max_bytes=one)
+        engine._core.prefix_cache = small = PrefixCache(max_bytes=one)
         for start in (300, 400, 500):
             await generate(engine, list(range(start, start + 10)), 2)
         assert small.bytes <= one and len(small) >= 1

@@ -108,23 +108,23 @@ async def test_damaged_and_stale_files_are_never_loaded(container: Path, tmp_pat
 
 async def test_the_directory_stays_within_its_budget(container: Path, tmp_path: Path) -> None:
     async with open_engine(engine_config(container, pool={"slots": 16})) as engine:
-        cache = engine.model.make_cache()
+        cache = engine._core.model.make_cache()
         prompt = list(range(500, 520))
         await generate(engine, prompt, 1)
-        state, _ = await engine.worker.run(engine.prefix_cache.take, prompt + [1])
+        state, _ = await engine._core.worker.run(engine.prefix_cache.take, prompt + [1])
         assert state is not None
-        one = sum(map(len, await engine.worker.run(encode_state, "fp_test", prompt, state)))
-        disk = DiskPrefixCache(tmp_path, "fp_test", engine.model.make_cache,
+        one = sum(map(len, await engine._core.worker.run(encode_state, "fp_test", prompt, state)))
+        disk = DiskPrefixCache(tmp_path, "fp_test", engine._core.model.make_cache,
                                max_bytes=2 * one + one // 2, min_tokens=1)
         for i in range(4):
-            await engine.worker.run(disk.put, [i, *prompt[1:]], state)
+            await engine._core.worker.run(disk.put, [i, *prompt[1:]], state)
             disk.flush()
         names = sorted(p.name for p in tmp_path.glob(f"*{SUFFIX}"))
         assert len(names) == 2  # the two most recent
-        reopened = DiskPrefixCache(tmp_path, "fp_test", engine.model.make_cache,
+        reopened = DiskPrefixCache(tmp_path, "fp_test", engine._core.model.make_cache,
                                    max_bytes=10 * one, min_tokens=1)
         assert sorted(s[0] for s in reopened._index) == [2, 3]
-        loaded, n = await engine.worker.run(reopened.take, [3, *prompt[1:], 9])
+        loaded, n = await engine._core.worker.run(reopened.take, [3, *prompt[1:], 9])
         assert n == len(prompt) and loaded is not None and len(loaded) == len(cache)
         for c in (disk, reopened):
             c.close()

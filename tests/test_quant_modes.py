@@ -59,7 +59,7 @@ async def test_streams_to_mlx_lm_greedy_tokens(packed, kind: str) -> None:
         assert isinstance(done, Done) and list(done.token_ids) == want
         layout = PoolLayout.of(manifest.layers)
         # The budget buys slots of every variant: the pool is exactly slots x that.
-        assert engine.storage.nbytes == engine.storage.num_slots * layout.slot_nbytes
+        assert engine.pool_bytes == engine.facts.slots * layout.slot_nbytes
     if kind.startswith("mixed_"):
         low, high = (int(b) for b in kind.split("_")[1:])
         recorded = json.loads((src / "config.json").read_text())["quantization"]

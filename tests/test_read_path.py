@@ -169,3 +169,26 @@ async def test_a_demand_read_starts_at_once_in_its_lane_while_predictions_hold_e
                 assert load.error is None
             nursery.cancel_scope.cancel()
     assert served_first == bool(lane)
+
+
+@pytest.mark.parametrize("yields", [True, False])
+async def test_predictions_wait_while_a_demand_read_runs_when_they_yield(container, yields):
+    io = HeldIO()
+    with Container.open(container, verify="off", io=io) as c:
+        io.held = {0}  # the demand: expert 0 of layer 0
+        reader = ExpertReader(c, concurrency=2, prefetch_yields=yields)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.run)
+            demand = reader.submit((0, 0), demand=True)
+            with trio.fail_after(10):
+                while not io.started:
+                    await trio.sleep(0.002)
+            predicted = [reader.submit((0, e), demand=False) for e in (3, 4)]
+            await trio.sleep(0.2)
+            started_beside = len(io.started) - 1
+            io.release.set()
+            for load in (demand, *predicted):
+                await load.done.wait()
+                assert load.error is None
+            nursery.cancel_scope.cancel()
+    assert started_beside == (0 if yields else 2)

@@ -52,9 +52,9 @@ async def test_statistics_strategies_replay_the_live_run_exactly(
     async with open_engine(config, record_routing=True) as engine:
         for prompt in PROMPTS:
             await generate(engine, prompt, 8)
-        live = engine.router.table.snapshot()
-        live_scores = engine.compute.scorer.stats()
-        trace = load_trace(save_trace(engine.compute.recorder.trace, tmp_path / "t.json.gz"))
+        live = engine._core.router.table.snapshot()
+        live_scores = engine._core.compute.scorer.stats()
+        trace = load_trace(save_trace(engine.routing_trace(), tmp_path / "t.json.gz"))
     prefill = [s for s in trace.steps if s.phase == "prefill"]
     assert prefill and all(not e.predictions for s in prefill for e in s.layers)
     chunk = config.compute.prefill_chunk

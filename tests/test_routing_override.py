@@ -30,11 +30,11 @@ TOKENS = 10
 async def _run(qpack: Any, routing: str, request: int = 1, **sections: dict[str, Any]):
     config = engine_config(qpack, **sections)
     async with open_engine(config, record_routing=True) as engine:
-        override = calibrate(engine.model, routing, seed=3)
+        override = calibrate(engine, routing, seed=3)
         if override is not None:
             override.begin_request(request)
         done = await generate(engine, PROMPT, TOKENS)
-        return done.token_ids, engine.compute.recorder.trace, override, engine.model.moe_layers
+        return done.token_ids, engine.routing_trace(), override, engine.facts.moe_layers
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ async def test_a_decode_batch_routes_each_row_as_its_own_request(qpack) -> None:
     # one is evaluated), each row must still get its request's tokens.
     config = engine_config(qpack, pool={"slots": 48}, compute={"max_batch": 3, "run_ahead": "on"})
     async with open_engine(config) as engine:
-        override = calibrate(engine.model, "calibrated-gate", seed=3)
+        override = calibrate(engine, "calibrated-gate", seed=3)
         alone = []
         for i in range(3):
             override.begin_request(10 + i)
@@ -124,8 +124,8 @@ async def test_a_decode_batch_routes_each_row_as_its_own_request(qpack) -> None:
         async with trio.open_nursery() as nursery:
             for i in range(3):
                 nursery.start_soon(row, i)
-        assert engine.batch.stats.largest == 3, engine.batch.stats
-        assert engine.compute.stats.run_ahead_tokens > 0  # steps queued on lazy tokens too
+        assert engine.largest_batch == 3, engine._core.batch.stats
+        assert engine.counters().run_ahead_tokens > 0  # steps queued on lazy tokens too
         assert got == alone
 
 

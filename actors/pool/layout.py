@@ -50,6 +50,7 @@ class PoolLayout:
     @classmethod
     def of(cls, layers: Iterable[object]) -> PoolLayout:
         """From manifest layer entries (`.index`, `.format`)."""
+        # Typed `object`: actors does not import qpack's manifest types for this one read.
         formats = {entry.index: entry.format for entry in layers}  # type: ignore[attr-defined]
         if len(set(formats.values())) == 1:
             return cls.uniform(next(iter(formats.values())))

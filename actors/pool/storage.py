@@ -11,6 +11,7 @@ routing sync, when no lazy graph refers to the pool).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -83,7 +84,9 @@ class PoolStorage:
         self.host_bytes: dict[str, np.ndarray] | None = None
         if mx.default_device() == mx.cpu:
             self.host_bytes = {
-                name: np.asarray(memoryview(self.arrays[name]).cast("B")).reshape(num_slots, nbytes)
+                # MLX arrays have the buffer protocol; MLX's stubs do not declare it.
+                name: np.asarray(memoryview(self.arrays[name]).cast("B"))  # type: ignore[arg-type]
+                .reshape(num_slots, nbytes)
                 for name, (_, _, nbytes) in self.layout.arrays.items()
             }
 
@@ -137,8 +140,8 @@ class PoolStorage:
             groups.setdefault(id(names), (fmt, names, []))[2].append((slot, blob))
         for fmt, names, group in groups.values():
             slots = mx.array([slot for slot, _ in group], dtype=mx.int32)
-            if isinstance(group[0][1], mx.array):
-                blobs = mx.stack([blob[: fmt.nbytes] for _, blob in group])
+            if isinstance(group[0][1], mx.array):  # a reader stages all its blobs or none
+                blobs = mx.stack([cast(mx.array, blob)[: fmt.nbytes] for _, blob in group])
             else:
                 blobs = mx.array(np.stack([blob[: fmt.nbytes] for _, blob in group]))
             n = len(group)

@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from actors.mx_typed import int_rows
 from actors.prefetch.strategies import LayerOrder, Prediction
 
 RouterFn = Callable[[int, mx.array], mx.array]
@@ -79,7 +80,7 @@ class NextGate:
             return []
         staged, self._staged = self._staged, None
         if staged is not None and staged[0] == layer and staged[1] is hidden:
-            rows = staged[2].tolist()
+            rows = int_rows(staged[2])
             return [(t, ids) for t, ids in zip(targets, rows, strict=True) if ids]
         logits = self._logits(targets, hidden)
         if logits.ndim == 2:
@@ -94,7 +95,7 @@ class NextGate:
         return [(t, ids) for t, ids in zip(targets, rows, strict=True) if ids]
 
     def _single(self, logits: mx.array) -> list[list[int]]:
-        return self._ranked(logits).tolist()
+        return int_rows(self._ranked(logits))
 
     def _ranked(self, logits: mx.array) -> mx.array:
         # One token: top (k + extra) by logit. argpartition then sort only those n.
@@ -114,7 +115,7 @@ class NextGate:
         score = counts + mx.softmax(logits, axis=-1).mean(axis=1)
         order = mx.argsort(-score, axis=-1)
         picked = (counts > 0).sum(axis=-1, keepdims=True).astype(order.dtype)
-        rows = mx.concatenate([picked, order], axis=-1).tolist()
+        rows = int_rows(mx.concatenate([picked, order], axis=-1))
         out = []
         for row in rows:
             n = min(self.num_experts, int(row[0]) + self.extra)

@@ -51,15 +51,15 @@ async def measure_batch(case: Case) -> Result:
         # Calibrated routing: each generation routes as its own request (tagged when its
         # caches are made): the warm-up's are requests 0..N-1, the measured N..2N-1, so
         # the rows alternate between the two prompt domains.
-        override = calibrate(engine.model, case.routing, case.seed)
-        vocab = engine.model.parts.args.vocab_size
+        override = calibrate(engine, case.routing, case.seed)
+        facts = engine.facts
 
         async def run_all(max_tokens: list[int], seed: int) -> list[tuple[Any, dict[str, float]]]:
             out: list[tuple[Any, dict[str, float]]] = [(None, {}) for _ in max_tokens]
 
             async def one(i: int) -> None:
                 params = SamplingParams(temperature=1.0, seed=seed + i, max_tokens=max_tokens[i])
-                prompt = prompt_ids(case.prompt_tokens, vocab, seed + i)
+                prompt = prompt_ids(case.prompt_tokens, facts.vocab_size, seed + i)
                 out[i] = (await _one(engine, prompt, params, out[i][1]), out[i][1])
 
             async with trio.open_nursery() as nursery:
@@ -75,11 +75,9 @@ async def measure_batch(case: Case) -> Result:
             drop_page_cache(case.model)
         if override is not None:
             override.begin_request(n, rows=case.prompt_tokens + case.max_tokens, requests=n)
-        reads0 = engine.router.reader.stats.bytes_read
-        snap0 = engine.router.table.snapshot()
-        steps0, rows0 = engine.batch.stats.steps, engine.batch.stats.rows_stepped
+        before = engine.counters()
         runs = await run_all([case.max_tokens] * n, case.seed)
-        snap = engine.router.table.snapshot()
+        spent = engine.counters() - before
     dones = [d for d, _ in runs]
     if any(d is None for d in dones):
         raise RuntimeError("a batch row ended without its Done event")
@@ -87,8 +85,6 @@ async def measure_batch(case: Case) -> Result:
     t_first = min(m["first"] for _, m in runs)
     t_end = max(m["end"] for _, m in runs)
     per_row_ms = [1000.0 / d.stats.decode_tok_s for d in dones if d.stats.decode_tok_s > 0]
-    hits, misses = snap.hits - snap0.hits, snap.misses - snap0.misses
-    steps = engine.batch.stats.steps - steps0
     return Result(
         name=case.name, kind=case.kind, prompt_tokens=case.prompt_tokens,
         max_tokens=case.max_tokens, completion_tokens=sum(d.stats.completion_tokens for d in dones),
@@ -97,16 +93,16 @@ async def measure_batch(case: Case) -> Result:
         ttft_s=max(d.stats.ttft_s for d in dones),
         peak_rss_mb=max(d.stats.peak_rss_mb for d in dones),
         peak_device_mb=max(d.stats.peak_device_mb for d in dones),
-        pool_mb=engine.pool_bytes / 2**20, slots=engine.storage.num_slots,
-        readers=engine.router.reader.concurrency, strategy=cfg.prefetch.strategy,
+        pool_mb=facts.pool_bytes / 2**20, slots=facts.slots,
+        readers=facts.readers, strategy=cfg.prefetch.strategy,
         eviction=cfg.pool.eviction,
-        o_direct=engine.container.o_direct,
-        hit_rate=hits / (hits + misses) if hits + misses else 0.0,
-        bytes_read_per_token=(engine.router.reader.stats.bytes_read - reads0) / max(decoded, 1),
+        o_direct=facts.o_direct,
+        hit_rate=spent.hit_rate,
+        bytes_read_per_token=spent.bytes_read / max(decoded, 1),
         concurrency=n,
         per_seq_ms_per_token=max(per_row_ms, default=0.0),
         per_seq_ms_per_token_mean=sum(per_row_ms) / len(per_row_ms) if per_row_ms else 0.0,
-        batch_rows_per_step=(engine.batch.stats.rows_stepped - rows0) / max(steps, 1),
+        batch_rows_per_step=spent.batch_rows_stepped / max(spent.batch_steps, 1),
         routing=override.label if override is not None else "router",
         backend=backend(), open_s=open_s, warmup_s=warmup_s,
         seconds=time.perf_counter() - started,

@@ -21,6 +21,7 @@ import sys
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,10 @@ async def measure_engine(case: Case) -> Result:
     from actors import timeline
     from actors.sampling_params import SamplingParams
     from pipeline.bench.read_path import between
-    from pipeline.bench.read_path import mark as read_mark
     from pipeline.bench.refs import drop_page_cache
     from pipeline.bench.routing import calibrate
     from pipeline.config.schema import config_from_dict
+    from pipeline.counters import Counters
     from pipeline.engine import open_engine
     from pipeline.events import Done
     from pipeline.resident_map import resident_by_mapping, resident_kinds
@@ -51,12 +52,12 @@ async def measure_engine(case: Case) -> Result:
         if case.warm_all:
             await engine.warm()
         phases["open_s"] = time.perf_counter() - started
-        override = calibrate(engine.model, case.routing, case.seed)
-        vocab = engine.model.parts.args.vocab_size
+        override = calibrate(engine, case.routing, case.seed)
+        facts = engine.facts
         # Warm-up with the measured prompt's length: MLX's CUDA backend JIT-compiles a
         # kernel per new shape (tens of seconds the first time), which is not TTFT.
         warm = SamplingParams(temperature=1.0, seed=case.seed + 1, max_tokens=2)
-        warm_prompt = prompt_ids(case.prompt_tokens, vocab, case.seed + 99)
+        warm_prompt = prompt_ids(case.prompt_tokens, facts.vocab_size, case.seed + 99)
         async with aclosing(engine.generate(warm_prompt, warm)) as it:
             async for _ in it:
                 pass
@@ -66,64 +67,55 @@ async def measure_engine(case: Case) -> Result:
         if override is not None:
             # The warm-up was request 0, the other domain; this one's table drawn now.
             override.begin_request(1, rows=case.prompt_tokens + case.max_tokens)
-        router, compute = engine.router, engine.compute
-        mark: dict[str, float] = {}
-        marks: list[Any] = []
-        original = compute.begin_token
+        at_decode: list[Counters] = []
 
-        async def begin_token(phase: Any) -> None:
-            # The first decode token's bookkeeping: snapshot counters to split prefill
-            # from decode (pipelined or not, every forward starts its bookkeeping here).
-            if phase == "decode" and not mark:
-                snap = router.table.snapshot()
-                mark.update(bytes=router.reader.stats.bytes_read, hits=snap.hits, misses=snap.misses)
-                marks.append(read_mark(engine))
-            await original(phase)
+        def first_decode(phase: str) -> None:
+            # The first decode token's start splits prefill from decode (pipelined or
+            # not, every forward starts here).
+            if phase == "decode" and not at_decode:
+                at_decode.append(engine.counters())
 
-        compute.begin_token = begin_token  # type: ignore[method-assign]
-        bytes0 = router.reader.stats.bytes_read
-        ahead0 = (compute.stats.run_ahead_tokens, compute.stats.run_ahead_misses)
+        before = engine.counters()
         params = SamplingParams(temperature=1.0, seed=case.seed, max_tokens=case.max_tokens)
-        prompt = prompt_ids(case.prompt_tokens, vocab, case.seed)
+        prompt = prompt_ids(case.prompt_tokens, facts.vocab_size, case.seed)
         done: Done | None = None
-        with timeline.recording(case.trace):
+        with timeline.recording(case.trace), engine.watch_tokens(first_decode):
             async with aclosing(engine.generate(prompt, params)) as it:
                 async for event in it:
                     if isinstance(event, Done):
                         done = event
-        compute.begin_token = original  # type: ignore[method-assign]
-        read_path = between(marks[0] if marks else None, read_mark(engine),
-                            engine.container.manifest.max_stride)
+        end = engine.counters()
+        read_path = between(at_decode[0] if at_decode else None, end, facts.expert_stride)
         assert done is not None
         s = done.stats
-        snap = router.table.snapshot()
         decoded = max(s.completion_tokens - 1, 0)
-        d_hits = snap.hits - mark.get("hits", snap.hits)
-        d_misses = snap.misses - mark.get("misses", snap.misses)
-        d_bytes = router.reader.stats.bytes_read - mark.get("bytes", router.reader.stats.bytes_read)
+        decode = end - (at_decode[0] if at_decode else end)
+        prefill = (at_decode[0] if at_decode else before) - before
+        spent = end - before
         return Result(
             name=case.name, kind=case.kind, prompt_tokens=s.prompt_tokens, max_tokens=case.max_tokens,
             completion_tokens=s.completion_tokens, decode_tok_s=s.decode_tok_s,
             prefill_tok_s=s.prefill_tok_s, ttft_s=s.ttft_s, peak_rss_mb=s.peak_rss_mb,
             peak_device_mb=s.peak_device_mb, decode_rss_mb=s.decode_rss_mb,
-            decode_device_mb=s.decode_device_mb, pool_mb=engine.pool_bytes / 2**20,
-            slots=engine.storage.num_slots, readers=router.reader.concurrency,
+            decode_device_mb=s.decode_device_mb, pool_mb=facts.pool_bytes / 2**20,
+            slots=facts.slots, readers=facts.readers,
             strategy=_strategy_label(cfg.prefetch) if cfg.compute.overlap else "none",
             eviction=cfg.pool.eviction, overlap=cfg.compute.overlap,
-            o_direct=engine.container.o_direct, hit_rate=s.hit_rate,
-            decode_hit_rate=d_hits / (d_hits + d_misses) if d_hits + d_misses else 0.0,
+            o_direct=facts.o_direct, hit_rate=s.hit_rate,
+            decode_hit_rate=decode.hit_rate,
             bytes_read_per_token=s.bytes_read_per_token,
-            decode_bytes_per_token=d_bytes / decoded if decoded else 0.0,
+            decode_bytes_per_token=decode.bytes_read / decoded if decoded else 0.0,
             prefetch_precision=s.prefetch_precision, prefetch_recall=s.prefetch_recall,
             stall_fraction=s.stall_fraction, backend=backend(),
             routing=override.label if override is not None else "router",
             os_threads=_os_threads(), rss_kinds=resident_kinds(), rss_by_mapping=resident_by_mapping(),
-            prefill_chunk=engine.prefill_chunk,
-            prefill_bytes=int(mark.get("bytes", 0) - bytes0),
-            run_ahead_tokens=compute.stats.run_ahead_tokens - ahead0[0],
-            run_ahead_misses=compute.stats.run_ahead_misses - ahead0[1],
+            prefill_chunk=facts.prefill_chunk,
+            prefill_bytes=prefill.bytes_read if at_decode else 0,
+            run_ahead_tokens=spent.run_ahead_tokens,
+            run_ahead_misses=spent.run_ahead_misses,
             seconds=time.perf_counter() - started, read_path=read_path,
-            queue_depth_gb_s=_probed(cfg, engine), **phases,
+            queue_depth_gb_s=_probed(cfg, engine), open_s=phases["open_s"],
+            warmup_s=phases["warmup_s"],
         )
 
 
@@ -295,7 +287,7 @@ def machine_info() -> dict[str, Any]:
     try:
         import mlx.core as mx
 
-        info["mlx"] = mx.__version__
+        info["mlx"] = metadata.version("mlx")
         info["device"] = str(mx.default_device())
         if hasattr(mx, "device_info"):
             info["device_info"] = {k: str(v) for k, v in mx.device_info().items()}

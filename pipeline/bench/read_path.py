@@ -1,7 +1,8 @@
 """Where a cold case's decode time goes on the read path (`moestream bench`).
 
-Two marks, at the first decode token and after the last, give for the decode window:
-the disk's busy fraction (time with at least one read in flight / wall time), the mean
+Two snapshots of the engine's counters (`Engine.counters`), at the first decode token
+and after the last, give for the decode window: the disk's busy fraction (time with at
+least one read in flight / wall time), the mean
 reads in flight, the bandwidth it delivered, the bytes prefetched in vain, compute's
 wait on reads split into "predicted but late" and "not predicted", and a read's time
 split into queueing, the pread, waiting for a staging thread, the crc32 and the copy
@@ -10,12 +11,9 @@ into device memory.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import msgspec
 
-from actors.disk_meter import MeterSnapshot
+from pipeline.counters import Counters
 
 
 class ReadPath(msgspec.Struct, kw_only=True):
@@ -36,38 +34,22 @@ class ReadPath(msgspec.Struct, kw_only=True):
     stage_ms: float = 0.0
 
 
-@dataclasses.dataclass
-class Mark:
-    meter: MeterSnapshot
-    reader: dict[str, Any]
-    router: dict[str, Any]
-    wasted: int
-
-
-def mark(engine: Any) -> Mark:
-    router = engine.router
-    return Mark(router.reader.meter.snapshot(), dataclasses.asdict(router.reader.stats),
-                dataclasses.asdict(router.stats), router.table.prefetch_wasted)
-
-
-def between(start: Mark | None, end: Mark, stride: int) -> ReadPath:
+def between(start: Counters | None, end: Counters, stride: int) -> ReadPath:
+    """The read path from the engine's counters at the first decode token to the end."""
     if start is None:
         return ReadPath()
-    use = end.meter.since(start.meter)
-    d = {k: end.reader[k] - start.reader[k] for k in end.reader}
-    reads = max(d["reads"] + d["failures"], 1)
+    d = end - start
+    reads = max(d.reads + d.failures, 1)
 
-    def ms(key: str) -> float:
-        return 1000.0 * d[key] / reads
+    def ms(seconds: float) -> float:
+        return 1000.0 * seconds / reads
 
     return ReadPath(
-        disk_busy_fraction=use.busy_fraction, mean_in_flight=use.mean_in_flight,
-        disk_gb_s=d["bytes_read"] / max(use.seconds, 1e-9) / 1e9,
-        wasted_mb=(end.wasted - start.wasted) * stride / 1e6,
-        stall_late_s=end.router["stall_late_seconds"] - start.router["stall_late_seconds"],
-        stall_unpredicted_s=end.router["stall_unpredicted_seconds"]
-        - start.router["stall_unpredicted_seconds"],
-        decode_s=use.seconds, queue_ms=ms("queue_seconds"), pread_ms=ms("pread_seconds"),
-        finish_wait_ms=ms("finish_wait_seconds"), check_ms=ms("check_seconds"),
-        stage_ms=ms("stage_seconds"),
+        disk_busy_fraction=d.disk_busy_fraction, mean_in_flight=d.mean_in_flight,
+        disk_gb_s=d.bytes_read / max(d.t, 1e-9) / 1e9,
+        wasted_mb=d.prefetch_wasted * stride / 1e6,
+        stall_late_s=d.stall_late_seconds, stall_unpredicted_s=d.stall_unpredicted_seconds,
+        decode_s=d.t, queue_ms=ms(d.queue_seconds), pread_ms=ms(d.pread_seconds),
+        finish_wait_ms=ms(d.finish_wait_seconds), check_ms=ms(d.check_seconds),
+        stage_ms=ms(d.stage_seconds),
     )

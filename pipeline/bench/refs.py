@@ -25,6 +25,7 @@ import numpy as np
 
 from qpack import spec
 from qpack.reader import Container, aligned_empty
+from qpack.safetensors_io import load_safetensors
 
 _NP = {"uint32": np.uint32, "uint8": np.uint8, "bfloat16": np.uint16, "float16": np.float16,
        "float32": np.float32}
@@ -117,7 +118,7 @@ def load_resident(container: Container) -> nn.Module:
     from qpack.mlx_model import model_classes
 
     config = container.config
-    weights = dict(mx.load(str(container.dense_path)))
+    weights = load_safetensors(container.dense_path)
     weights.update(stacked_experts(container))
     model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))

@@ -19,20 +19,23 @@ from typing import Any
 ROUTINGS = ("router", "calibrated", "calibrated-gate")
 
 
-def calibrate(model: Any, routing: str, seed: int) -> Any:
-    """Set `routing` on a StreamedModel (request 0 first); the override, or None for router."""
+def calibrate(engine: Any, routing: str, seed: int) -> Any:
+    """Route `engine`'s model by `routing` (request 0 first); the override, or None for
+    router."""
     if routing == "router":
         return None
     if routing not in ROUTINGS:
         raise ValueError(f"unknown routing {routing!r}; valid: {', '.join(ROUTINGS)}")
-    if all(block.is_linear for block in model.parts.layers):
+    facts = engine.facts
+    if not facts.attention_layers:
         # The token's position is the first KV cache's offset; DeltaNet states have none.
         raise ValueError("calibrated routing needs a full-attention layer (its KV offset is the "
                          "token's position) and this model has none: use more layers (--max-layers >= 4)")
     from actors.routing_model.source import CalibratedSource
     from pipeline.models.routing_override import RoutingOverride
 
-    source = CalibratedSource(len(model.moe_layers), model.num_experts, model.top_k, seed=seed)
-    model.routing = RoutingOverride(source, model.moe_layers, emulate_gate=routing == "calibrated-gate")
-    model.routing.begin_request(0)
-    return model.routing
+    source = CalibratedSource(len(facts.moe_layers), facts.num_experts, facts.top_k, seed=seed)
+    override = RoutingOverride(source, facts.moe_layers, emulate_gate=routing == "calibrated-gate")
+    engine.use_routing(override)
+    override.begin_request(0)
+    return override

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from actors.prefetch.registry import DEPTH_STRATEGIES, strategies_help
 from pipeline.bench.cases import Case, Report, machine_info, run_case
 from pipeline.bench.routing import ROUTINGS
 from pipeline.cli.commands import readers_arg
@@ -31,7 +32,8 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
         pool["eviction"] = args.eviction
     base: dict[str, Any] = {
         "pool": pool,
-        "reader": {"concurrency": args.readers, "o_direct": args.o_direct, "demand_lane": args.demand_lane},
+        "reader": {"concurrency": args.readers, "o_direct": args.o_direct, "demand_lane": args.demand_lane,
+                   "prefetch_yields": args.prefetch_yields == "on"},
         "prefetch": {"strategy": args.strategy, "depth": args.depth, "extra": args.prefetch_extra},
         "compute": {"prefill_chunk": args.prefill_chunk},
     }
@@ -168,11 +170,15 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="expert reads in flight: a number or auto (the queue depth measured at start; default)")
     p.add_argument("--demand-lane", type=int, default=1,
                    help="disk threads beside --readers that take demand reads only (default 1)")
-    p.add_argument("--strategy", default="next-gate", help="prefetch strategy of the default case")
+    p.add_argument("--prefetch-yields", choices=("on", "off"), default="on",
+                   help="no prediction starts while a demand read runs (default on)")
+    p.add_argument("--strategy", default="next-gate",
+                   help=f"prefetch strategy of the default case ({strategies_help()})")
     p.add_argument("--prefetch-extra", type=int, default=0,
                    help="experts a gate strategy predicts beyond top-k per layer (default 0)")
     p.add_argument("--depth", type=int, default=1,
-                   help="layers ahead the strategy predicts (lookahead, history; default 1)")
+                   help=f"layers ahead the strategy predicts ({', '.join(DEPTH_STRATEGIES)}; "
+                   "default 1)")
     p.add_argument("--prefill-chunk", type=int, default=0,
                    help="prompt tokens per prefill step (default 0: follow the pool)")
     p.add_argument("--long-prompt", type=TOKENS, default=1024,

@@ -26,16 +26,17 @@ def readers_arg(text: str) -> int | str:
 
 def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) -> None:
     """Flags that override config keys; shared by run, generate, chat and serve."""
-    from pipeline.config.schema import EVICTION_POLICIES, PREFETCH_STRATEGIES  # the registries
+    from actors.prefetch.registry import DEPTH_STRATEGIES, strategies_help  # the registries
+    from pipeline.config.schema import EVICTION_POLICIES
 
     g = p.add_argument_group("engine")
     if config_flag:
         g.add_argument("--config", type=Path, help="a TOML config to start from (flags override it)")
     g.add_argument("--pool-mb", type=int, help="expert pool budget in MiB")
     g.add_argument("--slots", type=int, help="expert pool size in experts (instead of --pool-mb)")
-    g.add_argument("--strategy", help=f"prefetch strategy: {', '.join(PREFETCH_STRATEGIES)} "
-                   "(default next-gate; combined unions prefetch.combine)")
-    g.add_argument("--depth", type=int, help="layers ahead for lookahead prefetch")
+    g.add_argument("--strategy", help=f"prefetch strategy (default next-gate): {strategies_help()}")
+    g.add_argument("--depth", type=int,
+                   help=f"layers ahead the strategy predicts ({', '.join(DEPTH_STRATEGIES)})")
     g.add_argument("--eviction", help=f"pool eviction policy: {', '.join(EVICTION_POLICIES)} "
                    "(default reuse)")
     g.add_argument("--readers", type=readers_arg,
@@ -50,16 +51,16 @@ def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) ->
     g.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="override any config key; repeatable")
     s = p.add_argument_group("sampling")
-    s.add_argument("--temperature", type=float)
-    s.add_argument("--top-p", type=float)
-    s.add_argument("--top-k", type=int)
-    s.add_argument("--min-p", type=float)
-    s.add_argument("--seed", type=int)
-    s.add_argument("--max-tokens", type=int)
+    for knob, kind in SAMPLING_FLAGS.items():
+        s.add_argument("--" + knob.replace("_", "-"), type=kind, help=f"sampling.{knob}")
     s.add_argument("--stop", action="append", help="a stop string; repeatable")
     s.add_argument("--thinking", dest="enable_thinking", action=argparse.BooleanOptionalAction,
                    default=None, help="the chat template's thinking switch (chat.enable_thinking)")
 
+
+# The `[sampling]` keys with a flag of their own (any other: `--set sampling.KEY=...`).
+SAMPLING_FLAGS: dict[str, type] = {"temperature": float, "top_p": float, "top_k": int,
+                                   "min_p": float, "seed": int, "max_tokens": int}
 
 _FLAG_KEYS = {
     "pool_mb": ("pool", "budget_mb"),
@@ -70,12 +71,7 @@ _FLAG_KEYS = {
     "readers": ("reader", "concurrency"),
     "prefill_chunk": ("compute", "prefill_chunk"),
     "verify": ("model", "verify"),
-    "temperature": ("sampling", "temperature"),
-    "top_p": ("sampling", "top_p"),
-    "top_k": ("sampling", "top_k"),
-    "min_p": ("sampling", "min_p"),
-    "seed": ("sampling", "seed"),
-    "max_tokens": ("sampling", "max_tokens"),
+    **{knob: ("sampling", knob) for knob in SAMPLING_FLAGS},
     "enable_thinking": ("chat", "enable_thinking"),
     "distributed": ("distributed", "enabled"),
 }
@@ -118,7 +114,7 @@ def engine_config(args: argparse.Namespace, model: str | None = None, *,
 
 
 def distributed(cfg: PipelineConfig, face: Any, *, server: bool = False) -> int:
-    """`face(cfg)` on rank 0 of a distributed job, the stage loop on the other ranks."""
+    """`face(cfg, stage)` on rank 0 of a distributed job, the stage loop on the others."""
     if cfg.distributed.gpu_per_rank:  # before anything below loads MLX
         from pipeline.distributed.gpu import pin_gpu_per_rank
 
@@ -161,7 +157,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return refused(exc)
     with timeline.recording(args.trace or cfg.run.trace):
         if cfg.distributed.enabled:
-            return distributed(cfg, lambda c: trio.run(run_pipeline, c, args.trace))
+            return distributed(cfg, lambda c, s: trio.run(run_pipeline, c, args.trace, "run", s))
         return trio.run(run_pipeline, cfg, args.trace)
 
 
@@ -184,7 +180,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except QpackError as exc:
         return refused(exc)
     if cfg.distributed.enabled:
-        return distributed(cfg, lambda c: trio.run(run_pipeline, c, None, "generate"))
+        return distributed(cfg, lambda c, s: trio.run(run_pipeline, c, None, "generate", s))
     return trio.run(run_pipeline, cfg, None, "generate")
 
 
@@ -199,7 +195,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         return refused(exc)
     if cfg.distributed.enabled:
-        return distributed(cfg, lambda c: trio.run(chat, c, list(args.turns)))
+        return distributed(cfg, lambda c, s: trio.run(chat, c, list(args.turns), s))
     return trio.run(chat, cfg, list(args.turns))
 
 

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
@@ -22,8 +22,10 @@ from pipeline.cli.term import err
 from pipeline.config.schema import PipelineConfig
 from pipeline.engine import Engine
 from pipeline.events import Done, GenerationStats, TextDelta
-from pipeline.generation_config import default_params
 from qpack.output_guard import write_file_atomically
+
+if TYPE_CHECKING:
+    from pipeline.distributed.stage import Stage
 
 
 def stats_table(rows: list[tuple[str, GenerationStats]], title: str = "moestream run") -> Table:
@@ -91,17 +93,19 @@ def _messages(prompt: Any) -> Any:
     return [{"role": m.role, "content": m.content} for m in prompt]
 
 
-async def run_pipeline(cfg: PipelineConfig, trace_path: str | None, command: str = "run") -> int:
+async def run_pipeline(cfg: PipelineConfig, trace_path: str | None, command: str = "run",
+                       stage: Stage | None = None) -> int:
     rows: list[tuple[str, GenerationStats]] = []
-    async with loaded_engine(cfg, record_routing=cfg.run.record_routing is not None) as engine:
+    async with loaded_engine(cfg, stage=stage,
+                             record_routing=cfg.run.record_routing is not None) as engine:
         params = _params(engine, cfg)
         for prompt in cfg.run.prompts:
             label = prompt if isinstance(prompt, str) else prompt[-1].content
             err.print(f"[bold]> {label}[/bold]  [dim](random weights: the text is gibberish)[/dim]")
             done = await stream(engine, _messages(prompt), params, echo=True)
             rows.append((label, done.stats))
-        if engine.compute.recorder is not None and cfg.run.record_routing:
-            engine.compute.recorder.save(cfg.run.record_routing)
+        if cfg.run.record_routing:
+            engine.save_routing(cfg.run.record_routing)
     err.print(stats_table(rows, f"moestream {command}"))
     if cfg.run.stats:
         write_file_atomically(cfg.run.stats, msgspec.json.format(msgspec.json.encode(
@@ -114,12 +118,12 @@ async def run_pipeline(cfg: PipelineConfig, trace_path: str | None, command: str
 def _params(engine: Engine, cfg: PipelineConfig) -> SamplingParams:
     """The config's [sampling] over the model's generation_config.json; run.max_tokens
     when neither caps the length."""
-    params = default_params(engine)
+    params = engine.default_params()
     return msgspec.structs.replace(params, max_tokens=params.max_tokens or cfg.run.max_tokens)
 
 
-async def chat(cfg: PipelineConfig, turns: list[str]) -> int:
-    async with loaded_engine(cfg) as engine:
+async def chat(cfg: PipelineConfig, turns: list[str], stage: Stage | None = None) -> int:
+    async with loaded_engine(cfg, stage=stage) as engine:
         params = _params(engine, cfg)
         if not turns:
             return await _interactive(engine, params)

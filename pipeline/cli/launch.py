@@ -1,6 +1,6 @@
 """`moestream launch -n N -- COMMAND`: run a distributed job's ranks on this machine.
 
-The way to run a distributed server under a service manager (README "Distributed"): it
+The way to run a distributed server under a service manager (docs/distributed.md): it
 stops the job through this process's PID, and this process forwards the signal to the
 ranks and waits for them.
 """

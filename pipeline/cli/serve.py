@@ -14,6 +14,7 @@ from typing import Any
 from pipeline.cli.commands import add_engine_flags, engine_config
 from pipeline.cli.failures import refused
 from pipeline.cli.term import err
+from pipeline.server.route_table import describe as describe_routes
 
 _SERVER_FLAGS = ("host", "port", "api_key", "max_queue", "max_body_bytes", "context_limit",
                  "max_tokens_limit", "strict_model", "aliases", "cors_origins",
@@ -48,11 +49,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if cfg.distributed.enabled:  # rank 0 serves; the others run their layers
         from pipeline.cli.commands import distributed
 
-        def face(c: Any) -> int:
+        def face(c: Any, stage: Any) -> int:
             check_bindable(c.server.host, c.server.port)
             err.print(f"rank 0 of a distributed job: serving on http://{c.server.host}:{c.server.port} ...")
             return trio.run(lambda: serve_config(c, hide_reasoning=args.hide_reasoning,
-                                                 accepted=(args.model,)))
+                                                 accepted=(args.model,), stage=stage))
 
         return distributed(cfg, face, server=True)
     check_bindable(cfg.server.host, cfg.server.port)  # before minutes of packing or loading
@@ -68,11 +69,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (chat, completions, tools, SSE)",
-        description="Serve MODEL over an OpenAI-compatible API: POST /v1/chat/completions, "
-        "POST /v1/completions, POST /v1/responses, POST /v1/messages (Anthropic), "
-        "POST /tokenize and /detokenize, GET /v1/models (each also without /v1), "
-        "Ollama's /api/chat, /api/generate, /api/tags, /api/show, /api/version, "
-        "GET /health, GET /metrics (Prometheus). "
+        description=f"Serve MODEL over an OpenAI-compatible API: {describe_routes()} "
         "Stops cleanly on Ctrl-C / SIGTERM.")
     p.add_argument("model", help="path of a .qpack container (its name is the model id)")
     h = p.add_argument_group("server")

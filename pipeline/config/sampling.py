@@ -12,11 +12,10 @@ from typing import Annotated, Any
 
 import msgspec
 
-from actors.sampling_params import SamplingParams
+from actors.sampling_params import SCALAR_KNOBS, SamplingParams
 
 # The knobs a model's generation_config.json may also set: None here = not said.
-OPTIONAL_KNOBS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                  "frequency_penalty", "repetition_penalty")
+OPTIONAL_KNOBS = SCALAR_KNOBS
 
 
 # The bounds SamplingParams (shared with HTTP requests) leaves to its callers; the

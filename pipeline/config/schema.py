@@ -52,10 +52,11 @@ TOKENS_MAX = 1 << 20  # a million tokens: above any context length these models 
 
 
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    pass
+    """A config section. msgspec passes `frozen` on to subclasses; each section says it
+    again all the same, because type checkers read a subclass without it as mutable."""
 
 
-class ModelConfig(_Section):
+class ModelConfig(_Section, frozen=True):
     # A `.qpack` directory, or `synth:<preset>` (synthesize and pack the preset on first use).
     path: str
     # Hub id, checkpoint directory or `synth:<preset>` to pack `path` from when it is missing.
@@ -70,14 +71,14 @@ class ModelConfig(_Section):
                 raise ValueError(f"{name} must name a container or a synth:<preset>, got {value!r}")
 
 
-class PoolConfig(_Section):
+class PoolConfig(_Section, frozen=True):
     # Give budget_mb or slots, or neither (derive from the memory left after the dense core).
     budget_mb: Annotated[int, within(1, MIB_MAX)] | None = None
     slots: Annotated[int, within(1, 1 << 24)] | None = None
     # "reuse" (actors/pool/eviction_scored.py): on calibrated routing it had the smallest
     # loss to the best policy at each pool size (mean 2.1, worst 5.8 points over 3 model
     # shapes x 6-7 sizes); LFU with the decay below lost up to 42 points at small pools.
-    # README "Routing realism", benchmarks/results/routing/.
+    # docs/routing.md, benchmarks/results/routing/.
     eviction: str = "reuse"
     # LFU counts fade by this factor every `lfu_period` pool accesses (1.0 = plain LFU);
     # the parameters of actors.eviction.LFUDecay, ignored by the other policies.
@@ -90,13 +91,17 @@ class PoolConfig(_Section):
         one_of("eviction", self.eviction, EVICTION_POLICIES)
 
 
-class ReaderConfig(_Section):
+class ReaderConfig(_Section, frozen=True):
     # Expert reads in flight at once (disk threads). "auto": the smallest queue depth
     # that reaches the disk's bandwidth, measured at start (actors/queue_depth.py).
     concurrency: Annotated[int, msgspec.Meta(ge=1, le=MAX_READERS)] | Literal["auto"] = "auto"
     # More disk threads that take demand reads only, so a read the compute waits for never
     # queues behind predictions in flight (none in the serial baseline; actors/reader.py).
     demand_lane: Annotated[int, within(0, 4)] = 1
+    # No prediction starts while a demand read runs: reads in flight share the disk's
+    # bandwidth, and the compute waits for the demand read only (with realistic routing a
+    # demand read beside predictions took 2.3 ms, alone 1.0: H200, 2026-12-01).
+    prefetch_yields: bool = True
     # The GIL's switch interval while reading (ms; 0 leaves Python's 5 ms): a disk thread
     # waits for the GIL between reads (actors/reader.py).
     switch_interval_ms: Annotated[float, msgspec.Meta(ge=0.0, le=5.0)] = 0.2
@@ -111,7 +116,7 @@ class ReaderConfig(_Section):
     stage_in_threads: Literal["auto", "on", "off"] = "auto"
 
 
-class PrefetchConfig(_Section):
+class PrefetchConfig(_Section, frozen=True):
     strategy: str = "next-gate"
     depth: Annotated[int, within(1, 64)] = 1  # layers ahead, for "lookahead"
     max_per_layer: Annotated[int, within(1, 1 << 16)] | None = None  # cap on predicted experts per layer
@@ -133,7 +138,7 @@ class PrefetchConfig(_Section):
             )
 
 
-class ComputeConfig(_Section):
+class ComputeConfig(_Section, frozen=True):
     # Prompt tokens per prefill forward. 0 = follow the pool: the whole prompt (up to
     # prefill_max_tokens) in one layer-major pass when a layer's experts all fit in the
     # pool, so a prompt reads each expert it needs once; else as many tokens as the pool
@@ -159,12 +164,12 @@ class ComputeConfig(_Section):
     batch_memory_mb: Annotated[int, within(0, MIB_MAX)] = 0
 
 
-class ChatMessage(_Section):
+class ChatMessage(_Section, frozen=True):
     role: Literal["system", "user", "assistant"]
     content: str
 
 
-class RunConfig(_Section):
+class RunConfig(_Section, frozen=True):
     # Each prompt is a plain string (completion) or a list of chat messages.
     prompts: Annotated[tuple[str | tuple[ChatMessage, ...], ...], msgspec.Meta(max_length=1024)] = ("Hello",)
     max_tokens: Annotated[int, within(1, TOKENS_MAX)] = 64
@@ -173,7 +178,7 @@ class RunConfig(_Section):
     record_routing: str | None = None  # routing trace for `replay`
 
 
-class ServerConfig(_Section):
+class ServerConfig(_Section, frozen=True):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8000
     api_key: str | None = None  # when set, requests need `Authorization: Bearer <key>`
@@ -203,8 +208,8 @@ class ServerConfig(_Section):
     prefix_cache_min_tokens: Annotated[int, within(1, TOKENS_MAX)] = 256
 
 
-class DistributedConfig(_Section):
-    """Pipeline-parallel ranks over mlx.distributed (README "Distributed")."""
+class DistributedConfig(_Section, frozen=True):
+    """Pipeline-parallel ranks over mlx.distributed (docs/distributed.md)."""
 
     # Set by `--distributed`: this process is one rank of an `mlx.launch` job.
     enabled: bool = False
@@ -225,7 +230,7 @@ class DistributedConfig(_Section):
     gpu_per_rank: bool = False
 
 
-class LogConfig(_Section):
+class LogConfig(_Section, frozen=True):
     level: str = "info"
     json: bool = False
 

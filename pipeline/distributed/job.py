@@ -4,7 +4,7 @@
 
 Every rank runs the same command. Each joins the group, shakes hands, and learns its
 layers (`Stage.join`); then rank 0 runs the command's face (serve, generate, run, chat:
-they open the engine as usual, which then holds rank 0's layers) while the later ranks
+given the stage, they open the engine with it, which then holds rank 0's layers) while the later ranks
 run their stage loop. When the face returns, rank 0 sends `SHUTDOWN` down the chain and
 every rank reports its counters to rank 0 (one all_sum), logged as `distributed.stats`.
 
@@ -39,7 +39,6 @@ import trio
 
 from pipeline.config.schema import PipelineConfig
 from pipeline.distributed import wire
-from pipeline.distributed.active import activate
 from pipeline.distributed.errors import RankLost
 from pipeline.distributed.launcher_watch import watch_launcher
 from pipeline.distributed.link import Link
@@ -76,34 +75,34 @@ def join(cfg: PipelineConfig) -> Stage:
         container.close()
 
 
-def run_distributed(cfg: PipelineConfig, face: Callable[[PipelineConfig], int], *,
+def run_distributed(cfg: PipelineConfig, face: Callable[[PipelineConfig, Stage], int], *,
                     stop_on_loss: bool = False) -> int:
-    """Run this rank's part of `face`; its exit status. `stop_on_loss`: a lost rank
-    sends this process SIGTERM (a server then stops as on Ctrl-C, after its 503s)."""
+    """Run this rank's part of `face`; its exit status. Rank 0 runs `face(cfg, stage)`,
+    which opens its engine with `open_engine(cfg, stage=stage)`. `stop_on_loss`: a lost
+    rank sends this process SIGTERM (a server then stops as on Ctrl-C, after its 503s)."""
     watch_launcher()  # before the join, which waits for the other ranks as long as it takes
     stage = join(cfg)
     if stop_on_loss and stage.plan.first:
         stage.link.on_broken = _terminate_soon
     status = 0
     try:
-        with activate(stage):
-            if stage.plan.first:
-                try:
-                    status = face(cfg)
-                finally:
-                    # Also after the face failed (a bad prompt, Ctrl-C): the later ranks
-                    # then stop cleanly instead of finding rank 0 gone.
-                    if stage.link.broken is None:
-                        stage.shutdown()
-                        report(finish(stage))
-            else:
-                # Ctrl-C in a terminal reaches every local rank of an mlx.launch job: rank 0
-                # decides (a chat stops its reply, a server drains) and tells the others.
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
-                signal.signal(signal.SIGTERM, _follower(stage, cfg.server.shutdown_grace_s
-                                                        + FOLLOW_MARGIN_S))
-                trio.run(_stage_loop, cfg, stage)
-                finish(stage)
+        if stage.plan.first:
+            try:
+                status = face(cfg, stage)
+            finally:
+                # Also after the face failed (a bad prompt, Ctrl-C): the later ranks
+                # then stop cleanly instead of finding rank 0 gone.
+                if stage.link.broken is None:
+                    stage.shutdown()
+                    report(finish(stage))
+        else:
+            # Ctrl-C in a terminal reaches every local rank of an mlx.launch job: rank 0
+            # decides (a chat stops its reply, a server drains) and tells the others.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, _follower(stage, cfg.server.shutdown_grace_s
+                                                    + FOLLOW_MARGIN_S))
+            trio.run(_stage_loop, cfg, stage)
+            finish(stage)
     except RankLost as exc:
         _exit_lost(stage, str(exc))
     except BaseException:
@@ -117,10 +116,10 @@ def run_distributed(cfg: PipelineConfig, face: Callable[[PipelineConfig], int], 
 
 async def _stage_loop(cfg: PipelineConfig, stage: Stage) -> None:
     from pipeline.distributed.worker import StageLoop
-    from pipeline.engine import open_engine
+    from pipeline.engine_open import open_core
 
-    async with open_engine(cfg) as engine:
-        await StageLoop(engine, stage).run()
+    async with open_core(cfg, stage=stage) as core:
+        await StageLoop(core, stage).run()
 
 
 def finish(stage: Stage) -> np.ndarray:

@@ -60,7 +60,7 @@ Arm = Callable[[int], Callable[[], None]]
 
 
 def _pidfd(pid: int) -> Callable[[], None]:
-    fd = os.pidfd_open(pid)  # type: ignore[attr-defined]  # Linux >= 5.3
+    fd = os.pidfd_open(pid)  # Linux >= 5.3
 
     def wait() -> None:
         select.select([fd], [], [])  # readable once the process has exited
@@ -70,7 +70,8 @@ def _pidfd(pid: int) -> Callable[[], None]:
 
 
 def _kqueue(pid: int) -> Callable[[], None]:
-    kq = select.kqueue()  # type: ignore[attr-defined]  # macOS, the BSDs
+    # kqueue exists on macOS and the BSDs only; the checker reads Linux's `select`.
+    kq = select.kqueue()  # type: ignore[attr-defined]
     event = select.kevent(pid, filter=select.KQ_FILTER_PROC,  # type: ignore[attr-defined]
                           flags=select.KQ_EV_ADD | select.KQ_EV_ONESHOT,  # type: ignore[attr-defined]
                           fflags=select.KQ_NOTE_EXIT)  # type: ignore[attr-defined]

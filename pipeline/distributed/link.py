@@ -117,4 +117,4 @@ def _init(backend: str) -> Any:
     except RuntimeError as exc:  # not a lost rank: this process was started wrong
         raise DistributedSetupError(
             f"cannot join the distributed job ({backend} backend): {exc}; start every rank "
-            "with `mlx.launch` (README \"Distributed\")") from None
+            "with `mlx.launch` (docs/distributed.md)") from None

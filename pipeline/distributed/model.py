@@ -18,20 +18,27 @@ regroup their own batch as rank 0's, from the ids alone (`worker.StageLoop`).
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import mlx.core as mx
 
+from pipeline.distributed.plan import StagePlan
 from pipeline.models.batch_caches import BatchCaches
 from pipeline.models.streamed import ForwardStep, StreamedModel
 
-if TYPE_CHECKING:
-    from collections.abc import Sequence
 
-    from pipeline.distributed.stage import Stage
+class Boundary(Protocol):
+    """What a rank's model needs of its stage (`Stage`, pipeline/distributed/stage.py):
+    its plan, and rank 0's crossing to the later ranks and back."""
+
+    plan: StagePlan
+
+    def exchange(self, h: mx.array, seqs: list[int], all_positions: bool,
+                 decode: bool) -> mx.array: ...
 
 
-class SequenceCache(list):  # type: ignore[type-arg]
+class SequenceCache(list[Any]):
     """A sequence's caches (one per layer), or a batch's, tagged with its rows' ids."""
 
     seqs: list[int]
@@ -41,7 +48,7 @@ def with_seqs(cache: list[Any], seqs: Sequence[int]) -> list[Any]:
     """`cache` tagged with `seqs` (a tagged list subclass, e.g. calibrated routing's
     `Routed`, keeps its class and takes the attribute)."""
     out = SequenceCache(cache) if type(cache) is list else cache
-    out.seqs = list(seqs)  # type: ignore[attr-defined]
+    out.seqs = list(seqs)  # type: ignore[attr-defined]  # a tagged list subclass takes it
     return out
 
 
@@ -59,7 +66,7 @@ class StageBatchCaches(BatchCaches):
     def extend(self, batch: list[Any], caches: Sequence[list[Any]]) -> None:
         ids = seqs_of(batch) + [s for c in caches for s in seqs_of(c)]
         super().extend(batch, caches)
-        batch.seqs = ids  # type: ignore[attr-defined]
+        batch.seqs = ids  # type: ignore[attr-defined]  # merged caches are a tagged list
 
     def extract(self, batch: list[Any], row: int) -> list[Any]:
         return with_seqs(super().extract(batch, row), [seqs_of(batch)[row]])
@@ -67,7 +74,7 @@ class StageBatchCaches(BatchCaches):
     def keep(self, batch: list[Any], rows: Sequence[int]) -> None:
         ids = seqs_of(batch)
         super().keep(batch, rows)
-        batch.seqs = [ids[r] for r in rows]  # type: ignore[attr-defined]
+        batch.seqs = [ids[r] for r in rows]  # type: ignore[attr-defined]  # as in extend
 
 
 _SEQUENCES = itertools.count(1)
@@ -79,8 +86,10 @@ def new_seq() -> int:
 
 
 class StageModel(StreamedModel):
-    def __init__(self, stage: Stage, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, layers=stage.plan.layers, **kwargs)
+    def __init__(self, stage: Boundary, model: Any, fmt: Any, slot_arrays: dict[str, mx.array],
+                 activation_dtype: mx.Dtype | None = None, **kwargs: Any) -> None:
+        super().__init__(model, fmt, slot_arrays, activation_dtype, layers=stage.plan.layers,
+                         **kwargs)
         self.stage = stage
         self.inbox: mx.array | None = None  # a later rank: the residual stream received
 
@@ -90,7 +99,9 @@ class StageModel(StreamedModel):
     def batch_caches(self) -> StageBatchCaches:
         return StageBatchCaches(self.layers)
 
-    def step(self, tokens: list[int] | mx.array, cache: list[Any]) -> StageStep:
+    # A rank's step wraps the whole model's ForwardStep (StageStep hands on what it does
+    # not change), so it is no ForwardStep subclass: the override's return type differs.
+    def step(self, tokens: list[int] | mx.array, cache: list[Any]) -> StageStep:  # type: ignore[override]
         if self.stage.plan.first:
             inner = super().step(tokens, cache)
         else:
@@ -106,7 +117,7 @@ def _is_decode(tokens: list[int] | mx.array) -> bool:
 class StageStep:
     """A `ForwardStep` whose `logits` crosses the boundary; everything else is the step's."""
 
-    def __init__(self, inner: ForwardStep, stage: Stage, cache: list[Any], phase_decode: bool):
+    def __init__(self, inner: ForwardStep, stage: Boundary, cache: list[Any], phase_decode: bool):
         self.inner = inner
         self.stage = stage
         self.cache = cache

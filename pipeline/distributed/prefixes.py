@@ -112,6 +112,7 @@ class PrefixMirror:
         elif command == wire.Command.KEEP:
             rows = seqs_of(batch) if batch is not None else []
             if seq in rows:
+                # (`seq in rows` means there is a batch: `rows` is empty without one)
                 self.entries[key] = ops.extract(batch, rows.index(seq))  # type: ignore[arg-type]
             else:
                 self.entries[key] = caches.pop(seq)

@@ -14,6 +14,7 @@ ranks in their stage loop (`pipeline/distributed/worker.py`).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,7 +50,7 @@ from pipeline.prefix_cache import PrefixCache
 from qpack.reader import Container
 
 if TYPE_CHECKING:
-    from pipeline.engine import Engine
+    from pipeline.engine_core import EngineCore
 
 log = structlog.get_logger("moestream.distributed")
 
@@ -70,13 +71,13 @@ class BoundaryStats:
 class NoPrefixCache(PrefixCache):
     """A later rank's own prefix cache stays off: it never generates (rank 0's decides)."""
 
-    def take(self, tokens: list[int]) -> tuple[None, int]:  # type: ignore[override]
+    def take(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
         return None, 0
 
-    def put(self, tokens: list[int], cache: Any) -> None:
+    def put(self, tokens: Sequence[int], cache: list[Any]) -> None:
         return None
 
-    def wants(self, start: int, end: int, total: int) -> bool:
+    def wants(self, before: int, after: int, end: int) -> bool:
         return False
 
 
@@ -94,7 +95,7 @@ class Stage:
         self.stats = BoundaryStats()
         self.dense_bytes = 0  # this rank's share of dense.safetensors
         self.ranks_on_host = 1  # ranks of the job on this machine (this one included)
-        self.engine: Engine | None = None
+        self.core: EngineCore | None = None  # this rank's engine, once its actors run
 
     # -- setting up ----------------------------------------------------------------------
 
@@ -120,7 +121,7 @@ class Stage:
         if settings.boundaries:
             bounds = check_boundaries(m.num_layers, link.size, settings.boundaries)
         elif weighted:
-            bounds = weighted_boundaries(m.num_layers, share_weights(free_mb, table[:, 3]))
+            bounds = weighted_boundaries(m.num_layers, share_weights(free_mb.tolist(), table[:, 3].tolist()))
         else:
             bounds = equal_boundaries(m.num_layers, link.size)
         plan = plan_for(link.rank, link.size, m.num_layers, bounds)
@@ -159,30 +160,29 @@ class Stage:
         """MoE layers this rank streams (the pool's upper bound)."""
         return sum(1 for e in container.manifest.layers if e.index in self.plan.layers)
 
-    async def attach(self, engine: Engine) -> None:
+    async def attach(self, core: EngineCore) -> None:
         """After the actors start: the settings a rank needs, and the batch size every
         rank's pool can pin (a step's rows reach every rank: the smallest pool sets it)."""
-        self.engine = engine
-        row = np.array([engine.max_batch])
+        self.core = core
+        row = np.array([core.max_batch])
         table = await self.link.run(lambda: wire.all_rows(row, self.link.rank, self.link.size),
                                     self.settings.peer_timeout_s, "batch size")
-        engine.max_batch = engine.compute_task.capacity = int(table[:, 0].min())
-        log.info("distributed.batch", rank=self.plan.rank, max_batch=engine.max_batch,
+        core.max_batch = core.compute_task.capacity = int(table[:, 0].min())
+        log.info("distributed.batch", rank=self.plan.rank, max_batch=core.max_batch,
                  per_rank=[int(v) for v in table[:, 0]])
         # One sync per layer: a run-ahead token is rolled back at times, which the later
         # ranks would have to mirror; the boundary is crossed once per forward either way.
-        engine.compute.run_ahead = RunAheadPolicy("off")
-        own = engine.prefix_cache
-        engine.prefix_cache = (StagePrefixCache(own.max_bytes, own.max_entries, own.interval)
+        core.compute.run_ahead = RunAheadPolicy("off")
+        own = core.prefix_cache
+        core.prefix_cache = (StagePrefixCache(own.max_bytes, own.max_entries, own.interval)
                                if self.plan.first else NoPrefixCache())
 
     def pool_counters(self) -> list[float]:
         """hits, misses, reads, bytes read of this rank's pool (zeros before an engine)."""
-        if self.engine is None:
+        if self.core is None:
             return [0.0] * 4
-        table = self.engine.router.table.snapshot()
-        reader = self.engine.router.reader.stats
-        return [table.hits, table.misses, reader.reads, reader.bytes_read]
+        c = self.core.counters()
+        return [c.hits, c.misses, c.reads, c.bytes_read]
 
     # -- rank 0, on the MLX thread -------------------------------------------------------
 
@@ -196,7 +196,7 @@ class Stage:
         bits = wire.to_bits(h)
         shape = (tokens if all_positions else rows, self.vocab_size)
         last = self.plan.size - 1
-        prefixes = self.engine.prefix_cache if self.engine is not None else None
+        prefixes = self.core.prefix_cache if self.core is not None else None
         commands = prefixes.take_pending() if isinstance(prefixes, StagePrefixCache) else []
 
         def cross() -> np.ndarray:

@@ -35,7 +35,8 @@ class Command(IntEnum):
 
 # Activation dtypes by wire code, and the unsigned integer type that carries their bits.
 DTYPES: tuple[mx.Dtype, ...] = (mx.float32, mx.bfloat16, mx.float16)
-_BITS = {4: (mx.uint32, np.uint32), 2: (mx.uint16, np.uint16)}
+_BITS: dict[int, tuple[mx.Dtype, type[np.unsignedinteger]]] = {
+    4: (mx.uint32, np.uint32), 2: (mx.uint16, np.uint16)}
 
 
 class Header(msgspec.Struct, frozen=True):

@@ -31,29 +31,30 @@ import numpy as np
 import structlog
 
 from actors.batch_regroup import regroup_caches
+from actors.compute import Phase
 from pipeline.distributed import wire
 from pipeline.distributed.errors import DistributedSetupError
 from pipeline.distributed.model import seqs_of, with_seqs
 from pipeline.distributed.prefixes import PrefixMirror
 from pipeline.distributed.stage import Stage
-from pipeline.engine import Engine
+from pipeline.engine_core import EngineCore
 
 log = structlog.get_logger("moestream.distributed")
 
 
 class StageLoop:
-    def __init__(self, engine: Engine, stage: Stage) -> None:
-        self.engine = engine
+    def __init__(self, core: EngineCore, stage: Stage) -> None:
+        self.core = core
         self.stage = stage
         self.caches: OrderedDict[int, list[Any]] = OrderedDict()  # sequences on their own
         self.batch: list[Any] | None = None  # the decode batch's merged caches (ids: seqs_of)
-        self.kept = stage.settings.max_sequences + engine.max_batch
+        self.kept = stage.settings.max_sequences + core.max_batch
         self.prefixes = PrefixMirror()  # rank 0's prefix cache entries, this rank's layers
 
     def _cache(self, seq: int) -> list[Any]:
         cache = self.caches.pop(seq, None)
         if cache is None:  # tagged with rank 0's id (the batch operations carry it)
-            cache = with_seqs(self.engine.model.make_cache(), [seq])
+            cache = with_seqs(self.core.model.make_cache(), [seq])
         self.caches[seq] = cache
         while len(self.caches) > self.kept:
             self.caches.popitem(last=False)
@@ -61,8 +62,8 @@ class StageLoop:
 
     def _caches_for(self, seqs: list[int]) -> list[Any]:
         old = seqs_of(self.batch) if self.batch is not None else []
-        if seqs == old:
-            return self.batch  # type: ignore[return-value]
+        if seqs == old and self.batch is not None:
+            return self.batch
         if len(seqs) == 1 and seqs[0] not in old:
             # A sequence on its own: a newcomer's prefill (the batch decodes on), or a lone
             # decode (an ended batch's caches go at the next regroup).
@@ -80,7 +81,7 @@ class StageLoop:
                 f"rank {self.stage.plan.rank}: a batch of sequences {seqs} after {old}: "
                 "not a regroup of the last (or a sequence's caches are gone)")
         newcomers = [self.caches.pop(s) for s in joining]
-        cache, _ = regroup_caches(self.engine.model.batch_caches(), self.batch, len(old), keep,
+        cache, _ = regroup_caches(self.core.model.batch_caches(), self.batch, len(old), keep,
                                   newcomers)
         assert cache is not None
         if len(seqs) == 1:  # the one row left goes back to its own caches
@@ -98,7 +99,7 @@ class StageLoop:
             header, seqs, bits = await link.run(partial(_receive, src, link.doorbell.wait),
                                                 None, "waiting for work")
             if header.command in PREFIX_COMMANDS:
-                await self.engine.worker.run(self._prefix_command, header)
+                await self.core.worker.run(self._prefix_command, header)
                 if not plan.last:
                     await link.run(partial(wire.send, header.encode(), plan.rank + 1),
                                    stage.settings.peer_timeout_s, "prefix cache")
@@ -127,47 +128,47 @@ class StageLoop:
             stage.stats.bytes_sent += out.nbytes
 
     def _prefix_command(self, header: wire.Header) -> None:
-        self.prefixes.apply(header, self.caches, self.batch, self.engine.model.batch_caches())
+        self.prefixes.apply(header, self.caches, self.batch, self.core.model.batch_caches())
 
     async def _forward(self, header: wire.Header, seqs: list[int],
                        bits: np.ndarray) -> tuple[np.ndarray, mx.Dtype]:
-        engine = self.engine
-        cache = await engine.worker.run(self._caches_for, seqs)
+        core = self.core
+        cache = await core.worker.run(self._caches_for, seqs)
         dtype = wire.DTYPES[header.dtype]
 
-        first = engine.model.moe_layers[0]
-        predict = engine.compute.strategy.name != "none"
+        first = core.model.moe_layers[0]
+        predict = core.compute.strategy.name != "none"
 
         def inbox() -> list[int]:
             h = wire.from_bits(bits, dtype)
-            engine.model.inbox = h  # type: ignore[attr-defined]
-            return _first_layer_guess(engine, first, h) if predict else []
+            core.model.inbox = h  # type: ignore[attr-defined]  # a rank's model is a StageModel
+            return _first_layer_guess(core, first, h) if predict else []
 
-        guess = await engine.worker.run(inbox)
+        guess = await core.worker.run(inbox)
         if guess:
             # One process would have predicted this layer from the layer before it (on
             # the rank before): predict it from what arrived, ahead of its attention.
-            await engine.router.prefetch([(first, guess)], engine.compute.tick)
-        phase = "decode" if header.decode else "prefill"
+            await core.router.prefetch([(first, guess)], core.compute.tick)
+        phase: Phase = "decode" if header.decode else "prefill"
         placeholders = [0] * header.tokens  # the count only: the stream is in the inbox
-        async with engine.lock:
-            out = await engine.compute.forward(placeholders, cache, phase, header.all_positions)
-        return await engine.worker.run(_rows, out)
+        async with core.lock:
+            out = await core.compute.forward(placeholders, cache, phase, header.all_positions)
+        return await core.worker.run(_rows, out)
 
 
 PREFIX_COMMANDS = (wire.Command.KEEP, wire.Command.SNAPSHOT, wire.Command.RESTORE,
                    wire.Command.DROP)
 
 
-def _first_layer_guess(engine: Engine, layer: int, h: mx.array) -> list[int]:
+def _first_layer_guess(core: EngineCore, layer: int, h: mx.array) -> list[int]:
     """On the MLX thread: layer `layer`'s router applied to the residual stream entering
     it (next-gate prefetch, from one step closer than one process can); in prefill (and
     for a batch) the union over the tokens (rows), as the gate strategies predict there."""
-    logits = engine.model.router_logits(layer, h.reshape(-1, h.shape[-1]))
-    k = engine.model.top_k
+    logits = core.model.router_logits(layer, h.reshape(-1, h.shape[-1]))
+    k = core.model.top_k
     top = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
     ids = list(dict.fromkeys(int(e) for e in np.array(top).reshape(-1)))
-    cap = engine.config.prefetch.max_per_layer
+    cap = core.config.prefetch.max_per_layer
     return ids[:cap] if cap else ids
 
 

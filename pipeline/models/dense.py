@@ -14,10 +14,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.utils import infer_quant_config
 
 from qpack.mlx_model import model_classes
+from qpack.quantize import flat_parameters
+from qpack.safetensors_io import load_safetensors
 from qpack.spec import QpackError
 
 ROUTED = "switch_mlp"
@@ -62,10 +63,10 @@ def load_dense(config: dict[str, Any], dense_path: Path,
     `keep(name)`: load only those tensors (a pipeline rank's layers); the others become
     empty arrays, never read from the file (mx.load is lazy), so a stray use fails loudly.
     """
-    weights = mx.load(str(dense_path))
+    weights = load_safetensors(dense_path)
     model = build_model(config)
     _quantize(model, config, weights)
-    expected = {name for name, _ in tree_flatten(model.parameters())}
+    expected = {name for name, _ in flat_parameters(model)}
     missing = sorted(expected - weights.keys())
     unexpected = sorted(weights.keys() - expected)
     if missing or unexpected:

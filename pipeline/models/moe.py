@@ -85,7 +85,7 @@ def routed_experts(
     up = _project(arrays, fmt, "up_proj", x, idx, sort)
     gate = _project(arrays, fmt, "gate_proj", x, idx, sort)
     x = _project(arrays, fmt, "down_proj", swiglu(gate, up), idx, sort)
-    if sort:
+    if inv_order is not None:  # sorted
         x = _scatter_unsort(x, inv_order, slots.shape)
     return x.squeeze(-2)
 

@@ -31,7 +31,7 @@ import numpy as np
 from actors.routing_model.source import CalibratedSource
 
 
-class Routed(list):  # type: ignore[type-arg]
+class Routed(list[Any]):
     """A sequence's caches (one per layer), or a decode batch's, tagged with the
     calibrated request each row routes as (`RoutingOverride.tag`; the batch cache
     operations carry the tags through merge, extend, keep and extract)."""

@@ -20,36 +20,17 @@ from starlette.requests import Request
 from actors.sampling_params import SamplingParams
 from pipeline.engine import Engine
 from pipeline.fingerprint import fingerprint
-from pipeline.generation import Generation, PromptTooLong
+from pipeline.generation import PromptTooLong
 from pipeline.server import grammar
 from pipeline.server import schema as s
 from pipeline.server.drain import Drain
 from pipeline.server.metrics import Metrics
-from pipeline.server.offload import BUDGET_S, Offload
+from pipeline.server.offload import Offload
+from pipeline.server.settings import ServerSettings
 
 log = structlog.get_logger("moestream.server")
 
 MAX_CHOICES = 32  # n x prompts in one request: each a whole generation, decoded together
-
-
-class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
-    api_key: str | None = None
-    max_queue: int = 16
-    max_body_bytes: int = 1 << 20
-    max_tokens_limit: int = 8192
-    hide_reasoning: bool = False
-    aliases: tuple[str, ...] = ()  # more names the model answers to (--alias), listed too
-    # Names accepted but not listed (the path the CLI was given).
-    accepted: tuple[str, ...] = ()
-    # A request naming another model: 404 when strict, else served by this one (agents
-    # often send a hard-coded name such as "gpt-4o").
-    strict_model: bool = False
-    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call (opt-in)
-    defaults: SamplingParams = SamplingParams()
-    # With an api_key, /metrics needs it too unless this is set (a scraper without one).
-    metrics_without_key: bool = False
-    # Seconds one template render or tokenizing call may take (pipeline/server/offload.py).
-    prompt_budget_s: float = BUDGET_S
 
 
 class Api:
@@ -57,6 +38,9 @@ class Api:
                  drain: Drain | None = None) -> None:
         self.engine = engine
         self.settings = settings
+        # A request's sampling defaults, resolved once for every request.
+        self.defaults: SamplingParams = (engine.default_params() if settings.defaults is None
+                                         else settings.defaults)
         self.metrics = metrics
         self.drain = drain or Drain()
         self.created = int(time.time())
@@ -73,7 +57,7 @@ class Api:
 
     @property
     def vocab(self) -> int:
-        return int(self.engine.model.parts.args.vocab_size)
+        return self.engine.facts.vocab_size
 
     def authorized(self, request: Request) -> bool:
         try:
@@ -144,7 +128,7 @@ class Api:
 
     def check_prompt(self, tokens: list[int], params: SamplingParams, param: str) -> None:
         try:
-            Generation(self.engine, tokens, params).check()
+            self.engine.check(tokens, params)
         except PromptTooLong as exc:
             raise s.APIError(400, str(exc), param=param, code="context_length_exceeded") from None
         except ValueError as exc:
@@ -168,7 +152,7 @@ class Api:
         return params
 
     def params(self, req: s.ChatRequest | s.CompletionRequest) -> SamplingParams:
-        params = self.limit_tokens(req, s.sampling_params(req, self.settings.defaults))
+        params = self.limit_tokens(req, s.sampling_params(req, self.defaults))
         logprobs: int | None = None
         prompt: int | None = None
         if isinstance(req, s.ChatRequest):

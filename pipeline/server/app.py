@@ -1,19 +1,21 @@
 """The OpenAI-compatible HTTP face: a starlette app over one open engine, served by hypercorn/trio.
 
     async with open_engine(config) as engine:
-        await serve_engine(engine, "127.0.0.1", 8000, api_key="...")
+        await serve_engine(engine, ServerSettings.of(config.server, api_key="..."))
 
 Every request is checked (auth, body size, JSON, fields, model, prompt length, queue)
 before a response starts, so refusals are proper OpenAI error bodies with the right
 status. Generations run in the request's task: a client that goes away cancels its
 task, and `aclosing` hands the engine's generator back at once (the engine drains
-its reads and unpins the pool). The engine serves one generation at a time; the
-others wait on its FIFO lock, up to `max_queue` of them.
+its reads and unpins the pool). Concurrent requests decode together in the engine's
+batch (up to `compute.max_batch` rows); the others wait in FIFO order, up to
+`server.max_queue` of them (then 429).
 
-Routes answer with and without the `/v1` prefix (clients configured with a bare base
-URL). This module wires the app: api.py holds the shared checks, routes_*.py the
-handlers, responses.py and the other reply modules build the bodies. Browser UIs need
-CORS, which is off unless origins are listed (`cors_origins`).
+The routes are one table (`route_table.ROUTES`: path, method, handler, help), each
+answering with and without the `/v1` prefix where its clients may add one. This module
+wires the app: api.py holds the shared checks, routes_*.py the handlers, responses.py
+and the other reply modules build the bodies. Browser UIs need CORS, which is off unless
+origins are listed (`cors_origins`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
+import msgspec
 import structlog
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -34,31 +37,30 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from actors.sampling_params import SamplingParams
 from pipeline.config.errors import ConfigError
 from pipeline.container_damage import damage_log
 from pipeline.distributed.errors import RankLost
 from pipeline.engine import Engine
-from pipeline.generation_config import default_params
 from pipeline.server import routes_anthropic, routes_ollama, routes_openai, routes_responses
 from pipeline.server import schema as s
-from pipeline.server.api import Api, ServerSettings
+from pipeline.server.api import Api
 from pipeline.server.drain import Drain
 from pipeline.server.metrics import Metrics
-from pipeline.server.offload import BUDGET_S
+from pipeline.server.route_table import ROUTES, RouteSpec
+from pipeline.server.route_table import label as route_label
+from pipeline.server.route_table import paths as route_paths
+from pipeline.server.settings import ServerSettings
 from pipeline.server.transport import json_response
 from qpack.checked_files import unreadable_files
 
 log = structlog.get_logger("moestream.server")
 
-# Metric labels: the route without the optional /v1 prefix's variants counted apart.
-KNOWN_PATHS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-               "/v1/responses", "/v1/messages", "/models", "/chat/completions", "/completions",
-               "/responses", "/messages", "/tokenize", "/detokenize", "/v1/tokenize",
-               "/v1/detokenize", "/api/chat", "/api/generate", "/api/tags", "/api/show",
-               "/api/version")
 
 __all__ = ["ServerSettings", "create_app", "serve_engine"]
+
+# The modules the route table names its handlers in.
+_HANDLER_MODULES = {"routes_openai": routes_openai, "routes_responses": routes_responses,
+                    "routes_anthropic": routes_anthropic, "routes_ollama": routes_ollama}
 
 
 ErrorBody = Callable[[s.APIError], dict[str, Any]]
@@ -90,7 +92,7 @@ class _StatusCounter:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        label = next((p for p in KNOWN_PATHS if path == p or path.startswith(p + "/")), "other")
+        label = route_label(path)
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -166,30 +168,17 @@ def create_app(engine: Engine, settings: ServerSettings | None = None,
         return Response(api.metrics.render(engine),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def route(path: str, handler: Callable[..., Awaitable[Response]], method: str) -> list[Route]:
-        endpoint = _guarded(partial(handler, api), error_body_for(path))
-        # Ollama's routes have no /v1 twin (its clients never add one).
-        paths = (path,) if path.startswith("/api/") else (path, "/v1" + path)
-        return [Route(p, endpoint, methods=[method]) for p in paths]
+    own = {"health": health, "metrics": metrics_text}
 
-    routes = [
-        Route("/health", _guarded(health), methods=["GET"]),
-        Route("/metrics", _guarded(metrics_text), methods=["GET"]),
-        *route("/models", routes_openai.models, "GET"),
-        *route("/models/{model:path}", routes_openai.model, "GET"),
-        *route("/chat/completions", routes_openai.chat, "POST"),
-        *route("/completions", routes_openai.completions, "POST"),
-        *route("/tokenize", routes_openai.tokenize, "POST"),
-        *route("/detokenize", routes_openai.detokenize, "POST"),
-        *route("/responses", routes_responses.create, "POST"),
-        *route("/messages", routes_anthropic.messages, "POST"),
-        *route("/messages/count_tokens", routes_anthropic.count_tokens, "POST"),
-        *route("/api/chat", routes_ollama.chat, "POST"),
-        *route("/api/generate", routes_ollama.generate, "POST"),
-        *route("/api/tags", routes_ollama.tags, "GET"),
-        *route("/api/show", routes_ollama.show, "POST"),
-        *route("/api/version", routes_ollama.version, "GET"),
-    ]
+    def handler_of(spec: RouteSpec) -> Callable[[Request], Awaitable[Response]]:
+        if spec.handler in own:
+            return _guarded(own[spec.handler])
+        module, _, name = spec.handler.partition(".")
+        handler = getattr(_HANDLER_MODULES[module], name)
+        return _guarded(partial(handler, api), error_body_for(spec.path))
+
+    routes = [Route(path, handler_of(spec), methods=[spec.method])
+              for spec in ROUTES for path in route_paths(spec)]
     app: ASGIApp = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     if api.settings.cors_origins:
         app = CORSMiddleware(app, allow_origins=list(api.settings.cors_origins),
@@ -200,45 +189,30 @@ def create_app(engine: Engine, settings: ServerSettings | None = None,
 
 async def serve_engine(
     engine: Engine,
-    host: str = "127.0.0.1",
-    port: int = 8000,
+    settings: ServerSettings | None = None,
     *,
-    api_key: str | None = None,
-    max_queue: int = 16,
-    max_body_bytes: int = 1 << 20,
-    max_tokens_limit: int = 8192,
-    hide_reasoning: bool = False,
-    aliases: tuple[str, ...] = (),
-    accepted: tuple[str, ...] = (),
-    strict_model: bool = False,
-    cors_origins: tuple[str, ...] = (),
-    defaults: SamplingParams | None = None,
-    metrics_without_key: bool = False,
-    prompt_budget_s: float = BUDGET_S,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
-    shutdown_grace_s: float = 5.0,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve `engine` until `shutdown_trigger` returns (or forever); reports the bound port.
+    """Serve `engine` by `settings` (`ServerSettings.of(config.server)`; host, port, key,
+    limits) until `shutdown_trigger` returns (or forever); reports the bound port.
 
-    Port 0 binds a free port: `port = await nursery.start(serve_engine, engine, host, 0)`.
+    Port 0 binds a free port: `port = await nursery.start(serve_engine, engine, settings)`.
     Once `shutdown_trigger` returns, requests in flight get `shutdown_grace_s` to finish.
     """
-    settings = ServerSettings(api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes,
-                              max_tokens_limit=max_tokens_limit,
-                              hide_reasoning=hide_reasoning, aliases=aliases, accepted=accepted,
-                              strict_model=strict_model, cors_origins=cors_origins,
-                              defaults=defaults or default_params(engine),
-                              metrics_without_key=metrics_without_key,
-                              prompt_budget_s=prompt_budget_s)
+    settings = settings or ServerSettings()
+    if settings.defaults is None:
+        settings = msgspec.structs.replace(settings, defaults=engine.default_params())
+    assert settings.defaults is not None
+    host, port = settings.host, settings.port
     try:  # the config's [sampling] logit_bias, refused at start rather than per request
-        settings.defaults.check_vocab(int(engine.model.parts.args.vocab_size))
+        settings.defaults.check_vocab(engine.facts.vocab_size)
     except ValueError as exc:
         raise ConfigError(f"sampling.{exc}") from None
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
-    config.graceful_timeout = shutdown_grace_s
+    config.graceful_timeout = settings.shutdown_grace_s
 
     async def started(binds: list[str]) -> None:
         bound = int(binds[0].rsplit(":", 1)[1])
@@ -256,6 +230,8 @@ async def serve_engine(
         await drain.shut_down(grace_s=max(0.0, config.graceful_timeout - 1.5))
 
     async def run(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+        # hypercorn types its app as its own ASGI framework protocol; starlette's (and the
+        # counting middleware's) ASGI callable is one, spelled with other type names.
         await serve(create_app(engine, settings, drain=drain), config,  # type: ignore[arg-type]
                     shutdown_trigger=shut_down, task_status=task_status)
 

@@ -22,13 +22,16 @@ import functools
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from actors.sampler import TokenConstraint
 
-_COMPACT = {"whitespace_flexible": False}
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+_COMPACT: JsonCompileOptions = {"whitespace_flexible": False}
 _MAX_ERROR_CHARS = 400
 
 

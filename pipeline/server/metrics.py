@@ -64,7 +64,7 @@ class Metrics:
         metric("queue_depth", "gauge", "Requests waiting for the engine.", [("", engine.waiting)])
         metric("batch_size", "gauge", "Sequences in the decode batch now.", [("", pool["batch_size"])])
         metric("running_generations", "gauge", "Generations admitted (prefilling or decoding).",
-               [("", len(engine.compute_task.running))])
+               [("", engine.running)])
         metric("batch_steps_total", "counter", "Decode batch steps.", [("", pool["batch_steps"])])
         metric("batch_rows_stepped_total", "counter",
                "Sequence-steps decoded (batch size summed over steps).",
@@ -103,7 +103,7 @@ class Metrics:
                [("", round(self.last_decode_device_mb * mib))])
         metric("heap_trimmed_bytes_total", "counter",
                "Freed host memory handed back to the OS after generations (malloc_trim).",
-               [("", round(engine.heap_trimmer.trimmed_mb * mib))])
+               [("", round(engine.trimmed_mb * mib))])
         metric("requests_total", "counter", "HTTP requests by path and status.",
                [(f'{{path="{_escape(p)}",status="{s}"}}', n)
                 for (p, s), n in sorted(self.requests.items())])

@@ -107,6 +107,7 @@ class Offload:
                         interrupted=interrupted)
             raise s.APIError(400, f"{what} took longer than {self.budget_s:g} s, this "
                              "server's budget for it (server.prompt_budget_s)", param=param)
+        # `fn`'s own value: a call returns None instead only when interrupted, raised above.
         return result  # type: ignore[return-value]
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 
 import msgspec
@@ -95,7 +95,7 @@ class Reply:
                 for generation in self.started.values():
                     await generation.close()
 
-    async def run(self, choice: Choice) -> AsyncIterator[TextDelta | Done]:
+    async def run(self, choice: Choice) -> AsyncGenerator[TextDelta | Done, None]:
         drain = self.drain or Drain()
         drain.started()
         generation = self.started.get(choice.index) or self.engine.start(
@@ -129,7 +129,7 @@ class Reply:
     async def complete(self) -> Response:
         raise NotImplementedError
 
-    async def stream(self) -> AsyncIterator[bytes]:
+    async def stream(self) -> AsyncGenerator[bytes, None]:
         """The SSE body: the reply's chunks, then `[DONE]`; a failure mid-stream ends it with
         one error event instead (the status line has long been sent)."""
         try:
@@ -143,7 +143,7 @@ class Reply:
             return
         yield b"data: [DONE]\n\n"
 
-    def chunks(self) -> AsyncIterator[bytes]:
+    def chunks(self) -> AsyncGenerator[bytes, None]:
         raise NotImplementedError
 
 
@@ -167,7 +167,7 @@ class ChatReply(Reply):
         return OutputParser(tools=self.tools, in_reasoning=self.in_reasoning,
                             schemas=self.schemas)
 
-    async def parts(self, choice: Choice) -> AsyncIterator[Part | Done]:
+    async def parts(self, choice: Choice) -> AsyncGenerator[Part | Done, None]:
         """The choice's output as parsed parts, then its `Done` (for the other APIs' replies)."""
         parser = self.parser()
         async with aclosing(self.run(choice)) as events:
@@ -231,7 +231,7 @@ class ChatReply(Reply):
         call = o.DeltaToolCall(part.index, part.id, "function", o.OutFunction(part.name, part.arguments))
         return o.Delta(tool_calls=[call])
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
         dones = []
         async with self.batched():
             for choice in self.choices:
@@ -305,7 +305,7 @@ class TextReply(Reply):
         return json_response(o.Completion(self.id, self.created, self.model, self.fingerprint, out,
                                           _usage_of(dones)))
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
         dones = []
         async with self.batched():
             for choice in self.choices:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any, Literal
 
@@ -215,7 +215,7 @@ class MessagesReply:
         return json_response(self.message(content, self.stop_reason(done, called), _usage(done),
                                           done))
 
-    async def stream(self) -> AsyncIterator[bytes]:
+    async def stream(self) -> AsyncGenerator[bytes, None]:
         yield _event("message_start", {"message": self.message(
             [], None, {"input_tokens": len(self.chat.choices[0].tokens), "output_tokens": 0})})
         index, open_kind, called = -1, None, False

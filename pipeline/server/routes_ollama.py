@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from datetime import UTC, datetime
 from importlib import metadata
@@ -24,6 +24,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from actors.sampling_params import SCALAR_KNOBS
 from pipeline.events import Done, TextDelta
 from pipeline.server import schema as s
 from pipeline.server.api import Api
@@ -92,11 +93,10 @@ class GenerateBody(_Body, kw_only=True):
 
 
 # Ollama option -> the OpenAI request field it sets.
-_OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                  "min_p": "min_p", "seed": "seed", "stop": "stop",
-                  "repeat_penalty": "repetition_penalty",
-                  "presence_penalty": "presence_penalty",
-                  "frequency_penalty": "frequency_penalty"}
+# Ollama's own name for a knob, where it differs.
+OLLAMA_NAMES = {"repetition_penalty": "repeat_penalty"}
+_OPTION_FIELDS = {**{OLLAMA_NAMES.get(k, k): k for k in SCALAR_KNOBS},
+                  "seed": "seed", "stop": "stop"}
 
 
 def _common(req: _Body) -> dict[str, Any]:
@@ -206,7 +206,7 @@ class OllamaReply:
             out["context"] = [*self.choice.tokens, *done.token_ids]
         return out
 
-    async def parts(self) -> AsyncIterator[tuple[str, str, list[Call], Done | None]]:
+    async def parts(self) -> AsyncGenerator[tuple[str, str, list[Call], Done | None], None]:
         """(text, thinking, calls, done) pieces of the reply, as they come."""
         reply = self.reply
         if isinstance(reply, ChatReply):  # parsed into content, reasoning, calls
@@ -245,7 +245,7 @@ class OllamaReply:
         return json_response(self.obj(text.strip() if calls else text, "".join(thoughts),
                                       calls, done))
 
-    async def stream(self) -> AsyncIterator[bytes]:
+    async def stream(self) -> AsyncGenerator[bytes, None]:
         try:
             async with aclosing(self.parts()) as parts:
                 async for text, thinking, calls, done in parts:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
@@ -210,7 +210,7 @@ class ResponsesReply:
         body = {"type": kind, "sequence_number": self.seq, **data}
         return f"event: {kind}\ndata: ".encode() + msgspec.json.encode(body) + b"\n\n"
 
-    async def stream(self) -> AsyncIterator[bytes]:
+    async def stream(self) -> AsyncGenerator[bytes, None]:
         yield self.event("response.created", response=self.response([], None))
         yield self.event("response.in_progress", response=self.response([], None))
         output: list[dict[str, Any]] = []

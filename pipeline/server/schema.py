@@ -16,7 +16,7 @@ from typing import Any, Literal
 import msgspec
 import structlog
 
-from actors.sampling_params import SamplingParams
+from actors.sampling_params import SCALAR_KNOBS, SamplingParams
 from pipeline.container_damage import find_damaged
 
 
@@ -304,8 +304,7 @@ def logit_bias(req: ChatRequest | CompletionRequest, vocab: int) -> tuple[tuple[
     return tuple(out)
 
 
-_PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "seed")
+_PARAM_FIELDS = (*SCALAR_KNOBS, "seed")
 
 
 def sampling_params(req: ChatRequest | CompletionRequest, defaults: SamplingParams) -> SamplingParams:

@@ -13,6 +13,7 @@ import errno
 import ipaddress
 import signal
 import socket
+from typing import TYPE_CHECKING
 
 import structlog
 import trio
@@ -20,6 +21,10 @@ import trio
 from pipeline.config.schema import PipelineConfig
 from pipeline.engine import open_engine
 from pipeline.server.app import serve_engine
+from pipeline.server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from pipeline.distributed.stage import Stage
 
 log = structlog.get_logger("moestream.server")
 
@@ -72,25 +77,17 @@ async def _watch_signals(stop: trio.Event) -> None:
 
 
 async def serve_config(cfg: PipelineConfig, *, hide_reasoning: bool = False,
-                       accepted: tuple[str, ...] = ()) -> int:
+                       accepted: tuple[str, ...] = (), stage: Stage | None = None) -> int:
     server = cfg.server
     check_bindable(server.host, server.port)
     if not is_loopback(server.host) and server.api_key is None:
         log.warning("server.open_without_key", host=server.host,
                     hint="anyone who can reach this host can use the model; pass --api-key")
-    async with open_engine(cfg) as engine, trio.open_nursery() as nursery:
+    async with open_engine(cfg, stage=stage) as engine, trio.open_nursery() as nursery:
         stop = trio.Event()
         nursery.start_soon(_watch_signals, stop)
-        await serve_engine(
-            engine, server.host, server.port, api_key=server.api_key,
-            max_queue=server.max_queue, max_body_bytes=server.max_body_bytes,
-            max_tokens_limit=server.max_tokens_limit,
-            hide_reasoning=hide_reasoning, aliases=server.aliases, accepted=accepted,
-            strict_model=server.strict_model, cors_origins=server.cors_origins,
-            metrics_without_key=server.metrics_without_key,
-            prompt_budget_s=server.prompt_budget_s,
-            shutdown_trigger=stop.wait, shutdown_grace_s=server.shutdown_grace_s,
-        )
+        settings = ServerSettings.of(server, hide_reasoning=hide_reasoning, accepted=accepted)
+        await serve_engine(engine, settings, shutdown_trigger=stop.wait)
         nursery.cancel_scope.cancel()
     log.info("server.stopped")
     return 0

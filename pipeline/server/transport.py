@@ -4,7 +4,7 @@ client goes away."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -36,15 +36,16 @@ class ClosingStreamingResponse(StreamingResponse):
     is held and sent after.
     """
 
-    def __init__(self, content: AsyncIterator[bytes], *, ready: trio.Event | None = None,
+    def __init__(self, content: AsyncGenerator[bytes, None], *, ready: trio.Event | None = None,
                  error_body: Callable[[s.APIError], dict[str, Any]] = s.APIError.body,
                  **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
+        self.content = content  # starlette's body_iterator, as the generator it is (aclose)
         self.ready = ready
         self.error_body = error_body  # the refusal's shape: OpenAI's, or another API's
 
     async def stream_response(self, send: Send) -> None:
-        async with aclosing(self.body_iterator) as body:  # type: ignore[type-var]
+        async with aclosing(self.content) as body:
             if self.ready is None:
                 self.body_iterator = body
                 await super().stream_response(send)
@@ -70,7 +71,7 @@ class ClosingStreamingResponse(StreamingResponse):
                     await _send_json(send, refused[0], self.error_body)
                     return
 
-                async def held() -> AsyncIterator[bytes]:
+                async def held() -> AsyncGenerator[bytes, None]:
                     async with chunks_out:
                         async for chunk in chunks_out:
                             yield chunk
@@ -129,12 +130,12 @@ async def unless_disconnected(request: Request, run: Callable[[], Awaitable[Resp
     return result[0] if result else Response(status_code=499)
 
 
-def sse_response(body: AsyncIterator[bytes], ready: trio.Event | None = None) -> Response:
+def sse_response(body: AsyncGenerator[bytes, None], ready: trio.Event | None = None) -> Response:
     return ClosingStreamingResponse(body, ready=ready, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache"})
 
 
-def ndjson_response(body: AsyncIterator[bytes], ready: trio.Event | None = None) -> Response:
+def ndjson_response(body: AsyncGenerator[bytes, None], ready: trio.Event | None = None) -> Response:
     """Ollama's stream: one JSON object a line; a refusal while queued is `{"error": ...}`."""
     return ClosingStreamingResponse(body, ready=ready, error_body=s.APIError.ollama_body,
                                     media_type="application/x-ndjson")

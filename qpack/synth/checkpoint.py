@@ -29,10 +29,14 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 import structlog
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 from qpack.output_guard import DiskSpaceError, bytes_under, require_free_space
 from qpack.synth.init_weights import NORM_STD, Init, WeightSource, to_storage
@@ -177,6 +181,7 @@ class WeightWriter:
                 if self.recipe == "float_experts":
                     # A predicate that leaves the routed experts unquantized: mlx-lm
                     # records `false` for them and saves their float weights.
+                    # (`overrides` holds dicts, and mlx-lm's `false` for a module left out)
                     self.overrides[name.removesuffix(".weight")] = False  # type: ignore[assignment]
                     out.append(self._plain(name, shape, stacked(proj), self.dtype))
                     continue
@@ -309,7 +314,7 @@ def synthesize(
         from qpack.synth.tokenizer import write_tokenizer
 
         write_tokenizer(out, dims.family, variant)
-    log.info("synth.done", out=str(out), shards=len(set(index["weight_map"].values())),  # type: ignore[arg-type]
+    log.info("synth.done", out=str(out), shards=len(set(index["weight_map"].values())),
              gb=round(total / 1e9, 3))
     return out
 
@@ -328,7 +333,7 @@ class _progress:
 
     def __init__(self, enabled: bool, total: int, label: str) -> None:
         self.enabled, self.total, self.label = enabled, total, label
-        self._bar = None
+        self._bar: Progress | None = None
 
     def __enter__(self) -> Callable[[int], None]:
         if not self.enabled:

@@ -119,8 +119,8 @@ class WeightSource:
         arithmetic per value, one pass instead of four.
         """
         if init.kind != "normal":
-            for b in self.blocks(init):
-                yield to_storage(b, dtype)
+            for block in self.blocks(init):
+                yield to_storage(block, dtype)
             return
         table = normal_lut() * np.float32(init.std)
         if init.mean:

@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -129,7 +130,7 @@ def write_sharded(
     max_shard_bytes: int,
     metadata: dict[str, str] | None = None,
     on_shard: Callable[[int, int, list[TensorEntry]], None] | None = None,
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """Write HF-style `model-0000i-of-0000N.safetensors` shards and `model.safetensors.index.json`.
 
     Returns the index (also written). `on_shard(i, n, entries)` is called before each shard.

@@ -49,7 +49,7 @@ class TokenizerSpec:
     def __init__(self, family: str) -> None:
         if family == "qwen3_next":
             self.ranks_file, self.pattern = "qwen.tiktoken", PAT_QWEN3
-            self.specials = _QWEN3_SPECIALS
+            self.specials: tuple[str, ...] = _QWEN3_SPECIALS
             self.first_special, self.max_length = 151643, 262144
             self.tokenizer_class = "Qwen2Tokenizer"
         elif family == "qwen3_5_moe":
@@ -128,7 +128,9 @@ def build_tokenizer(family: str):  # -> tokenizers.Tokenizer
         pre_tokenizers.Split(Regex(spec.pattern), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
     ])
-    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    # The ByteLevel decoder has no settings (tokenizers ignores any given: tokenizer.json
+    # records its defaults either way).
+    tok.decoder = decoders.ByteLevel()
     # Added tokens take the next free ids, in order: exactly the real tokenizers' ids.
     for text in spec.specials:
         tok.add_special_tokens([AddedToken(text, special=text not in _NOT_SPECIAL,

@@ -22,7 +22,9 @@ upload saves it; unchanged shards are symlinked, so a variant costs only what di
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -35,11 +37,17 @@ KINDS = ("tf5-rope", "mlx-vision-tower", "extra-shards", "gptq", "awq", "fp8-per
 FP8_BLOCK = (32, 48)
 _NOT_CONVERTED = ("embed_tokens", "lm_head", "mlp.gate.", "shared_expert_gate", "conv1d", "norm")
 INDEX = "model.safetensors.index.json"
-_QUANT = {
+_QUANT: dict[str, dict[str, object]] = {
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},
     "fp8-per-tensor": {"quant_method": "fp8", "activation_scheme": "static"},
 }
+
+
+def _later(make: Callable[..., Any], *args: Any) -> Callable[[], list[Any]]:
+    """A tensor's data, made when it is written (`make(*args)`): the arguments are bound
+    now, as a lambda's default argument would bind them, but typed."""
+    return lambda: [make(*args)]
 
 
 def _link_all(src: Path, out: Path, skip: tuple[str, ...] = ()) -> None:
@@ -58,7 +66,7 @@ def _rewrite_json(path: Path, data: dict) -> None:
 def _add_shard(out: Path, name: str, tensors: dict[str, tuple[int, ...]]) -> None:
     """A shard of small float32 tensors (random), added to the index."""
     rng = np.random.default_rng(0)
-    entries = [TensorEntry(t, "F32", shape, lambda s=shape: [rng.standard_normal(s, dtype=np.float32)])
+    entries = [TensorEntry(t, "F32", shape, _later(rng.standard_normal, shape, np.float32))
                for t, shape in tensors.items()]
     write_safetensors(out / name, entries, {"format": "pt"})
     index = json.loads((out / INDEX).read_text())
@@ -150,15 +158,16 @@ def _to_fp8(src: Path, out: Path) -> None:
                            and (name.endswith(".weight") or ".experts." in name)
                            and not any(k in name for k in _NOT_CONVERTED))
                 if not convert:
-                    entries.append(TensorEntry(name, info.dtype, info.shape, lambda d=data: [bytes(d)]))
+                    entries.append(TensorEntry(name, info.dtype, info.shape, _later(bytes, data)))
                     weight_map[name] = shard
                     continue
                 import mlx.core as mx
 
                 w = np.array(bytes_to_mx(data, info.dtype, info.shape).astype(mx.float32))
                 q, scale = _fp8_block(w)
-                entries.append(TensorEntry(name, "F8_E4M3", info.shape, lambda q=q: [q]))
-                entries.append(TensorEntry(name + "_scale_inv", "F32", scale.shape, lambda s=scale: [s]))
+                entries.append(TensorEntry(name, "F8_E4M3", info.shape, _later(np.asarray, q)))
+                entries.append(TensorEntry(name + "_scale_inv", "F32", scale.shape,
+                                           _later(np.asarray, scale)))
                 weight_map[name] = weight_map[name + "_scale_inv"] = shard
         (out / shard).unlink()
         write_safetensors(out / shard, entries, {"format": "pt"})

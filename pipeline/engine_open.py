@@ -1,0 +1,262 @@
+"""Opening an engine: the container, the dense core, the pool, and the actors wired.
+
+`open_core` yields the `EngineCore` that `open_engine` wraps. Who owns what: the reader's
+workers, the router, the prefetcher, the compute task, the decode batch and the sampling
+task run in the engine's nursery for its whole life; the process's MLX thread
+(`MlxWorker.shared()`) runs every MLX operation. A distributed rank passes its `Stage`:
+the engine then loads that rank's dense weights, sizes the pool for its layers, and
+hands the stage the core once the actors run (`Stage.attach`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import trio
+
+from actors.compute import Compute
+from actors.compute_task import ComputeTask
+from actors.decode_batch import DecodeBatch
+from actors.mlx_worker import MlxWorker
+from actors.pool.eviction import make_policy
+from actors.pool.layout import PoolLayout
+from actors.pool.slots import SlotTable
+from actors.pool.storage import PoolStorage
+from actors.prefetch import PrefetchScorer, make_strategy
+from actors.reader import ExpertReader
+from actors.router import ExpertRouter
+from actors.routing_trace import TraceModel, TracePool, TraceRecorder
+from actors.run_ahead import RunAheadPolicy
+from actors.sampling_task import SamplingTask
+from pipeline.config.schema import PipelineConfig
+from pipeline.engine_core import EngineCore, ModelFacts
+from pipeline.engine_parts import (
+    cached_tokenizer,
+    guarded,
+    installer,
+    reader_concurrency,
+    staging_probe,
+)
+from pipeline.engine_sizing import (
+    PoolTooSmall,
+    num_slots,
+    prefill_chunk_for,
+    smallest_workable_slots,
+)
+from pipeline.heap_trim import HeapTrimmer
+from pipeline.memory_budget import batch_budget, check_pool_fits
+from pipeline.models.dense import load_dense
+from pipeline.models.streamed import StreamedModel, activation_dtype
+from pipeline.prefix_disk import prefix_cache_for
+from qpack.reader import Container, ExpertIO
+
+if TYPE_CHECKING:
+    from pipeline.distributed.stage import Stage
+
+log = structlog.get_logger("moestream.engine")
+
+
+@asynccontextmanager
+async def open_core(
+    config: PipelineConfig, *, stage: Stage | None = None, record_routing: bool = False,
+    io: ExpertIO | None = None,
+) -> AsyncIterator[EngineCore]:
+    started = time.perf_counter()
+    container = Container.open(Path(config.model.path), verify=config.model.verify, io=io,
+                               o_direct=config.reader.o_direct)
+    manifest = container.manifest
+    layout = PoolLayout.of(manifest.layers)  # one format, or one per layer (mixed precision)
+    fmt = layout.formats[next(iter(layout.formats))]
+    storage_probe = layout.slot_nbytes
+    layers = stage.expert_layers(container) if stage else len(manifest.layers)
+    dense_bytes = stage.dense_bytes if stage else manifest.dense_bytes
+    slots = min(num_slots(config, storage_probe, dense_bytes, stage.ranks_on_host if stage else 1),
+                manifest.num_experts * layers)
+    check_pool_fits(slots * storage_probe, dense_bytes, config.pool.slots is not None or config.pool.budget_mb is not None)
+    need = smallest_workable_slots(manifest.num_experts, manifest.top_k, config.compute.prefill_chunk)
+    if slots < need:
+        raise PoolTooSmall(
+            f"expert pool of {slots} slots ({slots * storage_probe / 2**20:.1f} MiB) cannot hold "
+            f"one layer's routed experts for a prefill chunk of {config.compute.prefill_chunk} "
+            f"tokens: the smallest workable pool is {need} slots = "
+            f"{need * storage_probe / 2**20:.1f} MiB (or lower compute.prefill_chunk)"
+        )
+    worker = MlxWorker.shared()
+    try:
+        # Loaded before the actors' nursery opens, so a bad container surfaces as one
+        # QpackError naming the file rather than inside an exception group.
+        dense = await worker.run(
+            guarded, container.dense_path, stage.load_dense if stage else load_dense,
+            container.config, container.dense_path,
+        )
+        # A later pipeline rank never sees text: no tokenizer (seconds for a 150k vocabulary).
+        tokenizer = None if stage and not stage.plan.first else await trio.to_thread.run_sync(
+            guarded, container.root / "tokenizer.json", lambda: cached_tokenizer(container.tokenizer_dir())
+        )
+        storage = await worker.run(PoolStorage, layout, slots)
+        stage_in_threads = await staging_probe(config.reader.stage_in_threads, worker)
+        readers = await trio.to_thread.run_sync(reader_concurrency, config, container)
+        dtype = await worker.run(activation_dtype, config.compute.dtype)
+        model = (stage.model if stage else StreamedModel)(
+            dense, fmt, storage.arrays, dtype, views=storage.view)
+        async with trio.open_nursery() as nursery:
+            core = _start_actors(
+                config, container, worker, nursery, model, storage, tokenizer, slots,
+                record_routing, started, stage_in_threads, readers,
+            )
+            if stage:
+                await stage.attach(core)
+            yield core
+            nursery.cancel_scope.cancel()
+    finally:
+        container.close()
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    return config.get("text_config", config)
+
+
+def _start_actors(
+    config: PipelineConfig,
+    container: Container,
+    worker: MlxWorker,
+    nursery: trio.Nursery,
+    model: StreamedModel,
+    storage: PoolStorage,
+    tokenizer: Any,
+    slots: int,
+    record_routing: bool,
+    started: float,
+    stage_in_threads: bool,
+    readers: int,
+) -> EngineCore:
+    manifest = container.manifest
+    overlap = config.compute.overlap
+    policy_params = {"decay": config.pool.lfu_decay, "period": config.pool.lfu_period}
+    policy = make_policy(config.pool.eviction, **(policy_params if config.pool.eviction == "lfu" else {}))
+    table = SlotTable(slots, policy)
+    storage.layer_of = lambda slot: (table.key_at(slot) or (None,))[0]  # mixed-format installs
+    reader = ExpertReader(
+        container,
+        concurrency=readers,
+        demand_lane=config.reader.demand_lane if overlap else 0,
+        prefetch_yields=config.reader.prefetch_yields,
+        retries=config.reader.retries,
+        retry_backoff_s=config.reader.retry_backoff_ms / 1000,
+        stage=storage.stage if stage_in_threads else None,
+        switch_interval_s=config.reader.switch_interval_ms / 1000 or None,
+    )
+    nursery.start_soon(reader.run)
+    router = ExpertRouter(table, reader, model.num_experts, installer(worker, storage))
+    nursery.start_soon(router.run)
+    strategy_name = config.prefetch.strategy if overlap else "none"
+    strategy = make_strategy(
+        strategy_name,
+        moe_layers=model.moe_layers,
+        num_experts=model.num_experts,
+        top_k=model.top_k,
+        routers=model.router_logits,
+        depth=config.prefetch.depth,
+        max_per_layer=config.prefetch.max_per_layer,
+        combine=config.prefetch.combine,
+        extra=config.prefetch.extra,
+    )
+    recorder = None
+    if record_routing:
+        recorder = TraceRecorder(
+            TraceModel(
+                num_layers=model.num_layers,
+                moe_layers=list(model.moe_layers),
+                num_experts=model.num_experts,
+                top_k=model.top_k,
+                stride=manifest.max_stride,
+            ),
+            TracePool(
+                num_slots=slots,
+                policy=config.pool.eviction,
+                policy_params=policy_params if config.pool.eviction == "lfu" else {},
+                strategy=strategy_name,
+                strategy_params=strategy.params(),
+            ),
+        )
+    compute = Compute(
+        worker, model, router, strategy, PrefetchScorer(manifest.max_stride), recorder,
+        moe_layers=model.moe_layers,
+        # The serial streamer baseline keeps one sync per layer, as it always had.
+        run_ahead=RunAheadPolicy(config.compute.run_ahead if overlap else "off"),
+    )
+    nursery.start_soon(compute.prefetcher.run)
+    core = _core(config, container, worker, model, storage, router, compute, tokenizer,
+                 strategy_name)
+    nursery.start_soon(core.compute_task.run)
+    nursery.start_soon(core.batch.run)
+    nursery.start_soon(core.sampling.run)
+    log.info(
+        "engine.open",
+        container=str(container.root),
+        model_type=manifest.model_type,
+        slots=slots,
+        pool_mb=round(storage.nbytes / 2**20, 1),
+        dense_mb=round(manifest.dense_bytes / 2**20, 1),
+        strategy=strategy_name,
+        eviction=config.pool.eviction,
+        readers=reader.concurrency,
+        max_batch=core.max_batch,
+        stage_in_threads=stage_in_threads,
+        seconds=round(time.perf_counter() - started, 2),
+    )
+    return core
+
+
+def _core(config: PipelineConfig, container: Container, worker: MlxWorker,
+          model: StreamedModel, storage: PoolStorage, router: ExpertRouter, compute: Compute,
+          tokenizer: Any, strategy: str) -> EngineCore:
+    """The core around the started actors: the sizes decided once, from the config."""
+    server, manifest = config.server, container.manifest
+    # Distributed ranks keep their own states (pipeline/distributed/prefixes.py).
+    disk = None if config.distributed.enabled else server.prefix_cache_dir
+    prefix_cache = prefix_cache_for(
+        disk, container.root, model.make_cache,
+        disk_mb=server.prefix_cache_disk_mb, min_tokens=server.prefix_cache_min_tokens)
+    lock = trio.Lock()
+    # A batch step pins the union of its rows' experts for a layer at once: at most
+    # slots // top_k rows fit for sure, whatever they route to.
+    max_batch = max(1, min(config.compute.max_batch, router.table.num_slots // manifest.top_k))
+    facts = ModelFacts(
+        name=Path(container.root).stem,
+        root=Path(container.root),
+        model_type=manifest.model_type,
+        vocab_size=int(model.parts.args.vocab_size),
+        num_layers=model.num_layers,
+        moe_layers=tuple(model.moe_layers),
+        attention_layers=tuple(i for i, block in enumerate(model.parts.layers)
+                               if not getattr(block, "is_linear", False)),
+        num_experts=model.num_experts,
+        top_k=model.top_k,
+        expert_stride=manifest.max_stride,
+        dense_bytes=manifest.dense_bytes,
+        context_limit=server.context_limit or int(
+            _text_config(container.config).get("max_position_embeddings", 1 << 20)),
+        slots=storage.num_slots,
+        pool_bytes=storage.nbytes,
+        prefill_chunk=prefill_chunk_for(
+            config.compute.prefill_chunk, config.compute.prefill_max_tokens,
+            router.table.num_slots, manifest.num_experts, manifest.top_k),
+        readers=router.reader.concurrency,
+        o_direct=container.o_direct,
+        strategy=strategy,
+    )
+    return EngineCore(
+        config=config, container=container, worker=worker, model=model, storage=storage,
+        router=router, compute=compute, tokenizer=tokenizer, prefix_cache=prefix_cache,
+        heap_trimmer=HeapTrimmer(), lock=lock,
+        batch=DecodeBatch(compute, model.batch_caches(), lock),
+        compute_task=ComputeTask(
+            max_batch, batch_budget(config.compute.batch_memory_mb, manifest.dense_bytes)),
+        sampling=SamplingTask(), max_batch=max_batch, facts=facts,
+    )
