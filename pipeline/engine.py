@@ -30,6 +30,8 @@ from pipeline.engine_sizing import PoolTooSmall
 from pipeline.events import Event
 from pipeline.generation import Generation
 from pipeline.generation_config import default_params
+from pipeline.memory_breakdown import MemoryBreakdown, breakdown
+from pipeline.memory_facts import MemoryPlan
 from pipeline.prefix_cache import PrefixCache
 from qpack.reader import Container, ExpertIO
 
@@ -121,6 +123,15 @@ class Engine:
 
     def counters(self) -> Counters:
         return self._core.counters()
+
+    @property
+    def memory_plan(self) -> MemoryPlan | None:
+        """Where memory.budget_mb went (None without a budget): docs/memory.md."""
+        return self._core.memory_plan
+
+    def memory_breakdown(self, peak_rss_mb: float, mlx_peak_mb: float, tokens: int) -> MemoryBreakdown:
+        """This process's peak, split into its parts (pipeline/memory_breakdown.py)."""
+        return breakdown(self._core, peak_rss_mb, mlx_peak_mb, tokens)
 
     def default_params(self, **overrides: Any) -> SamplingParams:
         """The config's `[sampling]` over the model's generation_config.json, `overrides`

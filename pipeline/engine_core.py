@@ -26,6 +26,7 @@ from actors.sampling_task import SamplingTask
 from pipeline.config.schema import PipelineConfig
 from pipeline.counters import Counters
 from pipeline.heap_trim import HeapTrimmer
+from pipeline.memory_facts import MemoryPlan, OpenMarks
 from pipeline.models.streamed import StreamedModel
 from pipeline.prefix_cache import PrefixCache
 from qpack.reader import Container
@@ -76,6 +77,8 @@ class EngineCore:
     facts: ModelFacts
     waiting: int = 0  # generations submitted, not yet started
     generations: int = 0  # generations ended (finished, failed or cancelled)
+    memory_plan: MemoryPlan | None = None  # with memory.budget_mb: where it went
+    memory_marks: OpenMarks | None = None  # RSS as it opened (pipeline/memory_breakdown.py)
 
     def counters(self) -> Counters:
         """Every counter now (the prefetch scores as far as the prefetch task got)."""

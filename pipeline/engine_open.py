@@ -24,7 +24,7 @@ from actors.compute_task import ComputeTask
 from actors.decode_batch import DecodeBatch
 from actors.mlx_worker import MlxWorker
 from actors.pool.eviction import make_policy
-from actors.pool.layout import PoolLayout
+from actors.pool.layout import PoolLayout, widen_for
 from actors.pool.slots import SlotTable
 from actors.pool.storage import PoolStorage
 from actors.prefetch import PrefetchScorer, make_strategy
@@ -49,7 +49,14 @@ from pipeline.engine_sizing import (
     smallest_workable_slots,
 )
 from pipeline.heap_trim import HeapTrimmer
-from pipeline.memory_budget import batch_budget, check_pool_fits
+from pipeline.memory_budget import (
+    attach_memory,
+    batch_budget,
+    check_pool_fits,
+    engine_plan,
+    staging_buffers,
+)
+from pipeline.memory_facts import OpenMarks
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_disk import prefix_cache_for
@@ -67,10 +74,12 @@ async def open_core(
     io: ExpertIO | None = None,
 ) -> AsyncIterator[EngineCore]:
     started = time.perf_counter()
+    marks = OpenMarks()  # RSS before any part: what `memory_breakdown` calls the process
     container = Container.open(Path(config.model.path), verify=config.model.verify, io=io,
                                o_direct=config.reader.o_direct)
     manifest = container.manifest
-    layout = PoolLayout.of(manifest.layers)  # one format, or one per layer (mixed precision)
+    # One format, or one per layer (mixed precision); scales as wide as the activations.
+    layout = PoolLayout.of(manifest.layers, widen_for(activation_dtype(config.compute.dtype)))
     fmt = layout.formats[next(iter(layout.formats))]
     storage_probe = layout.slot_nbytes
     layers = stage.expert_layers(container) if stage else len(manifest.layers)
@@ -88,19 +97,26 @@ async def open_core(
         )
     worker = MlxWorker.shared()
     try:
+        # First: its load's transient is freed before the dense core arrives (docs/memory.md).
+        # A later pipeline rank never sees text: no tokenizer (seconds for a 150k vocabulary).
+        tokenizer = None if stage and not stage.plan.first else await trio.to_thread.run_sync(
+            guarded, container.root / "tokenizer.json", lambda: cached_tokenizer(container.tokenizer_dir())
+        )
+        marks.after_tokenizer()
+        readers = await trio.to_thread.run_sync(reader_concurrency, config, container)
+        # One total budget (memory.budget_mb): the pool is what the measured parts leave.
+        plan = engine_plan(config, dense_bytes=dense_bytes, slot_nbytes=storage_probe,
+                           stride=manifest.max_stride, readers=readers, need_slots=need,
+                           max_slots=manifest.num_experts * layers)
+        slots = plan.slots if plan else slots
         # Loaded before the actors' nursery opens, so a bad container surfaces as one
         # QpackError naming the file rather than inside an exception group.
         dense = await worker.run(
             guarded, container.dense_path, stage.load_dense if stage else load_dense,
             container.config, container.dense_path,
         )
-        # A later pipeline rank never sees text: no tokenizer (seconds for a 150k vocabulary).
-        tokenizer = None if stage and not stage.plan.first else await trio.to_thread.run_sync(
-            guarded, container.root / "tokenizer.json", lambda: cached_tokenizer(container.tokenizer_dir())
-        )
         storage = await worker.run(PoolStorage, layout, slots)
         stage_in_threads = await staging_probe(config.reader.stage_in_threads, worker)
-        readers = await trio.to_thread.run_sync(reader_concurrency, config, container)
         dtype = await worker.run(activation_dtype, config.compute.dtype)
         model = (stage.model if stage else StreamedModel)(
             dense, fmt, storage.arrays, dtype, views=storage.view)
@@ -109,6 +125,7 @@ async def open_core(
                 config, container, worker, nursery, model, storage, tokenizer, slots,
                 record_routing, started, stage_in_threads, readers,
             )
+            attach_memory(core, nursery, plan, marks, need)  # docs/memory.md
             if stage:
                 await stage.attach(core)
             yield core
@@ -144,6 +161,7 @@ def _start_actors(
     reader = ExpertReader(
         container,
         concurrency=readers,
+        buffers=staging_buffers(readers),
         demand_lane=config.reader.demand_lane if overlap else 0,
         prefetch_yields=config.reader.prefetch_yields,
         retries=config.reader.retries,
@@ -235,7 +253,7 @@ def _core(config: PipelineConfig, container: Container, worker: MlxWorker,
         num_layers=model.num_layers,
         moe_layers=tuple(model.moe_layers),
         attention_layers=tuple(i for i, block in enumerate(model.parts.layers)
-                               if not getattr(block, "is_linear", False)),
+                               if not model.family.is_linear(block)),
         num_experts=model.num_experts,
         top_k=model.top_k,
         expert_stride=manifest.max_stride,

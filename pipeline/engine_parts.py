@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,7 +10,6 @@ import structlog
 
 from actors.mlx_worker import MlxWorker
 from actors.pool.storage import PoolStorage
-from pipeline.generation_config import eos_token_ids
 from qpack.spec import QpackError
 
 if TYPE_CHECKING:
@@ -22,51 +20,16 @@ log = structlog.get_logger("moestream.engine")
 
 
 def cached_tokenizer(root: Path) -> Any:
-    """mlx-lm's tokenizer for a container, built once per process and file version.
+    """The container's tokenizer (`pipeline.tokenizer`), built once per process and file version."""
+    from pipeline.tokenizer import load_tokenizer
 
-    Building it from tokenizer.json takes seconds (150k+ tokens); engines reopened in one
-    process (tests, benchmarks) share it. Sharing is safe: each generation takes its own
-    detokenizer copy, and encoding is stateless.
-    """
-    path = Path(root) / "tokenizer.json"
-    stamp = path.stat().st_mtime_ns if path.exists() else 0
-    return _load_tokenizer(str(Path(root).resolve()), stamp)
-
-
-# Eight: a process that opens many containers (a test worker, a benchmark) meets a handful
-# of tokenizers; reloading one costs 1-2 s (mlx-lm parses tokenizer.json in Python).
-@functools.lru_cache(maxsize=8)
-def _load_tokenizer(root: str, stamp: int) -> Any:
-    from mlx_lm.utils import load_tokenizer
-
-    return load_tokenizer(Path(root), eos_token_ids=eos_token_ids(Path(root)))
+    return load_tokenizer(root)
 
 
 def detokenizer(tokenizer: Any) -> Any:
-    """A fresh streaming detokenizer for one generation that keeps every space the model wrote.
-
-    mlx-lm's BPE and SentencePiece detokenizers drop the first token's leading space (they
-    are written for replies shown on their own). Here a reply continues its prompt: after
-    "1, 2, 3," the token " 4" must stay " 4", or prompt + text is not what the model
-    produced (code completion and every client that concatenates break).
-    """
-    detok = tokenizer.detokenizer  # mlx-lm hands out a reset copy per call
-    if hasattr(detok, "trim_space"):
-        detok.trim_space = False
-    elif hasattr(detok, "_maybe_trim_space"):
-        detok.__class__ = _keep_space_bpe()
-    return detok
-
-
-@functools.cache
-def _keep_space_bpe() -> type:
-    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
-
-    class KeepSpaceBPE(BPEStreamingDetokenizer):
-        def _maybe_trim_space(self, current_text: str) -> str:
-            return current_text
-
-    return KeepSpaceBPE
+    """A fresh streaming detokenizer for one generation that keeps every space the model
+    wrote: a reply continues its prompt, so after "1, 2, 3," the token " 4" stays " 4"."""
+    return tokenizer.detokenizer
 
 
 def installer(worker: MlxWorker, storage: PoolStorage) -> Callable[[list[Any]], Awaitable[None]]:

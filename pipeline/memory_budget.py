@@ -1,4 +1,8 @@
-"""Does an explicitly sized expert pool fit in memory? Refuse it at open when it cannot.
+"""How much memory the pool may have: an explicit size checked, or a total budget split.
+
+With `memory.budget_mb` (`--memory-mb`) the pool is what is left of one total budget once
+the measured parts and the reserves are subtracted (`plan_memory`; docs/memory.md).
+Without it, an explicit pool is checked against the machine:
 
 The pool is allocated once, at its full budget. A budget over what the machine has left
 was accepted before and the kernel's OOM killer ended the process later, silently; a
@@ -8,7 +12,21 @@ from available memory (`engine_sizing.num_slots`), so only explicit sizes are ch
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import msgspec
 import psutil
+
+from pipeline.config.schema import MemoryConfig
+from pipeline.memory_facts import MemoryPlan
+
+if TYPE_CHECKING:
+    import trio
+
+    from pipeline.config.schema import PipelineConfig
+    from pipeline.engine_core import EngineCore
+    from pipeline.memory_facts import OpenMarks
 
 # Kept aside for the rest of the process (Python, MLX, tokenizer, KV cache, staging).
 RESERVE_BYTES = 512 * 2**20
@@ -55,3 +73,115 @@ def batch_budget(batch_memory_mb: int, dense_bytes: int) -> int:
         return batch_memory_mb * 2**20
     room, _ = pool_memory_room(dense_bytes)
     return max(room // 4, 256 * 2**20)
+
+
+# -- one total budget (`memory.budget_mb`, `--memory-mb`) ---------------------------------
+
+
+def staging_buffers(readers: int) -> int:
+    """The reader's staging buffers for `readers` disk threads: enough for installs to come
+    in batches while reads continue (the engine passes this count to the reader)."""
+    return max(4 * readers, 16)
+
+
+def plan_memory(mem: MemoryConfig, *, process_bytes: int, dense_bytes: int, slot_nbytes: int,
+                stride: int, readers: int, need_slots: int, max_slots: int,
+                pool_bytes: int | None = None) -> MemoryPlan:
+    """Size the pool from the budget (or check an explicit `pool_bytes` against it).
+
+    Raises PoolBudgetError, one line with every number, when the rest cannot hold the
+    smallest workable pool (`need_slots`)."""
+    assert mem.budget_mb is not None
+    budget = mem.budget_mb * 2**20
+    state = (mem.state_mb * 2**20) if mem.state_mb else budget // 8
+    staging = staging_buffers(readers) * stride
+    temporaries = mem.temporaries_mb * 2**20
+    rest = budget - process_bytes - dense_bytes - state - staging - temporaries
+    parts = (f"the process with its tokenizer ({_mib(process_bytes)}), the dense core "
+             f"({_mib(dense_bytes)}), model state ({_mib(state)}: memory.state_mb), staging "
+             f"({_mib(staging)}) and temporaries ({_mib(temporaries)}: memory.temporaries_mb) "
+             f"leave {_mib(max(rest, 0))}")
+    if pool_bytes is not None:
+        if pool_bytes > rest:
+            raise PoolBudgetError(
+                f"expert pool of {_mib(pool_bytes)} does not fit a memory budget of "
+                f"{_mib(budget)}: {parts}; lower --pool-mb or raise --memory-mb")
+        slots = pool_bytes // slot_nbytes
+    else:
+        slots = min(max(rest, 0) // slot_nbytes, max_slots)
+    if slots < need_slots:
+        short = need_slots * slot_nbytes - rest
+        raise PoolBudgetError(
+            f"memory budget of {_mib(budget)} is too small: {parts}, and the smallest workable "
+            f"expert pool is {_mib(need_slots * slot_nbytes)} ({need_slots} slots); raise "
+            f"--memory-mb (memory.budget_mb) to at least {-(-(budget + short) // 2**20):,} or "
+            "lower memory.state_mb")
+    return MemoryPlan(
+        budget_mb=budget / 2**20, process_mb=process_bytes / 2**20, dense_mb=dense_bytes / 2**20,
+        state_mb=state / 2**20, staging_mb=staging / 2**20, temporaries_mb=temporaries / 2**20,
+        pool_mb=slots * slot_nbytes / 2**20, slots=slots)
+
+
+def apply_cache_limit(mem: MemoryConfig) -> None:
+    """MLX keeps freed buffers for reuse up to its cache limit (by default, its whole
+    memory limit): resident memory the budget never granted. A quarter of the temporaries'
+    share keeps reuse for the decode graphs' small buffers."""
+    import mlx.core as mx
+
+    mx.set_cache_limit(mem.temporaries_mb * 2**20 // 4)
+
+
+def engine_plan(config: PipelineConfig, *, dense_bytes: int, slot_nbytes: int, stride: int,
+                readers: int, need_slots: int, max_slots: int) -> MemoryPlan | None:
+    """The plan for an engine being opened (None without `memory.budget_mb`); measured
+    after the tokenizer loaded and before the dense core does."""
+    from pipeline.resident_map import current_rss_mb
+
+    if config.memory.budget_mb is None:
+        return None
+    pool = config.pool
+    explicit = (pool.budget_mb * 2**20 if pool.budget_mb is not None
+                else pool.slots * slot_nbytes if pool.slots is not None else None)
+    return plan_memory(config.memory, process_bytes=int(current_rss_mb() * 2**20),
+                       dense_bytes=dense_bytes, slot_nbytes=slot_nbytes, stride=stride,
+                       readers=readers, need_slots=need_slots, max_slots=max_slots,
+                       pool_bytes=explicit)
+
+
+def context_within(state_bytes: Callable[[int], int], state: int, limit: int) -> int:
+    """The most tokens (up to `limit`) one sequence may hold with its state in `state` bytes."""
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if state_bytes(mid) <= state:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def attach_memory(core: EngineCore, nursery: trio.Nursery, plan: MemoryPlan | None,
+                  marks: OpenMarks, need_slots: int) -> None:
+    """Hold the open engine to its memory: prefill mixers in slices sized from the
+    temporaries' share; with a plan, the batch's state and the prefix cache's copies within
+    half of the state reserve each (the first half also caps one request's context) and
+    MLX's buffer cache within the temporaries' share; with
+    memory.adapt, the pool following the machine's memory pressure."""
+    from pipeline.memory_pressure import PoolAdapter
+    from pipeline.prefill_slices import slice_tokens
+
+    mem = core.config.memory
+    core.memory_plan, core.memory_marks = plan, marks
+    core.model.slice_tokens = slice_tokens(core.model.parts.layers, mem.temporaries_mb * 2**20,
+                                           core.config.compute.prefill_max_tokens)
+    if plan is not None:
+        # Half the state reserve for the sequences decoding, half for the prefix cache's
+        # copies (1 GiB by default otherwise: outside any budget).
+        state = int(plan.state_mb * 2**20) // 2
+        core.compute_task.budget = state
+        core.prefix_cache.max_bytes = state
+        limit = context_within(core.model.state_bytes, state, core.facts.context_limit)
+        core.facts = msgspec.structs.replace(core.facts, context_limit=limit)
+        apply_cache_limit(mem)
+    if mem.adapt:
+        nursery.start_soon(PoolAdapter(core, need_slots).run)

@@ -12,11 +12,12 @@ from pathlib import Path
 import structlog
 
 from pipeline.config.schema import SYNTH_PREFIX, ModelConfig
+from qpack import families
 from qpack.spec import MANIFEST
 
 log = structlog.get_logger("moestream.prepare")
 
-DEFAULT_FAMILY = "qwen3_next"
+DEFAULT_FAMILY = families.DEFAULT
 SYNTH_DONE = ".synth-complete"
 
 

@@ -13,8 +13,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from qpack.log_default import log_to_stderr_by_default
+from qpack.mlx_lm_package import register_without_init
 
 log_to_stderr_by_default()  # not stdout, where generated text goes
+register_without_init()  # mlx-lm's models without transformers (~210 MiB)
 
 if TYPE_CHECKING:
     from qpack.reader import Container

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from qpack.names import MODEL_TYPE_ALIASES, is_text_tensor
+from qpack.families import canonical, family
+from qpack.names import is_text_tensor
 from qpack.spec import QpackError
 
 SUPPORTED = ("bf16/f16/f32 safetensors (quantized at pack time), MLX-quantized safetensors "
@@ -71,7 +72,11 @@ def check_config(config: Mapping, where: str | Path) -> None:
                      f"are not supported; moestream packs {SUPPORTED}. Use the model's bf16 repo")
 
 
-def needed_shards(weight_map: Mapping[str, str], model_type: str) -> set[str]:
-    """Shards holding at least one text-model tensor (MTP- or vision-only ones are skipped)."""
-    family = MODEL_TYPE_ALIASES.get(model_type, model_type)
-    return {shard for name, shard in weight_map.items() if is_text_tensor(family, name)}
+def needed_shards(weight_map: Mapping[str, str], config: Mapping) -> set[str]:
+    """Shards holding at least one text-model tensor (MTP- or vision-only ones are skipped).
+    An unsupported model_type keeps every shard (open_source refuses it with one line)."""
+    name = canonical(config.get("model_type"))
+    if name is None:
+        return set(weight_map.values())
+    text = family(name).text_config(dict(config))
+    return {shard for tensor, shard in weight_map.items() if is_text_tensor(name, tensor, text)}

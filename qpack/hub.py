@@ -202,7 +202,7 @@ def _text_shards(files: list[str], fetch: Callable[[str], Path], config: dict, w
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise QpackError(where, f"{index_name} has no weight_map")
-    needed = needed_shards(weight_map, str(config.get("model_type", "")))
+    needed = needed_shards(weight_map, config)
     skipped = sorted({str(s) for s in weight_map.values()} - needed)
     if skipped:
         log.info("hub.skip_shards", shards=skipped, reason="no text-model tensor")

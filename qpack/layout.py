@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from qpack.families import family
 from qpack.quantize import (
     MODE_DEFAULTS,
     QuantPlan,
@@ -66,8 +67,8 @@ class ContainerPlan:
 
 
 def _switch_path(model_type: str, layer: int, proj: str) -> str:
-    prefix = "language_model.model" if model_type == "qwen3_5_moe" else "model"
-    return f"{prefix}.layers.{layer}.mlp.switch_mlp.{proj}"
+    fam = family(model_type)
+    return f"{fam.decoder_prefix}.layers.{layer}.mlp.{fam.routed_module}.{proj}"
 
 
 def _source_rule(block: dict, path: str) -> Rule | None:
@@ -135,11 +136,13 @@ def make_plan(src: SourceCheckpoint, bits: int | None, group_size: int, dtype: s
 
 def _dense_item(src: SourceCheckpoint, ref: DenseRef, quant: QuantPlan, cast_to, copy_quantized: bool) -> DenseItem:  # noqa: ANN001
     info = src.info(ref.source)
-    shape = info.shape
+    shape, tag = info.shape, info.dtype
     if ref.moveaxis:
         shape = (shape[0], shape[2], shape[1])
+    if ref.part:
+        tag, shape = src.family.dense_part_plan(ref.target, ref.source, src.info, src.text, copy_quantized)
     if copy_quantized:
-        return DenseItem(ref, None, None, [PlannedTensor(ref.target, info.dtype, tuple(shape))])
+        return DenseItem(ref, None, None, [PlannedTensor(ref.target, tag, tuple(shape))])
     floating = info.dtype in ("BF16", "F16", "F32")
     cast = cast_to if floating and ref.target not in quant.cast_exempt else None
     tag = tag_of(cast) if cast is not None else info.dtype

@@ -29,6 +29,7 @@ import structlog
 
 from qpack import spec
 from qpack.checked_files import check_listed, non_expert_files, tokenizer_dir
+from qpack.families import canonical, family
 from qpack.manifest_checks import check_files, check_layers
 from qpack.safetensors_io import load_safetensors
 from qpack.spec import QpackError
@@ -44,7 +45,6 @@ Verify = Literal["off", "first-use", "full", "always"]
 ALIGN_BYTES = 4096  # O_DIRECT buffer alignment: the largest logical block size in common use
 _NP_DTYPES = {"uint32": np.uint32, "uint8": np.uint8, "bfloat16": np.uint16, "float16": np.float16,
               "float32": np.float32}
-MODEL_TYPE_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
 
 
 class ExpertCorrupt(QpackError):
@@ -284,15 +284,16 @@ def _load_config(root: Path, manifest: spec.Manifest) -> dict:
         raise QpackError(path, "config.json is missing")
     config = spec.parse_json(path.read_bytes(), path, "config.json")
     model_type = config.get("model_type") if isinstance(config, dict) else None
-    if MODEL_TYPE_ALIASES.get(str(model_type), model_type) != manifest.model_type:
+    if canonical(model_type) != manifest.model_type:
         raise QpackError(path, f"config.json model_type {model_type!r} does not match the manifest's {manifest.model_type!r}")
     return config
 
 
 def _check_config_matches(root: Path, m: spec.Manifest, config: dict) -> None:
     """The model config must describe the packed weights, and text must be encodable."""
-    text = config.get("text_config", config)
-    for key, want in (("num_hidden_layers", m.num_layers), ("num_experts", m.num_experts),
+    fam = family(m.model_type)
+    text = fam.text_config(config)
+    for key, want in (("num_hidden_layers", m.num_layers), (fam.experts_key, m.num_experts),
                       ("num_experts_per_tok", m.top_k)):
         if text.get(key) != want:
             raise QpackError(root / spec.CONFIG, f"config.json {key} = {text.get(key)!r} does not match the manifest's {want}")

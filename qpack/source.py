@@ -1,11 +1,12 @@
 """Reading a source checkpoint (HF or MLX) one tensor at a time, in mlx-lm's terms.
 
-Handles: HF sharded safetensors (bf16/f16/f32) for qwen3_next (per-expert tensors)
-and qwen3_5_moe (hub layout: nested text_config, `model.language_model.` prefix, fused
-`experts.gate_up_proj`/`experts.down_proj`; transformers-5 text-only layout: flat
-config, `qwen3_5_moe_text`), and MLX checkpoints (stacked `switch_mlp` experts,
-possibly quantized). Dense names are mapped exactly as the mlx-lm model's `sanitize`
-would, tensor by tensor, so the whole checkpoint is never in memory at once.
+Handles HF sharded safetensors (bf16/f16/f32, FP8 block-scaled) with per-expert
+(`mlp.experts.{e}.{proj}.weight`) or fused (`mlp.experts.gate_up_proj` / `down_proj`)
+experts, and MLX checkpoints (stacked `switch_mlp` experts, possibly quantized). What
+differs per architecture (where the text config sits, tensor renames, norm and conv
+fix-ups) is its family module's (qpack.families). Dense names are mapped exactly as the
+mlx-lm model's `sanitize` would, tensor by tensor, so the whole checkpoint is never in
+memory at once.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import mlx.core as mx
 import msgspec
 
 from qpack.checkpoint_kind import check_config, check_files, hf_quantization, is_fp8_block
+from qpack.families import CheckpointFamily, UnsupportedModel, family
 from qpack.fp8 import FP8_TAG, SCALE_SUFFIX, dequantize_rows, scale_rows
-from qpack.names import MODEL_TYPE_ALIASES, target_name
+from qpack.names import target_name
 from qpack.safetensors_io import SafetensorsFile, TensorInfo, bytes_to_mx, mx_to_bytes, open_index
 from qpack.spec import PROJECTIONS, QpackError, parse_json
 
-FAMILIES = ("qwen3_next", "qwen3_5_moe")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -34,13 +35,6 @@ TOKENIZER_FILES = (
     "generation_config.json",
     "vocab.json",
     "merges.txt",
-)
-_NORM_SUFFIXES = (
-    ".input_layernorm.weight",
-    ".post_attention_layernorm.weight",
-    "model.norm.weight",
-    ".q_norm.weight",
-    ".k_norm.weight",
 )
 _PER_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
@@ -72,13 +66,14 @@ class DenseRef:
     source: str
     moveaxis: bool = False  # conv1d weight [C,1,K] -> [C,K,1]
     plus_one: bool = False  # HF stores (1 + w) norms as w
+    part: bool = False  # one of the parts the family cuts the source into (read whole, then cut)
 
 
 @dataclass
 class SourceCheckpoint:
     root: Path
     config: dict  # source config.json
-    model_type: str  # container model type (qwen3_next | qwen3_5_moe)
+    model_type: str  # container model type: the family's name
     text: dict  # the text model's arguments (text_config, or the flat config)
     quantization: dict | None  # MLX quantization block when the source is MLX quantized
     is_mlx: bool
@@ -90,8 +85,12 @@ class SourceCheckpoint:
 
     # -- facts -------------------------------------------------------------
     @property
+    def family(self) -> CheckpointFamily:
+        return family(self.model_type)
+
+    @property
     def num_experts(self) -> int:
-        return int(self.text["num_experts"])
+        return int(self.text[self.family.experts_key])
 
     @property
     def top_k(self) -> int:
@@ -104,10 +103,8 @@ class SourceCheckpoint:
     def mlx_config(self) -> dict:
         """The config the mlx-lm model class understands (and the container ships)."""
         cfg = copy.deepcopy(self.config)
-        if cfg.get("model_type") in MODEL_TYPE_ALIASES:
-            cfg["model_type"] = MODEL_TYPE_ALIASES[cfg["model_type"]]
-        if self.model_type == "qwen3_next":
-            flatten_rope_parameters(cfg)
+        cfg["model_type"] = self.model_type  # an alias (qwen3_5_moe_text) reads as its family
+        self.family.fix_config(cfg)
         if self.fp8_block is not None:  # the container holds what the dequantized weights become
             for where in (cfg, cfg.get("text_config") or {}):
                 where.pop("quantization_config", None)
@@ -164,6 +161,10 @@ class SourceCheckpoint:
         """One dense tensor (or rows start..stop of it) under its mlx-lm name, sanitized as
         mlx-lm would. Every fix-up keeps the leading axis, so rows can be done apart."""
         scale = self._fp8_scale(ref.source)
+        if ref.part:  # cut from the whole tensor (small: one attention projection)
+            arr = self.family.dense_part(ref.target, ref.source, lambda n: self.raw(n).to_mx(), self.text,
+                                         self.quantization is not None)
+            return arr if rows is None else arr[rows[0] : rows[1]]
         if rows is None:
             arr = self.raw(ref.source).to_mx()
         elif scale is not None:
@@ -234,28 +235,11 @@ def _load_config(root: Path) -> dict:
     return cfg
 
 
-def flatten_rope_parameters(cfg: dict) -> None:
-    """transformers 5 re-saves Qwen3-Next configs with `rope_theta` and
-    `partial_rotary_factor` only inside `rope_parameters`; mlx-lm's qwen3_next ModelArgs
-    wants them at the top level (and a non-default rope type as `rope_scaling`)."""
-    rope = cfg.get("rope_parameters")
-    if not isinstance(rope, dict):
-        return
-    for key in ("rope_theta", "partial_rotary_factor"):
-        if key not in cfg and key in rope:
-            cfg[key] = rope[key]
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if cfg.get("rope_scaling") is None and kind != "default":
-        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor", "rope_type")}
-        cfg["rope_scaling"] = {"type": kind, **scaling}
-
-
 def _experts(names: list[str], num_experts: int, root: Path) -> dict[int, dict[str, ExpertRef]]:
+    """`names`: the text model's tensors only (MTP heads and the like are dropped first)."""
     layers: dict[int, dict[str, ExpertRef]] = {}
     seen: dict[tuple[int, str], set[int]] = {}
     for name in names:
-        if "mtp." in name:
-            continue
         if m := _PER_EXPERT.search(name):
             layer, e, proj = int(m[1]), int(m[2]), m[3]
             seen.setdefault((layer, proj), set()).add(e)
@@ -285,12 +269,13 @@ def _experts(names: list[str], num_experts: int, root: Path) -> dict[int, dict[s
 def open_source(root: str | Path) -> SourceCheckpoint:
     root = Path(root)
     config = _load_config(root)
-    source_type = config["model_type"]
-    model_type = MODEL_TYPE_ALIASES.get(source_type, source_type)
-    if model_type not in FAMILIES:
-        raise QpackError(root / "config.json", f"model_type {source_type!r} is not supported (want one of {FAMILIES})")
-    text = config.get("text_config", config) if model_type == "qwen3_5_moe" else config
-    for key in ("num_experts", "num_experts_per_tok", "num_hidden_layers"):
+    try:
+        fam = family(config["model_type"])
+    except UnsupportedModel as exc:
+        raise QpackError(root / "config.json", str(exc)) from None
+    model_type = fam.name
+    text = fam.text_config(config)
+    for key in (fam.experts_key, "num_experts_per_tok", "num_hidden_layers"):
         if key not in text:
             raise QpackError(root / "config.json", f"config has no {key!r}")
     check_config(config, root / "config.json")
@@ -302,7 +287,8 @@ def open_source(root: str | Path) -> SourceCheckpoint:
     names = sorted(n for n in index if not (fp8_block and n.endswith(SCALE_SUFFIX)))
     src = SourceCheckpoint(root, config, model_type, text, quantization, False, index,
                            fp8_block=fp8_block)  # type: ignore[arg-type]  # two sizes: is_fp8_block
-    src.moe_layers = _experts(names, src.num_experts, root)
+    text_names = [n for n in names if target_name(model_type, n, text) is not None]
+    src.moe_layers = _experts(text_names, src.num_experts, root)
     if not src.moe_layers:
         raise QpackError(root, "no routed expert tensors found")
     kinds = {ref.kind for refs in src.moe_layers.values() for ref in refs.values()}
@@ -325,22 +311,16 @@ def _dense_refs(src: SourceCheckpoint, names: list[str]) -> list[DenseRef]:
     conv_unsanitized = any(
         "conv1d.weight" in n and src.info(n).shape[-1] != 1 for n in names if "mtp." not in n
     )
-    if src.model_type == "qwen3_next":
-        hf_norms = not src.is_mlx  # its sanitize is a no-op unless per-expert HF keys exist
-    else:
-        hf_norms = conv_unsanitized
     tied = bool(src.text.get("tie_word_embeddings", src.config.get("tie_word_embeddings", False)))
     refs = []
     for name in names:
-        target = target_name(src.model_type, name)
+        target = target_name(src.model_type, name, src.text)
         if target is None or (tied and target.endswith("lm_head.weight")):
             continue
         info = src.info(name)
-        moveaxis = "conv1d.weight" in target and info.shape[-1] != 1 and (
-            src.model_type != "qwen3_next" or not src.is_mlx
-        )
-        plus_one = hf_norms and len(info.shape) == 1 and target.endswith(_NORM_SUFFIXES)
-        refs.append(DenseRef(target, name, moveaxis, plus_one))
+        moveaxis, plus_one = src.family.dense_fixups(target, tuple(info.shape), src.is_mlx, conv_unsanitized)
+        parts = src.family.dense_parts(target, src.quantization is not None)
+        refs += [DenseRef(p, name, moveaxis, plus_one, part=parts != (target,)) for p in parts]
     refs.sort(key=lambda r: r.target)
     counts = Counter(r.target for r in refs)
     dupes = [t for t, n in counts.items() if n > 1]

@@ -233,8 +233,9 @@ class Packer:
             _pwrite(fd, header, 0, partial)
             for i, item in enumerate(self.plan.dense):
                 info = self.src.info(item.ref.source)
-                rows = info.shape[0] if info.shape else 1
-                step = max(1, DENSE_CHUNK // max(info.row_bytes(), 1))
+                rows = (item.outputs[0].shape[0] if item.ref.part else info.shape[0]) if info.shape else 1
+                # A part cut from a source tensor is computed whole (its rows are not the source's).
+                step = rows if item.ref.part else max(1, DENSE_CHUNK // max(info.row_bytes(), 1))
                 for start in range(0, rows, step):
                     stop = min(rows, start + step)
                     arr = cast(self.src.dense_tensor(item.ref, (start, stop) if info.shape else None), item.cast)

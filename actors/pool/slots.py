@@ -58,6 +58,7 @@ class SlotTable:
         self._pins: dict[ExpertKey, int] = {}
         self._state: dict[ExpertKey, SlotState] = {}
         self._prefetched: set[ExpertKey] = set()  # installed by prefetch, not yet demanded
+        self._withdrawn: set[int] = set()  # out of use while memory is short
         # Bumped whenever which key is ready in which slot changes: the compute actor's
         # device-side expert -> slot map is rebuilt only then.
         self.version = 0
@@ -170,15 +171,57 @@ class SlotTable:
                 f"expert pool exhausted: {len(self._pins)} of {self.num_slots} slots pinned"
                 f" and the rest protected; nothing can be evicted"
             )
-        slot = self._slot_of.pop(victim)
+        return self._evict(victim)
+
+    def _evict(self, key: ExpertKey) -> int:
+        """Drop `key` (not pinned) from the pool; its slot, now empty."""
+        slot = self._slot_of.pop(key)
         self._key_at[slot] = None
-        del self._state[victim]
-        self.policy.remove(victim)
+        del self._state[key]
+        self.policy.remove(key)
         self.evictions += 1
-        if victim in self._prefetched:
-            self._prefetched.discard(victim)
+        if key in self._prefetched:
+            self._prefetched.discard(key)
             self.prefetch_wasted += 1
         return slot
+
+    # -- capacity under memory pressure (pipeline/memory_pressure.py) ----------------------
+
+    @property
+    def usable(self) -> int:
+        """Slots keys may occupy: all of them, less those withdrawn under pressure."""
+        return self.num_slots - len(self._withdrawn)
+
+    def withdraw(self, count: int) -> list[int]:
+        """Take up to `count` slots out of use, highest first: free ones, then ones whose
+        key is ready and unpinned (evicted). Slots in use by a pinned or loading key stay
+        (a later call may take them). Returns the slots withdrawn, for their memory."""
+        taken: list[int] = []
+        for slot in range(self.num_slots - 1, -1, -1):
+            if len(taken) == count:
+                break
+            if slot in self._withdrawn:
+                continue
+            key = self._key_at[slot]
+            if key is not None:
+                if key in self._pins or self._state[key] != "ready":
+                    continue
+                self._evict(key)
+                self.version += 1
+            taken.append(slot)
+        if taken:
+            self._withdrawn.update(taken)
+            self._free = [s for s in self._free if s not in self._withdrawn]
+            heapq.heapify(self._free)
+        return taken
+
+    def restore(self, count: int) -> list[int]:
+        """Give up to `count` withdrawn slots back (lowest first); returns them."""
+        back = sorted(self._withdrawn)[:count]
+        for slot in back:
+            self._withdrawn.discard(slot)
+            heapq.heappush(self._free, slot)
+        return back
 
     def mark_ready(self, key: ExpertKey) -> None:
         self._require(key)

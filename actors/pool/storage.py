@@ -10,6 +10,11 @@ routing sync, when no lazy graph refers to the pool).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -18,7 +23,7 @@ import numpy as np
 
 from actors.device_staging import to_device_many
 from actors.pool.layout import PoolLayout
-from qpack.spec import ExpertFormat, QpackError
+from qpack.spec import ExpertFormat, QpackError, TensorSpec
 
 _MX_DTYPES = {
     "uint32": mx.uint32,
@@ -27,6 +32,20 @@ _MX_DTYPES = {
     "float16": mx.float16,
     "float32": mx.float32,
 }
+
+
+_PAGE = 4096 if not hasattr(os, "sysconf") else os.sysconf("SC_PAGE_SIZE")
+_MADV_DONTNEED = 4  # Linux
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    fn = libc.madvise
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
 
 
 def slot_bytes(fmt: ExpertFormat | PoolLayout) -> int:
@@ -111,6 +130,35 @@ class PoolStorage:
         (see `device_staging`)."""
         return to_device_many([blob[: self.layout.max_nbytes] for blob in blobs])
 
+    def _copy_in(self, name: str, slot: int, t: TensorSpec, src: np.ndarray) -> None:
+        """A tensor's blob bytes into its slot row, widened when the pool stores it wider."""
+        row = self.host_bytes[name][slot]  # type: ignore[index]
+        if row.nbytes == t.nbytes:
+            row[:] = src
+        elif t.dtype == "bfloat16":  # bfloat16 is float32's top half: shift it up
+            row.view(np.uint32)[:] = src.view(np.uint16).astype(np.uint32) << 16
+        else:
+            row.view(np.float32)[:] = src.view(np.float16)
+
+    def release(self, slots: Sequence[int]) -> int:
+        """Hand the memory of withdrawn slots back to the OS (CPU pools on Linux: their
+        rows' whole pages, MADV_DONTNEED; they read as zeros until written again). The
+        slots must hold no key. Returns the bytes released (0 where it cannot)."""
+        if self.host_bytes is None or not slots:
+            return 0
+        madvise = _madvise()
+        if madvise is None:
+            return 0
+        released = 0
+        for rows in self.host_bytes.values():
+            for slot in slots:
+                row = rows[slot]
+                start = -(-row.ctypes.data // _PAGE) * _PAGE
+                end = (row.ctypes.data + row.nbytes) // _PAGE * _PAGE
+                if end > start and madvise(start, end - start, _MADV_DONTNEED) == 0:
+                    released += end - start
+        return released
+
     def write(self, items: Sequence[tuple[int, np.ndarray]]) -> None:
         """CPU installs: copy blobs straight into the slots' memory, from any thread.
 
@@ -123,7 +171,7 @@ class PoolStorage:
         for slot, blob in items:
             fmt, names = self._layer_format(slot)
             for t in fmt.tensors:
-                self.host_bytes[names[t.name]][slot] = blob[t.offset : t.offset + t.nbytes]
+                self._copy_in(names[t.name], slot, t, blob[t.offset : t.offset + t.nbytes])
 
     def install(self, items: Sequence[tuple[int, np.ndarray | mx.array]]) -> None:
         """Copy expert blobs (uint8, at least fmt.nbytes; numpy or staged) into their slots.
@@ -148,7 +196,8 @@ class PoolStorage:
             for t in fmt.tensors:
                 raw = blobs[:, t.offset : t.offset + t.nbytes]
                 value = raw.view(_MX_DTYPES[t.dtype]).reshape(n, *t.shape)
-                self.arrays[names[t.name]][slots] = value
+                target = self.arrays[names[t.name]]
+                target[slots] = value.astype(target.dtype)  # a no-op unless widened
         mx.eval(list(self.arrays.values()))
 
 

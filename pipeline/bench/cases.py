@@ -114,6 +114,8 @@ async def measure_engine(case: Case) -> Result:
             run_ahead_tokens=spent.run_ahead_tokens,
             run_ahead_misses=spent.run_ahead_misses,
             seconds=time.perf_counter() - started, read_path=read_path,
+            memory=msgspec.to_builtins(engine.memory_breakdown(
+                s.peak_rss_mb, s.peak_device_mb, s.prompt_tokens + s.completion_tokens)),
             queue_depth_gb_s=_probed(cfg, engine), open_s=phases["open_s"],
             warmup_s=phases["warmup_s"],
         )

@@ -92,8 +92,10 @@ def read_bandwidth(root: str | os.PathLike[str], *, threads: int, o_direct: bool
 
 
 def _switch_prefix(model_type: str, layer: int) -> str:
-    prefix = "language_model.model" if model_type == "qwen3_5_moe" else "model"
-    return f"{prefix}.layers.{layer}.mlp.switch_mlp"
+    from qpack.families import family
+
+    fam = family(model_type)
+    return f"{fam.decoder_prefix}.layers.{layer}.mlp.{fam.routed_module}"
 
 
 def stacked_experts(container: Container) -> dict[str, mx.array]:

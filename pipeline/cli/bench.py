@@ -15,6 +15,8 @@ from pipeline.bench.cases import Case, Report, machine_info, run_case
 from pipeline.bench.routing import ROUTINGS
 from pipeline.cli.commands import readers_arg
 from pipeline.cli.counts import LAYERS, TOKENS, WORKERS, seconds
+from qpack import families
+from qpack.synth.presets import FULL_SIZE
 
 # The default run; warm-all (every expert pooled, vs mlx-lm resident in the same
 # process) and the long-prompt pair are asked for by name.
@@ -129,6 +131,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     console.print(results_table(report))
     if (reads := read_path_table(report)) is not None:
         console.print(reads)
+    from pipeline.memory_breakdown import memory_table
+
+    if (memory := memory_table(report)) is not None:
+        console.print(memory)
     if args.json:
         write_json(report, args.json)
     if args.trace and args.plots:
@@ -221,8 +227,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Write a valid .qpack directly, without synth + pack: the dense core as "
         "synth --bits writes it, experts as random 4-bit words with scales that give "
         "zero-mean weights of std ~1/sqrt(fan_in). For speed measurements only.")
-    c.add_argument("--family", choices=("qwen3_next", "qwen3_5_moe"), default=None)
-    c.add_argument("--preset", required=True, help="tiny, demo, qwen3.6-35b-a3b, qwen3-next-80b-a3b")
+    c.add_argument("--family", choices=families.names(), default=None)
+    c.add_argument("--preset", required=True, help="a synth preset; the real-dimension ones imply "
+                   f"their family: {', '.join(sorted(FULL_SIZE))}")
     c.add_argument("-o", "--out", required=True, type=Path, help="output .qpack directory")
     c.add_argument("--bits", type=int, choices=(4, 8), default=4)
     c.add_argument("--group-size", type=int, default=64)

@@ -32,6 +32,8 @@ def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) ->
     g = p.add_argument_group("engine")
     if config_flag:
         g.add_argument("--config", type=Path, help="a TOML config to start from (flags override it)")
+    g.add_argument("--memory-mb", type=int, help="total memory budget in MiB: the expert pool "
+                   "gets what the rest leaves (memory.budget_mb; docs/memory.md)")
     g.add_argument("--pool-mb", type=int, help="expert pool budget in MiB")
     g.add_argument("--slots", type=int, help="expert pool size in experts (instead of --pool-mb)")
     g.add_argument("--strategy", help=f"prefetch strategy (default next-gate): {strategies_help()}")
@@ -63,6 +65,7 @@ SAMPLING_FLAGS: dict[str, type] = {"temperature": float, "top_p": float, "top_k"
                                    "min_p": float, "seed": int, "max_tokens": int}
 
 _FLAG_KEYS = {
+    "memory_mb": ("memory", "budget_mb"),
     "pool_mb": ("pool", "budget_mb"),
     "slots": ("pool", "slots"),
     "strategy": ("prefetch", "strategy"),

@@ -56,6 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens per prefill step to size the smallest pool for "
                         "(default: compute.prefill_chunk's default)")
+    i.add_argument("--memory-mb", type=int, default=None,
+                   help="a total memory budget: the expert pool it gives and the hits to expect")
     i.add_argument("--no-advice", action="store_true",
                    help="skip the pool advice (a ~1 s replay of calibrated routing)")
     i.set_defaults(func=cmd_info)
@@ -192,13 +194,22 @@ def cmd_info(args: argparse.Namespace) -> int:
             return _error(exc)
     try:
         info = info_dict(args.container, args.prefill_chunk, advice=not args.no_advice)
-    except QpackError as exc:
+        if args.memory_mb is not None:
+            import msgspec
+
+            from pipeline.budget_info import budget_info
+
+            info["memory_budget"] = msgspec.to_builtins(
+                budget_info(args.container, args.memory_mb, info.get("pool_advice")))
+    except (QpackError, ValueError) as exc:  # ValueError: PoolBudgetError, with its numbers
         return _error(exc)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
     from rich.console import Console
     from rich.table import Table
+
+    from pipeline.memory_facts import MemoryPlan
 
     q = info["quantization"]
     quant = "none (float)" if q["bits"] is None else (
@@ -227,6 +238,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         rows.append((f"pool advice ({a['eviction']})", "expected decode hits on trained-like routing "
                      f"(calibrated model, {a['family']} parameters; a replay, not a measurement)"))
         rows += _advice_rows(a)
+    if "memory_budget" in info:
+        b = info["memory_budget"]
+        hit = "" if b["hit_expected"] is None else f"; expected decode hits {b['hit_expected']:.0%}"
+        rows.append((f"--memory-mb {args.memory_mb}", MemoryPlan(**b["plan"]).line() + hit))
     for k, v in rows:
         table.add_row(k, v)
     Console(width=None if sys.stdout.isatty() else 160).print(table)  # no wrapping in pipes and logs

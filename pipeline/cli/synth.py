@@ -40,11 +40,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default=None, help="mlx_lm.convert --quant-predicate recipe (MLX layout), or "
                    "float_experts: everything quantized but the routed experts")
     p.add_argument("--layout", choices=("hub", "per-expert"), default="hub",
-                   help="hub: as the hub ships it; per-expert: transformers' text-only "
-                   "Qwen3.5 MoE layout (only qwen3_5_moe differs; default hub)")
+                   help="hub: as the hub ships it (default); per-expert: a family's second HF "
+                   "layout where it has one (Qwen3.5 MoE: transformers' text-only class)")
     p.add_argument("--variant", choices=sorted({v for vs in VARIANTS.values() for v in vs}),
-                   default=None, help="chat variant: qwen3_next instruct (default) or thinking "
-                   "(template opens <think>, sampling 0.6/0.95/20); qwen3_5_moe hybrid")
+                   default=None, help="chat variant (template and generation_config; the first "
+                   "is the family's default): " + "; ".join(f"{fam} {', '.join(vs)}"
+                                                            for fam, vs in VARIANTS.items()))
     p.add_argument("--seed", type=int, default=0, help="random seed: same seed, same bytes (default 0)")
     p.add_argument("--shard-mb", type=count(1, 1 << 20), default=None,
                    help="maximum shard size in MiB (default: 8 for tiny, 2048 otherwise)")

@@ -91,6 +91,27 @@ class PoolConfig(_Section, frozen=True):
         one_of("eviction", self.eviction, EVICTION_POLICIES)
 
 
+class MemoryConfig(_Section, frozen=True):
+    """One total budget for the process (docs/memory.md): the pool gets what is left of it."""
+
+    # MiB the whole process may take (RSS). Unset: the pool is sized by [pool] as before
+    # (budget_mb, slots, or half the memory left after the dense core). Set: the engine
+    # subtracts what it measured (the process with its tokenizer, the dense core) and what
+    # it reserves (model state, staging buffers, MLX temporaries) and sizes the pool from
+    # the rest; too small a budget is refused at start with the numbers.
+    budget_mb: Annotated[int, within(1, MIB_MAX)] | None = None
+    # Model state (KV caches, DeltaNet state) within the budget: half for the sequences
+    # decoding at once (it also caps a request's context), half for the prefix cache's
+    # copies. 0 = an eighth of the budget.
+    state_mb: Annotated[int, within(0, MIB_MAX)] = 0
+    # MLX's temporaries above dense + pool + state (activations of a prefill slice, a
+    # decode graph) and its buffer cache.
+    temporaries_mb: Annotated[int, within(16, MIB_MAX)] = 150
+    # Shrink the pool under memory pressure (Linux PSI, macOS pressure events) and grow it
+    # back when the pressure is gone (pipeline/memory_pressure.py).
+    adapt: bool = False
+
+
 class ReaderConfig(_Section, frozen=True):
     # Expert reads in flight at once (disk threads). "auto": the smallest queue depth
     # that reaches the disk's bandwidth, measured at start (actors/queue_depth.py).
@@ -241,6 +262,7 @@ class LogConfig(_Section, frozen=True):
 class PipelineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     model: ModelConfig
     pool: PoolConfig = PoolConfig()
+    memory: MemoryConfig = MemoryConfig()
     reader: ReaderConfig = ReaderConfig()
     prefetch: PrefetchConfig = PrefetchConfig()
     compute: ComputeConfig = ComputeConfig()

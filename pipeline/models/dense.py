@@ -1,7 +1,8 @@
 """Build the resident dense core from a container with mlx-lm's own model classes.
 
-mlx-lm's layers (Gated DeltaNet, gated attention, norms, router gates, shared
-expert) are reused as they are; only the routed experts (`mlp.switch_mlp`) are cut
+mlx-lm's layers (attention, Gated DeltaNet, norms, router gates, shared experts)
+are reused as they are; only the routed experts (`mlp.switch_mlp`, or the family's
+`routed_module`) are cut
 out before anything is materialised, so their random initialisers are never
 evaluated and the core costs exactly the bytes of dense.safetensors.
 """
@@ -14,23 +15,23 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.utils import infer_quant_config
 
+from qpack.families import family
 from qpack.mlx_model import model_classes
+from qpack.quant_infer import infer_quant_config
 from qpack.quantize import flat_parameters
 from qpack.safetensors_io import load_safetensors
 from qpack.spec import QpackError
-
-ROUTED = "switch_mlp"
 
 
 def build_model(config: dict[str, Any]) -> nn.Module:
     """Instantiate the mlx-lm model for `config` with the routed experts removed."""
     model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
+    routed = family(config.get("model_type")).routed_module
     for layer in model.layers:
-        if ROUTED in layer.mlp:
-            del layer.mlp[ROUTED]
+        if routed in layer.mlp:
+            del layer.mlp[routed]
     return model
 
 

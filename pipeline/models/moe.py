@@ -1,41 +1,22 @@
-"""The streamed sparse-MoE block: mlx-lm's routing math, experts taken from pool slots.
+"""The streamed sparse-MoE block's routed experts, taken from pool slots.
 
 The routed experts live in the pool's slot arrays ([slots, ...] per tensor), so the
 expert matmuls are mlx-lm's own `gather_qmm`/`gather_mm` calls with slot indices in
 place of expert indices. Same kernels, same order of operations: logits do not depend
 on which slot an expert happens to occupy, so they are bit-identical across pool sizes.
+The router and the rest of the block (shared experts) are the family's
+(pipeline/models/families).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from qpack.spec import ExpertFormat
 
 # mlx-lm sorts tokens by expert once a batch has this many (token, expert) pairs.
 SORT_THRESHOLD = 64
-
-
-def route(mlp: nn.Module, x: mx.array, forced: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """Top-k expert ids and their weights, exactly as mlx-lm's Qwen3NextSparseMoeBlock.
-
-    `forced` (benchmark-only calibrated routing, pipeline/models/routing_override.py)
-    replaces the ids; their weights are still the router's softmax at those ids."""
-    gates = mx.softmax(mlp.gate(x), axis=-1, precise=True)
-    k = mlp.top_k
-    if forced is None:
-        inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
-    else:
-        # Evaluating the ids must still evaluate everything before this router (the
-        # per-layer sync is what finishes the layers that read pool slots before the
-        # pool overwrites them): constant ids would leave that graph lazy.
-        inds = mx.depends(forced, gates)
-    scores = mx.take_along_axis(gates, inds, axis=-1)
-    if mlp.norm_topk_prob:
-        scores = scores / scores.sum(axis=-1, keepdims=True)
-    return inds, scores
 
 
 def _gather_sort(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -88,9 +69,3 @@ def routed_experts(
     if inv_order is not None:  # sorted
         x = _scatter_unsort(x, inv_order, slots.shape)
     return x.squeeze(-2)
-
-
-def moe_output(mlp: nn.Module, x: mx.array, routed: mx.array, scores: mx.array) -> mx.array:
-    y = (routed * scores[..., None]).sum(axis=-2)
-    shared = mlp.shared_expert(x)
-    return y + mx.sigmoid(mlp.shared_expert_gate(x)) * shared

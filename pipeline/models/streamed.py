@@ -16,13 +16,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.base import create_ssm_mask
 
 from actors.forward import Presync, Routing
 from pipeline.models.batch_caches import BatchCaches
-from pipeline.models.moe import moe_output, route, routed_experts
+from pipeline.models.moe import routed_experts
 from pipeline.models.routing_override import RoutingOverride
 from pipeline.models.text_parts import TextParts, moe_layers, text_parts
+from pipeline.prefill_slices import mix
 from qpack.spec import ExpertFormat
 
 
@@ -82,6 +83,7 @@ class StreamedModel:
     """The resident dense core plus a view of the pool's slot arrays."""
 
     routing: RoutingOverride | None = None  # benchmark-only calibrated routing (bench --routing)
+    slice_tokens: int = 1 << 30  # prefill mixers run in slices this long (pipeline/prefill_slices.py)
 
     def __init__(
         self,
@@ -95,6 +97,7 @@ class StreamedModel:
         self.model = model
         self.activation_dtype = activation_dtype  # None: whatever the embedding yields
         self.parts: TextParts = text_parts(model)
+        self.family = self.parts.family
         self.fmt = fmt
         self.slot_arrays = slot_arrays  # owned by the pool, updated in place on install
         self.views = views  # layer -> (its slot arrays, its format) when layers differ
@@ -102,8 +105,7 @@ class StreamedModel:
         # The layers this process runs (pipeline-parallel ranks run a slice: pipeline/distributed).
         self.layers = layers if layers is not None else range(self.num_layers)
         self.moe_layers = [i for i in moe_layers(self.parts) if i in self.layers]
-        self.num_experts = self.parts.layers[self.moe_layers[0]].mlp.num_experts
-        self.top_k = self.parts.layers[self.moe_layers[0]].mlp.top_k
+        self.num_experts, self.top_k = self.family.experts(self.parts.layers[self.moe_layers[0]].mlp)
 
     def step(self, tokens: list[int] | mx.array, cache: list[Any]) -> ForwardStep:
         return ForwardStep(self, tokens, cache)
@@ -113,21 +115,13 @@ class StreamedModel:
 
     def state_bytes(self, tokens: int) -> int:
         """About how many bytes one sequence's model state holds after `tokens` tokens:
-        keys and values per attention layer (allocated 256 positions at a time), the
-        conv and recurrent state per Gated DeltaNet layer (fixed size)."""
+        keys and values per attention layer (allocated 256 positions at a time), a fixed
+        state per recurrent layer (the family's `state_bytes`)."""
         embed = self.parts.embed_tokens  # a quantized one keeps the dtype in its scales
         itemsize = (self.activation_dtype or getattr(embed, "scales", embed.weight).dtype).size
         positions = -(-tokens // 256) * 256
-        total = 0
-        for block in self.parts.layers:
-            if block.is_linear:
-                la = block.linear_attn
-                total += (la.conv_kernel_size - 1) * la.conv_dim * itemsize
-                total += la.num_v_heads * la.head_v_dim * la.head_k_dim * 4  # float32 state
-            else:
-                at = block.self_attn
-                total += 2 * positions * at.num_key_value_heads * at.head_dim * itemsize
-        return total
+        return sum(self.family.state_bytes(block, self.parts.args, positions, itemsize)
+                   for block in self.parts.layers)
 
     def step_from(self, hidden: mx.array, cache: list[Any]) -> ForwardStep:
         """A forward over `self.layers` that starts from the residual stream `hidden`
@@ -142,8 +136,7 @@ class StreamedModel:
         """Layer `layer`'s router applied to a residual-stream state (for next-gate prefetch)."""
         if self.routing is not None and self.routing.emulate_gate:
             return self.routing.gate_logits(layer, hidden)
-        block = self.parts.layers[layer]
-        return block.mlp.gate(block.post_attention_layernorm(hidden))
+        return self.family.router_scores(self.parts.layers[layer], hidden)
 
 
 def activation_dtype(setting: str) -> mx.Dtype | None:
@@ -182,9 +175,10 @@ class ForwardStep:
             h = hidden
         # Masks from this process's own layers' caches: a rank never updates the others'.
         local = [(i, model.parts.layers[i]) for i in model.layers]
-        first_fa = next((i for i, b in local if not b.is_linear), None)
-        first_ssm = next((i for i, b in local if b.is_linear), None)
-        self.fa_mask = None if first_fa is None else create_attention_mask(h, cache[first_fa])
+        linear = model.family.is_linear
+        first_fa = next((i for i, b in local if not linear(b)), None)
+        first_ssm = next((i for i, b in local if linear(b)), None)
+        self.fa_mask = None if first_fa is None else model.family.attention_mask(h, cache[first_fa])
         self.ssm_mask = None if first_ssm is None else create_ssm_mask(h, cache[first_ssm])
         self.h = h
         # Each row's (position, request) before this step's tokens: calibrated routing only.
@@ -195,7 +189,7 @@ class ForwardStep:
         self._h_in: dict[int, mx.array] = {}
 
     def _mask(self, block: nn.Module) -> Any:
-        return self.ssm_mask if block.is_linear else self.fa_mask
+        return self.ssm_mask if self.m.family.is_linear(block) else self.fa_mask
 
     def _to_next_moe(self) -> nn.Module | None:
         """Run the dense layers up to the next MoE layer (lazily); that block, or None."""
@@ -209,15 +203,15 @@ class ForwardStep:
 
     def _mix_and_route(self, block: nn.Module) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """The MoE block's attention / DeltaNet half and its router: (h_mid, x, ids, scores)."""
-        mixer = block.linear_attn if block.is_linear else block.self_attn
-        h_mid = self.h + mixer(block.input_layernorm(self.h), self._mask(block),
-                               self.cache[self.layer])
+        mixer = self.m.family.mixer(block)
+        h_mid = self.h + mix(mixer, block.input_layernorm(self.h), self._mask(block),
+                             self.cache[self.layer], self.m.slice_tokens)
         x = block.post_attention_layernorm(h_mid)
         forced = None
         if self.m.routing is not None:
             assert self.where is not None
             forced = self.m.routing.ids(self.layer, self.where, x.shape[-2])
-        inds, scores = route(block.mlp, x, forced)
+        inds, scores = self.m.family.route(block.mlp, x, forced)
         return h_mid, x, inds, scores
 
     def run_to_routing(self, presync: Presync | None = None) -> Routing | None:
@@ -246,7 +240,7 @@ class ForwardStep:
         block = self.m.parts.layers[self.layer]
         arrays, fmt = self.m.views(self.layer) if self.m.views else (self.m.slot_arrays, self.m.fmt)
         routed = routed_experts(arrays, fmt, x, slots)
-        self.h = h_mid + moe_output(block.mlp, x, routed, scores)
+        self.h = h_mid + self.m.family.moe_output(block.mlp, x, routed, scores)
         self.layer += 1
         return self.run_to_routing(presync)
 
@@ -276,7 +270,7 @@ class ForwardStep:
             found = slot_map[row_of[self.layer]][inds]
             arrays, fmt = self.m.views(self.layer) if self.m.views else (self.m.slot_arrays, self.m.fmt)
             routed = routed_experts(arrays, fmt, x, mx.maximum(found, 0))
-            self.h = h_mid + moe_output(block.mlp, x, routed, scores)
+            self.h = h_mid + self.m.family.moe_output(block.mlp, x, routed, scores)
             ids.append(inds.reshape(-1, inds.shape[-1]))
             present.append((found >= 0).all())
             layers.append(self.layer)

@@ -1,8 +1,8 @@
-"""Where each supported architecture keeps the pieces the streamed forward pass needs.
+"""Where a model keeps the pieces the streamed forward pass needs, and its family.
 
-Qwen3-Next keeps its decoder at `model.model`; Qwen3.5/3.6 MoE nests the same decoder
-under `model.language_model`. Both reuse the same decoder-layer structure (mlx-lm's
-qwen3_5 imports qwen3_next's attention, MLP and sparse-MoE blocks).
+mlx-lm's models keep the decoder at `model.model` (Qwen3-Next, Qwen3-MoE, GLM) or nest
+it under `model.language_model` (Qwen3.5/3.6 MoE); the family's forward side
+(pipeline/models/families) says which, and what each layer's cache is.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-SUPPORTED = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+from pipeline.models.families import ForwardFamily, of_model
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class TextParts:
     norm: nn.Module
     lm_head: nn.Module | None  # None: tied to embed_tokens
     args: Any
+    family: ForwardFamily
 
     def head(self, h: mx.array) -> mx.array:
         if self.lm_head is None:
@@ -30,22 +31,22 @@ class TextParts:
         return self.lm_head(h)
 
     def make_cache(self) -> list[Any]:
-        from mlx_lm.models.cache import ArraysCache, KVCache
-
-        return [ArraysCache(size=2) if layer.is_linear else KVCache() for layer in self.layers]
+        return [self.family.new_cache(layer) for layer in self.layers]
 
 
 def text_parts(model: nn.Module) -> TextParts:
-    text = model.language_model if "language_model" in model else model
+    family = of_model(model)
+    text = family.text_model(model)
     args = text.args
     return TextParts(
         embed_tokens=text.model.embed_tokens,
         layers=list(text.layers),
         norm=text.model.norm,
-        lm_head=None if args.tie_word_embeddings else text.lm_head,
+        lm_head=None if getattr(args, "tie_word_embeddings", False) else text.lm_head,
         args=args,
+        family=family,
     )
 
 
 def moe_layers(parts: TextParts) -> list[int]:
-    return [i for i, layer in enumerate(parts.layers) if "gate" in layer.mlp]
+    return [i for i, layer in enumerate(parts.layers) if parts.family.is_moe(layer)]

@@ -1,4 +1,4 @@
-"""The two ways Qwen models write the body of a `<tool_call>` block, parsed to OpenAI's form.
+"""The ways models write the body of a `<tool_call>` block, parsed to OpenAI's form.
 
 - JSON (Qwen3, Qwen3-Next): `{"name": "f", "arguments": {"city": "Paris"}}`.
 - XML (Qwen3.5/3.6, Qwen3-Coder): `<function=f>\n<parameter=city>\nParis\n</parameter>\n
@@ -6,10 +6,16 @@
   (`parameters.properties[name].type`): "3" is the integer 3 for an `integer` parameter and
   the string "3" for a `string` one. This follows what the released chat templates render
   (strings as they are, everything else as JSON) and what vLLM's qwen3_coder parser reads.
+- Key/value tags (GLM-4.5/4.6): `NAME\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n`,
+  values typed from the schema the same way (vLLM's glm45 parser reads them so).
 
-Which style a family writes is fixed by its chat template, but both are accepted for every
-family: a body is unambiguous (JSON starts with `{`, XML with `<function=`), and a fine-tune
-that drifts to the other style still gets its call through.
+- Separator (DeepSeek-V3.1): `NAME<｜tool▁sep｜>{"city": "Paris"}`; V3-0324 / R1 wrote
+  `function<｜tool▁sep｜>NAME` then the arguments in a ```json fence, read too.
+
+Which style a family writes is fixed by its chat template, but every style is accepted for
+every family: a body is unambiguous (JSON starts with `{`, XML with `<function=`, key/value
+tags with a bare name), and a fine-tune that drifts to another style still gets its call
+through.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ Schemas = Mapping[str, Mapping[str, Any]]  # tool name -> its `parameters` JSON 
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*\Z", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+_KV_NAME = re.compile(r"\s*([\w.\-]+)\s*(?=<arg_key>|\Z)")  # tool names: letters, digits, _ - .
+_KV_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
 def parse_json_call(body: str) -> tuple[str, dict[str, Any]] | None:
@@ -70,6 +78,49 @@ def parse_xml_call(body: str, schemas: Schemas | None = None) -> tuple[str, dict
     if inner[end:].strip():
         return None
     return name, args
+
+
+def parse_kv_call(body: str, schemas: Schemas | None = None) -> tuple[str, dict[str, Any]] | None:
+    """`NAME<arg_key>K</arg_key><arg_value>V</arg_value>...` (GLM) -> (name, arguments);
+    None when anything but whitespace lies between the pairs (not a call)."""
+    m = _KV_NAME.match(body)
+    if m is None:
+        return None
+    name, rest = m[1], body[m.end():]
+    props = _properties(schemas, name)
+    args: dict[str, Any] = {}
+    end = 0
+    for p in _KV_PAIR.finditer(rest):
+        if rest[end : p.start()].strip():
+            return None
+        end = p.end()
+        key = p[1].strip()
+        args[key] = typed_value(p[2], props.get(key))
+    if rest[end:].strip():
+        return None
+    if not args and schemas and name not in schemas:
+        return None  # a bare word is a call only if it names a tool
+    return name, args
+
+
+TOOL_SEP = "<｜tool▁sep｜>"
+_FENCED = re.compile(r"\s*([\w.\-]+)\s*\n```(?:json)?\s*\n?(.*?)\n?```\s*\Z", re.S)
+
+
+def parse_sep_call(body: str) -> tuple[str, dict[str, Any]] | None:
+    """`NAME<｜tool▁sep｜>{...}` (DeepSeek-V3.1), or `function<｜tool▁sep｜>NAME` + a ```json
+    fence (V3-0324 / R1) -> (name, arguments); None if the arguments are no JSON object."""
+    left, _, right = body.partition(TOOL_SEP)
+    name, text = left.strip(), right
+    if name == "function" and (m := _FENCED.match(right)):
+        name, text = m[1], m[2]
+    if not re.fullmatch(r"[\w.\-]+", name):
+        return None
+    try:
+        args = json.loads(text) if text.strip() else {}
+    except ValueError:
+        return None
+    return (name, args) if isinstance(args, dict) else None
 
 
 def _strip_newline(text: str) -> str:
@@ -163,7 +214,15 @@ def _convert(text: str, kind: str) -> tuple[bool, Any]:
 
 def parse_call_body(body: str, schemas: Schemas | None = None) -> tuple[str, str] | None:
     """A `<tool_call>` body in either style -> (name, arguments as JSON text), or None."""
-    parsed = parse_json_call(body) if body.lstrip().startswith("{") else parse_xml_call(body, schemas)
+    start = body.lstrip()
+    if TOOL_SEP in body:
+        parsed = parse_sep_call(body)
+    elif start.startswith("{"):
+        parsed = parse_json_call(body)
+    elif start.startswith("<function="):
+        parsed = parse_xml_call(body, schemas)
+    else:
+        parsed = parse_kv_call(body, schemas)
     if parsed is None:
         return None
     name, args = parsed

@@ -3,6 +3,8 @@
 Qwen models write tool calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
 (Qwen3-Next) or `<tool_call><function=NAME><parameter=ARG>value</parameter></function>
 </tool_call>` (Qwen3.5/3.6; values typed from the tools' JSON schemas, see `call_formats`),
+DeepSeek-V3.x as `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` inside a
+`<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>` section,
 and thinking as `<think>...</think>` (thinking templates open the `<think>` in the prompt,
 so the output starts inside it: the caller says so with `in_reasoning`).
 `OutputParser.feed(delta)` turns raw text deltas into `Content`, `Reasoning` and `Call`
@@ -25,6 +27,11 @@ from pipeline.server.call_formats import Schemas, parse_call_body
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+# DeepSeek-V3.x: each call in <｜tool▁call▁begin｜>...<｜tool▁call▁end｜>, the calls framed by a
+# section whose markers carry nothing (dropped).
+DS_CALL_OPEN, DS_CALL_CLOSE = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+DS_SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+CALLS = {CALL_OPEN: CALL_CLOSE, DS_CALL_OPEN: DS_CALL_CLOSE}  # opening tag -> its closing tag
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ class OutputParser:
         self.tools = tools
         self.schemas = schemas
         self._mode = "reasoning" if in_reasoning else "content"
+        self._open = CALL_OPEN  # the tag that opened the call being read
         self._buf = ""
         self._pending_ws = ""  # whitespace between calls: content only if text follows
         self.calls: list[Call] = []
@@ -89,8 +97,8 @@ class OutputParser:
         if self._mode == "reasoning":
             return (THINK_CLOSE,)
         if self._mode == "call":
-            return (CALL_CLOSE,)
-        return (THINK_OPEN, CALL_OPEN) if self.tools else (THINK_OPEN,)
+            return (CALLS[self._open],)
+        return (THINK_OPEN, *CALLS, *DS_SECTION) if self.tools else (THINK_OPEN,)
 
     def feed(self, delta: str) -> list[Part]:
         self._buf += delta
@@ -119,7 +127,7 @@ class OutputParser:
                 self._add_call(*parsed, out)
             else:
                 self._mode = "content"
-                self._emit(CALL_OPEN + rest, out)
+                self._emit(self._open + rest, out)
         else:
             self._emit(rest, out)
         if self._pending_ws and not self.calls:
@@ -128,11 +136,11 @@ class OutputParser:
         return out
 
     def _close_segment(self, before: str, tag: str, out: list[Part]) -> None:
-        if tag == CALL_CLOSE:
+        if self._mode == "call":  # `tag` closes the call
             parsed = parse_call(before, self.schemas)
             self._mode = "content"
             if parsed is None:
-                self._emit(CALL_OPEN + before + CALL_CLOSE, out)
+                self._emit(self._open + before + tag, out)
             else:
                 self._add_call(*parsed, out)
             return
@@ -141,8 +149,8 @@ class OutputParser:
             self._mode = "reasoning"
         elif tag == THINK_CLOSE:
             self._mode = "content"
-        elif tag == CALL_OPEN:
-            self._mode = "call"
+        elif tag in CALLS:
+            self._mode, self._open = "call", tag
 
     def _add_call(self, name: str, arguments: str, out: list[Part]) -> None:
         self._pending_ws = ""

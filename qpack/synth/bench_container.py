@@ -41,8 +41,9 @@ from qpack import spec
 from qpack.output_guard import removed_on_failure, require_free_space
 from qpack.quantize import Rule, quantized_shapes
 from qpack.synth.checkpoint import WeightWriter
-from qpack.synth.init_weights import NORM_STD, Init, WeightSource, f32_to_bf16_bits, rng_for
-from qpack.synth.presets import ModelDims, get_preset, hf_config
+from qpack.synth.dims import ModelDims
+from qpack.synth.init_weights import Init, WeightSource, f32_to_bf16_bits, rng_for
+from qpack.synth.presets import get_preset, hf_config
 from qpack.synth.st_write import TensorEntry, write_safetensors
 from qpack.synth.tensor_inits import dense_inits
 
@@ -78,6 +79,11 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _moe_layers(dims: ModelDims) -> list[int]:
+    """The layers with routed experts (GLM's first layers are dense)."""
+    return [layer for layer in range(dims.num_hidden_layers) if dims.is_moe(layer)]
+
+
 def dense_entries(dims: ModelDims, bits: int, group_size: int, seed: int) -> tuple[list[TensorEntry], dict]:
     """Every non-expert tensor as `synth --bits` writes it, and the quantization overrides."""
     src = WeightSource(seed, dims.num_experts, dims.hidden_size)
@@ -87,7 +93,7 @@ def dense_entries(dims: ModelDims, bits: int, group_size: int, seed: int) -> tup
     for layer in range(dims.num_hidden_layers):
         for rel, init in dense_inits(dims, layer):
             entries += writer.entries(rel, init)
-    entries += writer.entries("norm.weight", Init("norm.weight", (h,), "normal", NORM_STD))
+    entries += writer.entries("norm.weight", writer.family.norm_init("norm.weight", h))
     entries += writer.entries("lm_head.weight", Init("lm_head.weight", (v, h), "normal", 1.0 / math.sqrt(h)))
     return entries, writer.overrides
 
@@ -188,7 +194,7 @@ def write_bench_container(
         raise spec.QpackError(root, "output directory exists and is not empty")
     entries, overrides = dense_entries(dims, bits, group_size, seed)
     fmt, stride = expert_layout(dims, bits, group_size)
-    need = sum(e.nbytes for e in entries) + dims.num_hidden_layers * dims.num_experts * stride
+    need = sum(e.nbytes for e in entries) + len(_moe_layers(dims)) * dims.num_experts * stride
     require_free_space(root, need, f"bench-container {dims.name}")
     with removed_on_failure(root):  # a failed write leaves no directory a re-run refuses
         return _write(root, dims, bits, group_size, seed, entries, overrides, fmt, stride, workers)
@@ -218,13 +224,13 @@ def _write(root: Path, dims: ModelDims, bits: int, group_size: int, seed: int,
     t_dense = time.perf_counter()
     log.info("bench_container.dense", mb=round(dense_size / 1e6, 1), seconds=round(t_dense - t0, 2))
 
-    threads = workers or min(16, os.cpu_count() or 2, dims.num_hidden_layers)
+    moe = _moe_layers(dims)
+    threads = workers or min(16, os.cpu_count() or 2, len(moe))
     with ThreadPoolExecutor(threads) as pool:
-        results = list(pool.map(lambda layer: _write_layer(root, dims, fmt, stride, layer, seed),
-                                range(dims.num_hidden_layers)))
+        results = list(pool.map(lambda layer: _write_layer(root, dims, fmt, stride, layer, seed), moe))
     t_experts = time.perf_counter()
     layers = []
-    for layer, (rel, size, sha, crcs) in enumerate(results):
+    for layer, (rel, size, sha, crcs) in zip(moe, results, strict=True):
         files[rel] = (size, sha)
         layers.append(spec.LayerEntry(layer, rel, dims.num_experts, stride, fmt, tuple(crcs)))
     manifest = spec.Manifest(
@@ -260,5 +266,5 @@ def estimated_sizes(family: str | None, preset: str, bits: int = 4, group_size: 
     synth = sum(e.nbytes for e in checkpoint_entries(writer, dims))
     entries, _ = dense_entries(dims, bits, group_size, 0)
     _, stride = expert_layout(dims, bits, group_size)
-    packed = sum(e.nbytes for e in entries) + dims.num_hidden_layers * dims.num_experts * stride
+    packed = sum(e.nbytes for e in entries) + len(_moe_layers(dims)) * dims.num_experts * stride
     return synth, packed

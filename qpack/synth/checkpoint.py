@@ -4,19 +4,17 @@
     synthesize(out, "qwen3_5_moe", "tiny", layout="per-expert")  # transformers' text-only class
     synthesize(out, "qwen3_next", "tiny", bits=4)               # what mlx_lm.convert -q writes
 
-Layouts:
-- qwen3_next, hub: `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`, fused
-  `linear_attn.in_proj_qkvz` / `in_proj_ba`, conv1d [C, 1, K], zero-centred norms.
-- qwen3_5_moe, hub: everything under `model.language_model.`, fused experts
-  `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I], split
-  `in_proj_qkv` / `in_proj_z` / `in_proj_b` / `in_proj_a`, A_log in float32.
-  No vision or MTP weights are written (moestream is text-only; both loaders drop them).
-- qwen3_5_moe, per-expert: transformers 5's Qwen3_5MoeForCausalLM (`model.layers...`,
-  per-expert tensors, flat config with model_type `qwen3_5_moe_text`). mlx-lm cannot load this
-  one (it has no `qwen3_5_moe_text` module); it exists to test the packer on both layouts.
+Layouts (each family's module, qpack.families, says where its tensors go):
+- hub: the official release's names (per-expert `mlp.experts.{e}.{proj}.weight`, or fused
+  `mlp.experts.gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I] where the hub fuses them),
+  zero-centred norms stored as the hub stores them. No vision or MTP weights are written
+  (moestream is text-only; both loaders drop them).
+- per-expert: a second HF layout of the family where one exists (qwen3_5_moe: transformers
+  5's text-only class), to test the packer on both.
 - bits 4/8: mlx-lm's names after its `sanitize` (experts stacked as `mlp.switch_mlp.*`,
-  norms +1, conv1d [C, K, 1]), every Linear/Embedding quantized with `mx.quantize`, routers
-  at 8 bits as the model's `quant_predicate` says; the config gets mlx-lm's `quantization`.
+  norms +1 where the family's are zero-centred, conv1d [C, K, 1]), every Linear/Embedding
+  quantized with `mx.quantize`, routers at 8 bits where the model's `quant_predicate`
+  says so; the config gets mlx-lm's `quantization`.
 
 Values are identical across layouts for one seed (see qpack.synth_init), and only one block
 of one tensor (<= 4M values) is in memory at a time: the 80B preset writes with flat RSS.
@@ -35,11 +33,13 @@ import msgspec
 import numpy as np
 import structlog
 
+from qpack.families import family as family_of
+
 if TYPE_CHECKING:
     from rich.progress import Progress
 
 from qpack.output_guard import DiskSpaceError, bytes_under, require_free_space
-from qpack.synth.init_weights import NORM_STD, Init, WeightSource, to_storage
+from qpack.synth.init_weights import Init, WeightSource, to_storage
 from qpack.synth.mlx_quant import (
     MIXED_RECIPES,
     MODE_DEFAULTS,
@@ -56,12 +56,6 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 TINY_SHARD_BYTES = 8 * 1024**2  # small enough that the tiny presets have several shards
-ZERO_CENTRED = (
-    ".input_layernorm.weight",
-    ".post_attention_layernorm.weight",
-    ".q_norm.weight",
-    ".k_norm.weight",
-)
 Blocks = Callable[[], Iterator[np.ndarray]]
 
 
@@ -75,30 +69,36 @@ class WeightWriter:
         self.mode, self.recipe = mode, recipe
         self.src = src
         self.mlx = bits is not None
-        qwen35 = dims.family == "qwen3_5_moe"
-        if self.mlx:
-            self.prefix = "language_model.model." if qwen35 else "model."
-            self.head = "language_model.lm_head.weight" if qwen35 else "lm_head.weight"
-        else:
-            self.prefix = "model.language_model." if qwen35 and layout == "hub" else "model."
-            self.head = "lm_head.weight"
+        self.family = family_of(dims.family)
+        self.prefix = self.family.synth_prefix(self.mlx, layout)
+        self.head = self.family.synth_head(self.mlx)
         self.overrides: dict[str, dict[str, int]] = {}
 
     def entries(self, rel: str, init: Init) -> list[TensorEntry]:
         name = self.head if rel == "lm_head.weight" else self.prefix + rel
         blocks: Blocks = lambda: self.src.blocks(init)  # noqa: E731
         store = self.dtype
-        if rel.endswith("A_log") and self.dims.family == "qwen3_5_moe":
-            store = "float32"  # the hub keeps A_log in float32; mlx-lm's cast_predicate too
+        fam = self.family
+        if fam.float32_suffixes and rel.endswith(fam.float32_suffixes):
+            store = "float32"  # kept in float32 by the hub and by mlx-lm's cast_predicate
         if not self.mlx:
             return [TensorEntry(name, ST_DTYPES[store], init.shape,
                                 lambda: self.src.stored_blocks(init, store))]
-        if rel.endswith(ZERO_CENTRED) or rel == "norm.weight":
+        split = fam.mlx_split(rel, init, self.src.full, self.dims)
+        if split is not None:  # sanitize cuts it (DeepSeek's kv_b_proj): write the parts
+            out: list[TensorEntry] = []
+            for part, shape, values in split:
+                part_blocks = _one_block(values)
+                quantized = part.endswith(fam.multi_linear)
+                out += (self._quantized(self.prefix + part, shape, part_blocks) if quantized
+                        else [self._plain(self.prefix + part, shape, part_blocks, store)])
+            return out
+        if fam.zero_centred and (rel.endswith(fam.zero_centred) or rel == "norm.weight"):
             return [self._plain(name, init.shape, blocks, store, plus_one=True)]
         if "conv1d" in rel:
             c, _, k = init.shape
             return [self._plain(name, (c, k, 1), blocks, store)]  # same bytes as [C, 1, K]
-        if len(init.shape) == 2 and rel.endswith(".weight"):
+        if len(init.shape) == 2 and rel.endswith(".weight") and not (fam.not_quantized and rel.endswith(fam.not_quantized)):
             return self._quantized(name, init.shape, blocks)
         return [self._plain(name, init.shape, blocks, store)]
 
@@ -150,13 +150,16 @@ class WeightWriter:
 
     def _rule(self, base: str) -> tuple[int, int, str]:
         bits, gs, mode, override = module_rule(base, self.bits or 4, self.gs, self.mode,
-                                               self.recipe, self.dims.num_hidden_layers)
+                                               self.recipe, self.dims.num_hidden_layers,
+                                               self.family.routers_8bit)
         if override is not None:
             self.overrides[base] = override
         return bits, gs, mode
 
     def expert_entries(self, layer: int) -> list[TensorEntry]:
         d, p = self.dims, f"layers.{layer}.mlp."
+        if not d.is_moe(layer):
+            return []
         e_n, i, h = d.num_experts, d.moe_intermediate_size, d.hidden_size
 
         def stacked(*projs: str, store: str | None = None) -> Blocks:
@@ -187,7 +190,7 @@ class WeightWriter:
                     continue
                 out += self._quantized(name, shape, stacked(proj))
             return out
-        if d.family == "qwen3_5_moe" and self.layout == "hub":
+        if self.family.fused_experts(self.layout):
             st = ST_DTYPES[self.dtype]
             return [
                 TensorEntry(self.prefix + p + "experts.gate_up_proj", st, (e_n, 2 * i, h),
@@ -203,6 +206,10 @@ class WeightWriter:
         return out
 
 
+def _one_block(values: Callable[[], np.ndarray]) -> Blocks:
+    return lambda: iter([values()])
+
+
 def checkpoint_entries(writer: WeightWriter, dims: ModelDims) -> list[TensorEntry]:
     """Every tensor of the checkpoint, in file order (embeddings, layer by layer, head)."""
     h, v = dims.hidden_size, dims.vocab_size
@@ -212,7 +219,7 @@ def checkpoint_entries(writer: WeightWriter, dims: ModelDims) -> list[TensorEntr
         for rel, init in dense_inits(dims, layer):
             entries += writer.entries(rel, init)
         entries += writer.expert_entries(layer)
-    entries += writer.entries("norm.weight", Init("norm.weight", (h,), "normal", NORM_STD))
+    entries += writer.entries("norm.weight", writer.family.norm_init("norm.weight", h))
     entries += writer.entries("lm_head.weight",
                               Init("lm_head.weight", (v, h), "normal", 1.0 / math.sqrt(h)))
     return entries
@@ -264,8 +271,9 @@ def synthesize(
         bits = MIXED_RECIPES[recipe][0] if recipe in MIXED_RECIPES else 4
     if bits not in (None, 2, 3, 4, 5, 6, 8):
         raise ValueError(f"bits {bits!r}: expected 2, 3, 4, 5, 6 or 8 (or None for unquantized)")
-    if layout not in ("hub", "per-expert"):
-        raise ValueError(f"layout {layout!r}: expected 'hub' or 'per-expert'")
+    if layout not in family_of(dims.family).layouts:
+        wanted = " or ".join(repr(x) for x in family_of(dims.family).layouts)
+        raise ValueError(f"layout {layout!r}: expected {wanted}")
     if bits is not None and layout != "hub":
         raise ValueError("bits: the MLX quantized layout has no per-expert variant; use layout='hub'")
     if max_layers is not None:

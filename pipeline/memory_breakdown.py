@@ -1,0 +1,79 @@
+"""Where a process's peak memory went: the issue-25 table, for every bench case.
+
+    process (Python + libraries) | tokenizer | dense core | expert pool | model state |
+    staging buffers | MLX temporaries (MLX's peak above dense + pool + state) | other
+
+The engine marks RSS as it opens (`OpenMarks`: before anything, after the tokenizer);
+the rest are sizes it knows (manifest, pool, reader) or MLX's own peak. "other" is
+what RSS held at its peak beyond all of those (allocator slack, library pages, page
+cache of mapped files); on a GPU MLX's memory is outside RSS and only "MLX peak" and
+the device-side rows apply.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    from pipeline.engine_core import EngineCore
+
+MIB = 2**20
+
+
+class MemoryBreakdown(msgspec.Struct, frozen=True):
+    peak_rss_mb: float
+    mlx_peak_mb: float
+    process_mb: float
+    tokenizer_mb: float
+    dense_mb: float
+    pool_mb: float
+    state_mb: float
+    staging_mb: float
+    temporaries_mb: float
+    other_mb: float
+    budget_mb: float | None = None  # memory.budget_mb when set
+
+
+def breakdown(engine: EngineCore, peak_rss_mb: float, mlx_peak_mb: float, tokens: int,
+              rows: int = 1) -> MemoryBreakdown:
+    """The split of this process's peak; `tokens` per sequence, `rows` sequences at once."""
+    marks = engine.memory_marks
+    process = marks.start_mb if marks else 0.0
+    tokenizer = marks.tokenizer_mb if marks else 0.0
+    dense = engine.container.manifest.dense_bytes / MIB
+    pool = engine.storage.nbytes / MIB
+    state = rows * engine.model.state_bytes(tokens) / MIB
+    staging = engine.router.reader.staging_bytes / MIB
+    temporaries = max(mlx_peak_mb - dense - pool - state, 0.0)
+    known = process + tokenizer + dense + pool + state + staging + temporaries
+    plan = engine.memory_plan
+    return MemoryBreakdown(
+        peak_rss_mb=peak_rss_mb, mlx_peak_mb=mlx_peak_mb, process_mb=process,
+        tokenizer_mb=tokenizer, dense_mb=dense, pool_mb=pool, state_mb=state,
+        staging_mb=staging, temporaries_mb=temporaries,
+        other_mb=peak_rss_mb - known, budget_mb=plan.budget_mb if plan else None)
+
+
+COLUMNS = (("peak RSS", "peak_rss_mb"), ("Python + libs", "process_mb"),
+           ("tokenizer", "tokenizer_mb"), ("dense", "dense_mb"), ("pool", "pool_mb"),
+           ("state", "state_mb"), ("staging", "staging_mb"), ("MLX temps", "temporaries_mb"),
+           ("other", "other_mb"), ("budget", "budget_mb"))
+
+
+def memory_table(report: dict[str, Any]):  # -> rich.table.Table | None
+    """Every bench case's peak, split (MiB); None when no case has the split."""
+    from rich.table import Table
+
+    rows = [r for r in report["results"] if not r.get("error") and r.get("memory")]
+    if not rows:
+        return None
+    table = Table(title="memory at the peak (MiB): docs/memory.md")
+    table.add_column("case")
+    for title, _ in COLUMNS:
+        table.add_column(title, justify="right")
+    for r in rows:
+        m = r["memory"]
+        table.add_row(r["name"], *("-" if m.get(k) is None else f"{m[k]:,.0f}" for _, k in COLUMNS))
+    return table

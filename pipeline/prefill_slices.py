@@ -1,0 +1,66 @@
+"""A prefill chunk's attention and DeltaNet mixers run in slices: temporaries bounded.
+
+A prefill chunk is as long as the pool allows (up to compute.prefill_max_tokens): each
+chunk reads every expert its tokens route to once per layer, so long chunks read the
+disk least. But the mixers' temporaries grow with the chunk. mlx-lm's Gated DeltaNet
+recurrence without its Metal kernel (MLX's CPU backend, and CUDA) is a loop of ops whose
+per-step states stay alive until the layer is evaluated: 2.1 MiB per token at the 35B
+dims (558 MiB for 256 tokens, measured; docs/memory.md); attention's scores grow with
+tokens x context. So the mixer of a layer runs over slices of `slice_tokens` tokens,
+each evaluated (with its cache) before the next: the same recurrence and the same
+causal attention over the cache, with the experts still read once per chunk.
+
+Only single sequences are sliced (mask None or "causal"); batched prefill with padding
+masks runs whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+MIB = 2**20
+# What stays out of the slices' share: the largest single op of a step outside the
+# mixers, the lm_head (62 MiB at a 248k vocabulary on the CPU, its scales cast to float32).
+HEAD_RESERVE = 64 * MIB
+MIN_SLICE = 16
+
+
+def per_token_bytes(layers: list[Any], context: int) -> int:
+    """Temporaries one prompt token adds to the largest mixer: a DeltaNet step's state on
+    the ops path (float32), or a row of attention scores over `context` keys."""
+    kernel = mx.default_device() == mx.gpu and mx.metal.is_available()  # mlx-lm's kernel
+    worst = 0
+    for block in layers:
+        if getattr(block, "is_linear", False):
+            la = block.linear_attn
+            step = la.num_v_heads * la.head_v_dim * la.head_k_dim * 4
+            worst = max(worst, (la.num_v_heads * la.head_v_dim * 16) if kernel else step)
+        else:
+            # Families name their attention's head count differently (mlx-lm's modules).
+            attn = getattr(block, "self_attn", None)
+            heads = next((getattr(attn, n) for n in ("num_attention_heads", "n_heads", "num_heads")
+                          if isinstance(getattr(attn, n, None), int)), 64)
+            worst = max(worst, heads * context * 4 * 2)  # scores + softmax
+    return max(worst, 1)
+
+
+def slice_tokens(layers: list[Any], temporaries_bytes: int, context: int) -> int:
+    """Tokens per mixer slice for the temporaries' share (memory.temporaries_mb)."""
+    room = max(temporaries_bytes - HEAD_RESERVE, temporaries_bytes // 4)
+    return max(MIN_SLICE, room // per_token_bytes(layers, context))
+
+
+def mix(mixer: Any, x: mx.array, mask: Any, cache: Any, tokens: int) -> mx.array:
+    """`mixer(x, mask, cache)`, over slices of at most `tokens` tokens when it is long."""
+    length = x.shape[1]
+    if length <= tokens or not (mask is None or isinstance(mask, str)):
+        return mixer(x, mask, cache)
+    outs = []
+    for start in range(0, length, tokens):
+        part = x[:, start : start + tokens]
+        y = mixer(part, mask if part.shape[1] > 1 else None, cache)
+        mx.eval(y, cache.state)  # a tree: MLX skips what is not an array
+        outs.append(y)
+    return mx.concatenate(outs, axis=1)

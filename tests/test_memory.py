@@ -1,0 +1,165 @@
+"""One total memory budget, and the parts it is made of held to their size (docs/memory.md).
+
+Sizes are measured on the tiny containers in a fresh process (RSS is per process): the
+tokenizer (the real 248k-token Qwen3.5 vocabulary), MLX's temporaries above dense +
+pool + state, and no transformers import. The budget is checked through a real open.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+from helpers_engine import engine_config, forward_logits
+
+from pipeline.cli.failures import one_line
+from pipeline.engine import open_engine
+from pipeline.memory_budget import PoolBudgetError
+from pipeline.resident_map import current_rss_mb
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
+
+# Measured 2026-12-02 on the 2-core VM (docs/memory.md): tokenizer 95 MiB for the 248k
+# vocabulary (its Rust object's floor is ~67 MiB of live heap); temporaries on the tiny
+# model a few MiB. The bounds leave room for allocator noise, not for a Python copy of the
+# vocabulary (+60 MiB and more) or a whole-pool cast (~the pool's scales again).
+TOKENIZER_MAX_MB = 120
+TEMPORARIES_MAX_MB = 24
+
+PROBE = r"""
+import json, sys
+import trio
+import pipeline.engine as E
+from actors.sampling_params import SamplingParams
+from pipeline.config.schema import config_from_dict
+from pipeline.resident_map import current_rss_mb
+from pipeline.tokenizer import load_tokenizer
+from qpack.reader import Container
+import mlx.core as mx
+
+path = sys.argv[1]
+before = current_rss_mb()
+load_tokenizer(Container.open(path, verify="off").tokenizer_dir())
+tokenizer_mb = current_rss_mb() - before
+
+async def main():
+    cfg = config_from_dict({"model": {"path": path}, "pool": {"slots": 16}})
+    async with E.open_engine(cfg) as engine:
+        base = mx.get_active_memory()  # dense + pool
+        mx.reset_peak_memory()
+        async for _ in engine.generate(list(range(100, 164)), SamplingParams(max_tokens=8, temperature=0)):
+            pass
+        state = engine._core.model.state_bytes(64 + 8)
+        return (mx.get_peak_memory() - base - state) / 2**20
+
+temporaries_mb = trio.run(main)
+print(json.dumps({"tokenizer_mb": tokenizer_mb, "temporaries_mb": temporaries_mb,
+                  "transformers": "transformers" in sys.modules}))
+"""
+
+
+@pytest.fixture(scope="module")
+def qwen35(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_5_moe"), bits=4)
+
+
+def test_tokenizer_and_temporaries_hold_their_size(qwen35: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", PROBE, str(qwen35)], capture_output=True,
+                         text=True, env=env, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    sizes = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not sizes["transformers"], "an engine imported transformers (~210 MiB resident)"
+    assert 0 < sizes["tokenizer_mb"] <= TOKENIZER_MAX_MB, sizes
+    assert sizes["temporaries_mb"] <= TEMPORARIES_MAX_MB, sizes
+
+
+def test_a_budget_sizes_the_pool_and_too_small_is_refused_with_the_numbers(qwen35: Path) -> None:
+    async def main() -> None:
+        # What this test process already holds, plus room for a pool of some dozens of slots.
+        budget = int(current_rss_mb()) + 160
+        memory = {"budget_mb": budget, "state_mb": 1, "temporaries_mb": 32}
+        cfg = engine_config(qwen35, pool={"slots": None}, memory=memory)
+        async with open_engine(cfg) as engine:
+            plan = engine.memory_plan
+            assert plan is not None and plan.budget_mb == budget
+            # The tiny model's every expert fits: the pool holds them all, within the budget.
+            cap = engine.container.manifest.num_experts * len(engine._core.model.moe_layers)
+            assert engine._core.storage.num_slots == plan.slots == cap
+            assert engine.pool_bytes == plan.pool_mb * 2**20
+            parts = (plan.process_mb + plan.dense_mb + plan.state_mb + plan.staging_mb
+                     + plan.temporaries_mb + plan.pool_mb)
+            assert parts <= budget
+            # The state reserve caps a request's context and the batch's state.
+            # Half the state reserve caps a request's context and the batch's state, the
+            # other half the prefix cache's copies.
+            half = 2**19
+            assert engine._core.model.state_bytes(engine.context_limit) <= half
+            assert engine._core.model.state_bytes(engine.context_limit + 256) > half
+            assert engine._core.compute_task.budget == half == engine.prefix_cache.max_bytes
+        with pytest.raises(PoolBudgetError) as err:
+            async with open_engine(engine_config(qwen35, pool={"slots": None},
+                                                 memory={"budget_mb": 64})):
+                pass
+        line = one_line(err.value)
+        assert line.startswith("memory budget of 64 MiB is too small: the process"), line
+        assert "raise --memory-mb (memory.budget_mb) to at least" in line and "\n" not in line
+
+    trio.run(main)
+
+
+def test_prefill_mixers_in_slices_compute_what_a_whole_chunk_does(qwen35: Path) -> None:
+    async def main() -> None:
+        cfg = engine_config(qwen35, pool={"slots": 64}, compute={"prefill_chunk": 13})
+        async with open_engine(cfg) as engine:
+            assert engine._core.model.slice_tokens >= 13  # the tiny dims fit a whole chunk
+            whole = await forward_logits(engine, PROMPT, [3, 141])
+            engine._core.model.slice_tokens = 4  # 4 + 4 + 4 + 1 tokens, caches carried between
+            sliced = await forward_logits(engine, PROMPT, [3, 141])
+        for a, b in zip(whole, sliced, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+    trio.run(main)
+
+
+PRESSED = ("some avg10=35.20 avg60=12.00 avg300=3.10 total=9123456\n"
+           "full avg10=4.00 avg60=1.00 avg300=0.20 total=812345\n")
+CALM = ("some avg10=0.00 avg60=0.00 avg300=0.00 total=9123456\n"
+        "full avg10=0.00 avg60=0.00 avg300=0.00 total=812345\n")
+
+
+def test_the_pool_shrinks_under_memory_pressure_and_grows_back(qwen35: Path, tmp_path: Path) -> None:
+    """The PSI file's format, read by the real parser; the engine generating throughout."""
+    from helpers_engine import generate
+
+    from pipeline.memory_pressure import CALM_POLLS, PoolAdapter, read_pressure
+
+    psi = tmp_path / "memory"
+
+    async def main() -> None:
+        async with open_engine(engine_config(qwen35, pool={"slots": 64})) as engine:
+            table = engine._core.router.table
+            adapter = PoolAdapter(engine._core, floor_slots=8, read=lambda: read_pressure(psi))
+            first = await generate(engine, PROMPT, 6)
+            psi.write_text(PRESSED)
+            for _ in range(20):  # an eighth per poll, down to the floor
+                reading = await adapter.poll()
+            assert reading is not None and reading.level == "pressed" and reading.some_avg10 == 35.2
+            assert table.usable == 8 and len(table) <= 8
+            shrunk = await generate(engine, PROMPT, 6)  # no failed request, same tokens
+            assert shrunk.token_ids == first.token_ids and len(table) <= 8
+            psi.write_text(CALM)
+            for _ in range(CALM_POLLS * 8):
+                await adapter.poll()
+            assert table.usable == 64
+            grown = await generate(engine, PROMPT, 6)
+            assert grown.token_ids == first.token_ids
+
+    trio.run(main)
