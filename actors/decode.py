@@ -55,6 +55,8 @@ def rows_of(tokens: mx.array) -> mx.array:
 
 
 class Decoder:
+    holds_tokens = False  # tokens drawn ahead of `next` (actors/speculative/decoder.py)
+
     def __init__(self, compute: Compute, cache: list[Any], sampler: RowSamplers,
                  logits: mx.array | None = None, feed: list[int] | None = None):
         """Start from `logits` ([rows, vocab], evaluated, not yet sampled) or from `feed`

@@ -35,6 +35,8 @@ from actors.decode import Decoder
 from actors.forward import CacheBatcher
 from actors.row_samplers import RowSamplers
 from actors.sampler import Sampler
+from actors.speculative.decoder import RowSpeculation, SpeculativeDecoder
+from actors.speculative.policy import SpeculationPolicy
 
 log = structlog.get_logger("moestream.batch")
 
@@ -52,12 +54,15 @@ class Row:
     want_cache: bool = False  # its caches are handed back when it leaves
     token: int | None = None
     error: BaseException | None = None
+    speculation: RowSpeculation | None = None  # drafts while it decodes alone
     delivered: trio.Event = field(default_factory=trio.Event)
     left: trio.Event = field(default_factory=trio.Event)
 
     def deliver(self, token: int | None, error: BaseException | None = None) -> None:
         self.asked = False
         self.token, self.error = token, error
+        if token is not None and self.speculation is not None:
+            self.speculation.seen(token)
         self.delivered.set()
 
 
@@ -76,11 +81,12 @@ class DecodeBatch:
         self.turn = turn
         self.members: list[Row] = []
         self.joiners: list[Row] = []
-        self.decoder: Decoder | None = None
+        self.decoder: Decoder | SpeculativeDecoder | None = None
         self.cache: list[Any] | None = None  # the members' (merged, when more than one)
         self.prefill_waiting = 0
         self.closed = False
         self.stats = BatchStats()
+        self.speculation = SpeculationPolicy()  # the engine sets its own
         self._poke = trio.Event()
 
     @property
@@ -92,9 +98,11 @@ class DecodeBatch:
 
     # -- the generations' side ---------------------------------------------------------------
 
-    def join(self, cache: list[Any], sampler: Sampler, logits: mx.array) -> Row:
-        """A prefilled sequence: its caches, sampler and last-position logits [vocab]."""
-        row = Row(sampler, cache, logits)
+    def join(self, cache: list[Any], sampler: Sampler, logits: mx.array,
+             speculation: RowSpeculation | None = None) -> Row:
+        """A prefilled sequence: its caches, sampler and last-position logits [vocab];
+        with `speculation`, it drafts whenever it decodes alone."""
+        row = Row(sampler, cache, logits, speculation=speculation)
         self.joiners.append(row)
         return row
 
@@ -191,6 +199,8 @@ class DecodeBatch:
         """Apply pending leaves and joins between two steps."""
         leaving = [r for r in self.members if r.leaving]
         joining = [r for r in self.joiners if r.asked and not r.leaving]
+        if self.decoder is not None and self.decoder.holds_tokens and not leaving:
+            joining = []  # the lone row's drafted tokens go out first (no compute each)
         gone = [r for r in self.joiners if r.leaving]
         self.joiners = [r for r in self.joiners if r not in joining and r not in gone]
         # A leaver is let go only once the engine is idle, if it is the last: a caller that
@@ -247,9 +257,9 @@ class DecodeBatch:
             # Alone: the one-row decoder draws its first token, as a lone generation does.
             row = joining[0]
             assert row.logits is not None  # a newcomer brings its prefill's last logits
-            self._start([row], cache, Decoder(self.compute, row.cache,
-                                              RowSamplers([row.sampler]),
-                                              logits=row.logits[None]))
+            self._start([row], cache, self._decoder([row], row.cache,
+                                                    RowSamplers([row.sampler]),
+                                                    logits=row.logits[None]))
             row.logits = None
             return firsts
         # Rows whose first token is still to draw (newcomers; a lone row that never
@@ -268,8 +278,17 @@ class DecodeBatch:
             return firsts
         assert cache is not None
         sampler = RowSamplers([r.sampler for r in members])
-        self._start(members, cache, Decoder(self.compute, cache, sampler, feed=feed))
+        self._start(members, cache, self._decoder(members, cache, sampler, feed=feed))
         return firsts
 
-    def _start(self, members: list[Row], cache: list[Any] | None, decoder: Decoder | None) -> None:
+    def _decoder(self, members: list[Row], cache: list[Any], sampler: RowSamplers,
+                 **start: Any) -> Decoder | SpeculativeDecoder:
+        """A lone row that speculates drafts; a batch of rows decodes plainly."""
+        spec = members[0].speculation if len(members) == 1 else None
+        if spec is None:
+            return Decoder(self.compute, cache, sampler, **start)
+        return SpeculativeDecoder(self.compute, cache, sampler, spec, self.speculation, **start)
+
+    def _start(self, members: list[Row], cache: list[Any] | None,
+               decoder: Decoder | SpeculativeDecoder | None) -> None:
         self.members, self.cache, self.decoder = members, cache, decoder

@@ -162,6 +162,20 @@ class Sampler:
         self._logprobs.clear()
         return out
 
+    def logprobs_mark(self) -> int:
+        """How many sampled tokens' log-probabilities wait to be taken (see `hold_logprobs`)."""
+        return len(self._logprobs)
+
+    def hold_logprobs(self, mark: int) -> tuple[TokenLogprob, ...]:
+        """Take back those sampled since `mark`: a speculative pass draws tokens before they
+        are handed out, and gives each token's back (`give_logprobs`) when it is."""
+        held = tuple(self._logprobs[mark:])
+        del self._logprobs[mark:]
+        return held
+
+    def give_logprobs(self, entries: tuple[TokenLogprob, ...]) -> None:
+        self._logprobs.extend(entries)
+
     @staticmethod
     def logprob_of(logits: mx.array, token: int, top: int) -> TokenLogprob:
         lp = logits - mx.logsumexp(logits)

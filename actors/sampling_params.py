@@ -9,6 +9,8 @@ from typing import Any
 
 import msgspec
 
+# How a request may decode (actors/speculative/): the one list of the modes.
+SPECULATIVE_MODES = ("auto", "mtp", "ngram", "off")
 # The knobs that shape the distribution: each one number, and each said the same way by a
 # model's generation_config.json, a `[sampling]` key, an OpenAI request field and an Ollama
 # option (`repeat_penalty` there). Declared here once; the config, the generation config,
@@ -48,6 +50,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # (a grammar's token masks). A field here so that it reaches the sampler with the other
     # knobs; typed Any because msgspec cannot decode a protocol.
     constraint: Any = None
+    # Speculative decoding for this request ("auto", "mtp", "ngram", "off"); None: the
+    # engine's `compute.speculative`. Changes speed, never the tokens.
+    speculative: str | None = None
 
     def __post_init__(self) -> None:
         _check_range("temperature", self.temperature, 0.0, 2.0)
@@ -78,6 +83,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"prompt_logprobs must be in [0, 20] or unset, got {self.prompt_logprobs!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20] or unset, got {self.logprobs!r}")
+        if self.speculative is not None and self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, "
+                             f"got {self.speculative!r}")
         if self.constraint is not None and not callable(getattr(self.constraint, "allowed", None)):
             raise ValueError("constraint is a grammar object the server sets per request; "
                              "it cannot come from a config file")

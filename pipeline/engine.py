@@ -33,6 +33,7 @@ from pipeline.generation_config import default_params
 from pipeline.memory_breakdown import MemoryBreakdown, breakdown
 from pipeline.memory_facts import MemoryPlan
 from pipeline.prefix_cache import PrefixCache
+from pipeline.speculation import EmulatedDrafts, speculation_snapshot
 from qpack.reader import Container, ExpertIO
 
 if TYPE_CHECKING:
@@ -153,6 +154,12 @@ class Engine:
         """Benchmark only: route every later generation by `override` (calibrated
         routing, `bench --routing`) instead of the model's routers; None restores them."""
         self._core.model.routing = override
+
+    def emulate_drafts(self, drafts: EmulatedDrafts | None) -> None:
+        """Benchmark only: every later speculating generation drafts from `drafts` (a
+        reference run's tokens, a seeded fraction corrupted: docs/speculative.md) instead
+        of its drafter; None restores the drafters."""
+        self._core.emulated_drafts = drafts
 
     def save_routing(self, path: str | Path) -> bool:
         """Write the recorded routing trace (`open_engine(record_routing=True)`); False
@@ -285,6 +292,7 @@ class Engine:
             "mlx_seconds": counters.mlx_seconds,
             "run_ahead_tokens": counters.run_ahead_tokens,
             "run_ahead_misses": counters.run_ahead_misses,
+            **speculation_snapshot(core.batch.speculation.stats),
         }
 
 

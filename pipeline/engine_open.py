@@ -60,6 +60,7 @@ from pipeline.memory_facts import OpenMarks
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_disk import prefix_cache_for
+from pipeline.speculation import open_mtp, policy_for
 from qpack.reader import Container, ExpertIO
 
 if TYPE_CHECKING:
@@ -269,11 +270,15 @@ def _core(config: PipelineConfig, container: Container, worker: MlxWorker,
         o_direct=container.o_direct,
         strategy=strategy,
     )
+    batch = DecodeBatch(compute, model.batch_caches(), lock)
+    # Speculation's guard: a pass's experts within what the pool can pin.
+    batch.speculation = policy_for(router.table.num_slots, manifest.top_k,
+                                   config.compute.draft_tokens)
     return EngineCore(
         config=config, container=container, worker=worker, model=model, storage=storage,
         router=router, compute=compute, tokenizer=tokenizer, prefix_cache=prefix_cache,
-        heap_trimmer=HeapTrimmer(), lock=lock,
-        batch=DecodeBatch(compute, model.batch_caches(), lock),
+        heap_trimmer=HeapTrimmer(), lock=lock, batch=batch,
+        mtp=open_mtp(config, container, model),
         compute_task=ComputeTask(
             max_batch, batch_budget(config.compute.batch_memory_mb, manifest.dense_bytes)),
         sampling=SamplingTask(), max_batch=max_batch, facts=facts,

@@ -49,6 +49,13 @@ class GenerationStats(msgspec.Struct, kw_only=True):
     # While decoding: the largest RSS after a decode step, and MLX's device peak.
     decode_rss_mb: float = 0.0
     decode_device_mb: float = 0.0
+    # Speculative decoding (docs/speculative.md): the mode it ran with ("off": none),
+    # verify passes, drafted tokens verified and kept, and tokens per pass.
+    speculative: str = "off"
+    verify_passes: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    tokens_per_pass: float = 0.0
 
 
 class Done(msgspec.Struct, frozen=True, tag="done"):

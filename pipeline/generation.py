@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 import structlog
 import trio
 
@@ -24,6 +25,7 @@ from actors.sampler import Sampler, prompt_logprobs
 from actors.sampling_params import SamplingParams
 from actors.text_stream import TextStream
 from actors.token_logprob import TokenLogprob
+from pipeline import speculation
 from pipeline.container_damage import explain
 from pipeline.engine_core import EngineCore
 from pipeline.engine_parts import detokenizer
@@ -59,6 +61,7 @@ class Generation:
         self.started = False
         self.closed = False
         self.job: Job | None = None
+        self.cache_seen: list[Any] | None = None  # an MTP drafter follows it while it runs
 
     def check(self) -> None:
         """Refuse what cannot run before taking the engine's lock."""
@@ -75,6 +78,7 @@ class Generation:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         self.params.check_vocab(vocab)
+        speculation.check(self.core, self.params)
 
     def state_bytes(self) -> int:
         """The most model state this generation can grow to (batch admission)."""
@@ -184,7 +188,10 @@ class Generation:
         if self.admitted is not None:
             self.admitted.set()
         async with events:
-            await self._generate(events)
+            try:
+                await self._generate(events)
+            finally:
+                speculation.release(self.core, self.cache_seen)
 
     async def _generate(self, events: trio.MemorySendChannel[Event]) -> None:
         core = self.core
@@ -203,6 +210,8 @@ class Generation:
                                                                  self.tokens)
         if cache is None:
             cache = core.model.make_cache()
+        spec = speculation.row_speculation(core, self.params, self.tokens, max_tokens, cache)
+        self.cache_seen = cache
         await measure.reset_peak()
         generated: list[int] = []
         text_parts: list[str] = []
@@ -230,7 +239,7 @@ class Generation:
                     await core.router.drain()
             raise
         batch = core.batch
-        row = batch.join(cache, sampler, logits)
+        row = batch.join(cache, sampler, logits, spec)
         ok = False
         try:
             while len(generated) < max_tokens:
@@ -258,6 +267,7 @@ class Generation:
         if cache is not None:  # on the MLX thread, as every prefix cache operation
             await worker.run(core.prefix_cache.put, self.tokens + generated[:-1], cache)
         stats = await measure.done(len(self.tokens), cached, len(generated), sampler.seed)
+        stats = msgspec.structs.replace(stats, **speculation.stats_fields(spec))
         log.info(
             "generation.done",
             finish=finish,

@@ -73,10 +73,12 @@ def check_config(config: Mapping, where: str | Path) -> None:
 
 
 def needed_shards(weight_map: Mapping[str, str], config: Mapping) -> set[str]:
-    """Shards holding at least one text-model tensor (MTP- or vision-only ones are skipped).
-    An unsupported model_type keeps every shard (open_source refuses it with one line)."""
+    """Shards holding at least one text-model or MTP tensor (the packer keeps the MTP head,
+    qpack/mtp.py); vision-only ones are skipped. An unsupported model_type keeps every
+    shard (open_source refuses it with one line)."""
     name = canonical(config.get("model_type"))
     if name is None:
         return set(weight_map.values())
     text = family(name).text_config(dict(config))
-    return {shard for tensor, shard in weight_map.items() if is_text_tensor(name, tensor, text)}
+    return {shard for tensor, shard in weight_map.items()
+            if is_text_tensor(name, tensor, text) or tensor.startswith("mtp.")}

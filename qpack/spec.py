@@ -146,6 +146,8 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layers: tuple[LayerEntry, ...]
     files: tuple[FileEntry, ...]
     created_by: str = "moestream"
+    # The checkpoint's MTP head, kept in qpack.mtp.MTP_FILE (0: none; older containers).
+    mtp_layers: int = 0
 
     @property
     def expert_bytes(self) -> int:

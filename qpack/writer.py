@@ -23,11 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import mlx.core as mx
 import msgspec
 import structlog
 
 from qpack import spec
 from qpack.layout import ContainerPlan, LayerPlan, make_plan
+from qpack.mtp import MTP_FILE, mtp_arrays, mtp_names, packed_bytes
 from qpack.output_guard import bytes_under, exclusive_output, require_free_space
 from qpack.quantize import MODE_DEFAULTS, cast, quantize
 from qpack.safetensors_io import data_offsets, mx_to_bytes
@@ -208,7 +210,29 @@ class Packer:
         self._dense(bar)
         for layer in self.plan.layers:
             self._layer(layer, bar)
+        self._mtp(bar)
         return self._manifest()
+
+    def _mtp(self, bar: Callable[[int], None]) -> None:
+        """The MTP head, when the source has one mlx-lm conventions can hold (qpack/mtp.py)."""
+        names = mtp_names(self.src.index)
+        if not names or self.src.is_mlx or self.src.fp8_block or self._finished(MTP_FILE):
+            return
+        if not all(self.src.index[n].is_file() for n in names):
+            # Hub downloads skip shards that hold only MTP tensors (qpack.names): no head then.
+            log.info("pack.mtp_skipped", reason="its shards were not downloaded")
+            return
+        default = self.plan.quant.default
+        arrays = mtp_arrays({n: self.src.raw(n).to_mx() for n in names}, self.src.num_experts,
+                            default.bits if default is not None else None)
+        partial = self.out / "mtp.partial.safetensors"
+        _guard(partial, lambda: mx.save_safetensors(str(partial), arrays))
+        data = partial.read_bytes()
+        os.replace(partial, self.out / MTP_FILE)
+        _fsync_dir(self.out)
+        self.bytes_written += len(data)
+        bar(len(data))
+        self._commit(MTP_FILE, Done(len(data), hashlib.sha256(data).hexdigest()))
 
     def _small(self, rel: str, data: bytes) -> None:
         if self._finished(rel):
@@ -324,7 +348,7 @@ class Packer:
             model_type=self.src.model_type, num_layers=self.src.num_layers,
             num_experts=self.src.num_experts, top_k=self.src.top_k, quantization=quant,
             alignment=spec.ALIGNMENT, checksum="crc32", dense_bytes=done[spec.DENSE].size,
-            layers=layers, files=files,
+            layers=layers, files=files, mtp_layers=1 if MTP_FILE in done else 0,
         )
         data = json.dumps(json.loads(spec.encode_manifest(manifest)), indent=2, sort_keys=True).encode() + b"\n"
         with _Out(self.out, spec.MANIFEST) as o:
@@ -368,6 +392,7 @@ def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: i
             plan_bits = None if bits == 16 else (bits or default_bits)
             plan = make_plan(src, plan_bits, group_size, dtype, mode)
             total = sum(t.nbytes for t in plan.dense_plan()) + sum(lp.stride * src.num_experts for lp in plan.layers)
+            total += _mtp_bytes(src, plan)
             small = sum(f.stat().st_size for f in src.tokenizer_files())  # copied as they are
             require_free_space(out, total + small, "packing", already=bytes_under(out))
             packer = Packer(src, plan, out, str(source), options, progress)
@@ -378,6 +403,25 @@ def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: i
     log.info("pack.done", path=str(out), mb=round(result.bytes_written / 1e6, 2), seconds=round(result.seconds, 2),
              mb_s=round(result.mb_s, 1))
     return result
+
+
+def _mtp_bytes(src: SourceCheckpoint, plan: ContainerPlan) -> int:
+    """What `Packer._mtp` will write, about (0 when the source's head is not kept)."""
+    if src.is_mlx or src.fp8_block:
+        return 0
+    bits = plan.quant.default.bits if plan.quant.default is not None else None
+    total = 0
+    for name in mtp_names(src.index):
+        info = src.info(name)
+        total += packed_bytes(tuple(info.shape), info.nbytes // max(1, _elements(info.shape)), bits)
+    return total
+
+
+def _elements(shape: tuple[int, ...] | list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _with_progress(packer: Packer, total: int, progress: bool, out: Path) -> spec.Manifest:

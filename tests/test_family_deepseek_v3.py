@@ -214,6 +214,26 @@ def test_the_template_thinks_when_asked_and_keeps_only_earlier_answers():
     assert render(enable_thinking=True).endswith("<｜Assistant｜><think>")
 
 
+def test_a_template_that_joins_arguments_as_text_gets_json_text(pair):
+    """DeepSeek-V3.1's released template writes `name + '<｜tool▁sep｜>' + arguments`, which
+    a mapping (the transformers convention, what the server hands templates) cannot join:
+    the server renders such a template with the arguments as JSON text."""
+    from transformers import AutoTokenizer
+
+    from pipeline.server.prompting import render
+
+    _src, qpack, _ = pair("fp32")
+    tok = AutoTokenizer.from_pretrained(qpack)
+    tok.chat_template = ("{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+                         "{{ '<｜tool▁call▁begin｜>' + c.function.name + '<｜tool▁sep｜>' + c.function.arguments"
+                         " + '<｜tool▁call▁end｜>' }}{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}")
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "sunny"}]
+    prompt = render(tok, messages, [], {})
+    assert prompt.text == 'Weather?<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>sunny'
+
+
 async def test_served_tool_calls_and_reasoning_in_deepseek_markup(pair):
     src, qpack, _ = pair("fp32")
     prompt = await served_tool_round_trip(qpack, src)

@@ -118,6 +118,15 @@ async def test_chat_completions_models_and_metrics(container: Path) -> None:
         assert 0 < int(values["moestream_decode_resident_memory_bytes"]) < 2 * rss
         assert int(values["moestream_decode_device_memory_bytes"]) >= engine.pool_bytes
         assert int(values["moestream_heap_trimmed_bytes_total"]) >= 0
+        assert int(values["moestream_drafts_accepted_total"]) == 0  # speculation is off
+
+        # Speculative decoding per request: the same text; a bad mode is one clear 400.
+        fast = await client.chat.completions.create(**kw, extra_body={"speculative": "ngram"})
+        assert fast.choices[0].message.content == choice.message.content
+        with pytest.raises(openai.BadRequestError, match="speculative"):
+            await client.chat.completions.create(**kw, extra_body={"speculative": "always"})
+        with pytest.raises(openai.BadRequestError, match="MTP head"):
+            await client.chat.completions.create(**kw, extra_body={"speculative": "mtp"})
 
 
 async def test_tool_round_trip(container: Path) -> None:

@@ -45,8 +45,8 @@ def test_mlx_layout_with_language_model_vision_tower(synth_checkpoint, packed,
     assert _payload(out) == _payload(plain)
 
 
-def test_hub_skips_mtp_and_vision_only_shards(synth_checkpoint, tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hub_skips_vision_only_shards_and_fetches_the_mtp_head(synth_checkpoint, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     src = synth_checkpoint("qwen3_5_moe", dtype="bfloat16")
     wild = derive(src, tmp_path / "hub", "extra-shards")
     hub = use_hub(FakeHub(wild, cut=False), tmp_path, monkeypatch)
@@ -55,9 +55,9 @@ def test_hub_skips_mtp_and_vision_only_shards(synth_checkpoint, tmp_path: Path,
     finally:
         hub.close()
     fetched = {r[1].rsplit("/", 1)[-1] for r in hub.requests if r[0] == "GET"}
-    assert "model-mtp.safetensors" not in fetched and "model-visual.safetensors" not in fetched
+    assert "model-visual.safetensors" not in fetched
     assert {n for n in fetched if n.endswith(".safetensors")} == {
-        p.name for p in src.glob("*.safetensors")}
+        "model-mtp.safetensors", *(p.name for p in src.glob("*.safetensors"))}
     assert _payload(out) == _payload(pack(wild, tmp_path / "local.qpack", bits=4, progress=False).path)
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 
 from pipeline.bench.spec import Case, Result, backend, engine_dict, prompt_ids
+from pipeline.bench.speculative import spec_derived, spec_result_fields
 
 __all__ = ["Case", "Report", "Result", "engine_dict", "machine_info", "prompt_ids", "run_case"]
 
@@ -67,6 +68,10 @@ async def measure_engine(case: Case) -> Result:
         if override is not None:
             # The warm-up was request 0, the other domain; this one's table drawn now.
             override.begin_request(1, rows=case.prompt_tokens + case.max_tokens)
+        if case.emulate is not None:
+            from pipeline.speculation import EmulatedDrafts
+
+            engine.emulate_drafts(EmulatedDrafts(case.draft_reference, case.emulate, case.seed))
         at_decode: list[Counters] = []
 
         def first_decode(phase: str) -> None:
@@ -117,7 +122,8 @@ async def measure_engine(case: Case) -> Result:
             memory=msgspec.to_builtins(engine.memory_breakdown(
                 s.peak_rss_mb, s.peak_device_mb, s.prompt_tokens + s.completion_tokens)),
             queue_depth_gb_s=_probed(cfg, engine), open_s=phases["open_s"],
-            warmup_s=phases["warmup_s"],
+            warmup_s=phases["warmup_s"], token_ids=list(done.token_ids),
+            **spec_result_fields(s, case),
         )
 
 
@@ -155,7 +161,7 @@ def measure(case: Case) -> Result:
         return trio.run(measure_batch, case)
     if case.kind == "moestream":
         result = trio.run(measure_engine, case)
-        if case.warm_all:
+        if case.warm_all and case.config.get("compute", {}).get("speculative", "off") == "off":
             # The compute ceiling, measured in this same process and GPU state.
             from qpack.reader import Container
 
@@ -259,6 +265,7 @@ class Report:
         from pipeline.bench.batch import batch_derived
 
         out.update(batch_derived({r.name: r for r in self.results if r.error is None}))
+        out.update(spec_derived({r.name: r for r in self.results if r.error is None}))
         if default is not None:
             budget = self.container["dense_mb"] + default.pool_mb + 256
             gpu = "gpu" in default.backend

@@ -31,6 +31,12 @@ class Case(msgspec.Struct, kw_only=True):
     # (the routing model's ids, benchmark only; see pipeline/bench/routing.py).
     routing: str = "router"
     concurrency: int = 0  # batch cases (pipeline/bench/batch.py): sequences decoding at once
+    # Speculative cases (pipeline/bench/speculative.py): drafts from `reference`'s tokens
+    # (`draft_reference`, filled in once it ran) with acceptance `emulate`; None: the
+    # configured drafter's own.
+    emulate: float | None = None
+    reference: str = ""
+    draft_reference: list[int] = []
 
 
 class Result(msgspec.Struct, kw_only=True):
@@ -83,6 +89,17 @@ class Result(msgspec.Struct, kw_only=True):
     # Cold cases: where the decode window's time went on the read path.
     read_path: ReadPath | None = None
     queue_depth_gb_s: dict[int, float] = {}  # readers = auto: the probe's depth -> GB/s
+    token_ids: list[int] = []  # the measured generation's (speculative cases draft from them)
+    # Speculative cases: the mode, the emulated acceptance (None: a real drafter's), the
+    # longest draft, and what the passes did.
+    speculative: str = "off"
+    emulated_acceptance: float | None = None
+    draft_tokens: int = 0
+    verify_passes: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    acceptance: float = 0.0
+    tokens_per_pass: float = 0.0
     backend: str = ""
     routing: str = "router"  # what chose the experts (a calibrated label: benchmark only)
     seconds: float = 0.0

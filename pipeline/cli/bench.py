@@ -13,6 +13,12 @@ import msgspec
 from actors.prefetch.registry import DEPTH_STRATEGIES, strategies_help
 from pipeline.bench.cases import Case, Report, machine_info, run_case
 from pipeline.bench.routing import ROUTINGS
+from pipeline.bench.speculative import (
+    is_spec_case,
+    spec_case_fields,
+    speculation_table,
+    with_references,
+)
 from pipeline.cli.commands import readers_arg
 from pipeline.cli.counts import LAYERS, TOKENS, WORKERS, seconds
 from qpack import families
@@ -24,6 +30,8 @@ CASES = ("default", "serial", "resident", "io")
 # batch-N / batch-warm-N: N sequences in one decode batch (cold pool / every expert pooled).
 BATCHES = tuple(f"batch{w}-{n}" for w in ("", "-warm") for n in (1, 2, 4, 8))
 ALL_CASES = (*CASES, "warm-all", "long-prompt", "long-prompt-c256", *BATCHES)
+# Speculative decoding (pipeline/bench/speculative.py): spec-k{1-8}-a{acceptance},
+# spec-auto-a{acceptance}, spec-auto, spec-ngram, spec-mtp, and warm-spec-... of each.
 DEFAULT_POOL_MB = 1024
 
 
@@ -74,6 +82,10 @@ def _cases(args: argparse.Namespace, base: dict[str, Any], common: dict[str, Any
             fixed = {**base, "compute": {**base["compute"], "prefill_chunk": 256}}
             cases.append(Case(name="long-prompt-c256", config=fixed,
                               **{**common, "prompt_tokens": args.long_prompt, "max_tokens": 8}))
+        elif is_spec_case(name):
+            fields = spec_case_fields(name, base)
+            warm = fields["warm_all"]
+            cases.append(Case(name=name, **fields, **{**common, "cold": common["cold"] and not warm}))
         elif name in BATCHES:
             warm = name.startswith("batch-warm")
             cases.append(Case(name=name, config=base, warm_all=warm,
@@ -89,7 +101,11 @@ def run_bench(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
     err = Console(stderr=True)
     report = Report(machine_info(), container_summary(args.model), command)
-    for case in plan_cases(args):
+    for case in with_references(plan_cases(args)):
+        if case.reference:
+            suffix = case.name.partition("@")[2]
+            ref = report.by_name(case.reference + (f"@{suffix}" if suffix else ""))
+            case.draft_reference = list(ref.token_ids) if ref is not None else []
         err.print(f"[dim]bench: {case.name} ...[/dim]")
         result = run_case(case, timeout_s=args.case_timeout)
         if result.error:
@@ -103,7 +119,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     from pipeline.bench.report import plot_timeline, read_path_table, results_table, write_json
 
-    unknown = [c for c in args.cases if c not in ALL_CASES]
+    unknown = [c for c in args.cases if c not in ALL_CASES and not is_spec_case(c)]
     if unknown:
         print(f"error: unknown case(s) {unknown}; choose from {list(ALL_CASES)}", file=sys.stderr)
         return 2
@@ -135,6 +151,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if (memory := memory_table(report)) is not None:
         console.print(memory)
+    if (spec := speculation_table(report)) is not None:
+        console.print(spec)
     if args.json:
         write_json(report, args.json)
     if args.trace and args.plots:
@@ -158,7 +176,8 @@ def _cmd_bench_container(args: argparse.Namespace) -> int:
         dims = get_preset(args.family, args.preset)
         result = write_bench_container(args.out, dims.family, args.preset, bits=args.bits,
                                        group_size=args.group_size, seed=args.seed,
-                                       max_layers=args.max_layers, workers=args.workers)
+                                       max_layers=args.max_layers, workers=args.workers,
+                                       mtp=args.mtp)
     except (ValueError, QpackError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -215,7 +234,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", type=Path, help="path of a .qpack container")
     p.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES),
                    help=f"comma-separated cases (default {','.join(CASES)}; "
-                   f"all: {','.join(ALL_CASES)})")
+                   f"all: {','.join(ALL_CASES)}; speculative decoding: spec-k{{1-8}}-a{{A}} "
+                   "(emulated acceptance A, drafts from the plain run's tokens), spec-auto-a{A}, "
+                   "spec-auto, spec-ngram, spec-mtp, and warm-spec-... of each: "
+                   "docs/speculative.md)")
     add_bench_flags(p)
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--trace", help="write the default case's Chrome/Perfetto timeline here")
@@ -235,5 +257,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--group-size", type=int, default=64)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--max-layers", type=LAYERS, default=None, help="only the first N layers")
+    c.add_argument("--mtp", action="store_true",
+                   help="with the MTP head (8-bit, random weights: for the spec-mtp case's cost)")
     c.add_argument("--workers", type=WORKERS, default=None, help="writer threads (default: cores, <= 16)")
     c.set_defaults(func=_cmd_bench_container)

@@ -45,6 +45,9 @@ def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) ->
                    help="expert reads in flight at once: a number or auto (measured at start; default)")
     g.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill step")
     g.add_argument("--no-overlap", action="store_true", help="serial streamer: no prefetch or overlap")
+    g.add_argument("--speculative", choices=["auto", "mtp", "ngram", "off"],
+                   help="speculative decoding (compute.speculative; same tokens, docs/speculative.md)")
+    g.add_argument("--draft-tokens", type=int, help="most drafted tokens per verify pass")
     g.add_argument("--verify", choices=["off", "first-use", "full", "always"],
                    help="expert checksums: at first read (default), all at open, every read, or off")
     g.add_argument("--distributed", action="store_true", default=None,
@@ -73,6 +76,8 @@ _FLAG_KEYS = {
     "eviction": ("pool", "eviction"),
     "readers": ("reader", "concurrency"),
     "prefill_chunk": ("compute", "prefill_chunk"),
+    "speculative": ("compute", "speculative"),
+    "draft_tokens": ("compute", "draft_tokens"),
     "verify": ("model", "verify"),
     **{knob: ("sampling", knob) for knob in SAMPLING_FLAGS},
     "enable_thinking": ("chat", "enable_thinking"),

@@ -183,6 +183,12 @@ class ComputeConfig(_Section, frozen=True):
     # this many MiB: a request whose state would not fit waits. 0 = a quarter of the
     # memory left after the pool, as estimated when the engine opens.
     batch_memory_mb: Annotated[int, within(0, MIB_MAX)] = 0
+    # Speculative decoding of a lone sequence (docs/speculative.md): "ngram" drafts from
+    # the prompt and output so far, "mtp" from the checkpoint's MTP head, "auto" picks
+    # the drafter and stops speculating where a verify pass costs more than it gives;
+    # a request's `speculative` field overrides it. Output is the same either way.
+    speculative: Literal["auto", "mtp", "ngram", "off"] = "off"
+    draft_tokens: Annotated[int, within(1, 16)] = 3  # most drafts per verify pass
 
 
 class ChatMessage(_Section, frozen=True):

@@ -84,6 +84,9 @@ class StreamedModel:
 
     routing: RoutingOverride | None = None  # benchmark-only calibrated routing (bench --routing)
     slice_tokens: int = 1 << 30  # prefill mixers run in slices this long (pipeline/prefill_slices.py)
+    # (cache, final residual stream [1, T, H]) after each forward of one sequence: what
+    # an MTP drafter reads (pipeline/models/mtp_drafter.py); None: nobody.
+    hidden_sink: Callable[[list[Any], mx.array], None] | None = None
 
     def __init__(
         self,
@@ -276,6 +279,7 @@ class ForwardStep:
             layers.append(self.layer)
             self.layer += 1
         states = [a for c in self.cache for a in _arrays(c.state)]
+        self._to_sink()
         return LazyRunAhead(layers, mx.stack(ids), mx.stack(present), self._last_logits(),
                             [*self._h_in.values(), *states])
 
@@ -283,6 +287,10 @@ class ForwardStep:
         """The last position's logits: [vocab], or [rows, vocab] for a batch of rows."""
         out = self.m.parts.head(self.m.parts.norm(self.h[:, -1:, :]))
         return out[:, 0] if self.rows else out[0, 0]
+
+    def _to_sink(self) -> None:
+        if self.m.hidden_sink is not None and not self.rows:
+            self.m.hidden_sink(self.cache, self.h)
 
     def restore(self, snapshot: list[dict[str, Any]], layers: range) -> None:
         """Put `layers`' caches back as `snapshot` (a `snapshot()`) had them."""
@@ -317,5 +325,6 @@ class ForwardStep:
             out = self.m.parts.head(self.m.parts.norm(self.h))[0]
         else:
             out = self._last_logits()
+        self._to_sink()
         mx.eval(out, [a for c in self.cache for a in _arrays(c.state)])
         return out

@@ -92,6 +92,8 @@ class Metrics:
                "Demanded experts whose prefetch was still loading.", [("", pool["prefetch_hits_waited"])])
         metric("mlx_seconds_total", "counter", "Time spent in MLX calls (forward, sampling).",
                [("", pool["mlx_seconds"])])
+        for name, help_ in _SPECULATION:
+            metric(f"{name}_total", "counter", help_, [("", pool[name])])
         mib = 2**20
         metric("resident_memory_bytes", "gauge", "Host RSS of the server process now.",
                [("", round(current_rss_mb() * mib))])
@@ -108,6 +110,17 @@ class Metrics:
                [(f'{{path="{_escape(p)}",status="{s}"}}', n)
                 for (p, s), n in sorted(self.requests.items())])
         return "\n".join(lines) + "\n"
+
+
+# Speculative decoding (docs/speculative.md): acceptance = accepted / proposed, tokens
+# per pass = pass_tokens / verify_passes.
+_SPECULATION = (
+    ("verify_passes", "Speculative verify passes."),
+    ("drafts_proposed", "Drafted tokens verified."),
+    ("drafts_accepted", "Drafted tokens kept."),
+    ("pass_tokens", "Tokens the verify passes produced (drafts kept, one more each)."),
+    ("speculative_backoffs", "Times speculative = auto stopped speculating."),
+)
 
 
 def _num(value: float) -> str:

@@ -55,6 +55,16 @@ def template_messages(messages: list[s.Message]) -> list[dict[str, Any]]:
     return out
 
 
+def string_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with each tool call's arguments as JSON text instead of a mapping."""
+    def text(call: dict[str, Any]) -> dict[str, Any]:
+        fn = call["function"]
+        return {**call, "function": {**fn, "arguments": json.dumps(fn["arguments"], ensure_ascii=False)}}
+
+    return [{**m, "tool_calls": [text(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in messages]
+
+
 def text_of(content: str | list[s.ContentPart] | None, param: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
@@ -97,10 +107,21 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str,
                              param="messages")
     gen_prompt = not prefill if add_generation_prompt is None else add_generation_prompt
     extra = {"tools": tools} if tools else {}
+
+    def apply(msgs: list[dict[str, Any]]) -> str:
+        return str(tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                 add_generation_prompt=gen_prompt and not prefill,
+                                                 **extra, **kwargs))
+
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=gen_prompt and not prefill,
-                                             **extra, **kwargs)
+        try:
+            text = apply(messages)
+        except TypeError:
+            # A template that joins tool-call arguments as text (DeepSeek-V3.1's, `name +
+            # '<｜tool▁sep｜>' + arguments`) takes no mapping: give it the JSON text.
+            if not any(m.get("tool_calls") for m in messages):
+                raise
+            text = apply(string_arguments(messages))
     except Exception as exc:  # jinja raises for conversations the template refuses
         raise s.APIError(400, f"the chat template refused the messages: {exc}",
                          param="messages") from None

@@ -154,6 +154,8 @@ class _Sampling(_Req, kw_only=True):
     # llama.cpp's own constraints: a JSON schema, or a GBNF grammar, for the reply's text.
     json_schema: dict[str, Any] | None = None
     grammar: str | None = None
+    # moestream: speculative decoding for this request ("auto", "mtp", "ngram", "off").
+    speculative: Literal["auto", "mtp", "ngram", "off"] | None = None
     # Accepted and ignored: they change nothing a client can observe here.
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -304,7 +306,7 @@ def logit_bias(req: ChatRequest | CompletionRequest, vocab: int) -> tuple[tuple[
     return tuple(out)
 
 
-_PARAM_FIELDS = (*SCALAR_KNOBS, "seed")
+_PARAM_FIELDS = (*SCALAR_KNOBS, "seed", "speculative")
 
 
 def sampling_params(req: ChatRequest | CompletionRequest, defaults: SamplingParams) -> SamplingParams:

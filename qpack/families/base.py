@@ -62,6 +62,10 @@ class CheckpointFamily:
     # "kv" (<arg_key>/<arg_value>) or "sep" (DeepSeek: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>JSON);
     # the server reads every style (server/call_formats.py).
     tool_calls: ClassVar[str] = "json"
+    # The hub release carries a multi-token-prediction head at its root (`mtp.*`), which
+    # pack keeps (qpack/mtp.py); per_expert_mtp: its experts one tensor each (else fused).
+    mtp_head: ClassVar[bool] = False
+    per_expert_mtp: ClassVar[bool] = False
     zero_centred: ClassVar[tuple[str, ...]] = ()  # norm suffixes stored as w (1 + w applied)
     float32_suffixes: ClassVar[tuple[str, ...]] = ()  # tensors the hub keeps in float32
     routers_8bit: ClassVar[tuple[str, ...]] = ()  # modules mlx-lm's quant_predicate puts at 8 bits

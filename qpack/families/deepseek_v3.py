@@ -34,7 +34,6 @@ from qpack.families.base import (
     residual_scale,
     routed_mlp,
 )
-from qpack.quantize import Rule, quantized_shapes
 from qpack.synth.dims import ModelDims
 from qpack.synth.init_weights import Init
 
@@ -158,6 +157,8 @@ class DeepseekV3(CheckpointFamily):
         bits, group_size = _kv_b_quant(w.shape, info(_sibling(source, "scales")).shape, text)
         rank = int(text["kv_lora_rank"])
         cut = split_kv_b(np.empty((w.shape[0], rank), np.uint8), module, text).shape
+        from qpack.quantize import Rule, quantized_shapes  # MLX: not at import (the CLI's help)
+
         shapes = quantized_shapes(tuple(cut), Rule(bits, group_size))
         return ("U32" if kind == "weight" else info(_sibling(source, "scales")).dtype), shapes[kind]
 

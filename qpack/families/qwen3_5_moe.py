@@ -118,6 +118,7 @@ def _vision_config(dims: ModelDims) -> dict[str, Any]:
 
 class Qwen35Moe(CheckpointFamily):
     name = "qwen3_5_moe"
+    mtp_head = True
     aliases = ("qwen3_5_moe_text",)
     decoder_prefix = "language_model.model"
     presets = {

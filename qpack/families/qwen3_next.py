@@ -162,6 +162,8 @@ def hybrid_fixups(target: str, shape: tuple[int, ...], hf_norms: bool, hf_conv: 
 
 class Qwen3Next(CheckpointFamily):
     name = "qwen3_next"
+    mtp_head = True
+    per_expert_mtp = True
     presets = {
         **small_presets("qwen3_next", 151936),
         "qwen3-next-80b-a3b": ModelDims(family="qwen3_next", name="qwen3-next-80b-a3b",

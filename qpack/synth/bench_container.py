@@ -38,6 +38,7 @@ import numpy as np
 import structlog
 
 from qpack import spec
+from qpack.families import family as family_of
 from qpack.output_guard import removed_on_failure, require_free_space
 from qpack.quantize import Rule, quantized_shapes
 from qpack.synth.checkpoint import WeightWriter
@@ -180,8 +181,10 @@ def write_bench_container(
     seed: int = 0,
     max_layers: int | None = None,
     workers: int | None = None,
+    mtp: bool = False,
 ) -> BenchContainerResult:
-    """Write a benchmark container for `family`/`preset` into the directory `out`."""
+    """Write a benchmark container for `family`/`preset` into the directory `out`;
+    `mtp`: with the MTP head (qpack/mtp.py), as `pack` keeps it."""
     if bits not in (4, 8):
         raise ValueError(f"bits {bits!r}: the bench container writer makes 4- or 8-bit experts")
     dims = get_preset(family, preset)
@@ -197,12 +200,28 @@ def write_bench_container(
     need = sum(e.nbytes for e in entries) + len(_moe_layers(dims)) * dims.num_experts * stride
     require_free_space(root, need, f"bench-container {dims.name}")
     with removed_on_failure(root):  # a failed write leaves no directory a re-run refuses
-        return _write(root, dims, bits, group_size, seed, entries, overrides, fmt, stride, workers)
+        return _write(root, dims, bits, group_size, seed, entries, overrides, fmt, stride, workers,
+                      mtp)
+
+
+def write_mtp_head(root: Path, dims: ModelDims, bits: int, seed: int) -> int:
+    """`mtp.safetensors` as `pack` makes it of synth's hub MTP tensors (8-bit); its size."""
+    import mlx.core as mx
+
+    from qpack.mtp import MTP_FILE, mtp_arrays
+    from qpack.synth.mtp import mtp_entries
+
+    src = WeightSource(seed, dims.num_experts, dims.hidden_size)
+    read = {}
+    for e in mtp_entries(src, dims, "float32"):
+        read[e.name] = mx.array(np.concatenate(list(e.chunks()), axis=0).reshape(e.shape)).astype(mx.bfloat16)
+    mx.save_safetensors(str(root / MTP_FILE), mtp_arrays(read, dims.num_experts, bits))
+    return (root / MTP_FILE).stat().st_size
 
 
 def _write(root: Path, dims: ModelDims, bits: int, group_size: int, seed: int,
            entries: list[TensorEntry], overrides: dict[str, Any], fmt: spec.ExpertFormat,
-           stride: int, workers: int | None) -> BenchContainerResult:
+           stride: int, workers: int | None, mtp: bool = False) -> BenchContainerResult:
     (root / spec.EXPERTS_DIR).mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     files: dict[str, tuple[int, str]] = {}
@@ -221,6 +240,10 @@ def _write(root: Path, dims: ModelDims, bits: int, group_size: int, seed: int,
         files[p.name] = (p.stat().st_size, _sha256_file(p))
     dense_size = write_safetensors(root / spec.DENSE, entries, {"format": "mlx"})
     files[spec.DENSE] = (dense_size, _sha256_file(root / spec.DENSE))
+    if mtp:
+        from qpack.mtp import MTP_FILE
+
+        files[MTP_FILE] = (write_mtp_head(root, dims, bits, seed), _sha256_file(root / MTP_FILE))
     t_dense = time.perf_counter()
     log.info("bench_container.dense", mb=round(dense_size / 1e6, 1), seconds=round(t_dense - t0, 2))
 
@@ -241,7 +264,7 @@ def _write(root: Path, dims: ModelDims, bits: int, group_size: int, seed: int,
                                        {k: dict(v) for k, v in sorted(overrides.items())}),
         alignment=spec.ALIGNMENT, checksum="crc32", dense_bytes=dense_size, layers=tuple(layers),
         files=tuple(spec.FileEntry(rel, size, sha) for rel, (size, sha) in sorted(files.items())),
-        created_by="moestream bench-container",
+        created_by="moestream bench-container", mtp_layers=1 if mtp else 0,
     )
     data = json.dumps(json.loads(spec.encode_manifest(manifest)), indent=2, sort_keys=True).encode() + b"\n"
     tmp = root / (spec.MANIFEST + ".tmp")
@@ -267,4 +290,10 @@ def estimated_sizes(family: str | None, preset: str, bits: int = 4, group_size: 
     entries, _ = dense_entries(dims, bits, group_size, 0)
     _, stride = expert_layout(dims, bits, group_size)
     packed = sum(e.nbytes for e in entries) + len(_moe_layers(dims)) * dims.num_experts * stride
+    if family_of(dims.family).mtp_head:
+        from qpack.mtp import packed_bytes
+        from qpack.synth.mtp import mtp_entries
+
+        src = WeightSource(0, dims.num_experts, dims.hidden_size)
+        packed += sum(packed_bytes(e.shape, 2, bits) for e in mtp_entries(src, dims, "bfloat16"))
     return synth, packed

@@ -7,8 +7,9 @@
 Layouts (each family's module, qpack.families, says where its tensors go):
 - hub: the official release's names (per-expert `mlp.experts.{e}.{proj}.weight`, or fused
   `mlp.experts.gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I] where the hub fuses them),
-  zero-centred norms stored as the hub stores them. No vision or MTP weights are written
-  (moestream is text-only; both loaders drop them).
+  zero-centred norms stored as the hub stores them. No vision weights are written
+  (moestream is text-only); hub layouts of a family whose release has one carry the MTP
+  head at the root (`mtp.*`, qpack/synth/mtp.py).
 - per-expert: a second HF layout of the family where one exists (qwen3_5_moe: transformers
   5's text-only class), to test the packer on both.
 - bits 4/8: mlx-lm's names after its `sanitize` (experts stacked as `mlp.switch_mlp.*`,
@@ -47,6 +48,7 @@ from qpack.synth.mlx_quant import (
     mlx_quantize,
     module_rule,
 )
+from qpack.synth.mtp import mtp_entries
 from qpack.synth.presets import ModelDims, get_preset, hf_config
 from qpack.synth.st_write import ST_DTYPES, TensorEntry, write_sharded
 from qpack.synth.tensor_inits import dense_inits, expert_init
@@ -222,6 +224,9 @@ def checkpoint_entries(writer: WeightWriter, dims: ModelDims) -> list[TensorEntr
     entries += writer.entries("norm.weight", writer.family.norm_init("norm.weight", h))
     entries += writer.entries("lm_head.weight",
                               Init("lm_head.weight", (v, h), "normal", 1.0 / math.sqrt(h)))
+    if not writer.mlx and writer.layout == "hub" and writer.family.mtp_head:
+        # The MTP head, as the hub ships it (mlx_lm.convert drops it: no MLX layout has one).
+        entries += mtp_entries(writer.src, dims, writer.dtype)
     return entries
 
 

@@ -1,0 +1,136 @@
+"""Which speculation a generation gets: the request's `speculative`, else the engine's
+`compute.speculative`; a drafter for it, or none (docs/speculative.md).
+
+"ngram" drafts by prompt lookup (any model); "mtp" needs a container with the
+checkpoint's MTP head; "auto" takes the MTP head when the container has one, prompt
+lookup otherwise, and lets the policy stop where speculating loses. Speculation is
+never a reason for different tokens, so nothing else about a request changes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from actors.sampling_params import SamplingParams
+from actors.speculative.decoder import Drafter, RowSpeculation
+from actors.speculative.emulated import EmulatedDrafter
+from actors.speculative.ngram import NgramDrafter
+from actors.speculative.policy import SpecStats, SpeculationPolicy
+from pipeline.config.schema import PipelineConfig
+from pipeline.models.mtp import MtpHead, load_mtp
+from pipeline.models.mtp_drafter import MtpDrafter
+from pipeline.models.streamed import StreamedModel
+from pipeline.models.verify_step import VerifyStep, can_verify
+from qpack.reader import Container
+
+if TYPE_CHECKING:
+    from pipeline.engine_core import EngineCore
+
+NGRAM_MAX, NGRAM_MIN = 3, 2  # the longest suffix looked up first; shorter matches are noise
+
+
+def mode_of(engine: EngineCore, params: SamplingParams) -> str:
+    return params.speculative or engine.config.compute.speculative
+
+
+def has_mtp(engine: EngineCore) -> bool:
+    return engine.mtp is not None
+
+
+def check(engine: EngineCore, params: SamplingParams) -> None:
+    """Refuse a mode this container cannot serve (one line, before the request runs)."""
+    if mode_of(engine, params) == "mtp" and not has_mtp(engine):
+        if engine.container.manifest.mtp_layers:
+            raise ValueError('speculative = "mtp": the MTP head is loaded only when the engine '
+                             'starts with compute.speculative = "mtp" or "auto"')
+        raise ValueError('speculative = "mtp" needs a container packed with the checkpoint\'s '
+                         'MTP head; this one has none (use "ngram" or "auto")')
+
+
+class HiddenSinks:
+    """The model's `hidden_sink` while an MTP head is loaded: each drafting sequence's
+    drafter, found by its cache (a batch's merged cache finds none)."""
+
+    def __init__(self) -> None:
+        self.by_cache: dict[int, Callable[[list[Any], mx.array], None]] = {}
+
+    def __call__(self, cache: list[Any], h: mx.array) -> None:
+        sink = self.by_cache.get(id(cache))
+        if sink is not None:
+            sink(cache, h)
+
+
+def open_mtp(config: PipelineConfig, container: Container, model: StreamedModel) -> MtpHead | None:
+    """The container's MTP head, when it has one and the engine may speculate with it (it
+    costs memory: its routed experts come with it)."""
+    if (not container.manifest.mtp_layers or config.compute.speculative not in ("mtp", "auto")
+            or config.distributed.enabled):
+        return None
+    head = load_mtp(container.root, model.parts)
+    model.hidden_sink = HiddenSinks()
+    return head
+
+
+def release(engine: EngineCore, cache: list[Any] | None) -> None:
+    """A generation is over: its drafter stops receiving hidden states."""
+    sinks = engine.model.hidden_sink
+    if cache is not None and isinstance(sinks, HiddenSinks):
+        sinks.by_cache.pop(id(cache), None)
+
+
+def policy_for(engine_slots: int, top_k: int, draft_tokens: int) -> SpeculationPolicy:
+    """The engine's policy; its guard keeps a pass's experts within what the pool can pin."""
+    return SpeculationPolicy(max_draft=draft_tokens, pinnable_rows=engine_slots // top_k)
+
+
+def row_speculation(engine: EngineCore, params: SamplingParams, tokens: list[int],
+                    max_tokens: int, cache: list[Any]) -> RowSpeculation | None:
+    """Before the prompt is computed (an MTP drafter sees its hidden states), on `cache`."""
+    mode = mode_of(engine, params)
+    if mode == "off" or engine.batch.speculation.longest < 1 or engine.config.distributed.enabled:
+        return None  # pipeline-parallel ranks would each have to keep their DeltaNet states
+    if not can_verify(engine.model):
+        return None  # a layout whose DeltaNet states a pass could not restore
+    emulated = engine.emulated_drafts
+    drafter: Drafter
+    if emulated is not None:
+        drafter = emulated.drafter(tokens, engine.model.parts.args.vocab_size)
+    elif engine.mtp is not None and mode in ("mtp", "auto"):
+        mtp = MtpDrafter(engine.mtp, engine.model.parts, tokens, engine.model.activation_dtype)
+        assert isinstance(engine.model.hidden_sink, HiddenSinks)
+        engine.model.hidden_sink.by_cache[id(cache)] = mtp.sink
+        drafter = mtp
+    else:
+        drafter = NgramDrafter(tokens, max_n=NGRAM_MAX, min_n=NGRAM_MIN)
+    return RowSpeculation(mode, drafter, max_tokens, partial(VerifyStep, engine.model))
+
+
+def stats_fields(spec: RowSpeculation | None) -> dict[str, Any]:
+    """A generation's speculation, as `GenerationStats` fields."""
+    if spec is None:
+        return {}
+    s = spec.stats
+    return {"speculative": spec.mode, "verify_passes": s.passes, "drafts_proposed": s.proposed,
+            "drafts_accepted": s.accepted, "tokens_per_pass": round(s.tokens_per_pass, 3)}
+
+
+class EmulatedDrafts:
+    """Benchmark-only: every generation drafts from `reference` (`EmulatedDrafter`),
+    whatever the mode says, once `engine.emulated_drafts` is set to one of these."""
+
+    def __init__(self, reference: Sequence[int], acceptance: float, seed: int = 0) -> None:
+        self.reference, self.acceptance, self.seed = list(reference), acceptance, seed
+
+    def drafter(self, prompt: Sequence[int], vocab: int) -> EmulatedDrafter:
+        return EmulatedDrafter(prompt, self.reference, self.acceptance, vocab, self.seed)
+
+
+def speculation_snapshot(stats: SpecStats) -> dict[str, float]:
+    """The engine's speculation counters, for `pool_snapshot` and /metrics."""
+    return {"verify_passes": stats.passes, "drafts_proposed": stats.proposed,
+            "drafts_accepted": stats.accepted, "pass_tokens": stats.pass_tokens,
+            "speculative_backoffs": stats.backoffs}

@@ -1,0 +1,227 @@
+"""Speculative decoding: the tokens, log-probabilities, text and cached states of plain decode.
+
+Drafts come from a reference run's own tokens with a seeded fraction corrupted
+(`EmulatedDrafts`: random-weight models never repeat, so prompt lookup alone would
+draft nothing), so passes keep some drafts and reject others at every draft length.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+import msgspec
+import numpy as np
+import pytest
+from helpers_engine import engine_config
+from helpers_forward import tiny_pair
+
+from actors.sampling_params import SamplingParams
+from actors.speculative.accept import speculative_sample
+from actors.speculative.ngram import NgramDrafter
+from actors.speculative.policy import SpeculationPolicy
+from pipeline.engine import open_engine
+from pipeline.events import Done, TextDelta
+from pipeline.prefix_cache import _arrays
+from pipeline.speculation import EmulatedDrafts
+
+PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
+TOKENS = 12
+
+
+async def _run(engine: Any, params: SamplingParams, prompt: list[int] = PROMPT) -> list[Any]:
+    return [e async for e in engine.generate(list(prompt), params)]
+
+
+def _done(events: list[Any]) -> Done:
+    assert isinstance(events[-1], Done)
+    return events[-1]
+
+
+def _deltas(events: list[Any]) -> list[tuple[str, tuple[int, ...], Any]]:
+    return [(e.text, e.token_ids, e.logprobs) for e in events if isinstance(e, TextDelta)]
+
+
+@pytest.fixture
+def container(synth_checkpoint, packed, family, bits):
+    """The tiny container of (family, bits), made in the set-up (shared with other tests)."""
+    return tiny_pair(synth_checkpoint, packed, family, bits)[1]
+
+
+@pytest.fixture
+def family():
+    return "qwen3_next"
+
+
+@pytest.fixture
+def bits():
+    return None
+
+
+@pytest.mark.parametrize(("family", "bits", "slots", "run_ahead", "lengths"), [
+    # The smallest pool: passes that miss, resumed per layer; the guard cuts k to 1.
+    ("qwen3_next", None, 8, "on", ((3, 0.7),)),
+    # 4-bit, per layer, reads in every pass.
+    ("qwen3_5_moe", 4, 16, "off", ((2, 0.6),)),
+])
+async def test_greedy_tokens_equal_plain_decode_at_every_draft_length(
+        container, family, bits, slots, run_ahead, lengths):
+    qpack = container
+    config = engine_config(qpack, pool={"slots": slots}, compute={"run_ahead": run_ahead})
+    greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS)
+    async with open_engine(config, record_routing=True) as engine:
+        await _same_greedy_tokens(engine, greedy, lengths)
+        # Reads shared by the pass: each layer of a verify pass demanded the union of its
+        # positions' experts from the pool, each expert once.
+        await engine._core.compute.prefetcher.caught_up()
+        recorder = engine._core.compute.recorder
+        assert recorder is not None
+        steps = recorder.trace.steps
+        passes = [st for st in steps if st.phase == "decode" and len(st.layers[0].observed()) > 1]
+        assert passes
+        for st in passes:
+            for entry in st.layers:
+                union = list(dict.fromkeys(e for row in entry.observed() for e in row))
+                assert entry.chosen == union
+
+
+async def _same_greedy_tokens(engine: Any, greedy: SamplingParams, lengths: Any) -> tuple[int, ...]:
+    """Plain decode's tokens, and the same from every (draft length, acceptance)."""
+    plain = _done(await _run(engine, greedy)).token_ids
+    guard = engine._core.batch.speculation.longest
+    assert guard == min(3, engine.facts.slots // engine.facts.top_k - 1)
+    for k, acceptance in lengths:
+        engine._core.batch.speculation.max_draft = k
+        engine.emulate_drafts(EmulatedDrafts(plain, acceptance, seed=k))
+        params = msgspec.structs.replace(greedy, speculative="ngram")
+        done = _done(await _run(engine, params))
+        assert done.token_ids == plain, f"k={k}"
+        s = done.stats
+        assert s.speculative == "ngram" and s.verify_passes > 0
+        # Some drafts kept, some rejected; a pass never drafts past the guard.
+        assert 0 < s.drafts_accepted < s.drafts_proposed <= s.verify_passes * min(k, guard)
+        assert s.tokens_per_pass == pytest.approx(
+            (s.drafts_accepted + s.verify_passes) / s.verify_passes, abs=1e-3)
+    return plain
+
+
+async def test_greedy_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_as_plain(container):
+    qpack = container
+    # The engine loads the container's MTP head (speculative = "mtp"); plain runs say "off".
+    config = engine_config(qpack, pool={"slots": 64},
+                           compute={"run_ahead": "on", "speculative": "mtp"})
+    greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS, speculative="off")
+    cases = {
+        "logprobs+penalties": SamplingParams(temperature=0.0, max_tokens=TOKENS, logprobs=2,
+                                             repetition_penalty=1.3, presence_penalty=0.5,
+                                             speculative="off"),
+        "seeded": SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=TOKENS,
+                                 speculative="off"),
+    }
+    async with open_engine(config) as engine:
+        # Every expert pooled: each pass is one sync; greedy at every draft length.
+        plain = await _same_greedy_tokens(engine, greedy, ((1, 0.7), (3, 0.6)))
+        # MTP drafts (random weights: rarely right) are verified as exactly.
+        done = _done(await _run(engine, msgspec.structs.replace(greedy, speculative="mtp")))
+        assert done.token_ids == plain
+        assert done.stats.speculative == "mtp" and done.stats.drafts_proposed > 0
+        engine._core.batch.speculation.max_draft = 3
+        for name, params in cases.items():
+            engine.emulate_drafts(None)
+            plain = await _run(engine, params)
+            tokens = _done(plain).token_ids
+            engine.emulate_drafts(EmulatedDrafts(tokens, 0.8, seed=3))
+            spec = msgspec.structs.replace(params, speculative="ngram")
+            got = await _run(engine, spec)
+            assert _deltas(got) == _deltas(plain), name
+            assert _done(got).stats.drafts_accepted > 0, name
+            if name != "logprobs+penalties":
+                continue
+            engine.emulate_drafts(None)
+            # A stop string inside the text: generation ends in the middle of a pass.
+            text = _done(plain).text
+            stop = text[len(text) // 2 : len(text) // 2 + 3]
+            stopped = msgspec.structs.replace(params, stop=(stop,))
+            plain_stop = await _run(engine, stopped)
+            done = _done(plain_stop)
+            assert done.finish_reason == "stop", name
+            kept = PROMPT + list(done.token_ids[:-1])
+            want_state, n = await engine._core.worker.run(engine.prefix_cache.take, [*kept, 0])
+            assert n == len(kept)
+            engine.prefix_cache.clear()
+            engine.emulate_drafts(EmulatedDrafts(tokens, 0.8, seed=3))
+            got_stop = await _run(engine, msgspec.structs.replace(stopped, speculative="ngram"))
+            assert _deltas(got_stop) == _deltas(plain_stop), name
+            # The state kept for a follow-up is plain decode's, bit for bit.
+            state, n = await engine._core.worker.run(engine.prefix_cache.take, [*kept, 0])
+            assert n == len(kept)
+            for a, b in zip(_arrays(state), _arrays(want_state), strict=True):
+                assert mx.array_equal(a, b).item(), name
+            engine.prefix_cache.clear()
+
+
+async def test_auto_speculates_when_drafts_pay_and_backs_off_when_they_do_not():
+    policy = SpeculationPolicy(max_draft=3, pinnable_rows=8)
+    assert policy.draft_len("auto", 10) == 3  # a pass is measured first
+    policy.after_pass(3, 3, seconds=0.012)
+    assert policy.draft_len("auto", 10) == 0  # ... then a plain step
+    policy.after_plain(0.010)
+    # Every draft kept at 1.2x a plain step's cost: speculate at the longest length.
+    assert policy.draft_len("auto", 10) == 3
+    assert policy.draft_len("auto", 1) == 1  # never past the row's room
+    # Nothing kept at twice the cost (the colibri case): stop, then probe rarely.
+    for _ in range(40):
+        policy.after_pass(3, 0, seconds=0.020)
+        policy.after_pass(1, 0, seconds=0.020)
+    picks = [policy.draft_len("auto", 10) for _ in range(400)]
+    assert policy.stats.backoffs == 1
+    assert 0 < sum(1 for k in picks if k) <= 8  # probes, each one token, doubling apart
+    assert policy.draft_len("ngram", 10) == 3  # an explicit mode always drafts
+    assert SpeculationPolicy(max_draft=3, pinnable_rows=1).draft_len("ngram", 10) == 0
+
+
+def test_prompt_lookup_drafts_the_continuation_of_the_latest_longest_match():
+    d = NgramDrafter([1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3], max_n=3, min_n=2)
+    assert d.propose(3) == [4, 9, 2]  # the 3-gram "1 2 3" wins over the later "2 3"
+    d = NgramDrafter([2, 3, 4, 2, 3, 5, 2, 3], max_n=3, min_n=2)
+    assert d.propose(2) == [5, 2]  # the latest "2 3"
+    d.extend([7])
+    assert d.propose(2) == []  # "3 7" never seen
+    assert d.propose(0) == []
+
+
+def test_speculative_sampling_draws_from_the_target_distribution():
+    """Drafts from q, kept with min(1, p/q), else redrawn from the residual: tokens ~ p."""
+    vocab, n = 6, 60_000
+    p = mx.array([0.05, 0.4, 0.1, 0.2, 0.05, 0.2])
+    q = mx.array([0.3, 0.1, 0.3, 0.1, 0.1, 0.1])
+    draft = mx.random.categorical(mx.log(mx.broadcast_to(q, (n, vocab))), key=mx.random.key(1))
+    tokens, kept = speculative_sample(mx.broadcast_to(p, (n, vocab)), mx.broadcast_to(q, (n, vocab)),
+                                      draft, mx.random.key(2))
+    counts = np.bincount(np.array(tokens), minlength=vocab)
+    expected = np.array(p) * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5  # 5 degrees of freedom: p < 0.001 by chance
+    # The acceptance rate is sum(min(p, q)) (0.5 here).
+    rate = float(mx.minimum(p, q).sum())
+    assert math.isclose(float(np.array(kept).mean()), rate, abs_tol=0.01)
+
+
+def test_bench_speculative_cases_run_after_the_plain_reference_they_draft_from():
+    from pipeline.bench.spec import Case
+    from pipeline.bench.speculative import is_spec_case, spec_case_fields, with_references
+
+    base = {"pool": {"budget_mb": 1024}, "compute": {"prefill_chunk": 0}}
+    assert all(is_spec_case(n) for n in ("spec-k2-a0.8", "warm-spec-auto-a0.5", "spec-auto", "spec-mtp"))
+    assert not any(is_spec_case(n) for n in ("spec", "spec-k9-a0.8", "spec-k2-a2", "default"))
+    cases = [Case(name=n, model="m", **spec_case_fields(n, base))
+             for n in ("spec-k2-a0.8", "warm-spec-auto-a0.7", "spec-auto")]
+    k2 = cases[0]
+    assert k2.config["compute"] == {"prefill_chunk": 0, "speculative": "ngram", "draft_tokens": 2}
+    assert (k2.emulate, k2.reference, k2.warm_all) == (0.8, "default", False)
+    assert cases[2].emulate is None  # real prompt lookup: no reference needed
+    planned = [c.name for c in with_references([Case(name="io", model="m"), *cases])]
+    assert planned == ["io", "spec-auto", "default", "spec-k2-a0.8", "warm-all", "warm-spec-auto-a0.7"]
+    plain = next(c for c in with_references(cases) if c.name == "warm-all")
+    assert plain.warm_all and plain.config["compute"]["speculative"] == "off"
