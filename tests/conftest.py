@@ -5,6 +5,7 @@ kill tests start packs from (`fork_server`)."""
 from __future__ import annotations
 
 import fcntl
+import gc
 import hashlib
 import multiprocessing
 import os
@@ -22,13 +23,10 @@ import pytest
 # The package is used from the checkout (not installed) when tests run as `.venv/bin/pytest`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import forked_cli  # noqa: E402
-import forked_launch  # noqa: E402
-import forked_ranks  # noqa: E402
-import packjob  # noqa: E402
-
-from qpack.synth.checkpoint import synthesize  # noqa: E402
-from qpack.writer import pack  # noqa: E402
+# The packer, the synthesizer and the fork server's modules (MLX, mlx-lm, transformers and
+# torch behind them: seconds of CPU) are imported where they are used, not here: under
+# xdist the controller process loads this file too, before it starts the workers, and
+# never runs a test.
 
 
 def _shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -68,6 +66,8 @@ def synth_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., 
     def make(family: str, *, dtype: str = "float32", bits: int | None = None,
              layout: str = "hub", variant: str | None = None, mode: str = "affine",
              recipe: str | None = None) -> Path:
+        from qpack.synth.checkpoint import synthesize
+
         key = (family, dtype, bits, layout, variant, mode, recipe)
         if key not in made:
             made[key] = _once(_shared_root(tmp_path_factory), f"synth {key!r}", lambda out: synthesize(
@@ -89,6 +89,8 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         key = (str(source), tuple(sorted(options.items())))
         if key not in made:
             def build(out: Path) -> Path:
+                from qpack.writer import pack
+
                 pack(source, out / "tiny.qpack", progress=False, **options)
                 return out / "tiny.qpack"
 
@@ -108,6 +110,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _start_fork_server() -> BaseContext:
+    import forked_cli
+    import forked_launch
+    import forked_ranks
+    import packjob
+
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(packjob.PRELOAD + forked_cli.PRELOAD + forked_ranks.PRELOAD
                               + forked_launch.PRELOAD)
@@ -120,6 +127,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # while the tests before the first that needs it run.
     if any("fork_server" in getattr(item, "fixturenames", ()) for item in session.items):
         _start_fork_server()
+    # What collection imported (MLX, mlx-lm, transformers, torch, the clients: some 300k
+    # objects that live as long as the process) leaves the collector's view, so each full
+    # collection while tests run no longer walks all of it (about 40 % of that time in
+    # tests/test_server_conformance.py). Nothing is kept alive that was not already.
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,6 @@ from qpack import spec
 from qpack.spec import QpackError
 from qpack.synth.presets import QWEN3_NEXT_BOS, QWEN3_NEXT_EOS, get_preset
 from qpack.synth.variants import generation_config
-from qpack.writer import pack
 
 USER = [{"role": "user", "content": "Name three primes."}]
 
@@ -36,25 +35,17 @@ def _config(container: Path, **sections: dict) -> object:
     return config_from_dict(base)
 
 
-def _pack_with(src: Path, tmp: Path, gen: dict) -> Path:
-    """`src` (read-only, shared) with another generation_config.json, packed."""
-    copy = tmp / "src"
-    copy.mkdir(parents=True)
-    for f in src.iterdir():
-        (copy / f.name).symlink_to(f)
-    (copy / "generation_config.json").unlink()
-    (copy / "generation_config.json").write_text(json.dumps(gen))
+def _with_generation_config(container: Path, tmp: Path, gen: dict) -> Path:
+    """A copy of `container` (read-only, shared) with another generation_config.json."""
     out = tmp / "c.qpack"
-    pack(copy, out, bits=4, progress=False)
+    shutil.copytree(container, out)
+    _replace_listed(out, "generation_config.json", json.dumps(gen).encode())
     return out
 
 
 @pytest.fixture(scope="module")
-def thinking(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("thinking") / "thinking.qpack"
-    pack(synth_checkpoint("qwen3_next", dtype="bfloat16", variant="thinking"), out, bits=4,
-         progress=False)
-    return out
+def thinking(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next", dtype="bfloat16", variant="thinking"), bits=4)
 
 
 def test_thinking_preset_files(synth_checkpoint) -> None:
@@ -85,18 +76,23 @@ async def test_kept_in_container_eos_and_sampling_defaults(thinking: Path) -> No
         assert engine.tokenizer.decode(engine.chat_tokens(USER)).endswith("<think>\n")
 
 
-async def test_generation_config_eos_ends_generation(synth_checkpoint, tmp_path: Path) -> None:
+async def test_generation_config_eos_ends_generation(synth_checkpoint, packed,
+                                                     tmp_path: Path) -> None:
     """A token that greedy decoding emits, listed only in generation_config.json's
-    eos_token_id, stops the generation there (finish "stop")."""
-    src = synth_checkpoint("qwen3_next", dtype="bfloat16")
-    plain = _pack_with(src, tmp_path / "a", {"eos_token_id": [QWEN3_NEXT_EOS]})
+    eos_token_id, stops the generation there (finish "stop"). Each container is a copy of
+    the shared 4-bit pack with its generation_config.json (and manifest entry) replaced:
+    what packing a checkpoint carrying that file writes (the pack keeping the file is
+    `test_kept_in_container_eos_and_sampling_defaults`)."""
+    shared = packed(synth_checkpoint("qwen3_next", dtype="bfloat16"), bits=4)
+    plain = _with_generation_config(shared, tmp_path / "a", {"eos_token_id": [QWEN3_NEXT_EOS]})
     greedy = SamplingParams(temperature=0.0, max_tokens=6)
     async with open_engine(_config(plain)) as engine:
         done = [e async for e in engine.chat(USER, greedy)][-1]
     assert isinstance(done, Done) and done.finish_reason == "length"
     second = done.token_ids[1]
     assert second not in done.token_ids[:1]
-    stopping = _pack_with(src, tmp_path / "b", {"eos_token_id": [QWEN3_NEXT_EOS, second]})
+    stopping = _with_generation_config(shared, tmp_path / "b",
+                                       {"eos_token_id": [QWEN3_NEXT_EOS, second]})
     async with open_engine(_config(stopping)) as engine:
         done2 = [e async for e in engine.chat(USER, greedy)][-1]
     assert done2.finish_reason == "stop" and done2.token_ids == done.token_ids[:2]
@@ -188,10 +184,8 @@ def test_template_kwargs_layers() -> None:
 
 
 @pytest.fixture(scope="module")
-def hybrid(synth_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("hybrid") / "hybrid.qpack"
-    pack(synth_checkpoint("qwen3_5_moe", dtype="bfloat16"), out, bits=4, progress=False)
-    return out
+def hybrid(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_5_moe", dtype="bfloat16"), bits=4)
 
 
 async def test_enable_thinking_per_request_call_and_config(hybrid: Path) -> None:

@@ -156,7 +156,8 @@ async def test_thinking_switch_and_constraints_on_a_thinking_template(
 
 @pytest.fixture(scope="module")
 def always_thinking(synth_checkpoint, packed) -> Path:
-    return packed(synth_checkpoint("qwen3_next", variant="thinking"), bits=None)
+    # The Thinking variant test_generation_config.py packs too: one synth and pack a session.
+    return packed(synth_checkpoint("qwen3_next", dtype="bfloat16", variant="thinking"), bits=4)
 
 
 async def test_anthropic_thinking_is_opt_in_on_an_always_thinking_template(
