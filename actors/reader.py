@@ -30,7 +30,6 @@ thread, off the disk threads.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections import deque
@@ -46,16 +45,10 @@ from actors import timeline
 from actors.disk_meter import DiskMeter
 from actors.mlx_worker import MlxWorker
 from actors.pool.eviction import ExpertKey
+from actors.switch_interval import SWITCH_INTERVAL_S, shortened
 from qpack.reader import Container, aligned_empty
 
 log = structlog.get_logger("moestream.reader")
-# While readers run, the GIL is handed over at least this often (Python's default: 5 ms).
-# A disk thread whose pread returned needs the GIL to start the next one; behind the MLX
-# thread's graph building it waited up to the whole interval, several reads' worth. At
-# 0.2 ms a 35B-dims decode moved 1.84 GB/s instead of 1.62 (H200, 2026-12-01).
-SWITCH_INTERVAL_S = 0.0002
-_switch_lock = threading.Lock()
-_switch_users: list[float] = []  # the interval each running reader found, to restore
 # Staging threads touch MLX (each keeps its streams for life), so there are few of them;
 # a 1.7 MiB blob's copy to the H200 takes ~0.6 ms, so 4 keep up with ~10 GB/s of reads.
 MAX_STAGERS = 4
@@ -175,11 +168,10 @@ class ExpertReader:
                    for i in range(self.concurrency + self.demand_lane)]
         for thread in threads:
             thread.start()
-        _claim_switch_interval(self.switch_interval_s)
         try:
-            await trio.sleep_forever()
+            with shortened(self.switch_interval_s):
+                await trio.sleep_forever()
         finally:
-            _release_switch_interval(self.switch_interval_s)
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()
@@ -423,22 +415,3 @@ class ExpertReader:
         self._any_done.set()
         self._any_done = trio.Event()
 
-
-def _claim_switch_interval(interval: float | None) -> None:
-    """Shorten the GIL's switch interval while a reader runs (None: leave it)."""
-    if interval is None:
-        return
-    with _switch_lock:
-        _switch_users.append(sys.getswitchinterval())
-        sys.setswitchinterval(min(interval, sys.getswitchinterval()))
-
-
-def _release_switch_interval(interval: float | None) -> None:
-    """The last reader to stop puts back the interval the first one found."""
-    if interval is None:
-        return
-    with _switch_lock:
-        first = _switch_users[0]
-        _switch_users.pop()
-        if not _switch_users:
-            sys.setswitchinterval(first)

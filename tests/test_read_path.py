@@ -15,7 +15,8 @@ import trio
 
 from actors.disk_meter import DiskMeter
 from actors.queue_depth import MAX_DEPTH, MIN_DEPTH, choose_depth
-from actors.reader import SWITCH_INTERVAL_S, ExpertReader
+from actors.reader import ExpertReader
+from actors.switch_interval import SWITCH_INTERVAL_S
 from qpack.reader import Container, PosixIO
 
 
