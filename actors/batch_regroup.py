@@ -44,8 +44,10 @@ def regroup_caches(ops: CacheBatcher, batch: list[Any] | None, rows: int, keep: 
         if joining:
             ops.extend(batch, list(joining))
         return batch, taken
-    kept = taken[keep[0]] if merged else batch
-    staying = [kept] if keep and kept is not None else []
+    # At most one row stays: out of a merged batch it was taken above; every row may
+    # also be leaving while newcomers join (then nothing stays).
+    kept = (taken[keep[0]] if merged else batch) if keep else None
+    staying = [kept] if kept is not None else []
     members = [*staying, *joining]
     if not members:
         return None, taken

@@ -241,22 +241,30 @@ class ExpertRouter:
         return installs, keys, buffers
 
     async def _drain(self) -> None:
-        for load in list(self.loads.values()):
-            await load.done.wait()
-        _installs, _keys, buffers = self.collect()
-        for buffer in buffers:
-            self.reader.give_back(buffer)
+        # Loads can outnumber the staging buffers (queued predictions): each finished one
+        # gives its buffer back at once, or the queued ones would never start.
+        while True:
+            _installs, _keys, buffers = self.collect()
+            for buffer in buffers:
+                self.reader.give_back(buffer)
+            if not self.loads:
+                break
+            await self.reader.wait_any()
         self.driver.end_layer()
         self.release_unready()
 
     async def _settle(self) -> None:
+        # As in `_drain`: installing as loads land frees their buffers for the queued ones.
         with trio.move_on_after(self.settle_timeout_s) as waited:
-            for load in list(self.loads.values()):
-                await load.done.wait()
+            while True:
+                await self.install_finished()
+                if not self.loads:
+                    break
+                await self.reader.wait_any()
         if waited.cancelled_caught:
             log.warning("router.settle_timed_out", in_flight=len(self.loads),
                         seconds=self.settle_timeout_s)
-        await self.install_finished()
+            await self.install_finished()
         self.driver.end_layer()
         self.release_unready()
 

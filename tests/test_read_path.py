@@ -193,3 +193,31 @@ async def test_predictions_wait_while_a_demand_read_runs_when_they_yield(contain
                 assert load.error is None
             nursery.cancel_scope.cancel()
     assert started_beside == (0 if yields else 2)
+
+
+@pytest.mark.parametrize("end", ["drain", "settle"])
+async def test_more_queued_predictions_than_staging_buffers_still_drain_and_settle(container, end):
+    """A failed step drains, an idle engine settles: with more loads out than staging
+    buffers, each landed load must give its buffer back for the queued ones to start."""
+    from actors.pool.eviction import LRU
+    from actors.pool.slots import SlotTable
+    from actors.router import ExpertRouter
+
+    installed: list[int] = []
+
+    async def install(items):  # the engine's installer copies blobs into the pool
+        installed.extend(slot for slot, _blob in items)
+
+    with Container.open(container) as c:
+        reader = ExpertReader(c, concurrency=1, buffers=2)
+        router = ExpertRouter(SlotTable(16, LRU()), reader, c.manifest.num_experts, install)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.run)
+            nursery.start_soon(router.run)
+            await router.prefetch([(0, list(range(8)))], tick=1)
+            with trio.fail_after(20):
+                await (router.drain() if end == "drain" else router.settle())
+            assert not router.loads and len(reader._free) == 2
+            nursery.cancel_scope.cancel()
+    assert reader.stats.reads == 8
+    assert len(installed) == (8 if end == "settle" else 0)
