@@ -66,7 +66,7 @@ def test_replay_refuses_its_json_output_before_replaying(tmp_path, capsys) -> No
     out = tmp_path / "missing" / "r.json"
     assert main(["replay", "--workload", "qwen3-next-80b,requests=1,decode_tokens=4,layers=2",
                  "--json", str(out)]) == 2
-    assert f"--json: directory {out.parent} does not exist" in _one_error(capsys.readouterr().err)
+    assert _one_error(capsys.readouterr().err) == f"error: {out}: --json: directory {out.parent} does not exist"
     assert not out.parent.exists()
 
 

@@ -43,7 +43,10 @@ def one_line(exc: BaseException) -> str:
     name = type(cause).__name__
     if isinstance(cause, OSError) and not text:
         text = os.strerror(cause.errno) if cause.errno else name
-    if name in _SELF_EXPLAINING or isinstance(cause, OSError | ValueError) and text:
+    # By name along the class's bases: a subclass (OutputPathError is a QpackError)
+    # explains itself as its base does, and the CLI need not import every module.
+    explains = any(c.__name__ in _SELF_EXPLAINING for c in type(cause).__mro__)
+    if explains or isinstance(cause, OSError | ValueError) and text:
         return text or name
     return f"{name}: {text}" if text else name
 
