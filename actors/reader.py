@@ -199,6 +199,7 @@ class ExpertReader:
             load.demand = True
             self._prefetch.remove(load)
             self._demand.append(load)
+            self._cond.notify()  # without a lane, a queue thread must take it
             self._lane_cond.notify()
 
     @property
@@ -245,7 +246,7 @@ class ExpertReader:
             return
         with self._cond:
             self._demand_reading -= 1
-            if not self._demand_reading and self._prefetch:
+            if not self._demand_reading and (self._prefetch or self._demand):
                 self._cond.notify_all()
 
     def _disk_thread(self, index: int, token: trio.lowlevel.TrioToken, lane: bool) -> None:
