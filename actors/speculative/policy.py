@@ -95,7 +95,10 @@ class SpeculationPolicy:
         if mode != "auto":
             return k
         if not self.pass_s:
-            return k  # measure a pass first
+            # Measure the cheapest pass first: where drafts lose (a text that does not
+            # repeat, compute that costs per position) the probe costs least; where they
+            # pay, longer ones are tried next (priced as the nearest measured: `_best`).
+            return 1
         if self.plain_s is None:
             return 0  # ... then a plain step
         best, gain = self._best(k)
