@@ -101,6 +101,10 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The engine's tokenizer.json parsed once per content in this process (shared_tokenizers.py).
+    import shared_tokenizers
+
+    shared_tokenizers.install()
     # What the code caches between processes (built tokenizers) stays in a directory of
     # this run: set before the xdist workers, the fork server and any test's subprocess
     # start, so all of them share it; removed by the process that made it.

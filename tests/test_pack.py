@@ -15,7 +15,6 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map_with_path
-from mlx_lm.utils import load_model, quantize_model
 from packjob import PackJob, check_half_written, files, pack_on_a_full_disk
 
 from qpack import spec
@@ -128,6 +127,9 @@ def test_mlx_source_is_never_requantized(synth_checkpoint, tmp_path):
 
 def _convert_reference(src: Path, bits: int | None):
     """What mlx_lm.convert would hold in memory before saving: load, cast, quantize."""
+    # Imported here: mlx_lm.utils pulls in transformers and torch (~3 s of CPU a process).
+    from mlx_lm.utils import load_model, quantize_model
+
     model, config = load_model(src)
     dtype = config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
     if dtype in ("float16", "bfloat16", "float32"):

@@ -7,8 +7,6 @@ import numpy as np
 import pytest
 from helpers_forward import DirectForward
 
-torch = pytest.importorskip("torch")
-
 PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
 
 # (family, checkpoint layout, transformers class). Qwen3.5 MoE's hub checkpoint is the
@@ -22,6 +20,9 @@ CASES = [
 
 
 def _hf_logits(src, class_name: str, tokens: list[int]) -> np.ndarray:
+    # Imported here, not at module level: collecting this file made every xdist worker
+    # import torch (~1.5 s of CPU), the one that never runs these tests too.
+    torch = pytest.importorskip("torch")
     import transformers
 
     cls = getattr(transformers, class_name)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from actors.sampler import Sampler
 from actors.sampling_params import SamplingParams
 from actors.text_stream import StopMatcher, TextStream
+
+if TYPE_CHECKING:  # at run time imported by the fixture: it pulls in transformers and torch
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 VOCAB = 64
 
@@ -298,6 +302,7 @@ def test_stop_overlapping_prefixes() -> None:
 
 @pytest.fixture(scope="module")
 def byte_tokenizer() -> TokenizerWrapper:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

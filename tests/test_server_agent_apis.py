@@ -8,10 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import httpx2
 import pytest
 from helpers_conformance import TOOLS, USER, WEATHER, check_weather, client, running
+
+# `anthropic` is imported in the tests that drive it: at module level it cost every xdist
+# worker ~1.8 s of CPU at collection, the one without these tests too.
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +22,8 @@ def container(synth_checkpoint, packed) -> Path:
 
 
 async def test_responses_and_anthropic_messages(container: Path) -> None:
+    import anthropic
+
     async with running(container) as (engine, base):
         v1 = client(f"{base}/v1")
         resp = await v1.responses.create(model="tiny", input="Tell me about Paris.",
@@ -114,6 +118,8 @@ def thinking_container(synth_checkpoint, packed) -> Path:
 
 async def test_thinking_switch_and_constraints_on_a_thinking_template(
         thinking_container: Path) -> None:
+    import anthropic
+
     async with running(thinking_container) as (engine, base):
         v1 = client(f"{base}/v1")
         kw: dict[str, Any] = {"model": "tiny", "messages": USER, "max_tokens": 4, "seed": 3}
@@ -164,6 +170,8 @@ async def test_anthropic_thinking_is_opt_in_on_an_always_thinking_template(
         always_thinking: Path) -> None:
     """Qwen3-Next Thinking's template opens <think> whatever enable_thinking says: without
     `thinking`, the reasoning is not sent as a thinking block."""
+    import anthropic
+
     async with running(always_thinking) as (engine, base):
         claude = anthropic.AsyncAnthropic(base_url=base, api_key="unused", max_retries=0)
         kw: dict[str, Any] = {"model": "tiny", "max_tokens": 3, "messages": USER,
