@@ -110,6 +110,11 @@ class MemoryConfig(_Section, frozen=True):
     # Shrink the pool under memory pressure (Linux PSI, macOS pressure events) and grow it
     # back when the pressure is gone (pipeline/memory_pressure.py).
     adapt: bool = False
+    # The token embedding (an untied one: a tied one is the lm_head): "file" reads the rows
+    # a step needs from the container (273 MiB less resident at Qwen3.5's 248k vocabulary;
+    # a lazy token is read back first), "resident" holds the table, "auto" is "file" on the
+    # CPU backend and "resident" on a GPU (pipeline/models/file_embedding.py).
+    embedding: Literal["auto", "resident", "file"] = "auto"
 
 
 class ReaderConfig(_Section, frozen=True):

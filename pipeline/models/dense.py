@@ -16,6 +16,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from pipeline.models.families import of_model
+from pipeline.models.file_embedding import move_to_file
 from qpack.families import family
 from qpack.mlx_model import model_classes
 from qpack.quant_infer import infer_quant_config
@@ -58,11 +60,14 @@ def _quantize(model: nn.Module, config: dict[str, Any], weights: dict[str, mx.ar
 
 
 def load_dense(config: dict[str, Any], dense_path: Path,
-               keep: Callable[[str], bool] | None = None) -> nn.Module:
+               keep: Callable[[str], bool] | None = None, *,
+               embedding_on_file: bool = False) -> nn.Module:
     """The mlx-lm model holding every dense weight of the container, evaluated.
 
     `keep(name)`: load only those tensors (a pipeline rank's layers); the others become
     empty arrays, never read from the file (mx.load is lazy), so a stray use fails loudly.
+    `embedding_on_file`: an untied token embedding stays in the file and is read by rows
+    (pipeline/models/file_embedding.py); a tied one stays resident.
     """
     weights = load_safetensors(dense_path)
     model = build_model(config)
@@ -79,6 +84,10 @@ def load_dense(config: dict[str, Any], dense_path: Path,
         )
     if keep is not None:
         weights = {name: (w if keep(name) else mx.zeros((0,), w.dtype)) for name, w in weights.items()}
+    elif embedding_on_file:
+        text = of_model(model).text_model(model)
+        if not getattr(text.args, "tie_word_embeddings", False):
+            move_to_file(model, text.model, weights, dense_path)
     model.load_weights(list(weights.items()), strict=keep is None)
     model.eval()
     mx.eval(model.parameters())

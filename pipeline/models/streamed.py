@@ -20,6 +20,7 @@ from mlx_lm.models.base import create_ssm_mask
 
 from actors.forward import Presync, Routing
 from pipeline.models.batch_caches import BatchCaches
+from pipeline.models.file_embedding import embedding_dtype
 from pipeline.models.moe import routed_experts
 from pipeline.models.routing_override import RoutingOverride
 from pipeline.models.text_parts import TextParts, moe_layers, text_parts
@@ -120,8 +121,7 @@ class StreamedModel:
         """About how many bytes one sequence's model state holds after `tokens` tokens:
         keys and values per attention layer (allocated 256 positions at a time), a fixed
         state per recurrent layer (the family's `state_bytes`)."""
-        embed = self.parts.embed_tokens  # a quantized one keeps the dtype in its scales
-        itemsize = (self.activation_dtype or getattr(embed, "scales", embed.weight).dtype).size
+        itemsize = (self.activation_dtype or embedding_dtype(self.parts.embed_tokens)).size
         positions = -(-tokens // 256) * 256
         return sum(self.family.state_bytes(block, self.parts.args, positions, itemsize)
                    for block in self.parts.layers)
