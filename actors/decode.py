@@ -146,6 +146,11 @@ class Decoder:
             return tokens
         self.launched = None
         await c.on_mlx(self._undo_next, current, nxt, miss)
+        # Neither the undone step nor this step's run-ahead outputs are read again: let
+        # their states go before the per-layer redo (else held through it, two model
+        # states: 128 MiB at the 35B's dimensions).
+        nxt = None
+        current.lazy = None
         step: ForwardStepper = current.step
         logits = await c.finish_from(step, miss, "decode")
         tokens = await c.on_mlx(self.sampler.sample, logits)

@@ -2,8 +2,8 @@
 
 The same plan an engine makes at open (`memory_budget.plan_memory`), with the parts it
 measures measured here the same way: this process's RSS once the engine's modules and
-the container's tokenizer are loaded, the manifest's dense core (less a token embedding
-an engine leaves on file), the reader's staging for
+the container's tokenizer are loaded, the manifest's dense core as an engine holds it
+(less a token embedding left on file, plus a widened lm_head), the reader's staging for
 the disk threads it would choose. The expected hit rate is the pool advice's (a replay of
 calibrated routing) at that pool size, interpolated between its rows.
 """
@@ -52,7 +52,8 @@ def budget_info(path: Path, memory_mb: int, advice: dict[str, Any] | None) -> Bu
     from pipeline.config.schema import ComputeConfig, MemoryConfig
     from pipeline.engine_sizing import smallest_workable_slots
     from pipeline.memory_budget import plan_memory
-    from pipeline.models.file_embedding import file_bytes, wants_file
+    from pipeline.models.dense import held_bytes
+    from pipeline.models.file_embedding import wants_file
     from pipeline.models.streamed import activation_dtype
     from pipeline.resident_map import current_rss_mb
     from pipeline.tokenizer import load_tokenizer
@@ -61,11 +62,13 @@ def budget_info(path: Path, memory_mb: int, advice: dict[str, Any] | None) -> Bu
     with Container.open(path, verify="off") as c:
         m = c.manifest
         on_file = wants_file(MemoryConfig().embedding, mx.default_device() == mx.cpu)
+        dtype = activation_dtype(ComputeConfig().dtype)
         load_tokenizer(c.tokenizer_dir())
-        layout = PoolLayout.of(m.layers, widen_for(activation_dtype(ComputeConfig().dtype)))
+        layout = PoolLayout.of(m.layers, widen_for(dtype))
         plan = plan_memory(
             MemoryConfig(budget_mb=memory_mb), process_bytes=int(current_rss_mb() * 2**20),
-            dense_bytes=m.dense_bytes - file_bytes(c.dense_path, on_file), slot_nbytes=layout.slot_nbytes, stride=m.max_stride,
+            dense_bytes=held_bytes(c.dense_path, m.dense_bytes, embedding_on_file=on_file,
+                                   head_dtype=dtype), slot_nbytes=layout.slot_nbytes, stride=m.max_stride,
             readers=choose_depth(c).depth,
             need_slots=smallest_workable_slots(m.num_experts, m.top_k, ComputeConfig().prefill_chunk),
             max_slots=m.num_experts * len(m.layers))

@@ -48,6 +48,7 @@ from pipeline.engine_sizing import (
     PoolTooSmall,
     num_slots,
     prefill_chunk_for,
+    run_ahead_mode,
     smallest_workable_slots,
 )
 from pipeline.heap_trim import HeapTrimmer
@@ -59,8 +60,8 @@ from pipeline.memory_budget import (
     staging_buffers,
 )
 from pipeline.memory_facts import OpenMarks
-from pipeline.models.dense import load_dense
-from pipeline.models.file_embedding import file_bytes, wants_file
+from pipeline.models.dense import held_bytes, load_dense
+from pipeline.models.file_embedding import wants_file
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_disk import prefix_cache_for
 from pipeline.speculation import open_mtp, policy_for
@@ -88,12 +89,13 @@ async def open_core(
     storage_probe = layout.slot_nbytes
     layers = stage.expert_layers(container) if stage else len(manifest.layers)
     # An untied token embedding may stay on file (memory.embedding): not in the dense core
-    # held. Pipeline ranks hold their own share (pipeline/distributed/stage.py).
+    # held; an untied lm_head's scales widened to the activations' dtype (pipeline/models/dense.py).
     worker = MlxWorker.shared()
+    dtype = await worker.run(activation_dtype, config.compute.dtype)
     on_file = stage is None and wants_file(config.memory.embedding,
                                            await worker.run(lambda: mx.default_device() == mx.cpu))
-    dense_bytes = stage.dense_bytes if stage else (
-        manifest.dense_bytes - file_bytes(container.dense_path, on_file))
+    dense_bytes = stage.dense_bytes if stage else held_bytes(
+        container.dense_path, manifest.dense_bytes, embedding_on_file=on_file, head_dtype=dtype)
     slots = min(num_slots(config, storage_probe, dense_bytes, stage.ranks_on_host if stage else 1),
                 manifest.num_experts * layers)
     check_pool_fits(slots * storage_probe, dense_bytes, config.pool.slots is not None or config.pool.budget_mb is not None)
@@ -122,12 +124,11 @@ async def open_core(
         # QpackError naming the file rather than inside an exception group.
         dense = await worker.run(
             guarded, container.dense_path, stage.load_dense if stage else partial(
-                load_dense, embedding_on_file=on_file),
+                load_dense, embedding_on_file=on_file, head_dtype=dtype),
             container.config, container.dense_path,
         )
         storage = await worker.run(PoolStorage, layout, slots)
         stage_in_threads = await staging_probe(config.reader.stage_in_threads, worker)
-        dtype = await worker.run(activation_dtype, config.compute.dtype)
         model = (stage.model if stage else StreamedModel)(
             dense, fmt, storage.arrays, dtype, views=storage.view)
         async with trio.open_nursery() as nursery:
@@ -217,7 +218,8 @@ def _start_actors(
         worker, model, router, strategy, PrefetchScorer(manifest.max_stride), recorder,
         moe_layers=model.moe_layers,
         # The serial streamer baseline keeps one sync per layer, as it always had.
-        run_ahead=RunAheadPolicy(config.compute.run_ahead if overlap else "off"),
+        run_ahead=RunAheadPolicy(run_ahead_mode(config.compute.run_ahead, slots, len(
+            model.moe_layers), model.top_k) if overlap else "off"),
     )
     nursery.start_soon(compute.prefetcher.run)
     core = _core(config, container, worker, model, storage, router, compute, tokenizer,

@@ -12,8 +12,8 @@ import pytest
 from helpers_forward import tiny_pair
 from mlx.utils import tree_flatten
 
-from pipeline.models.dense import load_dense
-from pipeline.models.file_embedding import FileEmbedding, file_bytes
+from pipeline.models.dense import held_bytes, load_dense
+from pipeline.models.file_embedding import FileEmbedding
 from pipeline.models.text_parts import text_parts
 from qpack.reader import Container
 from qpack.safetensors_io import load_safetensors
@@ -33,8 +33,10 @@ def test_rows_from_the_file_are_the_resident_table(synth_checkpoint, packed, bit
         on_file = load_dense(c.config, c.dense_path, embedding_on_file=True)
         table = text_parts(on_file).embed_tokens
         assert isinstance(table, FileEmbedding)
-        assert _held(resident) - _held(on_file) == table.file_bytes == file_bytes(c.dense_path, True)
-        assert file_bytes(c.dense_path, False) == 0
+        total = c.manifest.dense_bytes
+        assert _held(resident) - _held(on_file) == table.file_bytes
+        assert held_bytes(c.dense_path, total, embedding_on_file=True, head_dtype=None) == total - table.file_bytes
+        assert held_bytes(c.dense_path, total, embedding_on_file=False, head_dtype=None) == total
         ids = mx.array(TOKENS)
         want = text_parts(resident).embed_tokens(ids)
         got = table(ids)
@@ -57,4 +59,23 @@ def test_a_tied_embedding_stays_resident(synth_checkpoint, packed, tmp_path: Pat
     model = load_dense(config, dense, embedding_on_file=True)
     parts = text_parts(model)
     assert parts.lm_head is None and isinstance(parts.embed_tokens, nn.QuantizedEmbedding)
-    assert file_bytes(dense, True) == 0
+    assert held_bytes(dense, dense.stat().st_size, embedding_on_file=True, head_dtype=None) == dense.stat().st_size
+
+
+def test_a_widened_head_gives_the_same_logits(synth_checkpoint, packed):
+    """float32 activations: the lm_head's bfloat16 scales widened once at load (no cast per
+    call), the same logits bit for bit, and the plan's count of the dense core held."""
+    _, qpack = tiny_pair(synth_checkpoint, packed, "qwen3_5_moe", 4)
+    with Container.open(qpack) as c:
+        plain = load_dense(c.config, c.dense_path, embedding_on_file=True)
+        wide = load_dense(c.config, c.dense_path, embedding_on_file=True, head_dtype=mx.float32)
+        want = held_bytes(c.dense_path, c.manifest.dense_bytes, embedding_on_file=True,
+                          head_dtype=mx.float32)
+        total = c.manifest.dense_bytes
+    head = text_parts(wide).lm_head
+    assert isinstance(head, nn.QuantizedLinear) and head.scales.dtype == mx.float32
+    widened = _held(wide) - _held(plain)
+    assert widened == (head.scales.nbytes + head.biases.nbytes) // 2
+    assert want == total - text_parts(wide).embed_tokens.file_bytes + widened
+    h = mx.random.normal((1, 3, head.scales.shape[-1] * 64), key=mx.random.key(0))
+    assert mx.array_equal(text_parts(plain).head(h), text_parts(wide).head(h)).item()

@@ -144,11 +144,8 @@ def wants_file(setting: str, on_cpu: bool) -> bool:
     return setting == "file" or (setting == "auto" and on_cpu)
 
 
-def file_bytes(dense_path: Path, on_file: bool) -> int:
-    """The bytes of `dense_path` an engine leaves on file (0 for a tied embedding, or when
-    not `on_file`): the dense core resident is the manifest's dense bytes less these."""
-    if not on_file:
-        return 0
-    with SafetensorsFile(dense_path) as f:
-        table = _table(f.tensors)
+def table_bytes(tensors: dict[str, TensorInfo]) -> int:
+    """The bytes of a dense file (its header's `tensors`) an engine with the embedding on
+    file leaves there (0 for a tied embedding)."""
+    table = _table(tensors)
     return sum(t.nbytes for t in table.values()) if table else 0
