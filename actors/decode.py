@@ -89,7 +89,13 @@ class Decoder:
 
     def _step(self, current: _Launched, more: bool) -> tuple[Any, list[int], _Launched | None]:
         """Queue the next step, then read this one: its routing, flags and tokens (the
-        tokens are meaningless when the step missed; reading them costs nothing more)."""
+        tokens are meaningless when the step missed; reading them costs nothing more).
+        A model that reads its tokens on the host waits for this step's anyway: then this
+        one is read first and the next queued only after a hit (a miss would waste it)."""
+        if self.compute.model.tokens_on_host:
+            result = current.lazy.result()
+            launched = self._launch(current.tokens) if more and result.first_miss() is None else None
+            return result, int_list(current.tokens), launched
         launched = self._launch(current.tokens) if more else None
         return current.lazy.result(), int_list(current.tokens), launched
 
