@@ -119,6 +119,9 @@ def widen_head(model: nn.Module, dtype: mx.Dtype | None) -> None:
     if biases is not None:
         head.biases = biases.astype(dtype)
     mx.eval(head.parameters())
+    # The narrow copies' buffers would stay in MLX's cache, resident, for good: no later
+    # allocation has their size.
+    mx.clear_cache()
 
 
 def held_bytes(dense_path: Path, total: int, *, embedding_on_file: bool,
