@@ -94,6 +94,7 @@ def load_dense(config: dict[str, Any], dense_path: Path,
     model.load_weights(list(weights.items()), strict=keep is None)
     model.eval()
     mx.eval(model.parameters())
+    weights.clear()  # the model holds every tensor: a widened head's narrow ones go at once
     if keep is None:
         widen_head(model, head_dtype)
     return model
@@ -115,9 +116,8 @@ def widen_head(model: nn.Module, dtype: mx.Dtype | None) -> None:
     if dtype is None or not isinstance(head, nn.QuantizedLinear) or not _widens(dtype, head.scales.dtype):
         return
     head.scales = head.scales.astype(dtype)
-    biases = head.get("biases")
-    if biases is not None:
-        head.biases = biases.astype(dtype)
+    if head.get("biases") is not None:
+        head.biases = head["biases"].astype(dtype)
     mx.eval(head.parameters())
     # The narrow copies' buffers would stay in MLX's cache, resident, for good: no later
     # allocation has their size.
