@@ -60,6 +60,7 @@ from pipeline.memory_budget import (
     staging_buffers,
 )
 from pipeline.memory_facts import OpenMarks
+from pipeline.memory_malloc import map_large_blocks
 from pipeline.models.dense import held_bytes, load_dense
 from pipeline.models.file_embedding import wants_file
 from pipeline.models.streamed import StreamedModel, activation_dtype
@@ -79,6 +80,7 @@ async def open_core(
     io: ExpertIO | None = None,
 ) -> AsyncIterator[EngineCore]:
     started = time.perf_counter()
+    map_large_blocks()  # before anything large is allocated (pipeline/memory_malloc.py)
     marks = OpenMarks()  # RSS before any part: what `memory_breakdown` calls the process
     container = Container.open(Path(config.model.path), verify=config.model.verify, io=io,
                                o_direct=config.reader.o_direct)
