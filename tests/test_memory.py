@@ -59,11 +59,17 @@ async def main():
         async for _ in engine.generate(list(range(100, 164)), SamplingParams(max_tokens=8, temperature=0)):
             pass
         state = engine._core.model.state_bytes(64 + 8)
+        facts["on_file"] = engine._core.model.tokens_on_host
+        facts["dense_held"] = engine.facts.dense_bytes < engine.container.manifest.dense_bytes
+        limit = mx.set_cache_limit(0)
+        mx.set_cache_limit(limit)
+        facts["cache_limit"] = limit
         return (mx.get_peak_memory() - base - state) / 2**20
 
+facts = {}
 temporaries_mb = trio.run(main)
 print(json.dumps({"tokenizer_mb": tokenizer_mb, "temporaries_mb": temporaries_mb,
-                  "transformers": "transformers" in sys.modules}))
+                  "transformers": "transformers" in sys.modules, **facts}))
 """
 
 
@@ -81,6 +87,47 @@ def test_tokenizer_and_temporaries_hold_their_size(qwen35: Path) -> None:
     assert not sizes["transformers"], "an engine imported transformers (~210 MiB resident)"
     assert 0 < sizes["tokenizer_mb"] <= TOKENIZER_MAX_MB, sizes
     assert sizes["temporaries_mb"] <= TEMPORARIES_MAX_MB, sizes
+    # The CPU backend's defaults without a budget (docs/memory.md): the token embedding on
+    # file, MLX's cache at 8 MiB.
+    assert sizes["on_file"] and sizes["dense_held"], sizes
+    assert sizes["cache_limit"] == 8 << 20, sizes
+
+
+MAPPED = r"""
+import ctypes, sys
+from pipeline.memory_malloc import map_large_blocks
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+info = ctypes.CDLL("libc.so.6").mallinfo2
+info.restype = Info
+
+def mapped():
+    # Freeing a mapped 16 MiB block raises glibc's own threshold to 16 MiB; held, a 2 MiB
+    # block is still a mapping of its own (unmapped when freed).
+    big = bytearray(16 << 20)
+    del big
+    before = info().hblkhd
+    block = bytearray(2 << 20)
+    return info().hblkhd - before >= 2 << 20
+
+held = sys.argv[1] == "held" and map_large_blocks()
+print(held, mapped())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_buffers_of_a_mib_and_more_leave_at_once() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    # Each case in a fresh process: glibc's thresholds are per process.
+    for case, want in (("glibc's own", ["False", "False"]), ("held", ["True", "True"])):
+        out = subprocess.run([sys.executable, "-c", MAPPED, case], capture_output=True,
+                             text=True, env=env, timeout=60, check=False)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split() == want, (case, out.stdout)
 
 
 def test_a_budget_sizes_the_pool_and_too_small_is_refused_with_the_numbers(qwen35: Path) -> None:
