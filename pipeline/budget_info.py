@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -42,7 +42,7 @@ def hit_at(rows: list[dict[str, Any]], per_layer: float) -> float | None:
     return 1.0
 
 
-def budget_info(path: Path, memory_mb: int, advice: dict[str, Any] | None) -> BudgetInfo:
+def budget_info(path: Path, memory_mb: int | Literal["auto"], advice: dict[str, Any] | None) -> BudgetInfo:
     """Raises PoolBudgetError (one line with the numbers) when the budget is too small."""
     import mlx.core as mx
 

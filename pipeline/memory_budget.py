@@ -84,6 +84,20 @@ def staging_buffers(readers: int) -> int:
     return max(4 * readers, 16)
 
 
+AUTO_SHARE = 0.8  # of the memory available at open, for `budget_mb = "auto"`
+
+
+def resolved(mem: MemoryConfig) -> MemoryConfig:
+    """`mem` with a budget of "auto" made a number: what this process holds now plus
+    AUTO_SHARE of the memory available (the rest left to the machine's other work)."""
+    if mem.budget_mb != "auto":
+        return mem
+    from pipeline.resident_map import current_rss_mb
+
+    available = psutil.virtual_memory().available / 2**20
+    return msgspec.structs.replace(mem, budget_mb=max(1, int(current_rss_mb() + AUTO_SHARE * available)))
+
+
 def plan_memory(mem: MemoryConfig, *, process_bytes: int, dense_bytes: int, slot_nbytes: int,
                 stride: int, readers: int, need_slots: int, max_slots: int,
                 pool_bytes: int | None = None) -> MemoryPlan:
@@ -91,7 +105,8 @@ def plan_memory(mem: MemoryConfig, *, process_bytes: int, dense_bytes: int, slot
 
     Raises PoolBudgetError, one line with every number, when the rest cannot hold the
     smallest workable pool (`need_slots`)."""
-    assert mem.budget_mb is not None
+    mem = resolved(mem)
+    assert isinstance(mem.budget_mb, int)
     budget = mem.budget_mb * 2**20
     state = (mem.state_mb * 2**20) if mem.state_mb else budget // 8
     staging = staging_buffers(readers) * stride

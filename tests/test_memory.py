@@ -14,13 +14,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import trio
 from helpers_engine import engine_config, forward_logits
 
+from pipeline.cli.commands import budget_arg
 from pipeline.cli.failures import one_line
 from pipeline.engine import open_engine
-from pipeline.memory_budget import PoolBudgetError
+from pipeline.memory_budget import AUTO_SHARE, PoolBudgetError
 from pipeline.resident_map import current_rss_mb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,6 +163,23 @@ def test_a_budget_sizes_the_pool_and_too_small_is_refused_with_the_numbers(qwen3
         assert line.startswith("memory budget of 64 MiB is too small: the process"), line
         assert "raise --memory-mb (memory.budget_mb) to at least" in line and "\n" not in line
 
+    trio.run(main)
+
+
+def test_an_auto_budget_is_the_process_and_most_of_the_memory_available(qwen35: Path) -> None:
+    async def main() -> None:
+        cfg = engine_config(qwen35, pool={"slots": None}, memory={"budget_mb": "auto"},
+                            reader=READERS)
+        low = current_rss_mb() + AUTO_SHARE * psutil.virtual_memory().available / 2**20
+        async with open_engine(cfg) as engine:
+            plan = engine.memory_plan
+            assert plan is not None
+            # Measured at open: what the process held then, and 80% of what was available
+            # (the tiny engine's own parts arrived in between: a loose bound).
+            assert 0.9 * low <= plan.budget_mb <= 1.1 * low + 256, (plan.budget_mb, low)
+            assert engine._core.storage.num_slots == plan.slots
+
+    assert budget_arg("auto") == "auto" and budget_arg("4096") == 4096
     trio.run(main)
 
 
