@@ -187,7 +187,11 @@ class Compute:
             return await self.finish_from(step, miss, phase)
         step, routing, preds = await self.on_mlx(self._start, tokens, cache, phase)
         logits = await self.layered(step, routing, preds, phase, all_positions)
-        if phase == "decode":
+        # A prompt's last token runs alone, as a decode token does: whether it needed a
+        # read says whether the first decode token may run ahead (a run-ahead that misses
+        # costs its wasted layers and holds a snapshot of the model's state meanwhile).
+        last_prompt_token = phase == "prefill" and isinstance(tokens, list) and len(tokens) == 1
+        if phase == "decode" or last_prompt_token:
             self.run_ahead.after_layered(hit=self.router.table.misses == misses0)
         return logits
 

@@ -89,7 +89,13 @@ class Decoder:
 
     def _step(self, current: _Launched, more: bool) -> tuple[Any, list[int], _Launched | None]:
         """Queue the next step, then read this one: its routing, flags and tokens (the
-        tokens are meaningless when the step missed; reading them costs nothing more)."""
+        tokens are meaningless when the step missed; reading them costs nothing more).
+        A model that reads its tokens on the host waits for this step's anyway: then this
+        one is read first and the next queued only after a hit (a miss would waste it)."""
+        if self.compute.model.tokens_on_host:
+            result = current.lazy.result()
+            launched = self._launch(current.tokens) if more and result.first_miss() is None else None
+            return result, int_list(current.tokens), launched
         launched = self._launch(current.tokens) if more else None
         return current.lazy.result(), int_list(current.tokens), launched
 
@@ -146,6 +152,11 @@ class Decoder:
             return tokens
         self.launched = None
         await c.on_mlx(self._undo_next, current, nxt, miss)
+        # Neither the undone step nor this step's run-ahead outputs are read again: let
+        # their states go before the per-layer redo (else held through it, two model
+        # states: 128 MiB at the 35B's dimensions).
+        nxt = None
+        current.lazy = None
         step: ForwardStepper = current.step
         logits = await c.finish_from(step, miss, "decode")
         tokens = await c.on_mlx(self.sampler.sample, logits)

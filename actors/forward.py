@@ -75,6 +75,10 @@ class CacheBatcher(Protocol):
 
 
 class SteppedModel(Protocol):
+    # The step reads its token ids on the host (an embedding kept on file): a lazy token
+    # is waited for before the step is built, so queueing it early overlaps nothing.
+    tokens_on_host: bool
+
     def step(self, tokens: list[int] | mx.array, cache: list[Any]) -> ForwardStepper:
         """`tokens`: one sequence's ids, or [rows, tokens] for a batch of merged caches."""
         ...

@@ -2,7 +2,8 @@
 
 The same plan an engine makes at open (`memory_budget.plan_memory`), with the parts it
 measures measured here the same way: this process's RSS once the engine's modules and
-the container's tokenizer are loaded, the manifest's dense core, the reader's staging for
+the container's tokenizer are loaded, the manifest's dense core as an engine holds it
+(less a token embedding left on file, plus a widened lm_head), the reader's staging for
 the disk threads it would choose. The expected hit rate is the pool advice's (a replay of
 calibrated routing) at that pool size, interpolated between its rows.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -41,14 +42,18 @@ def hit_at(rows: list[dict[str, Any]], per_layer: float) -> float | None:
     return 1.0
 
 
-def budget_info(path: Path, memory_mb: int, advice: dict[str, Any] | None) -> BudgetInfo:
+def budget_info(path: Path, memory_mb: int | Literal["auto"], advice: dict[str, Any] | None) -> BudgetInfo:
     """Raises PoolBudgetError (one line with the numbers) when the budget is too small."""
+    import mlx.core as mx
+
     import pipeline.engine  # noqa: F401 - the modules an engine has loaded when it sizes its pool
     from actors.pool.layout import PoolLayout, widen_for
     from actors.queue_depth import choose_depth
     from pipeline.config.schema import ComputeConfig, MemoryConfig
     from pipeline.engine_sizing import smallest_workable_slots
     from pipeline.memory_budget import plan_memory
+    from pipeline.models.dense import held_bytes
+    from pipeline.models.file_embedding import wants_file
     from pipeline.models.streamed import activation_dtype
     from pipeline.resident_map import current_rss_mb
     from pipeline.tokenizer import load_tokenizer
@@ -56,11 +61,14 @@ def budget_info(path: Path, memory_mb: int, advice: dict[str, Any] | None) -> Bu
 
     with Container.open(path, verify="off") as c:
         m = c.manifest
+        on_file = wants_file(MemoryConfig().embedding, mx.default_device() == mx.cpu)
+        dtype = activation_dtype(ComputeConfig().dtype)
         load_tokenizer(c.tokenizer_dir())
-        layout = PoolLayout.of(m.layers, widen_for(activation_dtype(ComputeConfig().dtype)))
+        layout = PoolLayout.of(m.layers, widen_for(dtype))
         plan = plan_memory(
             MemoryConfig(budget_mb=memory_mb), process_bytes=int(current_rss_mb() * 2**20),
-            dense_bytes=m.dense_bytes, slot_nbytes=layout.slot_nbytes, stride=m.max_stride,
+            dense_bytes=held_bytes(c.dense_path, m.dense_bytes, embedding_on_file=on_file,
+                                   head_dtype=dtype), slot_nbytes=layout.slot_nbytes, stride=m.max_stride,
             readers=choose_depth(c).depth,
             need_slots=smallest_workable_slots(m.num_experts, m.top_k, ComputeConfig().prefill_chunk),
             max_slots=m.num_experts * len(m.layers))

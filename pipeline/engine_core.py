@@ -45,7 +45,7 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     num_experts: int
     top_k: int
     expert_stride: int  # bytes of one expert on disk (the largest layer's)
-    dense_bytes: int  # the container's dense core
+    dense_bytes: int  # the dense core held (less a token embedding left on file)
     context_limit: int  # prompt + completion tokens
     slots: int  # the expert pool's size, in experts
     pool_bytes: int

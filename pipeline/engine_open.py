@@ -13,9 +13,11 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import mlx.core as mx
 import structlog
 import trio
 
@@ -46,6 +48,7 @@ from pipeline.engine_sizing import (
     PoolTooSmall,
     num_slots,
     prefill_chunk_for,
+    run_ahead_mode,
     smallest_workable_slots,
 )
 from pipeline.heap_trim import HeapTrimmer
@@ -57,7 +60,9 @@ from pipeline.memory_budget import (
     staging_buffers,
 )
 from pipeline.memory_facts import OpenMarks
-from pipeline.models.dense import load_dense
+from pipeline.memory_malloc import map_large_blocks
+from pipeline.models.dense import held_bytes, load_dense
+from pipeline.models.file_embedding import wants_file
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_disk import prefix_cache_for
 from pipeline.speculation import open_mtp, policy_for
@@ -75,6 +80,7 @@ async def open_core(
     io: ExpertIO | None = None,
 ) -> AsyncIterator[EngineCore]:
     started = time.perf_counter()
+    map_large_blocks()  # before anything large is allocated (pipeline/memory_malloc.py)
     marks = OpenMarks()  # RSS before any part: what `memory_breakdown` calls the process
     container = Container.open(Path(config.model.path), verify=config.model.verify, io=io,
                                o_direct=config.reader.o_direct)
@@ -84,7 +90,14 @@ async def open_core(
     fmt = layout.formats[next(iter(layout.formats))]
     storage_probe = layout.slot_nbytes
     layers = stage.expert_layers(container) if stage else len(manifest.layers)
-    dense_bytes = stage.dense_bytes if stage else manifest.dense_bytes
+    # An untied token embedding may stay on file (memory.embedding): not in the dense core
+    # held; an untied lm_head's scales widened to the activations' dtype (pipeline/models/dense.py).
+    worker = MlxWorker.shared()
+    dtype = await worker.run(activation_dtype, config.compute.dtype)
+    on_file = stage is None and wants_file(config.memory.embedding,
+                                           await worker.run(lambda: mx.default_device() == mx.cpu))
+    dense_bytes = stage.dense_bytes if stage else held_bytes(
+        container.dense_path, manifest.dense_bytes, embedding_on_file=on_file, head_dtype=dtype)
     slots = min(num_slots(config, storage_probe, dense_bytes, stage.ranks_on_host if stage else 1),
                 manifest.num_experts * layers)
     check_pool_fits(slots * storage_probe, dense_bytes, config.pool.slots is not None or config.pool.budget_mb is not None)
@@ -96,7 +109,6 @@ async def open_core(
             f"tokens: the smallest workable pool is {need} slots = "
             f"{need * storage_probe / 2**20:.1f} MiB (or lower compute.prefill_chunk)"
         )
-    worker = MlxWorker.shared()
     try:
         # First: its load's transient is freed before the dense core arrives (docs/memory.md).
         # A later pipeline rank never sees text: no tokenizer (seconds for a 150k vocabulary).
@@ -113,18 +125,18 @@ async def open_core(
         # Loaded before the actors' nursery opens, so a bad container surfaces as one
         # QpackError naming the file rather than inside an exception group.
         dense = await worker.run(
-            guarded, container.dense_path, stage.load_dense if stage else load_dense,
+            guarded, container.dense_path, stage.load_dense if stage else partial(
+                load_dense, embedding_on_file=on_file, head_dtype=dtype),
             container.config, container.dense_path,
         )
         storage = await worker.run(PoolStorage, layout, slots)
         stage_in_threads = await staging_probe(config.reader.stage_in_threads, worker)
-        dtype = await worker.run(activation_dtype, config.compute.dtype)
         model = (stage.model if stage else StreamedModel)(
             dense, fmt, storage.arrays, dtype, views=storage.view)
         async with trio.open_nursery() as nursery:
             core = _start_actors(
                 config, container, worker, nursery, model, storage, tokenizer, slots,
-                record_routing, started, stage_in_threads, readers,
+                record_routing, started, stage_in_threads, readers, dense_bytes,
             )
             attach_memory(core, nursery, plan, marks, need)  # docs/memory.md
             if stage:
@@ -152,6 +164,7 @@ def _start_actors(
     started: float,
     stage_in_threads: bool,
     readers: int,
+    dense_bytes: int,
 ) -> EngineCore:
     manifest = container.manifest
     overlap = config.compute.overlap
@@ -207,11 +220,12 @@ def _start_actors(
         worker, model, router, strategy, PrefetchScorer(manifest.max_stride), recorder,
         moe_layers=model.moe_layers,
         # The serial streamer baseline keeps one sync per layer, as it always had.
-        run_ahead=RunAheadPolicy(config.compute.run_ahead if overlap else "off"),
+        run_ahead=RunAheadPolicy(run_ahead_mode(config.compute.run_ahead, slots, len(
+            model.moe_layers), model.top_k) if overlap else "off"),
     )
     nursery.start_soon(compute.prefetcher.run)
     core = _core(config, container, worker, model, storage, router, compute, tokenizer,
-                 strategy_name)
+                 strategy_name, dense_bytes)
     nursery.start_soon(core.compute_task.run)
     nursery.start_soon(core.batch.run)
     nursery.start_soon(core.sampling.run)
@@ -221,7 +235,7 @@ def _start_actors(
         model_type=manifest.model_type,
         slots=slots,
         pool_mb=round(storage.nbytes / 2**20, 1),
-        dense_mb=round(manifest.dense_bytes / 2**20, 1),
+        dense_mb=round(dense_bytes / 2**20, 1),
         strategy=strategy_name,
         eviction=config.pool.eviction,
         readers=reader.concurrency,
@@ -234,7 +248,7 @@ def _start_actors(
 
 def _core(config: PipelineConfig, container: Container, worker: MlxWorker,
           model: StreamedModel, storage: PoolStorage, router: ExpertRouter, compute: Compute,
-          tokenizer: Any, strategy: str) -> EngineCore:
+          tokenizer: Any, strategy: str, dense_bytes: int) -> EngineCore:
     """The core around the started actors: the sizes decided once, from the config."""
     server, manifest = config.server, container.manifest
     # Distributed ranks keep their own states (pipeline/distributed/prefixes.py).
@@ -258,7 +272,7 @@ def _core(config: PipelineConfig, container: Container, worker: MlxWorker,
         num_experts=model.num_experts,
         top_k=model.top_k,
         expert_stride=manifest.max_stride,
-        dense_bytes=manifest.dense_bytes,
+        dense_bytes=dense_bytes,
         context_limit=server.context_limit or int(
             _text_config(container.config).get("max_position_embeddings", 1 << 20)),
         slots=storage.num_slots,
@@ -280,6 +294,6 @@ def _core(config: PipelineConfig, container: Container, worker: MlxWorker,
         heap_trimmer=HeapTrimmer(), lock=lock, batch=batch,
         mtp=open_mtp(config, container, model),
         compute_task=ComputeTask(
-            max_batch, batch_budget(config.compute.batch_memory_mb, manifest.dense_bytes)),
+            max_batch, batch_budget(config.compute.batch_memory_mb, dense_bytes)),
         sampling=SamplingTask(), max_batch=max_batch, facts=facts,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from actors.run_ahead import RunAheadMode
 from pipeline.config.schema import PipelineConfig
 
 
@@ -52,3 +53,13 @@ def default_slots(available: int, dense_bytes: int, slot_nbytes: int, processes:
     available memory, and each taking half would leave none."""
     left = available // max(processes, 1) - dense_bytes - 2**30
     return max(1, left // 2 // slot_nbytes)
+
+
+def run_ahead_mode(setting: RunAheadMode, slots: int, moe_layers: int, top_k: int) -> RunAheadMode:
+    """`compute.run_ahead` for a pool of `slots`: "auto" runs a token ahead only where it
+    can hit, every MoE layer's top-k resident at once (a smaller pool misses every time,
+    and each try holds a snapshot of the model's state: 64 MiB of DeltaNet state at the
+    35B's dimensions); "on" (tests force misses with it) and "off" as set."""
+    if setting == "auto" and slots < moe_layers * top_k:
+        return "off"
+    return setting

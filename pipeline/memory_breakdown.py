@@ -42,7 +42,7 @@ def breakdown(engine: EngineCore, peak_rss_mb: float, mlx_peak_mb: float, tokens
     marks = engine.memory_marks
     process = marks.start_mb if marks else 0.0
     tokenizer = marks.tokenizer_mb if marks else 0.0
-    dense = engine.container.manifest.dense_bytes / MIB
+    dense = engine.facts.dense_bytes / MIB  # held: less a token embedding on file
     pool = engine.storage.nbytes / MIB
     state = rows * engine.model.state_bytes(tokens) / MIB
     staging = engine.router.reader.staging_bytes / MIB

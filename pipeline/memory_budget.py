@@ -84,6 +84,20 @@ def staging_buffers(readers: int) -> int:
     return max(4 * readers, 16)
 
 
+AUTO_SHARE = 0.8  # of the memory available at open, for `budget_mb = "auto"`
+
+
+def resolved(mem: MemoryConfig) -> MemoryConfig:
+    """`mem` with a budget of "auto" made a number: what this process holds now plus
+    AUTO_SHARE of the memory available (the rest left to the machine's other work)."""
+    if mem.budget_mb != "auto":
+        return mem
+    from pipeline.resident_map import current_rss_mb
+
+    available = psutil.virtual_memory().available / 2**20
+    return msgspec.structs.replace(mem, budget_mb=max(1, int(current_rss_mb() + AUTO_SHARE * available)))
+
+
 def plan_memory(mem: MemoryConfig, *, process_bytes: int, dense_bytes: int, slot_nbytes: int,
                 stride: int, readers: int, need_slots: int, max_slots: int,
                 pool_bytes: int | None = None) -> MemoryPlan:
@@ -91,7 +105,8 @@ def plan_memory(mem: MemoryConfig, *, process_bytes: int, dense_bytes: int, slot
 
     Raises PoolBudgetError, one line with every number, when the rest cannot hold the
     smallest workable pool (`need_slots`)."""
-    assert mem.budget_mb is not None
+    mem = resolved(mem)
+    assert isinstance(mem.budget_mb, int)
     budget = mem.budget_mb * 2**20
     state = (mem.state_mb * 2**20) if mem.state_mb else budget // 8
     staging = staging_buffers(readers) * stride
@@ -122,13 +137,23 @@ def plan_memory(mem: MemoryConfig, *, process_bytes: int, dense_bytes: int, slot
         pool_mb=slots * slot_nbytes / 2**20, slots=slots)
 
 
-def apply_cache_limit(mem: MemoryConfig) -> None:
+CPU_CACHE_BYTES = 8 * 2**20  # MLX's buffer cache on the CPU backend without a budget
+
+
+def apply_cache_limit(mem: MemoryConfig, budget: bool) -> None:
     """MLX keeps freed buffers for reuse up to its cache limit (by default, its whole
-    memory limit): resident memory the budget never granted. A quarter of the temporaries'
-    share keeps reuse for the decode graphs' small buffers."""
+    memory limit): resident memory the budget never granted. With a budget a quarter of
+    the temporaries' share keeps reuse for the decode graphs' small buffers. Without one
+    the CPU backend keeps 8 MiB (a buffer missed there is one mmap away: glibc's
+    threshold, pipeline/memory_malloc.py): the cache held 32 MiB at the 35B's peak, and
+    VmHWM fell 2,533 -> 2,469 MiB with 8 (2026-12-02); GPUs keep MLX's default, where
+    allocations cost more."""
     import mlx.core as mx
 
-    mx.set_cache_limit(mem.temporaries_mb * 2**20 // 4)
+    if budget:
+        mx.set_cache_limit(mem.temporaries_mb * 2**20 // 4)
+    elif mx.default_device() == mx.cpu:
+        mx.set_cache_limit(CPU_CACHE_BYTES)
 
 
 def engine_plan(config: PipelineConfig, *, dense_bytes: int, slot_nbytes: int, stride: int,
@@ -164,8 +189,8 @@ def attach_memory(core: EngineCore, nursery: trio.Nursery, plan: MemoryPlan | No
                   marks: OpenMarks, need_slots: int) -> None:
     """Hold the open engine to its memory: prefill mixers in slices sized from the
     temporaries' share; with a plan, the batch's state and the prefix cache's copies within
-    half of the state reserve each (the first half also caps one request's context) and
-    MLX's buffer cache within the temporaries' share; with
+    half of the state reserve each (the first half also caps one request's context);
+    MLX's buffer cache within the temporaries' share (8 MiB on the CPU without a plan); with
     memory.adapt, the pool following the machine's memory pressure."""
     from pipeline.memory_pressure import PoolAdapter
     from pipeline.prefill_slices import slice_tokens
@@ -182,6 +207,6 @@ def attach_memory(core: EngineCore, nursery: trio.Nursery, plan: MemoryPlan | No
         core.prefix_cache.max_bytes = state
         limit = context_within(core.model.state_bytes, state, core.facts.context_limit)
         core.facts = msgspec.structs.replace(core.facts, context_limit=limit)
-        apply_cache_limit(mem)
+    apply_cache_limit(mem, budget=plan is not None)
     if mem.adapt:
         nursery.start_soon(PoolAdapter(core, need_slots).run)

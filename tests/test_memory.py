@@ -14,13 +14,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import trio
 from helpers_engine import engine_config, forward_logits
 
+from pipeline.cli.commands import budget_arg
 from pipeline.cli.failures import one_line
 from pipeline.engine import open_engine
-from pipeline.memory_budget import PoolBudgetError
+from pipeline.memory_budget import AUTO_SHARE, PoolBudgetError
 from pipeline.resident_map import current_rss_mb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,11 +61,17 @@ async def main():
         async for _ in engine.generate(list(range(100, 164)), SamplingParams(max_tokens=8, temperature=0)):
             pass
         state = engine._core.model.state_bytes(64 + 8)
+        facts["on_file"] = engine._core.model.tokens_on_host
+        facts["dense_held"] = engine.facts.dense_bytes < engine.container.manifest.dense_bytes
+        limit = mx.set_cache_limit(0)
+        mx.set_cache_limit(limit)
+        facts["cache_limit"] = limit
         return (mx.get_peak_memory() - base - state) / 2**20
 
+facts = {}
 temporaries_mb = trio.run(main)
 print(json.dumps({"tokenizer_mb": tokenizer_mb, "temporaries_mb": temporaries_mb,
-                  "transformers": "transformers" in sys.modules}))
+                  "transformers": "transformers" in sys.modules, **facts}))
 """
 
 
@@ -81,6 +89,47 @@ def test_tokenizer_and_temporaries_hold_their_size(qwen35: Path) -> None:
     assert not sizes["transformers"], "an engine imported transformers (~210 MiB resident)"
     assert 0 < sizes["tokenizer_mb"] <= TOKENIZER_MAX_MB, sizes
     assert sizes["temporaries_mb"] <= TEMPORARIES_MAX_MB, sizes
+    # The CPU backend's defaults without a budget (docs/memory.md): the token embedding on
+    # file, MLX's cache at 8 MiB.
+    assert sizes["on_file"] and sizes["dense_held"], sizes
+    assert sizes["cache_limit"] == 8 << 20, sizes
+
+
+MAPPED = r"""
+import ctypes, sys
+from pipeline.memory_malloc import map_large_blocks
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+info = ctypes.CDLL("libc.so.6").mallinfo2
+info.restype = Info
+
+def mapped():
+    # Freeing a mapped 16 MiB block raises glibc's own threshold to 16 MiB; held, a 2 MiB
+    # block is still a mapping of its own (unmapped when freed).
+    big = bytearray(16 << 20)
+    del big
+    before = info().hblkhd
+    block = bytearray(2 << 20)
+    return info().hblkhd - before >= 2 << 20
+
+held = sys.argv[1] == "held" and map_large_blocks()
+print(held, mapped())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_buffers_of_a_mib_and_more_leave_at_once() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    # Each case in a fresh process: glibc's thresholds are per process.
+    for case, want in (("glibc's own", ["False", "False"]), ("held", ["True", "True"])):
+        out = subprocess.run([sys.executable, "-c", MAPPED, case], capture_output=True,
+                             text=True, env=env, timeout=60, check=False)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split() == want, (case, out.stdout)
 
 
 def test_a_budget_sizes_the_pool_and_too_small_is_refused_with_the_numbers(qwen35: Path) -> None:
@@ -114,6 +163,23 @@ def test_a_budget_sizes_the_pool_and_too_small_is_refused_with_the_numbers(qwen3
         assert line.startswith("memory budget of 64 MiB is too small: the process"), line
         assert "raise --memory-mb (memory.budget_mb) to at least" in line and "\n" not in line
 
+    trio.run(main)
+
+
+def test_an_auto_budget_is_the_process_and_most_of_the_memory_available(qwen35: Path) -> None:
+    async def main() -> None:
+        cfg = engine_config(qwen35, pool={"slots": None}, memory={"budget_mb": "auto"},
+                            reader=READERS)
+        low = current_rss_mb() + AUTO_SHARE * psutil.virtual_memory().available / 2**20
+        async with open_engine(cfg) as engine:
+            plan = engine.memory_plan
+            assert plan is not None
+            # Measured at open: what the process held then, and 80% of what was available
+            # (the tiny engine's own parts arrived in between: a loose bound).
+            assert 0.9 * low <= plan.budget_mb <= 1.1 * low + 256, (plan.budget_mb, low)
+            assert engine._core.storage.num_slots == plan.slots
+
+    assert budget_arg("auto") == "auto" and budget_arg("4096") == 4096
     trio.run(main)
 
 

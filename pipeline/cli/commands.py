@@ -24,6 +24,11 @@ def readers_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number or auto, not {text!r}") from None
 
 
+def budget_arg(text: str) -> int | str:
+    """--memory-mb: MiB, or "auto"."""
+    return text if text == "auto" else int(text)
+
+
 def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) -> None:
     """Flags that override config keys; shared by run, generate, chat and serve."""
     from actors.prefetch.registry import DEPTH_STRATEGIES, strategies_help  # the registries
@@ -32,7 +37,8 @@ def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) ->
     g = p.add_argument_group("engine")
     if config_flag:
         g.add_argument("--config", type=Path, help="a TOML config to start from (flags override it)")
-    g.add_argument("--memory-mb", type=int, help="total memory budget in MiB: the expert pool "
+    g.add_argument("--memory-mb", type=budget_arg, help="total memory budget in MiB, or auto "
+                   "(what the process holds plus 80%% of the available memory): the expert pool "
                    "gets what the rest leaves (memory.budget_mb; docs/memory.md)")
     g.add_argument("--pool-mb", type=int, help="expert pool budget in MiB")
     g.add_argument("--slots", type=int, help="expert pool size in experts (instead of --pool-mb)")

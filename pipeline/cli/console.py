@@ -99,7 +99,11 @@ async def run_pipeline(cfg: PipelineConfig, trace_path: str | None, command: str
     async with loaded_engine(cfg, stage=stage,
                              record_routing=cfg.run.record_routing is not None) as engine:
         params = _params(engine, cfg)
-        for prompt in cfg.run.prompts:
+        for n, prompt in enumerate(cfg.run.prompts):
+            if n == len(cfg.run.prompts) - 1 and cfg.server.prefix_cache_dir is None:
+                # Nothing runs after the last prompt: a prefix state kept from it is never
+                # read, and its copy would be held through the decode (docs/memory.md).
+                engine.prefix_cache.max_entries = 0
             label = prompt if isinstance(prompt, str) else prompt[-1].content
             err.print(f"[bold]> {label}[/bold]  [dim](random weights: the text is gibberish)[/dim]")
             done = await stream(engine, _messages(prompt), params, echo=True)

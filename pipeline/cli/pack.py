@@ -23,6 +23,7 @@ byte-identical to an uninterrupted pack.
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from pipeline.cli.commands import budget_arg
     p = sub.add_parser("pack", help="repack an HF/MLX checkpoint (local or hub) into a .qpack container",
                        description=PACK_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="checkpoint directory or hub repo id (owner/name)")
@@ -56,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens per prefill step to size the smallest pool for "
                         "(default: compute.prefill_chunk's default)")
-    i.add_argument("--memory-mb", type=int, default=None,
+    i.add_argument("--memory-mb", type=budget_arg, default=None,
                    help="a total memory budget: the expert pool it gives and the hits to expect")
     i.add_argument("--no-advice", action="store_true",
                    help="skip the pool advice (a ~1 s replay of calibrated routing)")

@@ -98,8 +98,9 @@ class MemoryConfig(_Section, frozen=True):
     # (budget_mb, slots, or half the memory left after the dense core). Set: the engine
     # subtracts what it measured (the process with its tokenizer, the dense core) and what
     # it reserves (model state, staging buffers, MLX temporaries) and sizes the pool from
-    # the rest; too small a budget is refused at start with the numbers.
-    budget_mb: Annotated[int, within(1, MIB_MAX)] | None = None
+    # the rest; too small a budget is refused at start with the numbers. "auto": what the
+    # process holds when it opens plus 80% of the memory available then (memory_budget.py).
+    budget_mb: Annotated[int, within(1, MIB_MAX)] | Literal["auto"] | None = None
     # Model state (KV caches, DeltaNet state) within the budget: half for the sequences
     # decoding at once (it also caps a request's context), half for the prefix cache's
     # copies. 0 = an eighth of the budget.
@@ -110,6 +111,11 @@ class MemoryConfig(_Section, frozen=True):
     # Shrink the pool under memory pressure (Linux PSI, macOS pressure events) and grow it
     # back when the pressure is gone (pipeline/memory_pressure.py).
     adapt: bool = False
+    # The token embedding (an untied one: a tied one is the lm_head): "file" reads the rows
+    # a step needs from the container (273 MiB less resident at Qwen3.5's 248k vocabulary;
+    # a lazy token is read back first), "resident" holds the table, "auto" is "file" on the
+    # CPU backend and "resident" on a GPU (pipeline/models/file_embedding.py).
+    embedding: Literal["auto", "resident", "file"] = "auto"
 
 
 class ReaderConfig(_Section, frozen=True):

@@ -20,6 +20,7 @@ from mlx_lm.models.base import create_ssm_mask
 
 from actors.forward import Presync, Routing
 from pipeline.models.batch_caches import BatchCaches
+from pipeline.models.file_embedding import FileEmbedding, embedding_dtype
 from pipeline.models.moe import routed_experts
 from pipeline.models.routing_override import RoutingOverride
 from pipeline.models.text_parts import TextParts, moe_layers, text_parts
@@ -109,6 +110,8 @@ class StreamedModel:
         self.layers = layers if layers is not None else range(self.num_layers)
         self.moe_layers = [i for i in moe_layers(self.parts) if i in self.layers]
         self.num_experts, self.top_k = self.family.experts(self.parts.layers[self.moe_layers[0]].mlp)
+        # An embedding on file reads token ids on the host (actors/forward.py SteppedModel).
+        self.tokens_on_host = isinstance(self.parts.embed_tokens, FileEmbedding)
 
     def step(self, tokens: list[int] | mx.array, cache: list[Any]) -> ForwardStep:
         return ForwardStep(self, tokens, cache)
@@ -120,8 +123,7 @@ class StreamedModel:
         """About how many bytes one sequence's model state holds after `tokens` tokens:
         keys and values per attention layer (allocated 256 positions at a time), a fixed
         state per recurrent layer (the family's `state_bytes`)."""
-        embed = self.parts.embed_tokens  # a quantized one keeps the dtype in its scales
-        itemsize = (self.activation_dtype or getattr(embed, "scales", embed.weight).dtype).size
+        itemsize = (self.activation_dtype or embedding_dtype(self.parts.embed_tokens)).size
         positions = -(-tokens // 256) * 256
         return sum(self.family.state_bytes(block, self.parts.args, positions, itemsize)
                    for block in self.parts.layers)
