@@ -178,11 +178,13 @@ class ForwardStep:
             h = hidden
         # Masks from this process's own layers' caches: a rank never updates the others'.
         local = [(i, model.parts.layers[i]) for i in model.layers]
-        linear = model.family.is_linear
-        first_fa = next((i for i, b in local if not linear(b)), None)
+        linear, sliding = model.family.is_linear, model.family.is_sliding
+        first_fa = next((i for i, b in local if not linear(b) and not sliding(b)), None)
         first_ssm = next((i for i, b in local if linear(b)), None)
+        first_swa = next((i for i, b in local if sliding(b)), None)
         self.fa_mask = None if first_fa is None else model.family.attention_mask(h, cache[first_fa])
         self.ssm_mask = None if first_ssm is None else create_ssm_mask(h, cache[first_ssm])
+        self.swa_mask = None if first_swa is None else model.family.sliding_mask(h, cache[first_swa])
         self.h = h
         # Each row's (position, request) before this step's tokens: calibrated routing only.
         self.where = None if model.routing is None else model.routing.where(cache)
@@ -192,7 +194,9 @@ class ForwardStep:
         self._h_in: dict[int, mx.array] = {}
 
     def _mask(self, block: nn.Module) -> Any:
-        return self.ssm_mask if self.m.family.is_linear(block) else self.fa_mask
+        if self.m.family.is_linear(block):
+            return self.ssm_mask
+        return self.swa_mask if self.m.family.is_sliding(block) else self.fa_mask
 
     def _to_next_moe(self) -> nn.Module | None:
         """Run the dense layers up to the next MoE layer (lazily); that block, or None."""
@@ -242,7 +246,7 @@ class ForwardStep:
         slots = mx.array(slot_of.astype(np.int32))[inds]
         block = self.m.parts.layers[self.layer]
         arrays, fmt = self.m.views(self.layer) if self.m.views else (self.m.slot_arrays, self.m.fmt)
-        routed = routed_experts(arrays, fmt, x, slots)
+        routed = routed_experts(arrays, fmt, x, slots, self.m.family.activation)
         self.h = h_mid + self.m.family.moe_output(block.mlp, x, routed, scores)
         self.layer += 1
         return self.run_to_routing(presync)
@@ -272,7 +276,7 @@ class ForwardStep:
             h_mid, x, inds, scores = self._mix_and_route(block)
             found = slot_map[row_of[self.layer]][inds]
             arrays, fmt = self.m.views(self.layer) if self.m.views else (self.m.slot_arrays, self.m.fmt)
-            routed = routed_experts(arrays, fmt, x, mx.maximum(found, 0))
+            routed = routed_experts(arrays, fmt, x, mx.maximum(found, 0), self.m.family.activation)
             self.h = h_mid + self.m.family.moe_output(block.mlp, x, routed, scores)
             ids.append(inds.reshape(-1, inds.shape[-1]))
             present.append((found >= 0).all())

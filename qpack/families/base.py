@@ -84,6 +84,25 @@ class CheckpointFamily:
         """mlx-lm's name for a source tensor (its `sanitize`); None: not part of the text model."""
         return name if name.startswith(("model.", "lm_head.")) else None
 
+    # transformers `quant_method`s whose tensors this family reads as they are (gpt-oss: mxfp4).
+    native_quant_methods: ClassVar[tuple[str, ...]] = ()
+
+    def source_quantization(self, config: dict[str, Any]) -> dict[str, Any] | None:
+        """The MLX quantization block the source's quantized tensors follow (mlx-lm's
+        `quantization`; a family may read its native format as one), or None: float."""
+        return config.get("quantization")
+
+    def expert_ref(self, name: str) -> list[tuple[int, str, bool, str, bool]] | None:
+        """The routed-expert parts a source tensor holds in a layout of the family's own:
+        (layer, "{proj}.{part}", transpose, "even" | "odd" | "", uint32 view) each, rows
+        indexed by expert (qpack.source.ExpertRef). None: not one (the generic layouts)."""
+        return None
+
+    def synth_experts(self, writer: Any, layer: int) -> list[Any] | None:
+        """A synthetic layer's routed-expert entries where the family lays them out its own
+        way (qpack.synth.checkpoint.WeightWriter); None: the generic layouts."""
+        return None
+
     def dense_fixups(self, target: str, shape: tuple[int, ...], is_mlx: bool,
                      conv_unsanitized: bool) -> tuple[bool, bool]:
         """(moveaxis, plus_one) for a dense tensor, as mlx-lm's sanitize would apply them."""
