@@ -70,13 +70,29 @@ def _arrays(state: Any) -> list[mx.array]:
 def _snapshot(cache: Any) -> dict[str, Any]:
     # mlx-lm's caches: KVCache (keys/values buffers written at `offset`, so restoring the
     # offset is enough) and ArraysCache (a list whose entries are replaced, never written
-    # into). A shallow copy of the attributes, lists copied, restores either exactly.
-    return {k: list(v) if isinstance(v, list) else v for k, v in vars(cache).items()}
+    # into). A shallow copy of the attributes, lists copied, restores either exactly. But an
+    # MLX array updated in place (`a[i] = x`, `a += 1`) changes every reference to that
+    # object: a ring (RotatingKVCache: gpt-oss's sliding layers) writes over live entries,
+    # and batched caches keep per-row offsets as arrays (`offset += n`), so those arrays are
+    # held as distinct objects (a view: the cache's next write then copies, not overwrites).
+    return _owned(cache, vars(cache))
 
 
 def _restore(cache: Any, snapshot: dict[str, Any]) -> None:
     vars(cache).clear()
-    vars(cache).update({k: list(v) if isinstance(v, list) else v for k, v in snapshot.items()})
+    vars(cache).update(_owned(cache, snapshot))
+
+
+def _owned(cache: Any, attrs: dict[str, Any]) -> dict[str, Any]:
+    ring = hasattr(cache, "max_size")
+    out = {}
+    for k, v in attrs.items():
+        if isinstance(v, list):
+            v = list(v)
+        elif isinstance(v, mx.array) and (ring or k not in ("keys", "values")):
+            v = v[...]
+        out[k] = v
+    return out
 
 
 class StreamedModel:
