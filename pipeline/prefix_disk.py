@@ -351,11 +351,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def check_storable(make_cache: Callable[[], list[Any]]) -> None:
+    """Refuse, in one line, a model whose states the disk records cannot hold: a ring's
+    (RotatingKVCache: gpt-oss's sliding layers) is its buffer plus where it wraps (`_idx`),
+    which a "kv" record does not keep; reloaded, it would be wrong. The memory cache keeps
+    the cache object whole, so prefix reuse in memory works."""
+    if any(hasattr(c, "max_size") for c in make_cache()):
+        from pipeline.config.errors import ConfigError
+
+        raise ConfigError("server.prefix_cache_dir: this model's sliding-window layers (RotatingKVCache, "
+                          "gpt-oss) cannot be stored on disk yet; unset it (prefix reuse in memory works)")
+
+
 def prefix_cache_for(dir: str | None, root: Path, make_cache: Callable[[], list[Any]], *,
                      disk_mb: int, min_tokens: int) -> PrefixCache:
     """The engine's prefix cache: in memory, plus on disk under `dir` when one is set."""
     if not dir:
         return PrefixCache()
+    check_storable(make_cache)
     from pipeline.fingerprint import fingerprint
 
     return DiskPrefixCache(Path(dir).expanduser(), fingerprint(root), make_cache,

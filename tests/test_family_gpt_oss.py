@@ -17,7 +17,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers_engine import engine_config, generate
-from helpers_family import PROMPT, assert_bit_identical_across_pools, parse_streamed, served_tool_round_trip
+from helpers_family import (
+    PROMPT,
+    assert_bit_identical_across_pools,
+    parse_streamed,
+    served_tool_round_trip,
+)
 from helpers_forward import DirectForward, greedy_reference
 from mlx_lm.models.base import create_attention_mask
 
@@ -103,9 +108,9 @@ def reference(src: Path, quantize: int | None = None) -> GptOssReference:
 def pair(synth_checkpoint, packed):
     """(source, container, bits the reference quantizes at) by kind: fp32 (transformers'
     layout, float experts), bf16-q4 (bf16 packed at 4 bits), mlx-q4 (mlx_lm.convert -q),
-    mxfp4 (the official release: native mxfp4 experts, copied); mxfp4-f32 (that layout
-    with float32 dense tensors: the engine's CPU activations are float32, and mlx-lm's
-    resident model then computes in float32 too)."""
+    mxfp4 (the official release's layout: native mxfp4 experts, copied; its dense tensors
+    in float32 here, as the engine computes in float32 on the CPU: mlx-lm's resident
+    model then does too, and bf16 dense is what bf16-q4 and mlx-q4 run)."""
     def make(kind: str) -> tuple[Path, Path, int | None]:
         if kind == "fp32":
             src = synth_checkpoint(FAMILY, dtype="float32")
@@ -116,8 +121,7 @@ def pair(synth_checkpoint, packed):
         if kind == "mlx-q4":
             src = synth_checkpoint(FAMILY, dtype="bfloat16", bits=4)
             return src, packed(src), None
-        dtype = "float32" if kind == "mxfp4-f32" else "bfloat16"
-        src = synth_checkpoint(FAMILY, dtype=dtype, layout="mxfp4")
+        src = synth_checkpoint(FAMILY, dtype="float32", layout="mxfp4")
         return src, packed(src), None
 
     return make
@@ -147,7 +151,7 @@ def test_the_release_layout_keeps_its_mxfp4_experts_byte_for_byte_and_the_rest_d
     blocks = np.array(mx.load(str(shard))["model.layers.1.mlp.experts.gate_up_proj_blocks"])[5]
     t = fmt.tensor("up_proj.weight")  # the odd rows of the interleaved gate/up, as mlx-lm reads them
     assert buf[t.offset : t.offset + t.nbytes].tobytes() == np.ascontiguousarray(blocks[1::2]).tobytes()
-    assert dense["model.layers.1.self_attn.sinks"].dtype == mx.bfloat16
+    assert dense["model.layers.1.self_attn.sinks"].dtype == mx.float32
     assert "model.layers.1.mlp.router.weight" in dense and "model.layers.1.mlp.experts.gate_proj.bias" not in dense
 
 
@@ -221,7 +225,7 @@ async def test_two_prompts_in_one_batch_get_mlx_lm_greedy_with_lookahead_and_dir
     mlx-lm's greedy tokens for the prompt alone. Next-gate runs in the served test."""
     import trio
 
-    src, qpack, _ = pair("mxfp4-f32")
+    src, qpack, _ = pair("mxfp4")
     prompts = [PROMPT, [40, 1079, 264, 8, 3, 90000, 512, 2]]
     cfg = engine_config(qpack, pool={"slots": 16}, prefetch={"strategy": "lookahead", "depth": 2},
                         reader={"concurrency": 4, "o_direct": True})
@@ -255,7 +259,7 @@ def test_the_bench_container_verifies_and_runs(tmp_path):
 
 
 async def test_served_tool_calls_and_reasoning_in_harmony(pair):
-    src, qpack, _ = pair("mxfp4-f32")
+    src, qpack, _ = pair("mxfp4")
     prompt = await served_tool_round_trip(qpack, src)
     assert prompt.startswith("<|start|>system<|message|>You are ChatGPT, a large language model trained by "
                              "OpenAI.\nKnowledge cutoff: 2024-06\nCurrent date: ")
@@ -274,3 +278,22 @@ async def test_served_tool_calls_and_reasoning_in_harmony(pair):
     out = ("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>"
            "It is 18 degrees.<|return|>")
     assert parse_streamed(qpack, out, in_reasoning=False) == ("Easy.", "It is 18 degrees.", [])
+
+
+async def test_a_follow_up_reuses_the_prefix_with_its_rotating_caches(pair, tmp_path):
+    """The memory prefix cache keeps a ring whole (buffer and wrap point): a follow-up that
+    starts with the first turn gets mlx-lm's tokens for the whole prompt. A disk prefix
+    cache would lose the wrap point: refused at open, in one line."""
+    from pipeline.config.errors import ConfigError
+
+    src, qpack, _ = pair("mxfp4")
+    async with open_engine(engine_config(qpack, pool={"slots": 16})) as engine:
+        eos = set(engine.tokenizer.eos_token_ids)
+        first = await generate(engine, PROMPT, 4)
+        longer = [*PROMPT, *first.token_ids, 5, 6]
+        again = await generate(engine, longer, 4)
+        assert again.stats.cached_tokens >= len(PROMPT)
+        assert list(again.token_ids) == greedy_reference(reference(src), longer, 4, eos, chunk=2)
+    with pytest.raises(ConfigError, match="sliding-window layers"):
+        async with open_engine(engine_config(qpack, server={"prefix_cache_dir": str(tmp_path)})):
+            pass
