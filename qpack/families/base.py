@@ -59,8 +59,10 @@ class CheckpointFamily:
     tokenizer: ClassVar[TokenizerFacts]
     template_file: ClassVar[bool] = False  # chat_template.jinja beside the tokenizer (else inline)
     # How the template writes a <tool_call> body: "json" (hermes), "xml" (<function=...>),
-    # "kv" (<arg_key>/<arg_value>) or "sep" (DeepSeek: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>JSON);
-    # the server reads every style (server/call_formats.py).
+    # "kv" (<arg_key>/<arg_value>), "sep" (DeepSeek: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>JSON)
+    # or "harmony" (gpt-oss: <|start|>assistant to=functions.NAME<|channel|>commentary json
+    # <|message|>JSON<|call|>); the server reads every style (server/call_formats.py,
+    # server/harmony.py).
     tool_calls: ClassVar[str] = "json"
     # The hub release carries a multi-token-prediction head at its root (`mtp.*`), which
     # pack keeps (qpack/mtp.py); per_expert_mtp: its experts one tensor each (else fused).

@@ -85,11 +85,6 @@ def layer_types(dims: ModelDims) -> list[str]:
     return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(dims.num_hidden_layers)]
 
 
-def expert_bias(dims: ModelDims, layer: int, expert: int, proj: str) -> Init:
-    n = dims.hidden_size if proj == "down_proj" else dims.moe_intermediate_size
-    return Init(f"layers.{layer}.mlp.experts.{expert}.{proj}.bias", (n,), "normal", 0.02)
-
-
 class GptOss(CheckpointFamily):
     name = "gpt_oss"
     experts_key = "num_local_experts"

@@ -18,13 +18,18 @@ from typing import Any
 
 import numpy as np
 
-from qpack.families.gpt_oss import expert_bias
-from qpack.synth.init_weights import to_storage
+from qpack.synth.dims import ModelDims
+from qpack.synth.init_weights import Init, to_storage
 from qpack.synth.mlx_quant import mlx_quantize
 from qpack.synth.st_write import ST_DTYPES, TensorEntry
 from qpack.synth.tensor_inits import expert_init
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def expert_bias(dims: ModelDims, layer: int, expert: int, proj: str) -> Init:
+    n = dims.hidden_size if proj == "down_proj" else dims.moe_intermediate_size
+    return Init(f"layers.{layer}.mlp.experts.{expert}.{proj}.bias", (n,), "normal", 0.02)
 
 
 def _interleave(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
