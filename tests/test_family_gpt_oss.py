@@ -107,7 +107,8 @@ def reference(src: Path, quantize: int | None = None) -> GptOssReference:
 @pytest.fixture
 def pair(synth_checkpoint, packed):
     """(source, container, bits the reference quantizes at) by kind: fp32 (transformers'
-    layout, float experts), bf16-q4 (bf16 packed at 4 bits), mlx-q4 (mlx_lm.convert -q),
+    layout, float experts), bf16-q4 (bf16 packed at 4 bits), mlx-q4 / mlx-mxfp4 (mlx_lm.convert
+    -q, affine or --q-mode mxfp4),
     mxfp4 (the official release's layout: native mxfp4 experts, copied; its dense tensors
     in float32 here, as the engine computes in float32 on the CPU: mlx-lm's resident
     model then does too, and bf16 dense is what bf16-q4 and mlx-q4 run)."""
@@ -118,8 +119,8 @@ def pair(synth_checkpoint, packed):
         if kind == "bf16-q4":
             src = synth_checkpoint(FAMILY, dtype="bfloat16")
             return src, packed(src, bits=4), 4
-        if kind == "mlx-q4":
-            src = synth_checkpoint(FAMILY, dtype="bfloat16", bits=4)
+        if kind in ("mlx-q4", "mlx-mxfp4"):  # mlx_lm.convert -q (--q-mode mxfp4)
+            src = synth_checkpoint(FAMILY, dtype="bfloat16", bits=4, mode="mxfp4" if kind == "mlx-mxfp4" else "affine")
             return src, packed(src), None
         src = synth_checkpoint(FAMILY, dtype="float32", layout="mxfp4")
         return src, packed(src), None
@@ -151,11 +152,15 @@ def test_the_release_layout_keeps_its_mxfp4_experts_byte_for_byte_and_the_rest_d
     blocks = np.array(mx.load(str(shard))["model.layers.1.mlp.experts.gate_up_proj_blocks"])[5]
     t = fmt.tensor("up_proj.weight")  # the odd rows of the interleaved gate/up, as mlx-lm reads them
     assert buf[t.offset : t.offset + t.nbytes].tobytes() == np.ascontiguousarray(blocks[1::2]).tobytes()
+    name = "model.layers.1.mlp.experts.gate_up_proj_scales"
+    scales = np.array(mx.load(str(src / index[name]))[name])[5]
+    t = fmt.tensor("gate_proj.scales")
+    assert buf[t.offset : t.offset + t.nbytes].tobytes() == np.ascontiguousarray(scales[0::2]).tobytes()
     assert dense["model.layers.1.self_attn.sinks"].dtype == mx.float32
     assert "model.layers.1.mlp.router.weight" in dense and "model.layers.1.mlp.experts.gate_proj.bias" not in dense
 
 
-@pytest.mark.parametrize("kind", ["fp32", "bf16-q4", "mlx-q4", "mxfp4"])
+@pytest.mark.parametrize("kind", ["fp32", "bf16-q4", "mlx-q4", "mlx-mxfp4", "mxfp4"])
 def test_every_layer_and_the_logits_equal_mlx_lm(pair, kind):
     """A prompt past the window, then decode steps: every layer's output and the logits
     are mlx-lm's, bit for bit."""

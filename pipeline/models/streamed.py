@@ -71,10 +71,12 @@ def _snapshot(cache: Any) -> dict[str, Any]:
     # mlx-lm's caches: KVCache (keys/values buffers written at `offset`, so restoring the
     # offset is enough) and ArraysCache (a list whose entries are replaced, never written
     # into). A shallow copy of the attributes, lists copied, restores either exactly. But an
-    # MLX array updated in place (`a[i] = x`, `a += 1`) changes every reference to that
-    # object: a ring (RotatingKVCache: gpt-oss's sliding layers) writes over live entries,
-    # and batched caches keep per-row offsets as arrays (`offset += n`), so those arrays are
-    # held as distinct objects (a view: the cache's next write then copies, not overwrites).
+    # MLX array updated in place (`a[i] = x`) changes every reference to that object, and a
+    # ring (RotatingKVCache, BatchRotatingKVCache: gpt-oss's sliding layers) writes over
+    # live entries: after a miss, the step queued behind had overwritten the oldest key in
+    # the window. So a ring's buffers, and any small array attribute (batched per-row
+    # offsets), are held as distinct objects (a view: the cache's next write then copies
+    # the window rather than writing through); plain KV buffers stay shared (no copy).
     return _owned(cache, vars(cache))
 
 
