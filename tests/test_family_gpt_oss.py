@@ -107,11 +107,11 @@ def reference(src: Path, quantize: int | None = None) -> GptOssReference:
 @pytest.fixture
 def pair(synth_checkpoint, packed):
     """(source, container, bits the reference quantizes at) by kind: fp32 (transformers'
-    layout, float experts), bf16-q4 (bf16 packed at 4 bits), mlx-q4 / mlx-mxfp4 (mlx_lm.convert
-    -q, affine or --q-mode mxfp4),
+    layout, float experts), bf16-q4 (bf16 packed at 4 bits, affine), mlx-mxfp4 (what
+    mlx_lm.convert -q --q-mode mxfp4 writes, as mlx-community's gpt-oss conversions are),
     mxfp4 (the official release's layout: native mxfp4 experts, copied; its dense tensors
     in float32 here, as the engine computes in float32 on the CPU: mlx-lm's resident
-    model then does too, and bf16 dense is what bf16-q4 and mlx-q4 run)."""
+    model then does too, and bf16 dense is what bf16-q4 and mlx-mxfp4 run)."""
     def make(kind: str) -> tuple[Path, Path, int | None]:
         if kind == "fp32":
             src = synth_checkpoint(FAMILY, dtype="float32")
@@ -119,8 +119,8 @@ def pair(synth_checkpoint, packed):
         if kind == "bf16-q4":
             src = synth_checkpoint(FAMILY, dtype="bfloat16")
             return src, packed(src, bits=4), 4
-        if kind in ("mlx-q4", "mlx-mxfp4"):  # mlx_lm.convert -q (--q-mode mxfp4)
-            src = synth_checkpoint(FAMILY, dtype="bfloat16", bits=4, mode="mxfp4" if kind == "mlx-mxfp4" else "affine")
+        if kind == "mlx-mxfp4":  # mlx_lm.convert -q --q-mode mxfp4 (router at 8 bits, affine)
+            src = synth_checkpoint(FAMILY, dtype="bfloat16", bits=4, mode="mxfp4")
             return src, packed(src), None
         src = synth_checkpoint(FAMILY, dtype="float32", layout="mxfp4")
         return src, packed(src), None
@@ -160,7 +160,7 @@ def test_the_release_layout_keeps_its_mxfp4_experts_byte_for_byte_and_the_rest_d
     assert "model.layers.1.mlp.router.weight" in dense and "model.layers.1.mlp.experts.gate_proj.bias" not in dense
 
 
-@pytest.mark.parametrize("kind", ["fp32", "bf16-q4", "mlx-q4", "mlx-mxfp4", "mxfp4"])
+@pytest.mark.parametrize("kind", ["fp32", "bf16-q4", "mlx-mxfp4", "mxfp4"])
 def test_every_layer_and_the_logits_equal_mlx_lm(pair, kind):
     """A prompt past the window, then decode steps: every layer's output and the logits
     are mlx-lm's, bit for bit."""
@@ -186,7 +186,7 @@ def test_logits_bit_identical_across_pool_sizes_and_slot_assignments(pair):
 
 
 def test_forced_routing_weighs_the_ids_as_the_router_would(pair):
-    _src, qpack, _ = pair("mlx-q4")
+    _src, qpack, _ = pair("mlx-mxfp4")
     ours = DirectForward(qpack)
     block = ours.model.parts.layers[1]
     x = mx.random.normal((1, 5, 64), key=mx.random.key(0)).astype(mx.bfloat16)
@@ -257,6 +257,8 @@ def test_the_bench_container_verifies_and_runs(tmp_path):
     out = write_bench_container(tmp_path / "bench.qpack", FAMILY, "tiny", seed=3).path
     report = verify_container(out)
     assert report.ok, report.problems
+    with Container.open(out) as c:  # the experts' biases too: mlx-lm's resident model needs them
+        assert "down_proj.bias" in {t.name for t in c.manifest.layer(0).format.tensors}
     ours = DirectForward(out, num_slots=16)
     logits = ours.forward(PROMPT, ours.make_cache(), all_positions=False)[0]
     ours.close()

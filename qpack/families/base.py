@@ -66,6 +66,7 @@ class CheckpointFamily:
     tool_calls: ClassVar[str] = "json"
     # The hub release carries a multi-token-prediction head at its root (`mtp.*`), which
     # pack keeps (qpack/mtp.py); per_expert_mtp: its experts one tensor each (else fused).
+    expert_biases: ClassVar[bool] = False  # each expert projection adds a bias (gpt-oss)
     mtp_head: ClassVar[bool] = False
     per_expert_mtp: ClassVar[bool] = False
     zero_centred: ClassVar[tuple[str, ...]] = ()  # norm suffixes stored as w (1 + w applied)

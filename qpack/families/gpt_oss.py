@@ -99,6 +99,7 @@ class GptOss(CheckpointFamily):
     tool_calls = "harmony"
     routers_8bit = ("mlp.router",)  # mlx_lm.models.gpt_oss.Model.quant_predicate
     native_quant_methods = ("mxfp4",)
+    expert_biases = True
 
     def source_quantization(self, config: dict[str, Any]) -> dict[str, Any] | None:
         block = config.get("quantization_config")
