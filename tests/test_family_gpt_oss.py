@@ -304,3 +304,61 @@ async def test_a_follow_up_reuses_the_prefix_with_its_rotating_caches(pair, tmp_
     with pytest.raises(ConfigError, match="sliding-window layers"):
         async with open_engine(engine_config(qpack, server={"prefix_cache_dir": str(tmp_path)})):
             pass
+
+
+def test_harmony_output_in_every_shape_the_model_writes_it():
+    """Through the server's parser, whole and one character at a time (the same parts):
+    the recipient in the role header (as the released template renders calls) or after the
+    channel; a preamble on commentary is content; two calls; a body that is no JSON object
+    stays visible; without tools a call's text is content; plain text stays plain."""
+    from pipeline.server.tool_calls import OutputParser, parse_output
+
+    def calls(out: Any) -> list[tuple[str, dict]]:
+        return [(c.name, json.loads(c.arguments)) for c in out.calls]
+
+    header = ("<|channel|>analysis<|message|>Two cities.<|end|><|start|>assistant to=functions.get_weather"
+              "<|channel|>commentary json<|message|>{\"city\": \"Paris\"}<|call|>")
+    out = parse_output(header)
+    assert (out.reasoning, out.content, calls(out)) == ("Two cities.", None, [("get_weather", {"city": "Paris"})])
+    two = ("<|channel|>commentary<|message|>Checking both.<|end|><|start|>assistant<|channel|>commentary "
+           "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|><|start|>assistant"
+           "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Rome\"}")
+    out = parse_output(two)
+    assert out.content == "Checking both."
+    assert calls(out) == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+    assert [c.index for c in out.calls] == [0, 1]
+    streamed = OutputParser()
+    parts = [p for ch in two for p in streamed.feed(ch)] + streamed.finish()
+    assert [p.name for p in parts if hasattr(p, "name")] == ["get_weather", "get_weather"]
+    assert "".join(p.text for p in parts if type(p).__name__ == "Content") == "Checking both."
+    broken = parse_output("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{oops")
+    assert (broken.content, broken.calls) == ("{oops", [])
+    untooled = parse_output("<|channel|>commentary to=functions.get_weather<|message|>{\"city\": \"Paris\"}",
+                            tools=False)
+    assert (untooled.content, untooled.calls) == ('{"city": "Paris"}', [])
+    assert parse_output("Plain text, no channels.").content == "Plain text, no channels."
+
+
+def test_the_template_keeps_the_analysis_before_a_call_until_a_final_answer():
+    """As the released template: the system message takes `reasoning_effort`, a system
+    message becomes the developer's instructions, an earlier turn's reasoning is dropped,
+    and the reasoning before a tool call is kept only while no final answer follows it."""
+    from pipeline.template_render import render
+    from qpack.families import family
+
+    template = family(FAMILY).chat_template("harmony")
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello.", "reasoning_content": "Greet back."},
+             {"role": "user", "content": "Weather?"},
+             {"role": "assistant", "content": "", "reasoning_content": "Call the tool.", "tool_calls": [call]},
+             {"role": "tool", "content": "sunny"}]
+    text = render(template, turns, add_generation_prompt=True, reasoning_effort="high")
+    assert "Reasoning: high\n\n# Valid channels: analysis, commentary, final." in text
+    assert "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n<|end|>" in text
+    assert "Greet back." not in text
+    assert "<|start|>assistant<|channel|>final<|message|>Hello.<|end|>" in text
+    assert ("<|start|>assistant<|channel|>analysis<|message|>Call the tool.<|end|><|start|>assistant "
+            'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>') in text
+    done = render(template, [*turns, {"role": "assistant", "content": "Sunny."}], add_generation_prompt=True)
+    assert "Call the tool." not in done and done.endswith("<|message|>Sunny.<|end|><|start|>assistant")
