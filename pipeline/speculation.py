@@ -94,7 +94,7 @@ def row_speculation(engine: EngineCore, params: SamplingParams, tokens: list[int
     if mode == "off" or engine.batch.speculation.longest < 1 or engine.config.distributed.enabled:
         return None  # pipeline-parallel ranks would each have to keep their DeltaNet states
     if not can_verify(engine.model):
-        return None  # a layout whose DeltaNet states a pass could not restore
+        return None  # a layout whose states a pass could not cut back (pipeline/models/verify_step.py)
     emulated = engine.emulated_drafts
     drafter: Drafter
     if emulated is not None:

@@ -10,7 +10,7 @@ import errno
 import fcntl
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -81,14 +81,19 @@ class OutputPathError(QpackError):
     """An output file that cannot be written where it is named; found before any work."""
 
 
-def check_output_file(path: str | os.PathLike[str], what: str) -> Path:
+def check_output_file(path: str | os.PathLike[str], what: str,
+                      made: Collection[Path] = ()) -> Path:
     """Refuse, before the work that produces it, an output file that cannot be written:
     a directory in its place, a missing or unwritable directory. Nothing is created here
-    (a missing directory is the user's typo, not ours to make)."""
+    (a missing directory is the user's typo, not ours to make), except that `made` names
+    directories the work itself creates before it writes the file (the container's own
+    directory, packed on a first run): there the nearest existing one must be writable."""
     out = Path(path)
     if out.is_dir():
         raise OutputPathError(out, f"{what} is a directory, not a file")
     parent = out.absolute().parent
+    if not parent.is_dir() and parent in made:
+        parent = next(p for p in parent.parents if p.is_dir())
     if not parent.is_dir():
         raise OutputPathError(out, f"{what}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):

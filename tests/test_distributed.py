@@ -36,6 +36,7 @@ from pipeline.distributed.plan import (
     plan_for,
     share_weights,
     weighted_boundaries,
+    with_moe_layers,
 )
 from pipeline.engine import open_engine
 
@@ -62,6 +63,14 @@ def test_layers_split_by_count_weight_or_boundaries() -> None:
         check_boundaries(48, 3, [30, 10])
     with pytest.raises(PlanError, match="2 ranks need 1"):
         check_boundaries(48, 2, [10, 20])
+    # Every rank runs a MoE layer: DeepSeek's first dense layers do not make a rank.
+    assert with_moe_layers(equal_boundaries(3, 2), 3, [1, 2]) == [2]
+    assert with_moe_layers([2, 4], 6, [3, 4, 5]) == [4, 5]
+    assert with_moe_layers([20, 40], 61, list(range(3, 61))) == [20, 40]
+    with pytest.raises(PlanError, match="only 2 MoE layers"):
+        with_moe_layers([1, 2], 3, [1, 2])
+    with pytest.raises(PlanError, match="give rank 0 layers 0-0, none of them a MoE layer"):
+        with_moe_layers([1], 3, [1, 2], given=True)
 
 
 def test_the_probes_a_weighted_split_uses(synth_checkpoint, packed) -> None:
@@ -193,7 +202,8 @@ def test_distributed_without_a_launcher_is_one_error_line(synth_checkpoint, pack
 @pytest.fixture(scope="module")
 def containers(synth_checkpoint, packed) -> list[Path]:
     return [packed(synth_checkpoint("qwen3_next"), bits=None),
-            packed(synth_checkpoint("qwen3_5_moe", dtype="bfloat16"), bits=4)]
+            packed(synth_checkpoint("qwen3_5_moe", dtype="bfloat16"), bits=4),
+            packed(synth_checkpoint("deepseek_v3", dtype="float32"), bits=16)]
 
 
 async def _one_process(path: Path) -> dict[str, np.ndarray]:
@@ -204,8 +214,9 @@ async def _one_process(path: Path) -> dict[str, np.ndarray]:
 
 
 def test_three_ranks_give_one_process_logits(fork_server, containers, tmp_path, capsys) -> None:
-    # Qwen3-Next here; the Qwen3.5 MoE family (4-bit) in the two-rank test below.
-    paths = containers[:1]
+    # Qwen3-Next, and DeepSeek-V3 (MLA caches; rank 0 runs its dense first layer and one
+    # MoE layer); the Qwen3.5 MoE family (4-bit) in the two-rank test below.
+    paths = [containers[0], containers[2]]
     job = Job(fork_server, 3, tmp_path, ([str(p) for p in paths], str(tmp_path)),
               target=exact_job)
     try:

@@ -49,8 +49,8 @@ def test_mla_dense_layer_shared_expert_and_router_bias_stay_in_the_dense_core(pa
             "model.layers.1.mlp.gate.e_score_correction_bias"} <= set(index)
     with Container.open(qpack) as c:
         m = c.manifest
-        assert (m.model_type, m.num_layers, m.num_experts, m.top_k) == (FAMILY, 3, 16, 4)
-        assert [e.index for e in m.layers] == [1, 2]  # only the MoE layers stream
+        assert (m.model_type, m.num_layers, m.num_experts, m.top_k) == (FAMILY, 4, 16, 4)
+        assert [e.index for e in m.layers] == [1, 2, 3]  # only the MoE layers stream
         dense = mx.load(str(c.dense_path))
     # kv_b_proj [heads * (nope + v), rank] is cut as mlx-lm's sanitize cuts it.
     assert "model.layers.1.self_attn.kv_b_proj.weight" not in dense
@@ -60,7 +60,7 @@ def test_mla_dense_layer_shared_expert_and_router_bias_stay_in_the_dense_core(pa
     assert "model.layers.2.mlp.shared_experts.down_proj.weight" in dense
     # A sequence's cache: one latent and one rotary key per position, shared by the heads.
     ours = DirectForward(qpack)
-    assert ours.model.state_bytes(256) == 3 * 256 * (64 + 16) * 4
+    assert ours.model.state_bytes(256) == 4 * 256 * (64 + 16) * 4  # 4 layers
     ours.close()
     # The hub's MTP layer is one more decoder layer: dropped, like mlx-lm's sanitize.
     text = {"num_hidden_layers": 3}

@@ -52,6 +52,16 @@ def test_run_refuses_unwritable_outputs_before_any_work(tmp_path, capsys, key, t
     assert list(d.iterdir()) == []  # no directory made, no temporary beside the output
 
 
+def test_outputs_beside_a_container_packed_on_this_first_run_are_written(tmp_path, capsys) -> None:
+    """The demo's layout: stats under the container's directory, which the first run makes."""
+    data = tmp_path / "data"
+    config = tmp_path / "c.toml"
+    config.write_text(f'[model]\npath = "{data}/m.qpack"\nsource = "synth:tiny"\n'
+                      f'[run]\nprompts = ["Hi"]\nmax_tokens = 1\nstats = "{data}/s.json"\n')
+    assert main(["run", str(config)]) == 0, capsys.readouterr().err
+    assert (data / "s.json").is_file() and (data / "m.qpack" / "manifest.json").is_file()
+
+
 def test_replay_refuses_its_json_output_before_replaying(tmp_path, capsys) -> None:
     out = tmp_path / "missing" / "r.json"
     assert main(["replay", "--workload", "qwen3-next-80b,requests=1,decode_tokens=4,layers=2",

@@ -135,12 +135,19 @@ def distributed(cfg: PipelineConfig, face: Any, *, server: bool = False) -> int:
 
 def check_outputs(cfg: PipelineConfig, trace: str | None) -> None:
     """The files `run` / `generate` will write, checked before the work that fills them."""
+    from pathlib import Path
+
     from qpack.output_guard import check_output_file
 
+    # A container packed on this first run makes its directories before any output is
+    # written (the demo keeps its stats beside its container, under demo-data/).
+    container = Path(cfg.model.path).absolute()
+    made = [] if cfg.model.source is None or container.is_dir() else \
+        [d for d in (container, *container.parents) if not d.exists()]
     for key, path in (("run.stats", cfg.run.stats), ("run.trace", trace or cfg.run.trace),
                       ("run.record_routing", cfg.run.record_routing)):
         if path is not None:
-            check_output_file(path, key)
+            check_output_file(path, key, made)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

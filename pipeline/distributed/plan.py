@@ -87,6 +87,35 @@ def check_boundaries(num_layers: int, size: int, boundaries: Sequence[int]) -> l
     return bounds
 
 
+def with_moe_layers(boundaries: Sequence[int], num_layers: int, moe: Sequence[int],
+                    given: bool = False) -> list[int]:
+    """Boundaries under which every rank runs at least one MoE layer: a rank keeps an
+    expert pool and a reader, and a slice of dense layers only (DeepSeek's and GLM's first
+    layers) would have no experts to size them by. A computed split moves a boundary past
+    the next MoE layer; boundaries the user gave (`given`) are refused instead."""
+    edges = [0, *boundaries, num_layers]
+    size = len(edges) - 1
+    if size > len(moe):
+        raise PlanError(f"{size} ranks but the model has only {len(moe)} MoE layers: "
+                        "each rank needs at least one")
+    for r in range(size):
+        if any(edges[r] <= m < edges[r + 1] for m in moe):
+            continue
+        if given:
+            raise PlanError(f"distributed.boundaries {list(boundaries)} give rank {r} layers "
+                            f"{edges[r]}-{edges[r + 1] - 1}, none of them a MoE layer: "
+                            "each rank needs at least one")
+        nxt = next((m for m in moe if m >= edges[r]), None)
+        if nxt is None or r == size - 1:
+            raise PlanError(f"{size} ranks: no split gives each of them a MoE layer")
+        edges[r + 1] = nxt + 1
+        for j in range(r + 2, size):
+            edges[j] = max(edges[j], edges[j - 1] + 1)
+    if edges[size - 1] >= num_layers or not any(edges[size - 1] <= m for m in moe):
+        raise PlanError(f"{size} ranks: no split gives each of them a MoE layer")
+    return edges[1:-1]
+
+
 def plan_for(rank: int, size: int, num_layers: int, boundaries: Sequence[int]) -> StagePlan:
     edges = [0, *boundaries, num_layers]
     return StagePlan(rank, size, edges[rank], edges[rank + 1], num_layers)

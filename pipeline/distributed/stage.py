@@ -36,6 +36,7 @@ from pipeline.distributed.plan import (
     plan_for,
     share_weights,
     weighted_boundaries,
+    with_moe_layers,
 )
 from pipeline.distributed.prefixes import StagePrefixCache
 from pipeline.distributed.probe import (
@@ -124,6 +125,8 @@ class Stage:
             bounds = weighted_boundaries(m.num_layers, share_weights(free_mb.tolist(), table[:, 3].tolist()))
         else:
             bounds = equal_boundaries(m.num_layers, link.size)
+        bounds = with_moe_layers(bounds, m.num_layers, [e.index for e in m.layers],
+                                 given=bool(settings.boundaries))
         plan = plan_for(link.rank, link.size, m.num_layers, bounds)
         text = container.config.get("text_config", container.config)
         log.info("distributed.plan", rank=plan.rank, size=plan.size, layers=f"{plan.start}-{plan.stop - 1}",

@@ -27,8 +27,14 @@ from pipeline.models.streamed import ForwardStep, StreamedModel, _restore, _snap
 
 def can_verify(model: StreamedModel) -> bool:
     """Every DeltaNet layer is a MoE layer (the real models' layout): its input is then
-    recorded on the way through `_mix_and_route`, the one place the pass can see it."""
-    return all(not model.parts.layers[i].is_linear or i in model.moe_layers
+    recorded on the way through `_mix_and_route`, the one place the pass can see it.
+    Every other layer's cache is a plain KV cache, cut back by its offset (a sliding
+    window's rotating buffer cannot be)."""
+    from mlx_lm.models.cache import KVCache
+
+    linear = model.family.is_linear
+    return all(i in model.moe_layers if linear(model.parts.layers[i])
+               else type(model.family.new_cache(model.parts.layers[i])) is KVCache
                for i in model.layers)
 
 
@@ -44,7 +50,7 @@ class VerifyStep(ForwardStep):
 
     def _mix_and_route(self, block: nn.Module) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         # A run-ahead that missed redoes layers from there: the last call's input stands.
-        if block.is_linear:
+        if self.m.family.is_linear(block):
             self._linear_in[self.layer] = self.h
         return super()._mix_and_route(block)
 
@@ -66,7 +72,7 @@ class VerifyStep(ForwardStep):
         for i in self.m.layers:
             block = self.m.parts.layers[i]
             cache, before = self.cache[i], self._before[i]
-            if not block.is_linear:
+            if not self.m.family.is_linear(block):
                 cache.offset = before["offset"] + n
                 continue
             if n == self._kept == self.positions:

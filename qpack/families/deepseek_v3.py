@@ -75,7 +75,7 @@ PRESETS = {
     # size MLX's CPU runs in milliseconds; every Linear's input a multiple of 64, and the
     # value head unlike the others (a swapped embed_q / unembed_out cannot load).
     "tiny": ModelDims(family="deepseek_v3", name="tiny", **dict(
-        _V3, hidden_size=64, num_hidden_layers=3, num_experts=16, num_experts_per_tok=4,
+        _V3, hidden_size=64, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4,
         moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
         intermediate_size=128, first_dense_layers=1, n_group=4, topk_group=2, q_lora_rank=64,
         kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=16, v_head_dim=128)),  # type: ignore[arg-type]
