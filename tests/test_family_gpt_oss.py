@@ -289,18 +289,29 @@ async def test_served_tool_calls_and_reasoning_in_harmony(pair):
 
 async def test_a_follow_up_reuses_the_prefix_with_its_rotating_caches(pair, tmp_path):
     """The memory prefix cache keeps a ring whole (buffer and wrap point): a follow-up that
-    starts with the first turn gets mlx-lm's tokens for the whole prompt. A disk prefix
-    cache would lose the wrap point: refused at open, in one line."""
+    starts with the first turn gets mlx-lm's tokens for the whole prompt. A speculative
+    request decodes plainly (a verify pass cannot cut a ring back: the same tokens, no
+    pass); the routing trace holds every layer of every step. A disk prefix cache would
+    lose the wrap point: refused at open, in one line."""
+    from actors.sampling_params import SamplingParams
     from pipeline.config.errors import ConfigError
+    from pipeline.speculation import EmulatedDrafts
 
     src, qpack, _ = pair("mxfp4")
-    async with open_engine(engine_config(qpack, pool={"slots": 16})) as engine:
+    async with open_engine(engine_config(qpack, pool={"slots": 16}), record_routing=True) as engine:
         eos = set(engine.tokenizer.eos_token_ids)
         first = await generate(engine, PROMPT, 4)
         longer = [*PROMPT, *first.token_ids, 5, 6]
         again = await generate(engine, longer, 4)
         assert again.stats.cached_tokens >= len(PROMPT)
         assert list(again.token_ids) == greedy_reference(reference(src), longer, 4, eos, chunk=2)
+        engine.prefix_cache.clear()
+        engine.emulate_drafts(EmulatedDrafts(first.token_ids, 0.6, seed=2))
+        greedy = SamplingParams(temperature=0.0, max_tokens=4, speculative="ngram")
+        spec = [e async for e in engine.generate(PROMPT, greedy)][-1]
+        assert spec.token_ids == first.token_ids and spec.stats.verify_passes == 0
+        steps = engine._core.compute.recorder.trace.steps
+        assert steps and all([e.layer for e in st.layers] == [0, 1, 2, 3] for st in steps)
     with pytest.raises(ConfigError, match="sliding-window layers"):
         async with open_engine(engine_config(qpack, server={"prefix_cache_dir": str(tmp_path)})):
             pass
