@@ -59,7 +59,7 @@ from pipeline.memory_budget import (
 from pipeline.memory_facts import OpenMarks
 from pipeline.models.dense import load_dense
 from pipeline.models.streamed import StreamedModel, activation_dtype
-from pipeline.prefix_disk import check_storable, prefix_cache_for
+from pipeline.prefix_disk import prefix_cache_for
 from pipeline.speculation import open_mtp, policy_for
 from qpack.reader import Container, ExpertIO
 
@@ -121,8 +121,6 @@ async def open_core(
         dtype = await worker.run(activation_dtype, config.compute.dtype)
         model = (stage.model if stage else StreamedModel)(
             dense, fmt, storage.arrays, dtype, views=storage.view)
-        if config.server.prefix_cache_dir and not config.distributed.enabled:
-            check_storable(model.make_cache)  # before the nursery: one error, not a group
         async with trio.open_nursery() as nursery:
             core = _start_actors(
                 config, container, worker, nursery, model, storage, tokenizer, slots,

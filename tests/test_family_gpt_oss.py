@@ -294,7 +294,6 @@ async def test_a_follow_up_reuses_the_prefix_with_its_rotating_caches(pair, tmp_
     pass); the routing trace holds every layer of every step. A disk prefix cache would
     lose the wrap point: refused at open, in one line."""
     from actors.sampling_params import SamplingParams
-    from pipeline.config.errors import ConfigError
     from pipeline.speculation import EmulatedDrafts
 
     src, qpack, _ = pair("mxfp4")
@@ -312,9 +311,27 @@ async def test_a_follow_up_reuses_the_prefix_with_its_rotating_caches(pair, tmp_
         assert spec.token_ids == first.token_ids and spec.stats.verify_passes == 0
         steps = engine._core.compute.recorder.trace.steps
         assert steps and all([e.layer for e in st.layers] == [0, 1, 2, 3] for st in steps)
-    with pytest.raises(ConfigError, match="sliding-window layers"):
-        async with open_engine(engine_config(qpack, server={"prefix_cache_dir": str(tmp_path)})):
-            pass
+
+
+def test_a_wrapped_ring_stored_on_disk_continues_bit_for_bit(pair, tmp_path):
+    """The disk prefix cache keeps a ring as it lies and where it wraps (`_idx`): loaded
+    into fresh caches, the next steps' logits equal the uninterrupted run's."""
+    from pipeline.prefix_disk import encode_state, load_state, read_header
+
+    _src, qpack, _ = pair("mxfp4")
+    ours = DirectForward(qpack)
+    cache = ours.make_cache()
+    for tokens in (PROMPT, [5], [4242]):  # 15 positions through a window of 4: wrapped
+        ours.forward(tokens, cache, all_positions=False)
+    assert cache[0].offset == 15 and 0 < cache[0]._idx < cache[0].max_size
+    path = tmp_path / "state.bin"
+    path.write_bytes(b"".join(encode_state("fp", [1] * 15, cache)))
+    header, start = read_header(path)
+    loaded = load_state(path, header, start, ours.make_cache())
+    for token in (77, 9):
+        want = ours.forward([token], cache, all_positions=False)[0]
+        assert mx.array_equal(ours.forward([token], loaded, all_positions=False)[0], want).item()
+    ours.close()
 
 
 def test_harmony_output_in_every_shape_the_model_writes_it():
