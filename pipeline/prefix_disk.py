@@ -65,6 +65,10 @@ class LayerState(msgspec.Struct, frozen=True):
     kind: str  # "kv" (mlx-lm KVCache) or "arrays" (ArraysCache: DeltaNet conv + state)
     offset: int = 0  # a KV cache's filled length
     arrays: tuple[ArrayRef | None, ...] = ()
+    # A ring's (RotatingKVCache: gpt-oss's sliding layers) next write position, `_idx`: its
+    # buffer is stored as it lies (oldest entry wherever the ring wrapped), so reloaded it
+    # continues bit for bit. -1: not a ring.
+    wrap: int = -1
 
 
 class Header(msgspec.Struct, frozen=True):
@@ -101,7 +105,8 @@ def encode_state(fingerprint: str, tokens: Sequence[int], cache: list[Any]) -> l
         if hasattr(c, "offset") and hasattr(c, "keys"):
             arrays = () if c.keys is None else (ref(c.keys[..., : c.offset, :]),
                                                  ref(c.values[..., : c.offset, :]))
-            layers.append(LayerState("kv", int(c.offset), arrays))
+            ring = hasattr(c, "max_size")
+            layers.append(LayerState("kv", int(c.offset), arrays, int(c._idx) if ring else -1))
         elif isinstance(getattr(c, "cache", None), list):
             layers.append(LayerState("arrays", 0, tuple(ref(a) for a in c.cache)))
         else:
@@ -158,6 +163,14 @@ def load_state(path: Path, header: Header, start: int, fresh: list[Any]) -> list
 
     for i, (c, state) in enumerate(zip(fresh, header.layers, strict=True)):
         if state.kind == "kv" and hasattr(c, "offset") and hasattr(c, "keys"):
+            if (state.wrap >= 0) != hasattr(c, "max_size"):
+                raise Damaged(f"layer {i}: a {'ring' if state.wrap >= 0 else 'KV'} state for a {type(c).__name__}")
+            if state.wrap >= 0:
+                keys = state.arrays[0] if state.arrays else None
+                held = keys.shape[2] if keys is not None and len(keys.shape) == 4 else 0
+                if state.wrap > held:  # a write past the buffer: not a state we wrote
+                    raise Damaged(f"layer {i}: a ring wrapping at {state.wrap} of {held} positions")
+                c._idx = state.wrap
             if state.arrays:
                 if len(state.arrays) != 2:
                     raise Damaged(f"layer {i}: a KV state needs keys and values")

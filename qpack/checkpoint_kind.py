@@ -64,6 +64,9 @@ def check_config(config: Mapping, where: str | Path) -> None:
     if block is None or is_fp8_block(block):
         return
     method = str(block.get("quant_method"))
+    own = canonical(config.get("model_type"))
+    if own is not None and method in family(own).native_quant_methods:
+        return  # read as the family's own layout (gpt-oss's mxfp4 experts, kept as they are)
     name = _REFUSED.get(method.lower(), method)
     if method == "fp8":
         raise QpackError(where, "FP8 checkpoint with per-tensor scales (no 2-D weight_block_size) "

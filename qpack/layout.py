@@ -173,7 +173,7 @@ def _layer_plan(src: SourceCheckpoint, layer: int, quant: QuantPlan, cast_to, co
             for part in wanted:
                 if f"{p}.{part}" not in shapes:
                     raise QpackError(src.root, f"layer {layer}: quantized source lacks switch_mlp.{p}.{part}")
-            have = {k.split(".")[1] for k in shapes if k.startswith(p + ".")}
+            have = {k.split(".")[1] for k in shapes if k.startswith(p + ".")} - {"bias"}
             if rule is None and have != {"weight"}:
                 raise QpackError(src.root, f"layer {layer}: switch_mlp.{p} has {sorted(have)} but the "
                                  "config does not quantize it")
@@ -195,6 +195,10 @@ def _layer_plan(src: SourceCheckpoint, layer: int, quant: QuantPlan, cast_to, co
             continue
         for part, qshape in quantized_shapes(shape, rule).items():
             fshapes[f"{p}.{part}"] = (qshape, "uint32" if part == "weight" else scale_dtype(rule, name))
+    for p in PROJECTIONS:  # a per-expert additive bias (gpt-oss) stays float, cast as the weights
+        if f"{p}.bias" in shapes:
+            shape, tag = shapes[f"{p}.bias"]
+            fshapes[f"{p}.bias"] = (shape, spec_dtype(tag_of(cast_to)) if cast_to is not None else spec_dtype(tag))
     fmt = _format(fshapes, rules)
     first = rules[PROJECTIONS[0]]
     return LayerPlan(layer, fmt, round_up(fmt.nbytes, ALIGNMENT), first, cast_to, rules)

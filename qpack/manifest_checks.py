@@ -81,6 +81,9 @@ def _check_format(where: Path, name: str, fmt: spec.ExpertFormat) -> None:
         if f"{proj}.weight" not in names:
             raise QpackError(where, f"{name}: expert format has no {proj}.weight")
         _check_quant(where, f"{name} {proj}", fmt, proj)
+        w, bias = fmt.tensor(f"{proj}.weight"), next((t for t in fmt.tensors if t.name == f"{proj}.bias"), None)
+        if bias is not None and (len(bias.shape) != 1 or not w.shape or bias.shape[0] != w.shape[0]):
+            raise QpackError(where, f"{name} {proj}: bias {list(bias.shape)} does not fit its weight's rows")
 
 
 def _check_quant(where: Path, name: str, fmt: spec.ExpertFormat, proj: str) -> None:

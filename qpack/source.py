@@ -58,6 +58,46 @@ class ExpertRef:
 
     name: str  # source tensor name
     kind: str  # "per-expert" (name has {e}), "stacked" (row e), "fused-gate"/"fused-up" (row e, half)
+    # A stacked row's fix-ups, in this order (a family's `expert_ref`: gpt-oss): swap its last
+    # two axes ([in, out] -> [out, in]), keep its even or odd rows (interleaved gate/up),
+    # read uint8 blocks [rows, groups, 16] as MLX's packed uint32 [rows, groups * 4].
+    transpose: bool = False
+    take: str = ""  # "even" | "odd" | ""
+    u32: bool = False
+
+    def fixed(self, t: RawTensor) -> RawTensor:
+        """Row e of the source tensor as the expert's part (a copy where anything changes)."""
+        if not (self.transpose or self.take or self.u32):
+            return t
+        import numpy as np
+
+        arr = np.frombuffer(t.data, dtype=np.dtype(f"u{max(1, len(t.data) // max(1, _numel(t.shape)))}"))
+        arr = arr.reshape(t.shape)
+        if self.transpose:
+            arr = arr.swapaxes(-1, -2)
+        if self.take:
+            arr = arr[0 if self.take == "even" else 1 :: 2]
+        tag = t.tag
+        if self.u32:
+            arr, tag = np.ascontiguousarray(arr).reshape(arr.shape[0], -1).view(np.uint32), "U32"
+        return RawTensor(tag, tuple(arr.shape), bytearray(np.ascontiguousarray(arr).tobytes()))
+
+    def shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The part's shape from the source row's."""
+        if self.transpose:
+            shape = (*shape[:-2], shape[-1], shape[-2])
+        if self.take:
+            shape = ((shape[0] + (self.take == "even")) // 2, *shape[1:])
+        if self.u32:
+            shape = (shape[0], _numel(shape[1:]) // 4)
+        return shape
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 @dataclass(frozen=True)
@@ -196,7 +236,7 @@ class SourceCheckpoint:
             if ref.kind == "per-expert":
                 out[key] = self.raw(ref.name.format(e=e))
             elif ref.kind == "stacked":
-                out[key] = self.raw(ref.name, row=e)
+                out[key] = ref.fixed(self.raw(ref.name, row=e))
             else:
                 t = self.raw(ref.name, row=e)
                 half = len(t.data) // 2
@@ -214,7 +254,7 @@ class SourceCheckpoint:
             shape = info.shape if ref.kind == "per-expert" else info.shape[1:]
             if ref.kind.startswith("fused"):
                 shape = (shape[0] // 2, *shape[1:])
-            out[key] = (tuple(shape), info.dtype)
+            out[key] = (ref.shape(tuple(shape)), "U32" if ref.u32 else info.dtype)
         return out
 
     def close(self) -> None:
@@ -235,12 +275,16 @@ def _load_config(root: Path) -> dict:
     return cfg
 
 
-def _experts(names: list[str], num_experts: int, root: Path) -> dict[int, dict[str, ExpertRef]]:
+def _experts(names: list[str], num_experts: int, root: Path,
+             fam: CheckpointFamily) -> dict[int, dict[str, ExpertRef]]:
     """`names`: the text model's tensors only (MTP heads and the like are dropped first)."""
     layers: dict[int, dict[str, ExpertRef]] = {}
     seen: dict[tuple[int, str], set[int]] = {}
     for name in names:
-        if m := _PER_EXPERT.search(name):
+        if (own := fam.expert_ref(name)) is not None:  # the family's own layout (gpt-oss)
+            for layer, key, transpose, take, u32 in own:
+                layers.setdefault(layer, {})[key] = ExpertRef(name, "stacked", transpose, take, u32)
+        elif m := _PER_EXPERT.search(name):
             layer, e, proj = int(m[1]), int(m[2]), m[3]
             seen.setdefault((layer, proj), set()).add(e)
             template = name[: m.start(2)] + "{e}" + name[m.end(2) :]
@@ -279,7 +323,9 @@ def open_source(root: str | Path) -> SourceCheckpoint:
         if key not in text:
             raise QpackError(root / "config.json", f"config has no {key!r}")
     check_config(config, root / "config.json")
-    quantization = config.get("quantization")
+    # An MLX block, or the family's reading of a native quantization (gpt-oss's mxfp4 experts).
+    quantization = fam.source_quantization(config)
+    native = quantization is not None and config.get("quantization") is None
     index = open_index(root)
     fp8 = hf_quantization(config)
     fp8_block = tuple(int(b) for b in fp8["weight_block_size"]) if fp8 and is_fp8_block(fp8) else None
@@ -288,12 +334,12 @@ def open_source(root: str | Path) -> SourceCheckpoint:
     src = SourceCheckpoint(root, config, model_type, text, quantization, False, index,
                            fp8_block=fp8_block)  # type: ignore[arg-type]  # two sizes: is_fp8_block
     text_names = [n for n in names if target_name(model_type, n, text) is not None]
-    src.moe_layers = _experts(text_names, src.num_experts, root)
+    src.moe_layers = _experts(text_names, src.num_experts, root, fam)
     if not src.moe_layers:
         raise QpackError(root, "no routed expert tensors found")
     kinds = {ref.kind for refs in src.moe_layers.values() for ref in refs.values()}
-    src.is_mlx = kinds == {"stacked"} and any(".switch_mlp." in n for n in names)
-    if quantization is not None and not src.is_mlx:
+    src.is_mlx = kinds == {"stacked"} and any(f".{fam.routed_module}.gate_proj." in n for n in names)
+    if quantization is not None and not src.is_mlx and not native:
         raise QpackError(root / "config.json", "config has a quantization block but tensors are not MLX-stacked")
     expert_names = {
         (ref.name.format(e=e) if ref.kind == "per-expert" else ref.name)

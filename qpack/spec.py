@@ -11,7 +11,8 @@ A container is a directory (so it downloads and resumes file by file):
       experts/layer_NNN.bin    expert e of that layer at offset e * stride
 
 One expert blob holds gate_proj, up_proj, down_proj, each as weight | scales | biases
-(affine), weight | scales (mxfp4, nvfp4, mxfp8) or weight alone (unquantized), every tensor starting on a 64-byte boundary
+(affine), weight | scales (mxfp4, nvfp4, mxfp8) or weight alone (unquantized), then the
+projection's own additive `bias` where the family has one (gpt-oss), every tensor starting on a 64-byte boundary
 inside the blob. The stride is the blob size rounded up to `alignment` (16 KiB), so one
 expert is one aligned read and O_DIRECT is possible.
 """
@@ -191,7 +192,7 @@ def expert_format(
     order = [
         f"{proj}.{part}"
         for proj in PROJECTIONS
-        for part in ("weight", "scales", "biases")
+        for part in ("weight", "scales", "biases", "bias")  # bias: SwitchLinear's own (gpt-oss)
         if f"{proj}.{part}" in shapes
     ]
     tensors = []

@@ -320,6 +320,9 @@ class Packer:
                     continue
                 for part, arr in zip(("weight", "scales", "biases"), quantize(w, rule), strict=False):
                     parts[f"{proj}.{part}"] = mx_to_bytes(arr)
+            for proj in spec.PROJECTIONS:  # gpt-oss: each expert's additive bias, float
+                if f"{proj}.bias" in raw:
+                    parts[f"{proj}.bias"] = mx_to_bytes(cast(raw[f"{proj}.bias"].to_mx(), lp.cast))
         blob = bytearray(lp.stride)
         for t in lp.format.tensors:
             data = parts[t.name]

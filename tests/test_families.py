@@ -73,7 +73,9 @@ def test_each_template_writes_tool_calls_in_its_declared_style(name):
     marker = {"json": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',
               "xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>",
               "kv": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>",
-              "sep": '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>'}[fam.tool_calls]
+              "sep": '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>',
+              "harmony": ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
+                          '{"city": "Paris"}<|call|>')}[fam.tool_calls]
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
     messages = [{"role": "user", "content": "Weather in Paris?"},

@@ -4,7 +4,8 @@ A sequence is prefilled alone, in its own caches (mlx-lm's `KVCache` per attenti
 layer, `ArraysCache` of conv + recurrent state per Gated DeltaNet layer). To decode
 several at once their caches are merged per layer with mlx-lm's own batch machinery:
 `BatchKVCache` left-pads the shorter key/value histories and masks the padding (its
-per-row offsets drive RoPE), and the DeltaNet states, fixed-size, simply stack. A
+per-row offsets drive RoPE; `BatchRotatingKVCache` does the same for sliding-window
+layers' `RotatingKVCache`), and the DeltaNet states, fixed-size, simply stack. A
 sequence that leaves is cut out (`filter`), one that joins is appended (`extend`), and
 a sequence's own caches are taken back out (`extract`) when it leaves, so the prefix
 cache and a lone sequence keep working on the plain single-row caches.
@@ -16,7 +17,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    BatchRotatingKVCache,
+    KVCache,
+    RotatingKVCache,
+)
 
 from pipeline.models.routing_override import Routed, requests_of, tagged
 
@@ -27,6 +34,8 @@ def _merge_layer(caches: Sequence[Any]) -> Any:
         return ArraysCache.merge(list(caches))
     if isinstance(first, KVCache):
         return BatchKVCache.merge(list(caches))
+    if isinstance(first, RotatingKVCache):  # gpt-oss's sliding-window layers
+        return BatchRotatingKVCache.merge(list(caches))
     raise TypeError(f"cannot batch a {type(first).__name__}")
 
 

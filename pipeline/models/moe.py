@@ -10,6 +10,8 @@ The router and the rest of the block (shared experts) are the family's
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 from mlx_lm.models.activations import swiglu
 
@@ -37,9 +39,17 @@ def _project(
 ) -> mx.array:
     bits, group_size, mode = fmt.quant(proj)  # mixed-precision layers differ per projection
     if bits is None:
-        return mx.gather_mm(
+        out = mx.gather_mm(
             x, arrays[f"{proj}.weight"].swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sort
         )
+    else:
+        out = _qmm(arrays, proj, x, idx, sort, bits, group_size, mode)
+    bias = arrays.get(f"{proj}.bias")  # SwitchLinear(bias=True): gpt-oss, added as mlx-lm adds it
+    return out if bias is None else out + mx.expand_dims(bias[idx], -2)
+
+
+def _qmm(arrays: dict[str, mx.array], proj: str, x: mx.array, idx: mx.array, sort: bool,
+         bits: int, group_size: int | None, mode: str | None) -> mx.array:
     return mx.gather_qmm(
         x,
         arrays[f"{proj}.weight"],
@@ -54,10 +64,15 @@ def _project(
     )
 
 
+Activation = Callable[[mx.array, mx.array], mx.array]  # (gate, up) -> hidden
+
+
 def routed_experts(
-    arrays: dict[str, mx.array], fmt: ExpertFormat, x: mx.array, slots: mx.array
+    arrays: dict[str, mx.array], fmt: ExpertFormat, x: mx.array, slots: mx.array,
+    activation: Activation = swiglu,
 ) -> mx.array:
-    """SwitchGLU over pool slots: x [..., H], slots [..., k] -> [..., k, H]."""
+    """SwitchGLU over pool slots: x [..., H], slots [..., k] -> [..., k, H]. `activation`:
+    the family's (mlx-lm's SwiGLU; gpt-oss's clamped variant)."""
     x = mx.expand_dims(x, (-2, -3))
     sort = slots.size >= SORT_THRESHOLD
     idx, inv_order = slots, None
@@ -65,7 +80,7 @@ def routed_experts(
         x, idx, inv_order = _gather_sort(x, slots)
     up = _project(arrays, fmt, "up_proj", x, idx, sort)
     gate = _project(arrays, fmt, "gate_proj", x, idx, sort)
-    x = _project(arrays, fmt, "down_proj", swiglu(gate, up), idx, sort)
+    x = _project(arrays, fmt, "down_proj", activation(gate, up), idx, sort)
     if inv_order is not None:  # sorted
         x = _scatter_unsort(x, inv_order, slots.shape)
     return x.squeeze(-2)

@@ -71,13 +71,31 @@ def _arrays(state: Any) -> list[mx.array]:
 def _snapshot(cache: Any) -> dict[str, Any]:
     # mlx-lm's caches: KVCache (keys/values buffers written at `offset`, so restoring the
     # offset is enough) and ArraysCache (a list whose entries are replaced, never written
-    # into). A shallow copy of the attributes, lists copied, restores either exactly.
-    return {k: list(v) if isinstance(v, list) else v for k, v in vars(cache).items()}
+    # into). A shallow copy of the attributes, lists copied, restores either exactly. But an
+    # MLX array updated in place (`a[i] = x`) changes every reference to that object, and a
+    # ring (RotatingKVCache, BatchRotatingKVCache: gpt-oss's sliding layers) writes over
+    # live entries: after a miss, the step queued behind had overwritten the oldest key in
+    # the window. So a ring's buffers, and any small array attribute (batched per-row
+    # offsets), are held as distinct objects (a view: the cache's next write then copies
+    # the window rather than writing through); plain KV buffers stay shared (no copy).
+    return _owned(cache, vars(cache))
 
 
 def _restore(cache: Any, snapshot: dict[str, Any]) -> None:
     vars(cache).clear()
-    vars(cache).update({k: list(v) if isinstance(v, list) else v for k, v in snapshot.items()})
+    vars(cache).update(_owned(cache, snapshot))
+
+
+def _owned(cache: Any, attrs: dict[str, Any]) -> dict[str, Any]:
+    ring = hasattr(cache, "max_size")
+    out = {}
+    for k, v in attrs.items():
+        if isinstance(v, list):
+            v = list(v)
+        elif isinstance(v, mx.array) and (ring or k not in ("keys", "values")):
+            v = v[...]
+        out[k] = v
+    return out
 
 
 class StreamedModel:
@@ -180,11 +198,13 @@ class ForwardStep:
             h = hidden
         # Masks from this process's own layers' caches: a rank never updates the others'.
         local = [(i, model.parts.layers[i]) for i in model.layers]
-        linear = model.family.is_linear
-        first_fa = next((i for i, b in local if not linear(b)), None)
+        linear, sliding = model.family.is_linear, model.family.is_sliding
+        first_fa = next((i for i, b in local if not linear(b) and not sliding(b)), None)
         first_ssm = next((i for i, b in local if linear(b)), None)
+        first_swa = next((i for i, b in local if sliding(b)), None)
         self.fa_mask = None if first_fa is None else model.family.attention_mask(h, cache[first_fa])
         self.ssm_mask = None if first_ssm is None else create_ssm_mask(h, cache[first_ssm])
+        self.swa_mask = None if first_swa is None else model.family.sliding_mask(h, cache[first_swa])
         self.h = h
         # Each row's (position, request) before this step's tokens: calibrated routing only.
         self.where = None if model.routing is None else model.routing.where(cache)
@@ -194,7 +214,9 @@ class ForwardStep:
         self._h_in: dict[int, mx.array] = {}
 
     def _mask(self, block: nn.Module) -> Any:
-        return self.ssm_mask if self.m.family.is_linear(block) else self.fa_mask
+        if self.m.family.is_linear(block):
+            return self.ssm_mask
+        return self.swa_mask if self.m.family.is_sliding(block) else self.fa_mask
 
     def _to_next_moe(self) -> nn.Module | None:
         """Run the dense layers up to the next MoE layer (lazily); that block, or None."""
@@ -244,7 +266,7 @@ class ForwardStep:
         slots = mx.array(slot_of.astype(np.int32))[inds]
         block = self.m.parts.layers[self.layer]
         arrays, fmt = self.m.views(self.layer) if self.m.views else (self.m.slot_arrays, self.m.fmt)
-        routed = routed_experts(arrays, fmt, x, slots)
+        routed = routed_experts(arrays, fmt, x, slots, self.m.family.activation)
         self.h = h_mid + self.m.family.moe_output(block.mlp, x, routed, scores)
         self.layer += 1
         return self.run_to_routing(presync)
@@ -274,7 +296,7 @@ class ForwardStep:
             h_mid, x, inds, scores = self._mix_and_route(block)
             found = slot_map[row_of[self.layer]][inds]
             arrays, fmt = self.m.views(self.layer) if self.m.views else (self.m.slot_arrays, self.m.fmt)
-            routed = routed_experts(arrays, fmt, x, mx.maximum(found, 0))
+            routed = routed_experts(arrays, fmt, x, mx.maximum(found, 0), self.m.family.activation)
             self.h = h_mid + self.m.family.moe_output(block.mlp, x, routed, scores)
             ids.append(inds.reshape(-1, inds.shape[-1]))
             present.append((found >= 0).all())

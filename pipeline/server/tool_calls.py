@@ -6,7 +6,9 @@ Qwen models write tool calls as `<tool_call>{"name": ..., "arguments": {...}}</t
 DeepSeek-V3.x as `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` inside a
 `<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>` section,
 and thinking as `<think>...</think>` (thinking templates open the `<think>` in the prompt,
-so the output starts inside it: the caller says so with `in_reasoning`).
+so the output starts inside it: the caller says so with `in_reasoning`). gpt-oss writes
+harmony channels instead (`<|channel|>analysis<|message|>...`): from its first `<|channel|>`
+or `<|start|>` the output goes to `harmony.HarmonyParser`, which makes the same parts.
 `OutputParser.feed(delta)` turns raw text deltas into `Content`, `Reasoning` and `Call`
 parts as soon as they are certain: text that could be the start of a tag is held back
 until the next delta decides it, so a client never sees half a tag, and a tool call is
@@ -24,6 +26,7 @@ import secrets
 from dataclasses import dataclass
 
 from pipeline.server.call_formats import Schemas, parse_call_body
+from pipeline.server.harmony import CHANNEL, START, HarmonyParser
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -32,6 +35,7 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 DS_CALL_OPEN, DS_CALL_CLOSE = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
 DS_SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
 CALLS = {CALL_OPEN: CALL_CLOSE, DS_CALL_OPEN: DS_CALL_CLOSE}  # opening tag -> its closing tag
+HARMONY = (CHANNEL, START)  # gpt-oss's message markers: the rest is harmony
 
 
 @dataclass(frozen=True)
@@ -92,18 +96,22 @@ class OutputParser:
         self._buf = ""
         self._pending_ws = ""  # whitespace between calls: content only if text follows
         self.calls: list[Call] = []
+        self._harmony: HarmonyParser | None = None
 
     def _tags(self) -> tuple[str, ...]:
         if self._mode == "reasoning":
             return (THINK_CLOSE,)
         if self._mode == "call":
             return (CALLS[self._open],)
-        return (THINK_OPEN, *CALLS, *DS_SECTION) if self.tools else (THINK_OPEN,)
+        return (THINK_OPEN, *CALLS, *DS_SECTION, *HARMONY) if self.tools else (THINK_OPEN, *HARMONY)
 
     def feed(self, delta: str) -> list[Part]:
-        self._buf += delta
         out: list[Part] = []
-        while True:
+        if self._harmony is not None:
+            self._harmony.feed(delta, out)
+            return out
+        self._buf += delta
+        while self._harmony is None:
             tags = self._tags()
             hits = [(i, t) for t in tags if (i := self._buf.find(t)) >= 0]
             if not hits:
@@ -111,7 +119,10 @@ class OutputParser:
             index, tag = min(hits)
             before, self._buf = self._buf[:index], self._buf[index + len(tag):]
             self._close_segment(before, tag, out)
-        if self._mode != "call":
+        if self._harmony is not None:
+            rest, self._buf = self._buf, ""
+            self._harmony.feed(rest, out)
+        elif self._mode != "call":
             keep = _held_suffix(self._buf, self._tags())
             ready, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
             self._emit(ready, out)
@@ -120,6 +131,9 @@ class OutputParser:
     def finish(self) -> list[Part]:
         """End of output: release what was held (an unclosed call is passed through as text)."""
         out: list[Part] = []
+        if self._harmony is not None:
+            self._harmony.finish(out)
+            return out
         rest, self._buf = self._buf, ""
         if self._mode == "call":
             parsed = parse_call(rest, self.schemas) if self.tools else None
@@ -151,6 +165,18 @@ class OutputParser:
             self._mode = "content"
         elif tag in CALLS:
             self._mode, self._open = "call", tag
+        elif tag in HARMONY:
+            self._harmony = HarmonyParser(self, tools=self.tools, schemas=self.schemas, header=tag)
+
+    # What the harmony parser hands back (its parts, in this parser's terms).
+    def content(self, text: str, out: list[Part]) -> None:
+        self._content(text, out)
+
+    def reasoning(self, text: str, out: list[Part]) -> None:
+        out.append(Reasoning(text))
+
+    def call(self, name: str, arguments: str, out: list[Part]) -> None:
+        self._add_call(name, arguments, out)
 
     def _add_call(self, name: str, arguments: str, out: list[Part]) -> None:
         self._pending_ws = ""

@@ -14,7 +14,7 @@ from functools import cache
 from qpack.families.base import CheckpointFamily, TokenizerFacts
 
 # The registry: one line per family (the module name is the family's model_type).
-MODULES = ("qwen3_next", "qwen3_5_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
+MODULES = ("qwen3_next", "qwen3_5_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss")
 DEFAULT = "qwen3_next"  # the family of a `synth:<preset>` source that names none
 
 __all__ = ["DEFAULT", "MODULES", "CheckpointFamily", "TokenizerFacts", "UnsupportedModel", "canonical",

@@ -59,11 +59,14 @@ class CheckpointFamily:
     tokenizer: ClassVar[TokenizerFacts]
     template_file: ClassVar[bool] = False  # chat_template.jinja beside the tokenizer (else inline)
     # How the template writes a <tool_call> body: "json" (hermes), "xml" (<function=...>),
-    # "kv" (<arg_key>/<arg_value>) or "sep" (DeepSeek: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>JSON);
-    # the server reads every style (server/call_formats.py).
+    # "kv" (<arg_key>/<arg_value>), "sep" (DeepSeek: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>JSON)
+    # or "harmony" (gpt-oss: <|start|>assistant to=functions.NAME<|channel|>commentary json
+    # <|message|>JSON<|call|>); the server reads every style (server/call_formats.py,
+    # server/harmony.py).
     tool_calls: ClassVar[str] = "json"
     # The hub release carries a multi-token-prediction head at its root (`mtp.*`), which
     # pack keeps (qpack/mtp.py); per_expert_mtp: its experts one tensor each (else fused).
+    expert_biases: ClassVar[bool] = False  # each expert projection adds a bias (gpt-oss)
     mtp_head: ClassVar[bool] = False
     per_expert_mtp: ClassVar[bool] = False
     zero_centred: ClassVar[tuple[str, ...]] = ()  # norm suffixes stored as w (1 + w applied)
@@ -83,6 +86,25 @@ class CheckpointFamily:
     def target_name(self, name: str, text: dict[str, Any]) -> str | None:
         """mlx-lm's name for a source tensor (its `sanitize`); None: not part of the text model."""
         return name if name.startswith(("model.", "lm_head.")) else None
+
+    # transformers `quant_method`s whose tensors this family reads as they are (gpt-oss: mxfp4).
+    native_quant_methods: ClassVar[tuple[str, ...]] = ()
+
+    def source_quantization(self, config: dict[str, Any]) -> dict[str, Any] | None:
+        """The MLX quantization block the source's quantized tensors follow (mlx-lm's
+        `quantization`; a family may read its native format as one), or None: float."""
+        return config.get("quantization")
+
+    def expert_ref(self, name: str) -> list[tuple[int, str, bool, str, bool]] | None:
+        """The routed-expert parts a source tensor holds in a layout of the family's own:
+        (layer, "{proj}.{part}", transpose, "even" | "odd" | "", uint32 view) each, rows
+        indexed by expert (qpack.source.ExpertRef). None: not one (the generic layouts)."""
+        return None
+
+    def synth_experts(self, writer: Any, layer: int) -> list[Any] | None:
+        """A synthetic layer's routed-expert entries where the family lays them out its own
+        way (qpack.synth.checkpoint.WeightWriter); None: the generic layouts."""
+        return None
 
     def dense_fixups(self, target: str, shape: tuple[int, ...], is_mlx: bool,
                      conv_unsanitized: bool) -> tuple[bool, bool]:

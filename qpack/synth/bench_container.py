@@ -109,6 +109,8 @@ def expert_layout(dims: ModelDims, bits: int, group_size: int) -> tuple[spec.Exp
         shapes[f"{proj}.weight"] = (q["weight"], "uint32")
         shapes[f"{proj}.scales"] = (q["scales"], "bfloat16")
         shapes[f"{proj}.biases"] = (q["biases"], "bfloat16")
+        if family_of(dims.family).expert_biases:  # gpt-oss: each projection's own bias
+            shapes[f"{proj}.bias"] = ((h if proj == "down_proj" else i,), "bfloat16")
     fmt = spec.expert_format(shapes, bits, group_size, "affine")
     return fmt, spec.round_up(fmt.nbytes, spec.ALIGNMENT)
 
@@ -129,6 +131,10 @@ def _template(dims: ModelDims, fmt: spec.ExpertFormat, stride: int, layer: int, 
         biases = -NIBBLE_MEAN * scales
         blob[s.offset : s.offset + s.nbytes] = f32_to_bf16_bits(scales).view(np.uint8).reshape(-1)
         blob[b.offset : b.offset + b.nbytes] = f32_to_bf16_bits(biases).view(np.uint8).reshape(-1)
+        if f"{proj}.bias" in {t.name for t in fmt.tensors}:  # shared by the layer's experts
+            t = fmt.tensor(f"{proj}.bias")
+            bias = rng.normal(0.0, 0.02, size=t.shape).astype(np.float32)
+            blob[t.offset : t.offset + t.nbytes] = f32_to_bf16_bits(bias).view(np.uint8).reshape(-1)
     return blob
 
 

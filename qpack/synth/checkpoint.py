@@ -162,6 +162,8 @@ class WeightWriter:
         d, p = self.dims, f"layers.{layer}.mlp."
         if not d.is_moe(layer):
             return []
+        if (own := self.family.synth_experts(self, layer)) is not None:
+            return own
         e_n, i, h = d.num_experts, d.moe_intermediate_size, d.hidden_size
 
         def stacked(*projs: str, store: str | None = None) -> Blocks:

@@ -49,6 +49,7 @@ class ModelDims(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    sliding_window: int = 0  # gpt-oss: the window of its sliding-attention layers (0: none)
 
     @property
     def key_dim(self) -> int:

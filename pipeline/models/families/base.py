@@ -14,6 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
 
 
 class ForwardFamily:
@@ -36,6 +37,19 @@ class ForwardFamily:
         from mlx_lm.models.base import create_attention_mask
 
         return create_attention_mask(h, cache)
+
+    def is_sliding(self, block: nn.Module) -> bool:
+        """Whether an attention layer attends over a sliding window (gpt-oss's
+        sliding_attention layers: a RotatingKVCache and `sliding_mask`)."""
+        return False
+
+    def sliding_mask(self, h: mx.array, cache: Any) -> Any:
+        """The mask of the sliding-window layers for `h` over `cache` (one such layer's)."""
+        raise NotImplementedError
+
+    def activation(self, gate: mx.array, up: mx.array) -> mx.array:
+        """The routed experts' GLU, as the family's SwitchGLU applies it."""
+        return swiglu(gate, up)
 
     def mixer(self, block: nn.Module) -> nn.Module:
         """The layer's token mixer (attention), called as mixer(x, mask, cache)."""
