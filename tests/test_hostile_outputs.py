@@ -83,7 +83,9 @@ def test_a_safetensors_write_that_fails_leaves_no_partial(tmp_path) -> None:
 def test_an_interrupted_synth_removes_its_output_so_a_rerun_starts_clean(tmp_path) -> None:
     out = tmp_path / "src"
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "synth", "--family", "qwen3_next",
-                             "--preset", "demo", "-o", str(out)], cwd=REPO,
+                             # Many small shards: however late this loaded test sees the
+                             # first one, the synth is still writing when Ctrl-C comes.
+                             "--preset", "demo", "--shard-mb", "8", "-o", str(out)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             # A job started in the background by a shell inherits SIGINT
                             # ignored (and Python then keeps it so): Ctrl-C must reach it.
