@@ -33,6 +33,18 @@ _KV_NAME = re.compile(r"\s*([\w.\-]+)\s*(?=<arg_key>|\Z)")  # tool names: letter
 _KV_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
+def held_suffix(buf: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `buf` that is a proper prefix of one of `tags`: the
+    text a streaming parser holds back, since the next delta may complete a tag."""
+    best = 0
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(buf)), best, -1):
+            if buf.endswith(tag[:n]):
+                best = n
+                break
+    return best
+
+
 def parse_json_call(body: str) -> tuple[str, dict[str, Any]] | None:
     """`{"name": ..., "arguments": {...}}` -> (name, arguments), or None if not a call."""
     try:

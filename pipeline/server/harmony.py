@@ -19,23 +19,12 @@ import json
 import re
 from typing import Any
 
-from pipeline.server.call_formats import Schemas
+from pipeline.server.call_formats import Schemas, held_suffix
 
 CHANNEL, MESSAGE, START, END, CALL, RETURN = (
     "<|channel|>", "<|message|>", "<|start|>", "<|end|>", "<|call|>", "<|return|>")
 _BODY_ENDS = (END, CALL, RETURN)
 _RECIPIENT = re.compile(r"\bto=functions\.([\w.\-]+)")
-
-
-def _held(buf: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `buf` that is a proper prefix of one of `tags`."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(buf)), best, -1):
-            if buf.endswith(tag[:n]):
-                best = n
-                break
-    return best
 
 
 class HarmonyParser:
@@ -67,7 +56,7 @@ class HarmonyParser:
             before, self._buf = self._buf[:index], self._buf[index + len(tag):]
             self._close(before, tag, out)
         if self._mode == "body" and self._kind != "call":
-            keep = _held(self._buf, self._tags())
+            keep = held_suffix(self._buf, self._tags())
             ready, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
             self._emit(ready, out)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from pipeline.server.call_formats import Schemas, parse_call_body
+from pipeline.server.call_formats import Schemas, held_suffix, parse_call_body
 from pipeline.server.harmony import CHANNEL, START, HarmonyParser
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -66,17 +66,6 @@ def new_call_id() -> str:
 def parse_call(body: str, schemas: Schemas | None = None) -> tuple[str, str] | None:
     """A `<tool_call>` body, JSON or XML style -> (name, arguments JSON), or None if not a call."""
     return parse_call_body(body, schemas)
-
-
-def _held_suffix(buf: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `buf` that is a proper prefix of one of `tags`."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(buf)), best, -1):
-            if buf.endswith(tag[:n]):
-                best = n
-                break
-    return best
 
 
 class OutputParser:
@@ -123,7 +112,7 @@ class OutputParser:
             rest, self._buf = self._buf, ""
             self._harmony.feed(rest, out)
         elif self._mode != "call":
-            keep = _held_suffix(self._buf, self._tags())
+            keep = held_suffix(self._buf, self._tags())
             ready, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
             self._emit(ready, out)
         return out
