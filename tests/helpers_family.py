@@ -147,6 +147,32 @@ async def assert_engine_greedy_with_lookahead(src: Path, qpack: Path) -> None:
         assert engine.facts.slots == 8
 
 
+async def batch_of_two_greedy(qpack: Path, ref: Any) -> tuple[list[list[int]], list[list[int]], set[int], int]:
+    """Two prompts decoded together by the real engine (16 slots: every step misses; two
+    layers of router predictions ahead; four O_DIRECT readers): (each prompt's tokens, the
+    greedy tokens of `ref` (mlx-lm's resident model) for each prompt alone, the engine's
+    stop ids, its largest decode batch)."""
+    from helpers_engine import engine_config, generate
+
+    from pipeline.engine import open_engine
+
+    prompts = [PROMPT, [40, 1079, 264, 8, 3, 90000, 512, 2]]
+    cfg = engine_config(qpack, pool={"slots": 16}, prefetch={"strategy": "lookahead", "depth": 2},
+                        reader={"concurrency": 4, "o_direct": True})
+    async with open_engine(cfg) as engine:
+        eos = set(engine.tokenizer.eos_token_ids)
+        want = [greedy_reference(ref, p, 8, eos, chunk=2) for p in prompts]
+        got: list[list[int]] = [[], []]
+
+        async def run(i: int) -> None:
+            got[i] = list((await generate(engine, prompts[i], 8)).token_ids)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(run, i)
+        return got, want, eos, engine.largest_batch
+
+
 def assert_close_to_transformers(src: Path, qpack: Path, class_name: str, tol: float = 1e-4) -> None:
     """Every position's logits within `tol` of transformers' PyTorch model in fp32."""
     import numpy as np

@@ -12,14 +12,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers_engine import engine_config, generate
 from helpers_family import (
     PROMPT,
     TOLERANCE,
     assert_bit_identical_across_pools,
     assert_close_to_transformers,
     assert_layers_and_logits_match,
-    greedy_reference,
+    batch_of_two_greedy,
     parse_streamed,
     reference,
     served_tool_round_trip,
@@ -28,7 +27,6 @@ from helpers_family import (
 from helpers_forward import DirectForward
 from mlx.utils import tree_flatten
 
-from pipeline.engine import open_engine
 from qpack.names import target_name
 from qpack.reader import Container
 
@@ -87,25 +85,10 @@ async def test_two_prompts_in_one_batch_get_mlx_lm_greedy_with_lookahead_and_dir
     slots (every step misses): two prompts decoded in one batch (the MLA caches merged and
     masked as arrays) each get mlx-lm's greedy tokens for the prompt alone. Next-gate runs
     in the served test."""
-    import trio
-
     src, qpack, _ = pair("fp32")
-    prompts = [PROMPT, [40, 1079, 264, 8, 3, 90000, 512, 2]]
-    cfg = engine_config(qpack, pool={"slots": 16}, prefetch={"strategy": "lookahead", "depth": 2},
-                        reader={"concurrency": 4, "o_direct": True})
-    async with open_engine(cfg) as engine:
-        eos = set(engine.tokenizer.eos_token_ids)
-        want = [greedy_reference(reference(src), p, 8, eos, chunk=2) for p in prompts]
-        got: list[list[int]] = [[], []]
-
-        async def run(i: int) -> None:
-            got[i] = list((await generate(engine, prompts[i], 8)).token_ids)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(2):
-                nursery.start_soon(run, i)
-        assert got == want
-        assert engine.largest_batch == 2
+    got, want, eos, largest = await batch_of_two_greedy(qpack, reference(src))
+    assert got == want
+    assert largest == 2
 
 
 def test_logits_match_transformers(pair):

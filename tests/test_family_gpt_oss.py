@@ -20,8 +20,10 @@ from helpers_engine import engine_config, generate
 from helpers_family import (
     PROMPT,
     assert_bit_identical_across_pools,
+    batch_of_two_greedy,
     parse_streamed,
     served_tool_round_trip,
+    tiny_pair,
 )
 from helpers_forward import DirectForward, greedy_reference
 from mlx_lm.models.base import create_attention_mask
@@ -113,12 +115,8 @@ def pair(synth_checkpoint, packed):
     in float32 here, as the engine computes in float32 on the CPU: mlx-lm's resident
     model then does too, and bf16 dense is what bf16-q4 and mlx-mxfp4 run)."""
     def make(kind: str) -> tuple[Path, Path, int | None]:
-        if kind == "fp32":
-            src = synth_checkpoint(FAMILY, dtype="float32")
-            return src, packed(src, bits=16), None
-        if kind == "bf16-q4":
-            src = synth_checkpoint(FAMILY, dtype="bfloat16")
-            return src, packed(src, bits=4), 4
+        if kind in ("fp32", "bf16-q4"):  # as every family's
+            return tiny_pair(synth_checkpoint, packed, FAMILY, kind)
         if kind == "mlx-mxfp4":  # mlx_lm.convert -q --q-mode mxfp4 (router at 8 bits, affine)
             src = synth_checkpoint(FAMILY, dtype="bfloat16", bits=4, mode="mxfp4")
             return src, packed(src), None
@@ -228,26 +226,11 @@ async def test_two_prompts_in_one_batch_get_mlx_lm_greedy_with_lookahead_and_dir
     """The real engine, two layers of router predictions ahead, four O_DIRECT readers, 16
     slots: two prompts decoded in one batch (rotating and plain KV caches merged) each get
     mlx-lm's greedy tokens for the prompt alone. Next-gate runs in the served test."""
-    import trio
-
     src, qpack, _ = pair("mxfp4")
-    prompts = [PROMPT, [40, 1079, 264, 8, 3, 90000, 512, 2]]
-    cfg = engine_config(qpack, pool={"slots": 16}, prefetch={"strategy": "lookahead", "depth": 2},
-                        reader={"concurrency": 4, "o_direct": True})
-    async with open_engine(cfg) as engine:
-        eos = set(engine.tokenizer.eos_token_ids)
-        assert {200002, 200012} <= eos  # <|return|>, <|call|>
-        want = [greedy_reference(reference(src), p, 8, eos, chunk=2) for p in prompts]
-        got: list[list[int]] = [[], []]
-
-        async def run(i: int) -> None:
-            got[i] = list((await generate(engine, prompts[i], 8)).token_ids)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(2):
-                nursery.start_soon(run, i)
-        assert got == want
-        assert engine.largest_batch == 2
+    got, want, eos, largest = await batch_of_two_greedy(qpack, reference(src))
+    assert {200002, 200012} <= eos  # <|return|>, <|call|>
+    assert got == want
+    assert largest == 2
 
 
 def test_the_bench_container_verifies_and_runs(tmp_path):
