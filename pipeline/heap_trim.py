@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import sys
 from collections.abc import Callable
 
 import structlog
 
+from actors.libc import glibc
 from pipeline.resident_map import current_rss_mb
 
 log = structlog.get_logger(__name__)
@@ -24,21 +24,14 @@ log = structlog.get_logger(__name__)
 GROWTH_MB = 256.0  # trim once RSS is this far above what the last trim left
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.malloc_trim
-    except (OSError, AttributeError):  # musl and others have no malloc_trim
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn
+def malloc_trim() -> Callable[..., int] | None:
+    """glibc's malloc_trim (None where there is none)."""
+    return glibc("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
 
 
 class HeapTrimmer:
     def __init__(self) -> None:
-        self._trim = _malloc_trim()
+        self._trim = malloc_trim()
         self._floor = current_rss_mb()
         self.trimmed_mb = 0.0  # given back so far
 

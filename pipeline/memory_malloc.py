@@ -22,6 +22,8 @@ import sys
 
 import structlog
 
+from actors.libc import glibc
+
 log = structlog.get_logger("moestream.memory")
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -34,12 +36,9 @@ def map_large_blocks(threshold: int = THRESHOLD_BYTES) -> bool:
     global _done
     if _done or not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and others have no mallopt
+    mallopt = glibc("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
+    if mallopt is None:  # musl and others have no mallopt
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _done = bool(mallopt(M_MMAP_THRESHOLD, threshold))
     log.debug("memory.mmap_threshold", bytes=threshold, set=_done)
     return _done

@@ -16,11 +16,8 @@ detokenizer, chat_template, vocab_size.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import json
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,12 +56,11 @@ def _chat_template(root: Path, config: Mapping[str, Any]) -> str | None:
 
 def trim_heap() -> None:
     """Give freed heap pages back to the OS (glibc); a no-op elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    from pipeline.heap_trim import malloc_trim
+
+    trim = malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 class StreamDetokenizer:

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
 import os
-import sys
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -22,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from actors.device_staging import to_device_many
+from actors.libc import glibc
 from actors.pool.layout import PoolLayout
 from qpack.spec import ExpertFormat, QpackError, TensorSpec
 
@@ -38,14 +37,8 @@ _PAGE = 4096 if not hasattr(os, "sysconf") else os.sysconf("SC_PAGE_SIZE")
 _MADV_DONTNEED = 4  # Linux
 
 
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    fn = libc.madvise
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn
+def _madvise() -> Callable[..., int] | None:
+    return glibc("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int)
 
 
 def slot_bytes(fmt: ExpertFormat | PoolLayout) -> int:
