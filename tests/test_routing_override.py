@@ -50,7 +50,8 @@ async def test_calibrated_routing_routes_the_model_ids_and_pool_settings_do_not_
     big, _, _, _ = await _run(
         qpack, "calibrated", pool={"slots": 48, "eviction": "reuse"}, prefetch={"strategy": "history"},
         compute={"prefill_chunk": 3})
-    gated, gtrace, _, _ = await _run(qpack, "calibrated-gate", pool={"slots": 16})
+    gated, gtrace, _, _ = await _run(qpack, "calibrated-gate", pool={"slots": 16},
+                                     prefetch={"strategy": "next-gate", "extra": 2})
     assert small == big == gated
     # Every decode step routed the table's ids at its position (prompt, then tokens).
     source = override.source
@@ -70,14 +71,17 @@ async def test_calibrated_routing_routes_the_model_ids_and_pool_settings_do_not_
             assert [sorted(r) for r in entry.observed()] == [sorted(r) for r in rows.tolist()]
         pos += count
     assert pos == len(PROMPT)
-    # The emulated gate's predictions are what the gate strategy recorded.
+    # The emulated gate's predictions are what the gate strategy recorded: its top-k and,
+    # asked for 2 more (`extra`), its next two ranks.
     checked = 0
+    top_k = source.model.shape.top_k
     for i, step in enumerate(s for s in gtrace.steps if s.phase == "decode"):
         pos = len(PROMPT) + i
         for entry in step.layers:
             for layer, ids in entry.predictions:
-                want = source.gate(moe.index(layer), pos, 1)[0]
-                assert sorted(ids[: len(want)]) == sorted(want.tolist())
+                assert len(ids) == top_k + 2
+                want = source.gate(moe.index(layer), pos, 1)[0][: len(ids)]
+                assert sorted(ids) == sorted(want.tolist())
                 checked += 1
     assert checked >= 3
 

@@ -103,14 +103,19 @@ class RoutingModel:
         self.proj = rng.standard_normal((L, E, p.latent_dim)) / math.sqrt(p.latent_dim)
 
     def tokens(
-        self, domain: int, n: int, rng: np.random.Generator, *, gate: bool = False
+        self, domain: int, n: int, rng: np.random.Generator, *, gate: bool = False,
+        gate_ranks: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Routing of one request's `n` tokens in `domain`: ids [n, L, k], router order.
 
-        With gate=True also the emulated gate-ahead predictions [n, L, k] for each layer
-        (row l predicts layer l from layer l-1's state; row 0 is unused).
+        With gate=True also the emulated gate-ahead predictions [n, L, gate_ranks] for each
+        layer, best first (row l predicts layer l from layer l-1's state; row 0 is unused).
+        `gate_ranks` (default k) > k ranks experts past the gate's top-k as a real gate's
+        scores do: what a prefetcher that reads more than top-k per layer picks. The
+        first k are the same whatever `gate_ranks` is (the same noisy scores, sorted).
         """
         L, E, k = self.shape.num_layers, self.shape.num_experts, self.shape.top_k
+        g = min(E, gate_ranks or k)
         p = self.params
         base = self.base[domain % p.num_domains]
         # The gate's noise has its own stream, so asking for it leaves the routing unchanged.
@@ -118,7 +123,7 @@ class RoutingModel:
         z = rng.standard_normal(p.latent_dim)
         trace = np.zeros((L, E))
         out = np.empty((n, L, k), dtype=np.int32)
-        gates = np.empty((n, L, k), dtype=np.int32) if gate else None
+        gates = np.empty((n, L, g), dtype=np.int32) if gate else None
         innov = math.sqrt(1.0 - p.persistence**2)
         rows = np.arange(L)[:, None]
         for t in range(n):
@@ -133,7 +138,7 @@ class RoutingModel:
             out[t] = ids
             if gates is not None:
                 guess = logits + p.gate_noise * gate_rng.gumbel(size=(L, E))
-                gtop = np.argpartition(-guess, k - 1, axis=1)[:, :k]
+                gtop = np.argpartition(-guess, g - 1, axis=1)[:, :g]
                 gates[t] = gtop[rows, np.argsort(-guess[rows, gtop], axis=1, kind="stable")]
             trace *= p.reuse_decay
             trace[rows, ids] += 1.0

@@ -21,6 +21,9 @@ from actors.routing_model.model import RoutingModel, RoutingParams, RoutingShape
 
 DOMAINS = 2  # requests alternate between two prompt domains, as the replay workloads do
 MIN_ROWS = 256
+# The emulated gate ranks this many times top-k experts per layer, so a prefetcher told to
+# read beyond top-k (`prefetch.extra`) reads the gate's next guesses, as with a real gate.
+GATE_RANKS_PER_K = 4
 
 
 def family_for(num_experts: int, top_k: int) -> str:
@@ -73,7 +76,8 @@ class CalibratedSource:
         if table is None or len(table[0]) < end:
             n = max(MIN_ROWS, 1 << max(end - 1, 1).bit_length())
             rng = np.random.default_rng([self.seed, request, 0x0DE])
-            ids, gates = self.model.tokens(request % DOMAINS, n, rng, gate=True)
+            ids, gates = self.model.tokens(request % DOMAINS, n, rng, gate=True,
+                                           gate_ranks=GATE_RANKS_PER_K * self.model.shape.top_k)
             assert gates is not None
             table = self._tables[request] = (ids, gates)
         return table
