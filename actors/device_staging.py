@@ -113,3 +113,14 @@ def to_device_many(blobs: Sequence[np.ndarray]) -> list[mx.array]:
     # can evaluate ("There is no Stream(gpu, 2) in current thread"). A slice is a view.
     mx.eval(out)
     return out
+
+
+def to_device_prefetched(blobs: Sequence[np.ndarray]) -> list[mx.array]:
+    """Each blob's bytes in managed memory, moved onto the GPU in bulk before any kernel
+    reads them (`reader.device_copy = "prefetch"`, actors/cuda_prefetch.py): one host
+    memcpy per blob into MLX's own buffer, then the driver's prefetch, no pageable copy."""
+    from actors import cuda_prefetch
+
+    out = [mx.array(blob) for blob in blobs]
+    cuda_prefetch.to_gpu(out)
+    return out

@@ -23,6 +23,7 @@ import trio
 
 from actors.compute import Compute
 from actors.compute_task import ComputeTask
+from actors.cuda_prefetch import usable as prefetch_usable
 from actors.decode_batch import DecodeBatch
 from actors.mlx_worker import MlxWorker
 from actors.pool.eviction import make_policy
@@ -131,6 +132,8 @@ async def open_core(
         )
         storage = await worker.run(PoolStorage, layout, slots)
         stage_in_threads = await staging_probe(config.reader.stage_in_threads, worker)
+        if stage_in_threads and config.reader.device_copy == "prefetch":
+            storage.prefetch_copy = await MlxWorker.staging(0).run(prefetch_usable)
         model = (stage.model if stage else StreamedModel)(
             dense, fmt, storage.arrays, dtype, views=storage.view)
         async with trio.open_nursery() as nursery:
@@ -241,6 +244,7 @@ def _start_actors(
         readers=reader.concurrency,
         max_batch=core.max_batch,
         stage_in_threads=stage_in_threads,
+        device_copy="prefetch" if storage.prefetch_copy else "load",
         seconds=round(time.perf_counter() - started, 2),
     )
     return core

@@ -19,7 +19,7 @@ from typing import cast
 import mlx.core as mx
 import numpy as np
 
-from actors.device_staging import to_device_many
+from actors.device_staging import to_device_many, to_device_prefetched
 from actors.libc import glibc
 from actors.pool.layout import PoolLayout
 from qpack.spec import ExpertFormat, QpackError, TensorSpec
@@ -85,6 +85,8 @@ class PoolStorage:
         self.fmt = self.layout.formats[next(iter(self.layout.formats))]  # the uniform case's format
         self.num_slots = num_slots
         self.layer_of: Callable[[int], int | None] | None = None
+        # How a reader's staging thread moves blobs to the GPU (`reader.device_copy`).
+        self.prefetch_copy = False
         check_allocatable(self.layout.slot_nbytes * num_slots)
         self.arrays: dict[str, mx.array] = {
             name: mx.zeros((num_slots, *shape), dtype=_MX_DTYPES[dtype])
@@ -121,7 +123,8 @@ class PoolStorage:
     def stage(self, blobs: Sequence[np.ndarray]) -> list[mx.array]:
         """Expert blobs in device memory, copied together in a reader's staging thread
         (see `device_staging`)."""
-        return to_device_many([blob[: self.layout.max_nbytes] for blob in blobs])
+        cut = [blob[: self.layout.max_nbytes] for blob in blobs]
+        return to_device_prefetched(cut) if self.prefetch_copy else to_device_many(cut)
 
     def _copy_in(self, name: str, slot: int, t: TensorSpec, src: np.ndarray) -> None:
         """A tensor's blob bytes into its slot row, widened when the pool stores it wider."""

@@ -43,7 +43,7 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
     base: dict[str, Any] = {
         "pool": pool,
         "reader": {"concurrency": args.readers, "o_direct": args.o_direct, "demand_lane": args.demand_lane,
-                   "prefetch_yields": args.prefetch_yields == "on"},
+                   "prefetch_yields": args.prefetch_yields == "on", "device_copy": args.device_copy},
         "prefetch": {"strategy": args.strategy, "depth": args.depth, "extra": args.prefetch_extra},
         "compute": {"prefill_chunk": args.prefill_chunk},
     }
@@ -195,6 +195,9 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="expert reads in flight: a number or auto (the queue depth measured at start; default)")
     p.add_argument("--demand-lane", type=int, default=1,
                    help="disk threads beside --readers that take demand reads only (default 1)")
+    p.add_argument("--device-copy", choices=("load", "prefetch"), default="load",
+                   help="how staged blobs reach GPU memory: MLX's Load (pageable copy) or managed "
+                        "memory prefetched by the driver (default load)")
     p.add_argument("--prefetch-yields", choices=("on", "off"), default="on",
                    help="no prediction starts while a demand read runs (default on)")
     p.add_argument("--strategy", default="next-gate",
