@@ -230,9 +230,7 @@ class ForwardStep:
 
     def _mix_and_route(self, block: nn.Module) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """The MoE block's attention / DeltaNet half and its router: (h_mid, x, ids, scores)."""
-        mixer = self.m.family.mixer(block)
-        h_mid = self.h + mix(mixer, block.input_layernorm(self.h), self._mask(block),
-                             self.cache[self.layer], self.m.slice_tokens)
+        h_mid = self.h + self._mixed(block)
         x = block.post_attention_layernorm(h_mid)
         forced = None
         if self.m.routing is not None:
@@ -240,6 +238,11 @@ class ForwardStep:
             forced = self.m.routing.ids(self.layer, self.where, x.shape[-2])
         inds, scores = self.m.family.route(block.mlp, x, forced)
         return h_mid, x, inds, scores
+
+    def _mixed(self, block: nn.Module) -> mx.array:
+        """The MoE block's mixer (attention or DeltaNet) over this step's tokens, its cache updated."""
+        return mix(self.m.family.mixer(block), block.input_layernorm(self.h), self._mask(block),
+                   self.cache[self.layer], self.m.slice_tokens)
 
     def run_to_routing(self, presync: Presync | None = None) -> Routing | None:
         """Advance to the next MoE layer's routing; None once every layer has run.

@@ -12,6 +12,17 @@ attention and the recurrence make those inputs the same whether or not later pos
 exist, and a mixer over n tokens computes what n one-token steps compute (bit for bit
 on MLX's CPU backend: tests/test_speculative.py), so the state is the one plain decode
 would have. No MoE, no attention layer and no expert read is redone.
+
+A sliding-window layer's ring (mlx-lm's RotatingKVCache: gpt-oss) can be neither cut
+back nor fed several tokens the way plain decode feeds it one: a multi-token update
+re-lays the ring out in time order, `window - 1 + T` long, which a later one-token step
+attends over in another order than plain decode's ring (softmax sums in another order:
+other bits once it has wrapped). So the pass runs such a layer's attention one position
+at a time, each with the mask and the in-place ring write plain decode's step makes
+(attention only: its MoE half still runs once over all T positions), and holds the ring
+as it stands after each position (a reference is a snapshot: MLX arrays are values, and
+`_snapshot` takes a ring's buffers as distinct objects, so later writes leave them be).
+`keep(n)` puts that layer's cache back to the ring after position n: plain decode's.
 """
 
 from __future__ import annotations
@@ -26,16 +37,26 @@ from pipeline.models.streamed import ForwardStep, StreamedModel, _restore, _snap
 
 
 def can_verify(model: StreamedModel) -> bool:
-    """Every DeltaNet layer is a MoE layer (the real models' layout): its input is then
-    recorded on the way through `_mix_and_route`, the one place the pass can see it.
-    Every other layer's cache is a plain KV cache, cut back by its offset (a sliding
-    window's rotating buffer cannot be)."""
-    from mlx_lm.models.cache import KVCache
+    """Every DeltaNet or sliding-window layer is a MoE layer (the real models' layout): the
+    pass then sees it in `_mix_and_route`, the one place it records or steps a mixer.
+    A DeltaNet layer's state is restored by re-running its mixer, a sliding layer's ring
+    (exactly mlx-lm's RotatingKVCache, whose write position `_idx` the ring steps) by its
+    state after each position; every other layer's cache is a plain KV cache, cut back by
+    its offset."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    linear = model.family.is_linear
-    return all(i in model.moe_layers if linear(model.parts.layers[i])
-               else type(model.family.new_cache(model.parts.layers[i])) is KVCache
-               for i in model.layers)
+    family = model.family
+
+    def fits(i: int) -> bool:
+        block = model.parts.layers[i]
+        if family.is_linear(block):
+            return i in model.moe_layers
+        kind = type(family.new_cache(block))
+        if family.is_sliding(block):
+            return kind is RotatingKVCache and i in model.moe_layers
+        return kind is KVCache
+
+    return all(fits(i) for i in model.layers)
 
 
 class VerifyStep(ForwardStep):
@@ -44,6 +65,7 @@ class VerifyStep(ForwardStep):
     def __init__(self, model: StreamedModel, tokens: list[int], cache: list[Any]) -> None:
         self._before = [_snapshot(c) for c in cache]
         self._linear_in: dict[int, mx.array] = {}
+        self._rings: dict[int, list[dict[str, Any]]] = {}  # sliding layer -> ring after each position
         self.positions = len(tokens)
         self._kept = self.positions  # the positions the caches hold now
         super().__init__(model, tokens, cache)
@@ -53,6 +75,21 @@ class VerifyStep(ForwardStep):
         if self.m.family.is_linear(block):
             self._linear_in[self.layer] = self.h
         return super()._mix_and_route(block)
+
+    def _mixed(self, block: nn.Module) -> mx.array:
+        if not self.m.family.is_sliding(block):
+            return super()._mixed(block)
+        # Plain decode's attention step per position: the same ring writes and masks, so
+        # the same keys in the same slots and the same sums (see the module docstring).
+        mixer, cache = self.m.family.mixer(block), self.cache[self.layer]
+        x = block.input_layernorm(self.h)
+        outs, rings = [], []
+        for j in range(x.shape[1]):
+            xj = x[:, j : j + 1]
+            outs.append(mixer(xj, self.m.family.sliding_mask(xj, cache), cache))
+            rings.append(_snapshot(cache))
+        self._rings[self.layer] = rings  # a resumed layer steps again from the snapshot
+        return mx.concatenate(outs, axis=1)
 
     def _last_logits(self) -> mx.array:
         """Every position's logits, [T, vocab] (what the run-ahead evaluates, too)."""
@@ -72,6 +109,9 @@ class VerifyStep(ForwardStep):
         for i in self.m.layers:
             block = self.m.parts.layers[i]
             cache, before = self.cache[i], self._before[i]
+            if i in self._rings:
+                _restore(cache, self._rings[i][n - 1])
+                continue
             if not self.m.family.is_linear(block):
                 cache.offset = before["offset"] + n
                 continue

@@ -1,0 +1,96 @@
+"""A verify pass over sliding-window layers (gpt-oss's RotatingKVCache rings, a window of
+4 in the tiny preset) is plain decode's, bit for bit: every position's logits, and after
+`keep(n)` every ring (buffer, offset, write position) and every later step's logits, for
+each n, before and after the rings wrap, on rings left by a prefill and by decode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers_forward import DirectForward, tiny_pair
+
+from pipeline.models.streamed import ForwardStep
+from pipeline.models.verify_step import VerifyStep, can_verify
+
+PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
+DRAFT = [5, 4242, 77, 9]  # the pass's tokens after the last one
+
+
+@pytest.fixture(scope="module")
+def ours(synth_checkpoint, packed):
+    qpack = tiny_pair(synth_checkpoint, packed, "gpt_oss", None)[1]
+    forward = DirectForward(qpack)
+    yield forward
+    forward.close()
+
+
+def _run(ours: DirectForward, step: ForwardStep) -> mx.array:
+    routing = step.run_to_routing()
+    while routing is not None:
+        routing = step.advance(ours._place(routing.layer, np.unique(routing.ids).tolist()))
+    return step.logits(all_positions=True)
+
+
+def _state(cache: list[Any]) -> list[tuple[Any, ...]]:
+    """A ring whole (its order is what later steps sum in); a plain KV cache up to its
+    offset (what lies past it, a rejected draft's keys, the next write overwrites)."""
+    def held(c: Any, a: mx.array) -> mx.array:
+        return a if hasattr(c, "max_size") else a[..., : c.offset, :]
+
+    return [(c.offset, getattr(c, "_idx", None), held(c, c.keys), held(c, c.values)) for c in cache]
+
+
+def _assert_same(a: list[Any], b: list[Any]) -> None:
+    for (offset, idx, keys, values), (offset_b, idx_b, keys_b, values_b) in zip(
+            _state(a), _state(b), strict=True):
+        assert (offset, idx) == (offset_b, idx_b)
+        assert keys.shape == keys_b.shape and mx.array_equal(keys, keys_b).item()
+        assert mx.array_equal(values, values_b).item()
+
+
+def test_the_tiny_gpt_oss_has_rings_and_verifies(ours):
+    model = ours.model
+    assert can_verify(model)
+    sliding = [i for i in model.layers if model.family.is_sliding(model.parts.layers[i])]
+    assert sliding and type(model.make_cache()[sliding[0]]).__name__ == "RotatingKVCache"
+
+
+@pytest.mark.parametrize("before", [
+    [PROMPT[:2]],  # the rings not yet full: the pass fills and wraps them
+    [PROMPT],  # a prefill's ring (time order, window - 1 + T long)
+    [PROMPT, [3], [17]],  # a decoded ring, wrapped (15 positions through a window of 4)
+])
+def test_a_pass_and_any_kept_prefix_are_plain_decode_bit_for_bit(ours, before):
+    def primed() -> list[Any]:
+        cache = ours.make_cache()
+        for tokens in before:
+            _run(ours, ForwardStep(ours.model, tokens, cache))
+        return cache
+
+    # Plain decode of the pass's tokens, one at a time: logits and caches after each.
+    last = 100
+    tokens = [last, *DRAFT]
+    plain = primed()
+    plain_logits, plain_after = [], []
+    for t in tokens:
+        plain_logits.append(_run(ours, ForwardStep(ours.model, [t], plain))[0])
+        plain_after.append(primed())
+        for u in tokens[: len(plain_after)]:
+            _run(ours, ForwardStep(ours.model, [u], plain_after[-1]))
+    cache = primed()
+    step = VerifyStep(ours.model, tokens, cache)
+    logits = _run(ours, step)
+    for j, want in enumerate(plain_logits):
+        assert mx.array_equal(logits[j], want).item(), f"position {j}"
+    _assert_same(cache, plain_after[-1])  # the whole pass kept: no keep() call
+    for n in (2, len(tokens), 1, 3):  # each from the pass, in any order
+        step.keep(n)
+        _assert_same(cache, plain_after[n - 1])
+    # After keeping 3 positions, the next steps decode as plain decode's did.
+    for t in (61, 62, 63, 64, 65):
+        want = _run(ours, ForwardStep(ours.model, [t], plain_after[2]))
+        assert mx.array_equal(_run(ours, ForwardStep(ours.model, [t], cache)), want).item()
+    _assert_same(cache, plain_after[2])
