@@ -15,7 +15,7 @@ from pipeline.engine import open_engine
 from pipeline.events import Done
 from pipeline.speculation import EmulatedDrafts
 
-FAMILIES = ["qwen3_moe", "glm4_moe", "deepseek_v3"]  # gpt_oss: its sliding windows decode plainly (test_family_gpt_oss.py)
+FAMILIES = ["qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss"]  # gpt_oss: rings of a window of 4, wrapped
 PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7]
 
 

@@ -8,12 +8,19 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 import numpy as np
 import pytest
+from helpers_engine import engine_config
 from helpers_forward import DirectForward, tiny_pair
 
+from actors.sampling_params import SamplingParams
+from pipeline.engine import open_engine
+from pipeline.events import Done, TextDelta
 from pipeline.models.streamed import ForwardStep
 from pipeline.models.verify_step import VerifyStep, can_verify
+from pipeline.prefix_cache import _arrays
+from pipeline.speculation import EmulatedDrafts
 
 PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
 DRAFT = [5, 4242, 77, 9]  # the pass's tokens after the last one
@@ -94,3 +101,57 @@ def test_a_pass_and_any_kept_prefix_are_plain_decode_bit_for_bit(ours, before):
         want = _run(ours, ForwardStep(ours.model, [t], plain_after[2]))
         assert mx.array_equal(_run(ours, ForwardStep(ours.model, [t], cache)), want).item()
     _assert_same(cache, plain_after[2])
+
+
+async def _run_engine(engine: Any, prompt: list[int], params: SamplingParams) -> tuple[Done, tuple[Any, ...]]:
+    """The generation's end and every token's log-probabilities."""
+    events = [e async for e in engine.generate(list(prompt), params)]
+    assert isinstance(events[-1], Done)
+    return events[-1], tuple(p for e in events if isinstance(e, TextDelta) for p in e.logprobs)
+
+
+async def _stored(engine: Any, tokens: list[int]) -> list[Any]:
+    state, n = await engine._core.worker.run(engine.prefix_cache.take, [*tokens, 0])
+    assert n == len(tokens)
+    return state
+
+
+@pytest.mark.parametrize(("layout", "slots", "run_ahead", "draft"), [
+    ("hub", 8, "on", 3),  # the smallest pool: passes that miss, resumed per layer; k cut to 1
+    ("mxfp4", 16, "off", 3),  # the release's mxfp4 experts, per layer, reads in every pass
+])
+async def test_speculating_gives_plain_tokens_logprobs_and_stored_state(
+        synth_checkpoint, packed, layout, slots, run_ahead, draft):
+    """Greedy with log-probabilities through the engine, 13 + 12 positions through windows of
+    4: drafts kept and rejected give plain decode's tokens and log-probabilities, leave the
+    state plain decode leaves in the prefix cache (bit for bit), and a follow-up that
+    reuses that state while it speculates again continues as plain decode does."""
+    if layout == "hub":
+        qpack = tiny_pair(synth_checkpoint, packed, "gpt_oss", None)[1]
+    else:
+        qpack = packed(synth_checkpoint("gpt_oss", dtype="float32", layout="mxfp4"))
+    config = engine_config(qpack, pool={"slots": slots}, compute={"run_ahead": run_ahead})
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
+    spec = msgspec.structs.replace(greedy, speculative="ngram")
+    async with open_engine(config) as engine:
+        plain, plain_lp = await _run_engine(engine, PROMPT, greedy)
+        kept = [*PROMPT, *plain.token_ids[:-1]]
+        want_state = await _stored(engine, kept)
+        follow_up = [*PROMPT, *plain.token_ids, 5, 6]
+        plain_next, next_lp = await _run_engine(engine, follow_up, greedy)  # from that state
+        assert plain_next.stats.cached_tokens == len(kept)
+
+        engine.prefix_cache.clear()
+        engine._core.batch.speculation.max_draft = draft
+        engine.emulate_drafts(EmulatedDrafts(plain.token_ids, 0.6, seed=5))
+        got, got_lp = await _run_engine(engine, PROMPT, spec)
+        assert (got.token_ids, got_lp) == (plain.token_ids, plain_lp) and len(got_lp) == 12
+        s = got.stats
+        assert s.verify_passes > 0 and 0 < s.drafts_accepted < s.drafts_proposed
+        assert (engine._core.compute.stats.run_ahead_misses > 0) == (run_ahead == "on")
+        for a, b in zip(_arrays(await _stored(engine, kept)), _arrays(want_state), strict=True):
+            assert mx.array_equal(a, b).item()
+        engine.emulate_drafts(EmulatedDrafts(plain_next.token_ids, 0.6, seed=6))
+        again, again_lp = await _run_engine(engine, follow_up, spec)
+        assert again.stats.cached_tokens == len(kept) and again.stats.verify_passes > 0
+        assert (again.token_ids, again_lp) == (plain_next.token_ids, next_lp)
