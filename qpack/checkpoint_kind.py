@@ -12,12 +12,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from qpack.families import canonical, family
+from qpack.fp8 import Fp8Layout, block_layout, channel_layout
 from qpack.names import is_text_tensor
 from qpack.spec import QpackError
 
 SUPPORTED = ("bf16/f16/f32 safetensors (quantized at pack time), MLX-quantized safetensors "
-             "(affine, mxfp4, nvfp4, mxfp8: copied as they are) and FP8 block-scaled "
-             "safetensors (dequantized, then quantized like bf16)")
+             "(affine, mxfp4, nvfp4, mxfp8: copied as they are) and FP8 block- or "
+             "channel-scaled safetensors (dequantized, then quantized like bf16)")
 # HF `quantization_config.quant_method` values with no route to an MLX layout here.
 _REFUSED = {
     "gptq": "GPTQ", "awq": "AWQ", "bitsandbytes": "bitsandbytes", "compressed-tensors":
@@ -46,6 +47,39 @@ def is_fp8_block(block: Mapping | None) -> bool:
             and len(block["weight_block_size"]) == 2)
 
 
+def _compressed_fp8(block: Mapping) -> Fp8Layout | None:
+    """llm-compressor's FP8 (GLM's "-FP8" repos): `float-quantized`, every group's weights
+    8-bit floats scaled per output row (`channel`) or per 2-D block; None otherwise."""
+    groups = block.get("config_groups")
+    if block.get("format", "float-quantized") != "float-quantized" or not isinstance(groups, Mapping):
+        return None
+    layouts = set()
+    for group in groups.values():
+        w = group.get("weights") if isinstance(group, Mapping) else None
+        if not isinstance(w, Mapping) or w.get("type") != "float" or w.get("num_bits") != 8:
+            return None
+        shape = w.get("block_structure")
+        if w.get("strategy") == "channel":
+            layouts.add(channel_layout())
+        elif w.get("strategy") == "block" and isinstance(shape, list | tuple) and len(shape) == 2:
+            layouts.add(Fp8Layout((int(shape[0]), int(shape[1])), "_scale", channel_layout().skipped))
+        else:
+            return None
+    return layouts.pop() if len(layouts) == 1 else None
+
+
+def fp8_layout(config: Mapping) -> Fp8Layout | None:
+    """Where the source's e4m3 weights keep their scales (qpack.fp8); None: not FP8."""
+    block = hf_quantization(config)
+    if block is None:
+        return None
+    if is_fp8_block(block):
+        return block_layout((int(block["weight_block_size"][0]), int(block["weight_block_size"][1])))
+    if block.get("quant_method") == "compressed-tensors":
+        return _compressed_fp8(block)
+    return None
+
+
 def check_files(files: Iterable[str], where: str | Path) -> None:
     """Refuse a file list with nothing packable in it (GGUF-only repos, .bin-only repos)."""
     names = [f.rsplit("/", 1)[-1] for f in files]
@@ -61,7 +95,7 @@ def check_files(files: Iterable[str], where: str | Path) -> None:
 def check_config(config: Mapping, where: str | Path) -> None:
     """Refuse a quantization this packer cannot read, naming it and what is supported."""
     block = hf_quantization(config)
-    if block is None or is_fp8_block(block):
+    if block is None or fp8_layout(config) is not None:
         return
     method = str(block.get("quant_method"))
     own = canonical(config.get("model_type"))

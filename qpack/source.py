@@ -20,9 +20,9 @@ from pathlib import Path
 import mlx.core as mx
 import msgspec
 
-from qpack.checkpoint_kind import check_config, check_files, hf_quantization, is_fp8_block
+from qpack.checkpoint_kind import check_config, check_files, fp8_layout
 from qpack.families import CheckpointFamily, UnsupportedModel, family
-from qpack.fp8 import FP8_TAG, SCALE_SUFFIX, dequantize_rows, scale_rows
+from qpack.fp8 import FP8_TAG, Fp8Layout, dequantize_rows, scale_rows
 from qpack.names import target_name
 from qpack.safetensors_io import SafetensorsFile, TensorInfo, bytes_to_mx, mx_to_bytes, open_index
 from qpack.spec import PROJECTIONS, QpackError, parse_json
@@ -120,7 +120,7 @@ class SourceCheckpoint:
     index: dict[str, Path]
     moe_layers: dict[int, dict[str, ExpertRef]] = field(default_factory=dict)
     dense: list[DenseRef] = field(default_factory=list)
-    fp8_block: tuple[int, int] | None = None  # FP8 block-scaled source: read as bf16 (qpack.fp8)
+    fp8: Fp8Layout | None = None  # an FP8 source (scaled e4m3 weights): read as bf16 (qpack.fp8)
     _files: dict[Path, SafetensorsFile] = field(default_factory=dict)
 
     # -- facts -------------------------------------------------------------
@@ -145,7 +145,7 @@ class SourceCheckpoint:
         cfg = copy.deepcopy(self.config)
         cfg["model_type"] = self.model_type  # an alias (qwen3_5_moe_text) reads as its family
         self.family.fix_config(cfg)
-        if self.fp8_block is not None:  # the container holds what the dequantized weights become
+        if self.fp8 is not None:  # the container holds what the dequantized weights become
             for where in (cfg, cfg.get("text_config") or {}):
                 where.pop("quantization_config", None)
         return cfg
@@ -168,10 +168,10 @@ class SourceCheckpoint:
         return f
 
     def _fp8_scale(self, name: str) -> str | None:
-        """The block-scale tensor of an FP8 weight (None: not an FP8 weight)."""
-        if self.fp8_block is None or self.file(name).tensors[name].dtype != FP8_TAG:
+        """The scale tensor of an FP8 weight (None: not an FP8 weight)."""
+        if self.fp8 is None or self.file(name).tensors[name].dtype != FP8_TAG:
             return None
-        scale = name + SCALE_SUFFIX
+        scale = name + self.fp8.suffix
         if scale not in self.index:
             raise QpackError(self.root, f"FP8 tensor {name!r} has no {scale!r}")
         return scale
@@ -192,8 +192,8 @@ class SourceCheckpoint:
             s = self.file(scale).tensors[scale]
             s_arr = bytes_to_mx(self.file(scale).read_bytes(scale, row), s.dtype,
                                 s.shape if row is None else s.shape[1:])
-            assert self.fp8_block is not None  # a scale is found only in an FP8 block source
-            arr = dequantize_rows(data, s_arr, self.fp8_block, 0, mx.bfloat16)
+            assert self.fp8 is not None  # a scale is found only in an FP8 source
+            arr = dequantize_rows(data, s_arr, self.fp8.block, 0, mx.bfloat16)
             return RawTensor("BF16", shape, bytearray(mx_to_bytes(arr)))
         return RawTensor(info.dtype, shape, f.read_bytes(name, row))
 
@@ -211,12 +211,12 @@ class SourceCheckpoint:
             f = self.file(ref.source)
             info = f.tensors[ref.source]
             data = bytes_to_mx(f.read_rows(ref.source, *rows), "U8", (rows[1] - rows[0], *info.shape[1:]))
-            assert self.fp8_block is not None  # as in `raw`
-            b0, _ = self.fp8_block
+            assert self.fp8 is not None  # as in `raw`
+            b0, _ = self.fp8.block
             lo, hi = scale_rows(rows[0], rows[1] - rows[0], b0)
             s = self.file(scale).tensors[scale]
             s_arr = bytes_to_mx(self.file(scale).read_rows(scale, lo, hi), s.dtype, (hi - lo, *s.shape[1:]))
-            arr = dequantize_rows(data, s_arr, self.fp8_block, rows[0], mx.bfloat16)
+            arr = dequantize_rows(data, s_arr, self.fp8.block, rows[0], mx.bfloat16)
         else:
             f = self.file(ref.source)
             info = f.tensors[ref.source]
@@ -327,12 +327,10 @@ def open_source(root: str | Path) -> SourceCheckpoint:
     quantization = fam.source_quantization(config)
     native = quantization is not None and config.get("quantization") is None
     index = open_index(root)
-    fp8 = hf_quantization(config)
-    fp8_block = tuple(int(b) for b in fp8["weight_block_size"]) if fp8 and is_fp8_block(fp8) else None
-    # FP8 block scales are read with their weights, never as tensors of their own.
-    names = sorted(n for n in index if not (fp8_block and n.endswith(SCALE_SUFFIX)))
-    src = SourceCheckpoint(root, config, model_type, text, quantization, False, index,
-                           fp8_block=fp8_block)  # type: ignore[arg-type]  # two sizes: is_fp8_block
+    fp8 = fp8_layout(config)
+    # FP8 scales are read with their weights, never as tensors of their own.
+    names = sorted(n for n in index if not (fp8 and fp8.skips(n)))
+    src = SourceCheckpoint(root, config, model_type, text, quantization, False, index, fp8=fp8)
     text_names = [n for n in names if target_name(model_type, n, text) is not None]
     src.moe_layers = _experts(text_names, src.num_experts, root, fam)
     if not src.moe_layers:

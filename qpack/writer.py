@@ -216,7 +216,7 @@ class Packer:
     def _mtp(self, bar: Callable[[int], None]) -> None:
         """The MTP head, when the source has one mlx-lm conventions can hold (qpack/mtp.py)."""
         names = mtp_names(self.src.index)
-        if not names or self.src.is_mlx or self.src.fp8_block or self._finished(MTP_FILE):
+        if not names or self.src.is_mlx or self.src.fp8 is not None or self._finished(MTP_FILE):
             return
         if not all(self.src.index[n].is_file() for n in names):
             # Hub downloads skip shards that hold only MTP tensors (qpack.names): no head then.
@@ -410,7 +410,7 @@ def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: i
 
 def _mtp_bytes(src: SourceCheckpoint, plan: ContainerPlan) -> int:
     """What `Packer._mtp` will write, about (0 when the source's head is not kept)."""
-    if src.is_mlx or src.fp8_block:
+    if src.is_mlx or src.fp8 is not None:
         return 0
     bits = plan.quant.default.bits if plan.quant.default is not None else None
     total = 0

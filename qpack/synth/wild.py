@@ -15,6 +15,10 @@ upload saves it; unchanged shards are symlinked, so a variant costs only what di
 - `fp8-block`: an official "-FP8" repo: Linear weights (routed experts included) as
   float8 e4m3 with a float32 `weight_scale_inv` per FP8_BLOCK block, embeddings, head,
   routers and norms left in bf16 (`modules_to_not_convert`); the shards are rewritten.
+- `fp8-channel`: an llm-compressor "-FP8" repo (GLM-4.5 / 4.6's): `compressed-tensors`,
+  `float-quantized`, the same weights as e4m3 with a bf16 `weight_scale` [rows, 1] per
+  output row (`strategy: channel`, dynamic per-token activations), head and routers in
+  `ignore`.
 - `nvfp4-global-scale` (MLX nvfp4): what `mlx_lm.convert --q-mode nvfp4 --global-scale`
   records in the config (one tensor scale per expert; only the config is changed).
 """
@@ -31,7 +35,7 @@ import numpy as np
 from qpack.synth.st_write import TensorEntry, write_safetensors
 
 KINDS = ("tf5-rope", "mlx-vision-tower", "extra-shards", "gptq", "awq", "fp8-per-tensor", "gguf",
-         "nvfp4-global-scale", "fp8-block")
+         "nvfp4-global-scale", "fp8-block", "fp8-channel")
 # Smaller than the hub's 128 x 128 and not dividing the tiny dims: partial edge blocks and
 # rows vs columns both get exercised.
 FP8_BLOCK = (32, 48)
@@ -93,10 +97,23 @@ def derive(src: Path, out: Path, kind: str) -> Path:
         config.pop("rope_scaling", None)
         config["transformers_version"] = "5.0.0"
     elif kind == "fp8-block":
-        _to_fp8(src, out)
+        _to_fp8(src, out, _fp8_block, "_scale_inv")
         config["quantization_config"] = {
             "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
             "weight_block_size": list(FP8_BLOCK), "modules_to_not_convert": ["lm_head", "embed_tokens", "mlp.gate"]}
+    elif kind == "fp8-channel":
+        _to_fp8(src, out, _fp8_channel, "_scale")
+        text = config.get("text_config", config)
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized",
+            "quantization_status": "compressed", "kv_cache_scheme": None,
+            "config_groups": {"group_0": {
+                "targets": ["Linear"], "output_activations": None,
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+                            "dynamic": False, "group_size": None, "block_structure": None},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                      "symmetric": True, "dynamic": True}}},
+            "ignore": ["lm_head", *(f"model.layers.{i}.mlp.gate" for i in range(text["num_hidden_layers"]))]}
     elif kind in _QUANT:
         config["quantization_config"] = dict(_QUANT[kind])
     elif kind == "nvfp4-global-scale":
@@ -143,8 +160,21 @@ def _fp8_block(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
-def _to_fp8(src: Path, out: Path) -> None:
-    """Rewrite every shard: eligible Linear weights become e4m3 + weight_scale_inv."""
+def _fp8_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """e4m3 bytes and a bf16 scale [.., rows, 1] per output row (llm-compressor's channel
+    FP8; the scale rounded to bf16 first, so the weights are divided by what is stored)."""
+    import mlx.core as mx
+
+    scale = np.abs(w).max(axis=-1, keepdims=True) / 448.0
+    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+    stored = mx.array(scale).astype(mx.bfloat16)
+    q = np.array(mx.to_fp8(mx.array(w) / stored.astype(mx.float32)))
+    return q, np.array(stored.view(mx.uint16))
+
+
+def _to_fp8(src: Path, out: Path, quantize: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+            suffix: str) -> None:
+    """Rewrite every shard: eligible Linear weights become e4m3 + their scale (`suffix`)."""
     from qpack.safetensors_io import SafetensorsFile, bytes_to_mx
 
     index = json.loads((src / INDEX).read_text())
@@ -164,11 +194,11 @@ def _to_fp8(src: Path, out: Path) -> None:
                 import mlx.core as mx
 
                 w = np.array(bytes_to_mx(data, info.dtype, info.shape).astype(mx.float32))
-                q, scale = _fp8_block(w)
+                q, scale = quantize(w)
                 entries.append(TensorEntry(name, "F8_E4M3", info.shape, _later(np.asarray, q)))
-                entries.append(TensorEntry(name + "_scale_inv", "F32", scale.shape,
-                                           _later(np.asarray, scale)))
-                weight_map[name] = weight_map[name + "_scale_inv"] = shard
+                tag = "BF16" if scale.dtype == np.uint16 else "F32"  # bf16 travels as its bits
+                entries.append(TensorEntry(name + suffix, tag, scale.shape, _later(np.asarray, scale)))
+                weight_map[name] = weight_map[name + suffix] = shard
         (out / shard).unlink()
         write_safetensors(out / shard, entries, {"format": "pt"})
     index["weight_map"] = weight_map
