@@ -10,19 +10,21 @@ never a reason for different tokens, so nothing else about a request changes it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from actors.sampling_params import SamplingParams
-from actors.speculative.decoder import Drafter, RowSpeculation
+from actors.speculative.decoder import Drafter, RowSpeculation, StreamingDrafter
 from actors.speculative.emulated import EmulatedDrafter
 from actors.speculative.ngram import NgramDrafter
 from actors.speculative.policy import SpecStats, SpeculationPolicy
 from pipeline.config.schema import PipelineConfig
 from pipeline.models.mtp import MtpHead, load_mtp
 from pipeline.models.mtp_drafter import MtpDrafter
+from pipeline.models.mtp_experts import StreamedExperts
 from pipeline.models.streamed import StreamedModel
 from pipeline.models.verify_step import VerifyStep, can_verify
 from qpack.reader import Container
@@ -64,15 +66,31 @@ class HiddenSinks:
             sink(cache, h)
 
 
-def open_mtp(config: PipelineConfig, container: Container, model: StreamedModel) -> MtpHead | None:
-    """The container's MTP head, when it has one and the engine may speculate with it (it
-    costs memory: its routed experts come with it)."""
-    if (not container.manifest.mtp_layers or config.compute.speculative not in ("mtp", "auto")
-            or config.distributed.enabled):
+@dataclass
+class LoadedMtp:
+    """The engine's MTP head: its dense part, and its routed experts' pool (None: a
+    container packed before they were streamed, whose head holds them resident)."""
+
+    head: MtpHead
+    experts: StreamedExperts | None
+
+
+def mtp_wanted(config: PipelineConfig, container: Container) -> bool:
+    """Whether the engine loads the container's MTP head: it has one and may speculate
+    with it (it costs memory: its dense part, and its experts' pool)."""
+    return (bool(container.manifest.mtp_layers) and config.compute.speculative in ("mtp", "auto")
+            and not config.distributed.enabled)
+
+
+def open_mtp(config: PipelineConfig, container: Container, model: StreamedModel,
+             experts: StreamedExperts | None) -> LoadedMtp | None:
+    """On the MLX thread: the head, when `mtp_wanted`; `experts` when the container
+    streams them (`manifest.mtp_experts`)."""
+    if not mtp_wanted(config, container):
         return None
-    head = load_mtp(container.root, model.parts)
+    head = load_mtp(container.root, model.parts, streamed=experts is not None)
     model.hidden_sink = HiddenSinks()
-    return head
+    return LoadedMtp(head, experts)
 
 
 def release(engine: EngineCore, cache: list[Any] | None) -> None:
@@ -96,11 +114,12 @@ def row_speculation(engine: EngineCore, params: SamplingParams, tokens: list[int
     if not can_verify(engine.model):
         return None  # a layout whose states a pass could not cut back (pipeline/models/verify_step.py)
     emulated = engine.emulated_drafts
-    drafter: Drafter
+    drafter: Drafter | StreamingDrafter
     if emulated is not None:
         drafter = emulated.drafter(tokens, engine.model.parts.args.vocab_size)
     elif engine.mtp is not None and mode in ("mtp", "auto"):
-        mtp = MtpDrafter(engine.mtp, engine.model.parts, tokens, engine.model.activation_dtype)
+        mtp = MtpDrafter(engine.mtp.head, engine.model.parts, tokens, engine.model.activation_dtype,
+                         engine.mtp.experts)
         assert isinstance(engine.model.hidden_sink, HiddenSinks)
         engine.model.hidden_sink.by_cache[id(cache)] = mtp.sink
         drafter = mtp

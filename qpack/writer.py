@@ -29,7 +29,16 @@ import structlog
 
 from qpack import spec
 from qpack.layout import ContainerPlan, LayerPlan, make_plan
-from qpack.mtp import MTP_FILE, mtp_arrays, mtp_names, packed_bytes
+from qpack.mtp import (
+    MTP_FILE,
+    blob_checksum,
+    expert_blobs,
+    expert_layout,
+    mtp_arrays,
+    mtp_names,
+    packed_bytes,
+    split_experts,
+)
 from qpack.output_guard import bytes_under, exclusive_output, require_free_space
 from qpack.quantize import MODE_DEFAULTS, cast, quantize
 from qpack.safetensors_io import data_offsets, mx_to_bytes
@@ -54,6 +63,7 @@ class Done(msgspec.Struct):
 class Journal(msgspec.Struct):
     options: dict[str, str | int | None]
     done: dict[str, Done] = {}
+    mtp_format: spec.ExpertFormat | None = None  # the MTP head's experts, once written
 
 
 @dataclass
@@ -214,9 +224,12 @@ class Packer:
         return self._manifest()
 
     def _mtp(self, bar: Callable[[int], None]) -> None:
-        """The MTP head, when the source has one mlx-lm conventions can hold (qpack/mtp.py)."""
+        """The MTP head, when the source has one mlx-lm conventions can hold (qpack/mtp.py):
+        its routed experts as a layer's blobs, the rest in `mtp.safetensors`."""
         names = mtp_names(self.src.index)
-        if not names or self.src.is_mlx or self.src.fp8_block or self._finished(MTP_FILE):
+        if not names or self.src.is_mlx or self.src.fp8_block:
+            return
+        if self._finished(MTP_FILE) and self._finished(spec.MTP_EXPERTS_FILE):
             return
         if not all(self.src.index[n].is_file() for n in names):
             # Hub downloads skip shards that hold only MTP tensors (qpack.names): no head then.
@@ -225,8 +238,24 @@ class Packer:
         default = self.plan.quant.default
         arrays = mtp_arrays({n: self.src.raw(n).to_mx() for n in names}, self.src.num_experts,
                             default.bits if default is not None else None)
+        dense, experts = split_experts(arrays)
+        if not self._finished(spec.MTP_EXPERTS_FILE):
+            fmt, stride = expert_layout(experts)
+            crcs: list[int] = []
+            with _Out(self.out, spec.MTP_EXPERTS_FILE) as o:
+                for blob in expert_blobs(experts, fmt, stride):
+                    crcs.append(blob_checksum(blob, fmt))
+                    o.write(blob)
+                    bar(stride)
+            self.bytes_written += o.size
+            done = o.done()
+            done.checksums = crcs
+            self.journal.mtp_format = fmt
+            self._commit(spec.MTP_EXPERTS_FILE, done)
+        if self._finished(MTP_FILE):
+            return
         partial = self.out / "mtp.partial.safetensors"
-        _guard(partial, lambda: mx.save_safetensors(str(partial), arrays))
+        _guard(partial, lambda: mx.save_safetensors(str(partial), dense))
         data = partial.read_bytes()
         os.replace(partial, self.out / MTP_FILE)
         _fsync_dir(self.out)
@@ -346,12 +375,18 @@ class Packer:
             for lp in self.plan.layers
         )
         files = tuple(spec.FileEntry(rel, d.size, d.sha256) for rel, d in sorted(done.items()))
+        mtp_experts = None
+        fmt = self.journal.mtp_format
+        if MTP_FILE in done and fmt is not None:
+            blobs = done[spec.MTP_EXPERTS_FILE]
+            mtp_experts = spec.LayerEntry(self.src.num_layers, spec.MTP_EXPERTS_FILE, self.src.num_experts,
+                                          blobs.size // self.src.num_experts, fmt, tuple(blobs.checksums))
         manifest = spec.Manifest(
             magic=spec.MAGIC, version=spec.VERSION, source=self.source_name,
             model_type=self.src.model_type, num_layers=self.src.num_layers,
             num_experts=self.src.num_experts, top_k=self.src.top_k, quantization=quant,
             alignment=spec.ALIGNMENT, checksum="crc32", dense_bytes=done[spec.DENSE].size,
-            layers=layers, files=files, mtp_layers=1 if MTP_FILE in done else 0,
+            layers=layers, files=files, mtp_layers=1 if MTP_FILE in done else 0, mtp_experts=mtp_experts,
         )
         data = json.dumps(json.loads(spec.encode_manifest(manifest)), indent=2, sort_keys=True).encode() + b"\n"
         with _Out(self.out, spec.MANIFEST) as o:
@@ -417,7 +452,8 @@ def _mtp_bytes(src: SourceCheckpoint, plan: ContainerPlan) -> int:
     for name in mtp_names(src.index):
         info = src.info(name)
         total += packed_bytes(tuple(info.shape), info.nbytes // max(1, _elements(info.shape)), bits)
-    return total
+    # Each expert's blob is padded to the alignment at most once.
+    return total + (src.num_experts * spec.ALIGNMENT if total else 0)
 
 
 def _elements(shape: tuple[int, ...] | list[int]) -> int:
