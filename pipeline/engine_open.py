@@ -70,7 +70,7 @@ from pipeline.models.mtp import head_bytes
 from pipeline.models.mtp_experts import StreamedExperts
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_disk import prefix_cache_for
-from pipeline.speculation import mtp_wanted, open_mtp, policy_for
+from pipeline.speculation import HiddenSinks, mtp_wanted, open_mtp, policy_for
 from qpack.mtp import MTP_FILE
 from qpack.reader import Container, ExpertIO
 
@@ -163,6 +163,8 @@ async def open_core(
             if stage is None:
                 core.mtp = await worker.run(guarded, container.root / MTP_FILE, open_mtp, config,
                                             container, model, _head_experts(core, mtp_storage))
+                if isinstance(model.hidden_sink, HiddenSinks):  # batched steps feed the drafters
+                    core.batch.regrouped = model.hidden_sink.regrouped
             attach_memory(core, nursery, plan, marks, need)  # docs/memory.md
             if stage:
                 await stage.attach(core)

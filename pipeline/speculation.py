@@ -25,6 +25,7 @@ from pipeline.config.schema import PipelineConfig
 from pipeline.models.mtp import MtpHead, load_mtp
 from pipeline.models.mtp_drafter import MtpDrafter
 from pipeline.models.mtp_experts import StreamedExperts
+from pipeline.models.routing_override import positions
 from pipeline.models.streamed import StreamedModel
 from pipeline.models.verify_step import VerifyStep, can_verify
 from qpack.reader import Container
@@ -53,17 +54,44 @@ def check(engine: EngineCore, params: SamplingParams) -> None:
                          'MTP head; this one has none (use "ngram" or "auto")')
 
 
+Sink = Callable[[int, mx.array], None]  # (positions after the forward, h [1, T, H])
+
+
 class HiddenSinks:
-    """The model's `hidden_sink` while an MTP head is loaded: each drafting sequence's
-    drafter, found by its cache (a batch's merged cache finds none)."""
+    """The model's `hidden_sink` while an MTP head is loaded: the drafters fed by each
+    forward, found by the forward's cache. A sequence's own cache (its prefill, its lone
+    decode) finds its drafter; a decode batch's merged cache finds one per row (the
+    batch says which, `regrouped`), so steps decoded in a batch reach the head too. Each
+    entry holds its cache, so an id is never that of another list."""
 
     def __init__(self) -> None:
-        self.by_cache: dict[int, Callable[[list[Any], mx.array], None]] = {}
+        self.by_cache: dict[int, tuple[list[Any], list[Sink | None]]] = {}
+
+    def add(self, cache: list[Any], sinks: list[Sink | None]) -> None:
+        self.by_cache[id(cache)] = (cache, sinks)
+
+    def drop(self, cache: list[Any]) -> None:
+        entry = self.by_cache.get(id(cache))
+        if entry is not None and entry[0] is cache:
+            del self.by_cache[id(cache)]
 
     def __call__(self, cache: list[Any], h: mx.array) -> None:
-        sink = self.by_cache.get(id(cache))
-        if sink is not None:
-            sink(cache, h)
+        entry = self.by_cache.get(id(cache))
+        if entry is None or entry[0] is not cache:
+            return
+        ends = positions(cache)  # each row's tokens after the forward
+        for row, sink in enumerate(entry[1]):
+            if sink is not None:
+                sink(ends[row], h[row : row + 1])
+
+    def regrouped(self, old: list[Any] | None, new: list[Any] | None,
+                  rows: Sequence[RowSpeculation | None]) -> None:
+        """The decode batch's caches changed (`DecodeBatch.regrouped`): its rows'
+        drafters are fed from the new ones."""
+        if old is not None and old is not new:
+            self.drop(old)
+        if new is not None:
+            self.add(new, [spec.sink if spec is not None else None for spec in rows])
 
 
 @dataclass
@@ -97,7 +125,7 @@ def release(engine: EngineCore, cache: list[Any] | None) -> None:
     """A generation is over: its drafter stops receiving hidden states."""
     sinks = engine.model.hidden_sink
     if cache is not None and isinstance(sinks, HiddenSinks):
-        sinks.by_cache.pop(id(cache), None)
+        sinks.drop(cache)
 
 
 def policy_for(engine_slots: int, top_k: int, draft_tokens: int) -> SpeculationPolicy:
@@ -121,8 +149,8 @@ def row_speculation(engine: EngineCore, params: SamplingParams, tokens: list[int
         mtp = MtpDrafter(engine.mtp.head, engine.model.parts, tokens, engine.model.activation_dtype,
                          engine.mtp.experts)
         assert isinstance(engine.model.hidden_sink, HiddenSinks)
-        engine.model.hidden_sink.by_cache[id(cache)] = mtp.sink
-        drafter = mtp
+        engine.model.hidden_sink.add(cache, [mtp.sink])
+        return RowSpeculation(mode, mtp, max_tokens, partial(VerifyStep, engine.model), sink=mtp.sink)
     else:
         drafter = NgramDrafter(tokens, max_n=NGRAM_MAX, min_n=NGRAM_MIN)
     return RowSpeculation(mode, drafter, max_tokens, partial(VerifyStep, engine.model))

@@ -176,9 +176,7 @@ async def _drafts(drafter: MtpDrafter, parts, run) -> list[list[int]]:
     out = []
 
     def feed(start: int, n: int, seed: int) -> None:
-        c = KVCache()
-        c.offset = start + n  # the main model's cache after the forward (what `sink` reads)
-        drafter.sink([c], mx.random.normal((1, n, h), key=mx.random.key(seed)))
+        drafter.sink(start + n, mx.random.normal((1, n, h), key=mx.random.key(seed)))
 
     await run(feed, 0, len(drafter.tokens), 1)
     out.append(await drafter.draft(3, run))

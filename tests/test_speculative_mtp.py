@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import trio
 import pytest
 from helpers_engine import engine_config
 from helpers_forward import tiny_pair
@@ -122,3 +123,41 @@ async def test_a_memory_budget_counts_the_heads_dense_part_and_holds_both_pools(
                 + plan.temporaries_mb + plan.pool_mb) <= budget
         done = await _done(engine, msgspec.structs.replace(GREEDY, speculative="mtp"))
         assert done.stats.drafts_proposed > 0
+
+
+async def test_steps_decoded_in_a_batch_reach_the_head_and_a_row_alone_again_drafts(
+        synth_checkpoint, packed):
+    """A drafting row joined by another decodes in the batch (its hidden states still fed
+    to its head), then alone again drafts on: its head saw every position, no gap."""
+    _src, qpack = tiny_pair(synth_checkpoint, packed, "qwen3_next")
+    config = engine_config(qpack, pool={"slots": 16, "mtp_slots": 4},
+                           compute={"speculative": "mtp", "max_batch": 2})
+    long = msgspec.structs.replace(GREEDY, max_tokens=20, speculative="mtp")
+    short = msgspec.structs.replace(GREEDY, max_tokens=4, speculative="mtp")
+    other = [5, 6, 7, 8, 9]
+    async with open_engine(config) as engine:
+        want_long = (await _done(engine, msgspec.structs.replace(long, speculative="off"))).token_ids
+        events = [e async for e in engine.generate(other, msgspec.structs.replace(short, speculative="off"))]
+        want_short = events[-1].token_ids
+        engine.prefix_cache.clear()  # a resumed prompt's cached positions never reach the head
+        got: dict[str, Any] = {}
+        drafter: list[Any] = []
+
+        async def run_short() -> None:
+            got["short"] = [e async for e in engine.generate(other, short)][-1]
+
+        async with trio.open_nursery() as nursery:
+            tokens = 0
+            async for e in engine.generate(list(PROMPT), long):
+                tokens += len(getattr(e, "token_ids", ()))
+                if isinstance(e, Done):
+                    got["long"] = e
+                elif tokens == 3 and not drafter:
+                    members = engine._core.batch.members
+                    drafter.append(members[0].speculation.drafter)
+                    nursery.start_soon(run_short)
+        assert engine.largest_batch == 2
+        assert got["long"].token_ids == want_long and got["short"].token_ids == want_short
+        head = drafter[0]
+        # Every position through the head's own cache, up to the last drafts it made.
+        assert head.cache.offset == head.done >= len(PROMPT) + 20 - 5

@@ -61,6 +61,9 @@ class RowSpeculation:
     left: int  # tokens the row may still be given
     verify_step: MakeVerifyStep  # the model's verify pass
     stats: SpecStats = field(default_factory=SpecStats)  # this row's passes
+    # Where the row's final hidden states go, from every forward it is in (its own and a
+    # decode batch's): an MTP drafter's `sink` (position after the forward, h [1, T, H]).
+    sink: Callable[[int, Any], None] | None = None
 
     def seen(self, token: int) -> None:
         self.left -= 1

@@ -30,7 +30,6 @@ from mlx_lm.models.cache import KVCache
 
 from pipeline.models.mtp import MtpHead
 from pipeline.models.mtp_experts import StreamedExperts
-from pipeline.models.routing_override import positions
 from pipeline.models.text_parts import TextParts
 
 
@@ -46,9 +45,9 @@ class MtpDrafter:
     def extend(self, tokens: Iterable[int]) -> None:
         self.tokens += [int(t) for t in tokens]
 
-    def sink(self, cache: list[Any], h: mx.array) -> None:
-        """On the MLX thread, from each forward of this sequence: h [1, T, H], lazy."""
-        end = positions(cache)[0]
+    def sink(self, end: int, h: mx.array) -> None:
+        """On the MLX thread, from each forward this sequence is in (alone, or a row of a
+        decode batch): h [1, T, H], lazy, for the positions before `end`."""
         normed = self.parts.norm(h)
         start = end - h.shape[1]
         for i in range(h.shape[1]):
