@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-import trio
 import pytest
+import trio
 from helpers_engine import engine_config
 from helpers_forward import tiny_pair
 from helpers_mtp import legacy_container
