@@ -181,3 +181,13 @@ def speculation_snapshot(stats: SpecStats) -> dict[str, float]:
     return {"verify_passes": stats.passes, "drafts_proposed": stats.proposed,
             "drafts_accepted": stats.accepted, "pass_tokens": stats.pass_tokens,
             "speculative_backoffs": stats.backoffs}
+
+
+def mtp_snapshot(mtp: LoadedMtp | None) -> dict[str, float]:
+    """The MTP head's own expert pool, for `pool_snapshot` (zeros without one)."""
+    experts = mtp.experts if mtp is not None else None
+    if experts is None:
+        return {"mtp_slots": 0, "mtp_hits": 0, "mtp_misses": 0, "mtp_pool_bytes": 0}
+    t = experts.pool.snapshot()
+    return {"mtp_slots": t.num_slots, "mtp_hits": t.hits, "mtp_misses": t.misses,
+            "mtp_pool_bytes": experts.nbytes}

@@ -35,7 +35,10 @@ async def _plain_and_mtp(qpack: Any, **sections: Any) -> tuple[Done, Done, Any]:
         plain = await _done(engine, GREEDY)
         spec = await _done(engine, msgspec.structs.replace(GREEDY, speculative="mtp"))
         experts = engine._core.mtp.experts
-        return plain, spec, experts.pool.snapshot() if experts is not None else None
+        snap = engine.pool_snapshot()  # the head's pool counted apart from the model's
+        counts = experts.pool.snapshot() if experts is not None else None
+        assert snap["mtp_misses"] == (counts.misses if counts else 0)
+        return plain, spec, counts
 
 
 @pytest.mark.parametrize(("slots", "mtp_slots", "run_ahead"), [
