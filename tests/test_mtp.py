@@ -188,3 +188,23 @@ async def _drafts(drafter: MtpDrafter, parts, run) -> list[list[int]]:
     await run(feed, n - 1, 1, 3)
     out.append(await drafter.draft(1, run))
     return out
+
+
+def test_a_manifest_whose_head_experts_lie_is_refused_in_one_line(synth_checkpoint, packed, tmp_path):
+    import json
+    import shutil
+
+    from qpack.spec import QpackError
+
+    _src, qpack = tiny_pair(synth_checkpoint, packed, "qwen3_next")
+    for name, change in (("index", lambda h: h.update(index=2)),
+                         ("stride", lambda h: h.update(stride=h["stride"] * 2)),
+                         ("checksums", lambda h: h.update(checksums=h["checksums"][:-1]))):
+        copy = tmp_path / f"{name}.qpack"
+        shutil.copytree(qpack, copy)
+        raw = json.loads((copy / spec.MANIFEST).read_text())
+        change(raw["mtp_experts"])
+        (copy / spec.MANIFEST).write_text(json.dumps(raw))
+        with pytest.raises(QpackError, match="mtp_experts") as info:
+            Container.open(copy)
+        assert "\n" not in str(info.value), name

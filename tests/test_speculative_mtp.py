@@ -4,6 +4,7 @@ drafts from a container packed before, and the memory the engine counts for it."
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 import msgspec
@@ -17,6 +18,7 @@ from actors.sampling_params import SamplingParams
 from pipeline.engine import open_engine
 from pipeline.events import Done
 from qpack.mtp import MTP_FILE
+from qpack.reader import Container
 
 PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, speculative="off")
@@ -164,3 +166,28 @@ async def test_steps_decoded_in_a_batch_reach_the_head_and_a_row_alone_again_dra
         head = drafter[0]
         # Every position through the head's own cache, up to the last drafts it made.
         assert head.cache.offset == head.done >= len(PROMPT) + 20 - 5
+
+
+async def test_a_damaged_head_expert_fails_the_request_naming_its_file(synth_checkpoint, packed,
+                                                                        tmp_path):
+    from pipeline.container_damage import ContainerDamaged
+    from qpack import spec
+
+    _src, qpack = tiny_pair(synth_checkpoint, packed, "qwen3_next")
+    copy = tmp_path / "damaged.qpack"
+    shutil.copytree(qpack, copy)
+    with Container.open(copy) as c:
+        entry = c.manifest.mtp_experts
+    with open(copy / spec.MTP_EXPERTS_FILE, "r+b") as f:  # a flipped byte in every expert
+        for e in range(entry.num_experts):
+            f.seek(e * entry.stride + 100)
+            byte = f.read(1)
+            f.seek(e * entry.stride + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    config = engine_config(copy, pool={"slots": 16}, compute={"speculative": "mtp"})
+    async with open_engine(config) as engine:
+        with pytest.raises(ContainerDamaged, match=r"expert \d+ of the MTP head failed its checksum") as info:
+            await _done(engine, msgspec.structs.replace(GREEDY, speculative="mtp"))
+        assert "\n" not in str(info.value)
+        # Plain decode never reads the head: the rest of the container still serves.
+        assert (await _done(engine, GREEDY)).token_ids
