@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from qpack import spec
-from qpack.mtp import MTP_FILE
 from qpack.spec import QpackError
 
 PACK_HELP = """\
@@ -145,7 +144,7 @@ def info_dict(path: Path, prefill_chunk: int | None = None, advice: bool = False
             "expert_bytes": m.expert_bytes,
             "total_bytes": sum(f.size for f in m.files),
             # The MTP head's files: its dense part and, streamed, its experts' blobs.
-            "mtp_bytes": sum(f.size for f in m.files if f.path in (MTP_FILE, spec.MTP_EXPERTS_FILE)),
+            "mtp_bytes": sum(f.size for f in m.files if f.path in ("mtp.safetensors", spec.MTP_EXPERTS_FILE)),  # qpack.mtp.MTP_FILE: that module needs MLX, the CLI must not
             "mtp_streamed": m.mtp_experts is not None,
             "quantization": {"bits": q.bits, "group_size": q.group_size, "mode": q.mode,
                              "overrides": len(q.overrides)},
