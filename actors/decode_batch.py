@@ -20,7 +20,7 @@ a prefill that finds a step queued parks the decoder first (`exclusive`).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +87,10 @@ class DecodeBatch:
         self.closed = False
         self.stats = BatchStats()
         self.speculation = SpeculationPolicy()  # the engine sets its own
+        # (old caches, new caches, each member's speculation) whenever the members' caches
+        # change: the engine feeds its MTP drafters from batched steps (pipeline.speculation).
+        self.regrouped: Callable[[list[Any] | None, list[Any] | None,
+                                  list[RowSpeculation | None]], None] | None = None
         self._poke = trio.Event()
 
     @property
@@ -189,7 +193,8 @@ class DecodeBatch:
             for row in [*self.members, *self.joiners]:
                 row.deliver(None, exc)
                 row.left.set()
-            self.members, self.joiners, self.decoder, self.cache = [], [], None, None
+            self.joiners = []
+            self._start([], None, None)
             return None
         self.stats.steps += 1
         self.stats.rows_stepped += len(self.members)
@@ -291,4 +296,6 @@ class DecodeBatch:
 
     def _start(self, members: list[Row], cache: list[Any] | None,
                decoder: Decoder | SpeculativeDecoder | None) -> None:
+        if self.regrouped is not None:
+            self.regrouped(self.cache, cache, [m.speculation for m in members])
         self.members, self.cache, self.decoder = members, cache, decoder

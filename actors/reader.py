@@ -120,7 +120,10 @@ class ExpertReader:
         buffers: int | None = None,
         stage: Callable[[list[np.ndarray]], list[Any]] | None = None,
         switch_interval_s: float | None = SWITCH_INTERVAL_S,
+        stride: int | None = None,
     ) -> None:
+        """`stride`: the largest blob its buffers must hold (default: the model's layers';
+        more when it also reads the MTP head's experts)."""
         self.switch_interval_s = switch_interval_s
         # Run on finished reads off the MLX thread: the host->device copy of their blobs,
         # several at once (one result per blob, in order).
@@ -132,7 +135,7 @@ class ExpertReader:
         self._demand_reading = 0  # demand reads between their start and their pread's end
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
-        stride = container.manifest.max_stride
+        stride = stride or container.manifest.max_stride
         # Enough staging for installs to come in batches while reads continue.
         count = buffers if buffers is not None else max(4 * concurrency, 16)
         # Page-aligned, so the same buffers serve O_DIRECT reads.

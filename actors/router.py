@@ -119,6 +119,11 @@ class ExpertRouter:
         if predictions:
             await self._requests.send(_Request(self._prefetch, (predictions, tick), None))
 
+    async def install_now(self) -> None:
+        """Install every finished read now: the MTP head's pool (actors/pool/head_pool.py)
+        needs their staging buffers between the model's forwards."""
+        await self._ask(self.install_finished)
+
     async def drain(self) -> None:
         """Wait for every read in flight and drop its result (cancellation, shutdown)."""
         await self._ask(self._drain)

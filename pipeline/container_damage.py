@@ -116,7 +116,9 @@ def explain(exc: BaseException, container: Container) -> BaseException:
     layer, expert = failed.key
     path = container.root / container.manifest.layer(layer).file
     reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
-    what = f"expert {expert} of layer {layer} " + kind.what.format(file=path, reason=reason)
+    head = container.manifest.mtp_experts  # its experts are "layer num_layers" of none
+    where = "the MTP head" if head is not None and layer == head.index else f"layer {layer}"
+    what = f"expert {expert} of {where} " + kind.what.format(file=path, reason=reason)
     damage = Damage(layer, expert, kind.name, str(path), what,
                     f"{what}: {kind.fix.format(root=container.root)}", str(cause))
     damage_log(container).record(damage)

@@ -33,7 +33,7 @@ from pipeline.generation_config import default_params
 from pipeline.memory_breakdown import MemoryBreakdown, breakdown
 from pipeline.memory_facts import MemoryPlan
 from pipeline.prefix_cache import PrefixCache
-from pipeline.speculation import EmulatedDrafts, speculation_snapshot
+from pipeline.speculation import EmulatedDrafts, mtp_snapshot, speculation_snapshot
 from qpack.reader import Container, ExpertIO
 
 if TYPE_CHECKING:
@@ -293,6 +293,7 @@ class Engine:
             "run_ahead_tokens": counters.run_ahead_tokens,
             "run_ahead_misses": counters.run_ahead_misses,
             **speculation_snapshot(core.batch.speculation.stats),
+            **mtp_snapshot(core.mtp),
         }
 
 

@@ -75,7 +75,7 @@ class EngineCore:
     sampling: SamplingTask
     max_batch: int  # a distributed job agrees on the smallest rank's (Stage.attach)
     facts: ModelFacts
-    mtp: Any = None  # the MTP head (pipeline/models/mtp.py) when it drafts, else None
+    mtp: Any = None  # the MTP head (pipeline.speculation.LoadedMtp) when it drafts, else None
     emulated_drafts: Any = None  # benchmark-only drafts (pipeline.speculation.EmulatedDrafts)
     waiting: int = 0  # generations submitted, not yet started
     generations: int = 0  # generations ended (finished, failed or cancelled)

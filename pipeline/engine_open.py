@@ -27,6 +27,7 @@ from actors.cuda_prefetch import usable as prefetch_usable
 from actors.decode_batch import DecodeBatch
 from actors.mlx_worker import MlxWorker
 from actors.pool.eviction import make_policy
+from actors.pool.head_pool import HeadPool
 from actors.pool.layout import PoolLayout, widen_for
 from actors.pool.slots import SlotTable
 from actors.pool.storage import PoolStorage
@@ -47,6 +48,8 @@ from pipeline.engine_parts import (
 )
 from pipeline.engine_sizing import (
     PoolTooSmall,
+    carve_head_pool,
+    head_slots,
     num_slots,
     prefill_chunk_for,
     run_ahead_mode,
@@ -64,9 +67,12 @@ from pipeline.memory_facts import OpenMarks
 from pipeline.memory_malloc import map_large_blocks
 from pipeline.models.dense import held_bytes, load_dense
 from pipeline.models.file_embedding import wants_file
+from pipeline.models.mtp import head_bytes
+from pipeline.models.mtp_experts import StreamedExperts
 from pipeline.models.streamed import StreamedModel, activation_dtype
 from pipeline.prefix_disk import prefix_cache_for
-from pipeline.speculation import open_mtp, policy_for
+from pipeline.speculation import HiddenSinks, mtp_wanted, open_mtp, policy_for
+from qpack.mtp import MTP_FILE
 from qpack.reader import Container, ExpertIO
 
 if TYPE_CHECKING:
@@ -99,6 +105,15 @@ async def open_core(
                                            await worker.run(lambda: mx.default_device() == mx.cpu))
     dense_bytes = stage.dense_bytes if stage else held_bytes(
         container.dense_path, manifest.dense_bytes, embedding_on_file=on_file, head_dtype=dtype)
+    # The MTP head, when it drafts: its dense part held like the dense core, its routed
+    # experts (when the container streams them) in a pool of their own (actors/pool/head_pool.py).
+    mtp_entry, mtp_layout = None, None
+    if stage is None and mtp_wanted(config, container):
+        dense_bytes += head_bytes(container.root)
+        mtp_entry = manifest.mtp_experts
+        if mtp_entry is not None:
+            mtp_layout = PoolLayout.uniform(mtp_entry.format, layout.widen)
+    stride = max(manifest.max_stride, mtp_entry.stride if mtp_entry else 0)
     slots = min(num_slots(config, storage_probe, dense_bytes, stage.ranks_on_host if stage else 1),
                 manifest.num_experts * layers)
     check_pool_fits(slots * storage_probe, dense_bytes, config.pool.slots is not None or config.pool.budget_mb is not None)
@@ -120,9 +135,15 @@ async def open_core(
         readers = await trio.to_thread.run_sync(reader_concurrency, config, container)
         # One total budget (memory.budget_mb): the pool is what the measured parts leave.
         plan = engine_plan(config, dense_bytes=dense_bytes, slot_nbytes=storage_probe,
-                           stride=manifest.max_stride, readers=readers, need_slots=need,
+                           stride=stride, readers=readers, need_slots=need,
                            max_slots=manifest.num_experts * layers)
         slots = plan.slots if plan else slots
+        mtp_slots = 0
+        if mtp_layout is not None:
+            mtp_slots = head_slots(config.pool.mtp_slots, slots, len(manifest.layers),
+                                   manifest.num_experts, manifest.top_k)
+            if config.pool.slots is None:  # sized from bytes: the head's pool comes out of them
+                slots = carve_head_pool(slots, need, storage_probe, mtp_slots * mtp_layout.slot_nbytes)
         # Loaded before the actors' nursery opens, so a bad container surfaces as one
         # QpackError naming the file rather than inside an exception group.
         dense = await worker.run(
@@ -131,6 +152,7 @@ async def open_core(
             container.config, container.dense_path,
         )
         storage = await worker.run(PoolStorage, layout, slots)
+        mtp_storage = await worker.run(PoolStorage, mtp_layout, mtp_slots) if mtp_layout else None
         stage_in_threads = await staging_probe(config.reader.stage_in_threads, worker)
         if stage_in_threads and config.reader.device_copy == "prefetch":
             storage.prefetch_copy = await MlxWorker.staging(0).run(prefetch_usable)
@@ -139,8 +161,13 @@ async def open_core(
         async with trio.open_nursery() as nursery:
             core = _start_actors(
                 config, container, worker, nursery, model, storage, tokenizer, slots,
-                record_routing, started, stage_in_threads, readers, dense_bytes,
+                record_routing, started, stage_in_threads, readers, dense_bytes, stride,
             )
+            if stage is None:
+                core.mtp = await worker.run(guarded, container.root / MTP_FILE, open_mtp, config,
+                                            container, model, _head_experts(core, mtp_storage))
+                if isinstance(model.hidden_sink, HiddenSinks):  # batched steps feed the drafters
+                    core.batch.regrouped = model.hidden_sink.regrouped
             attach_memory(core, nursery, plan, marks, need)  # docs/memory.md
             if stage:
                 await stage.attach(core)
@@ -148,6 +175,18 @@ async def open_core(
             nursery.cancel_scope.cancel()
     finally:
         container.close()
+
+
+def _head_experts(core: EngineCore, storage: PoolStorage | None) -> StreamedExperts | None:
+    """The MTP head's experts' pool, read through the engine's reader (None: no streamed head)."""
+    entry = core.container.manifest.mtp_experts
+    if storage is None or entry is None:
+        return None
+    table = SlotTable(storage.num_slots, make_policy("lru"))
+    pool = HeadPool(entry.index, entry.num_experts, table, core.router.reader,
+                    installer(core.worker, storage), core.router.install_now)
+    log.info("engine.mtp_experts", slots=storage.num_slots, pool_mb=round(storage.nbytes / 2**20, 1))
+    return StreamedExperts(pool, storage, core.model.family)
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -168,6 +207,7 @@ def _start_actors(
     stage_in_threads: bool,
     readers: int,
     dense_bytes: int,
+    stride: int,
 ) -> EngineCore:
     manifest = container.manifest
     overlap = config.compute.overlap
@@ -185,6 +225,7 @@ def _start_actors(
         retry_backoff_s=config.reader.retry_backoff_ms / 1000,
         stage=storage.stage if stage_in_threads else None,
         switch_interval_s=config.reader.switch_interval_ms / 1000 or None,
+        stride=stride,
     )
     nursery.start_soon(reader.run)
     router = ExpertRouter(table, reader, model.num_experts, installer(worker, storage))
@@ -296,7 +337,6 @@ def _core(config: PipelineConfig, container: Container, worker: MlxWorker,
         config=config, container=container, worker=worker, model=model, storage=storage,
         router=router, compute=compute, tokenizer=tokenizer, prefix_cache=prefix_cache,
         heap_trimmer=HeapTrimmer(), lock=lock, batch=batch,
-        mtp=open_mtp(config, container, model),
         compute_task=ComputeTask(
             max_batch, batch_budget(config.compute.batch_memory_mb, dense_bytes)),
         sampling=SamplingTask(), max_batch=max_batch, facts=facts,

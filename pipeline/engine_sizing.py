@@ -63,3 +63,20 @@ def run_ahead_mode(setting: RunAheadMode, slots: int, moe_layers: int, top_k: in
     if setting == "auto" and slots < moe_layers * top_k:
         return "off"
     return setting
+
+
+def head_slots(configured: int | None, slots: int, moe_layers: int, num_experts: int,
+               top_k: int) -> int:
+    """The MTP head's pool (actors/pool/head_pool.py): `pool.mtp_slots`, else the share of
+    its experts that the model's pool holds of the model's (a pool of every expert holds
+    every one of the head's too), at least one position's top-k, at most its experts."""
+    if configured is not None:
+        return max(top_k, min(configured, num_experts))
+    share = -(-slots * num_experts // max(moe_layers * num_experts, 1))
+    return max(top_k, min(share, num_experts))
+
+
+def carve_head_pool(slots: int, need: int, slot_nbytes: int, head_bytes: int) -> int:
+    """The model's slots once the head's pool (`head_bytes`) is taken from the bytes the
+    budget gave the pool; never below the smallest workable pool."""
+    return max(need, slots - -(-head_bytes // slot_nbytes))

@@ -43,7 +43,8 @@ def breakdown(engine: EngineCore, peak_rss_mb: float, mlx_peak_mb: float, tokens
     process = marks.start_mb if marks else 0.0
     tokenizer = marks.tokenizer_mb if marks else 0.0
     dense = engine.facts.dense_bytes / MIB  # held: less a token embedding on file
-    pool = engine.storage.nbytes / MIB
+    experts = engine.mtp.experts if engine.mtp is not None else None  # the MTP head's pool
+    pool = (engine.storage.nbytes + (experts.nbytes if experts is not None else 0)) / MIB
     state = rows * engine.model.state_bytes(tokens) / MIB
     staging = engine.router.reader.staging_bytes / MIB
     temporaries = max(mlx_peak_mb - dense - pool - state, 0.0)

@@ -10,19 +10,22 @@ never a reason for different tokens, so nothing else about a request changes it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from actors.sampling_params import SamplingParams
-from actors.speculative.decoder import Drafter, RowSpeculation
+from actors.speculative.decoder import Drafter, RowSpeculation, StreamingDrafter
 from actors.speculative.emulated import EmulatedDrafter
 from actors.speculative.ngram import NgramDrafter
 from actors.speculative.policy import SpecStats, SpeculationPolicy
 from pipeline.config.schema import PipelineConfig
 from pipeline.models.mtp import MtpHead, load_mtp
 from pipeline.models.mtp_drafter import MtpDrafter
+from pipeline.models.mtp_experts import StreamedExperts
+from pipeline.models.routing_override import positions
 from pipeline.models.streamed import StreamedModel
 from pipeline.models.verify_step import VerifyStep, can_verify
 from qpack.reader import Container
@@ -51,35 +54,78 @@ def check(engine: EngineCore, params: SamplingParams) -> None:
                          'MTP head; this one has none (use "ngram" or "auto")')
 
 
+Sink = Callable[[int, mx.array], None]  # (positions after the forward, h [1, T, H])
+
+
 class HiddenSinks:
-    """The model's `hidden_sink` while an MTP head is loaded: each drafting sequence's
-    drafter, found by its cache (a batch's merged cache finds none)."""
+    """The model's `hidden_sink` while an MTP head is loaded: the drafters fed by each
+    forward, found by the forward's cache. A sequence's own cache (its prefill, its lone
+    decode) finds its drafter; a decode batch's merged cache finds one per row (the
+    batch says which, `regrouped`), so steps decoded in a batch reach the head too. Each
+    entry holds its cache, so an id is never that of another list."""
 
     def __init__(self) -> None:
-        self.by_cache: dict[int, Callable[[list[Any], mx.array], None]] = {}
+        self.by_cache: dict[int, tuple[list[Any], list[Sink | None]]] = {}
+
+    def add(self, cache: list[Any], sinks: list[Sink | None]) -> None:
+        self.by_cache[id(cache)] = (cache, sinks)
+
+    def drop(self, cache: list[Any]) -> None:
+        entry = self.by_cache.get(id(cache))
+        if entry is not None and entry[0] is cache:
+            del self.by_cache[id(cache)]
 
     def __call__(self, cache: list[Any], h: mx.array) -> None:
-        sink = self.by_cache.get(id(cache))
-        if sink is not None:
-            sink(cache, h)
+        entry = self.by_cache.get(id(cache))
+        if entry is None or entry[0] is not cache:
+            return
+        ends = positions(cache)  # each row's tokens after the forward
+        for row, sink in enumerate(entry[1]):
+            if sink is not None:
+                sink(ends[row], h[row : row + 1])
+
+    def regrouped(self, old: list[Any] | None, new: list[Any] | None,
+                  rows: Sequence[RowSpeculation | None]) -> None:
+        """The decode batch's caches changed (`DecodeBatch.regrouped`): its rows'
+        drafters are fed from the new ones."""
+        if old is not None and old is not new:
+            self.drop(old)
+        if new is not None:
+            self.add(new, [spec.sink if spec is not None else None for spec in rows])
 
 
-def open_mtp(config: PipelineConfig, container: Container, model: StreamedModel) -> MtpHead | None:
-    """The container's MTP head, when it has one and the engine may speculate with it (it
-    costs memory: its routed experts come with it)."""
-    if (not container.manifest.mtp_layers or config.compute.speculative not in ("mtp", "auto")
-            or config.distributed.enabled):
+@dataclass
+class LoadedMtp:
+    """The engine's MTP head: its dense part, and its routed experts' pool (None: a
+    container packed before they were streamed, whose head holds them resident)."""
+
+    head: MtpHead
+    experts: StreamedExperts | None
+
+
+def mtp_wanted(config: PipelineConfig, container: Container) -> bool:
+    """Whether the engine loads the container's MTP head: it has one and may speculate
+    with it (it costs memory: its dense part, and its experts' pool)."""
+    return (bool(container.manifest.mtp_layers) and config.compute.speculative in ("mtp", "auto")
+            and not config.distributed.enabled)
+
+
+def open_mtp(config: PipelineConfig, container: Container, model: StreamedModel,
+             experts: StreamedExperts | None) -> LoadedMtp | None:
+    """On the MLX thread: the head, when `mtp_wanted`; `experts` when the container
+    streams them (`manifest.mtp_experts`)."""
+    if not mtp_wanted(config, container):
         return None
-    head = load_mtp(container.root, model.parts)
+    head = load_mtp(container.root, model.parts, streamed=experts is not None)
     model.hidden_sink = HiddenSinks()
-    return head
+    return LoadedMtp(head, experts)
 
 
 def release(engine: EngineCore, cache: list[Any] | None) -> None:
     """A generation is over: its drafter stops receiving hidden states."""
     sinks = engine.model.hidden_sink
     if cache is not None and isinstance(sinks, HiddenSinks):
-        sinks.by_cache.pop(id(cache), None)
+        sinks.drop(cache)
 
 
 def policy_for(engine_slots: int, top_k: int, draft_tokens: int) -> SpeculationPolicy:
@@ -96,14 +142,15 @@ def row_speculation(engine: EngineCore, params: SamplingParams, tokens: list[int
     if not can_verify(engine.model):
         return None  # a layout whose states a pass could not cut back (pipeline/models/verify_step.py)
     emulated = engine.emulated_drafts
-    drafter: Drafter
+    drafter: Drafter | StreamingDrafter
     if emulated is not None:
         drafter = emulated.drafter(tokens, engine.model.parts.args.vocab_size)
     elif engine.mtp is not None and mode in ("mtp", "auto"):
-        mtp = MtpDrafter(engine.mtp, engine.model.parts, tokens, engine.model.activation_dtype)
+        mtp = MtpDrafter(engine.mtp.head, engine.model.parts, tokens, engine.model.activation_dtype,
+                         engine.mtp.experts)
         assert isinstance(engine.model.hidden_sink, HiddenSinks)
-        engine.model.hidden_sink.by_cache[id(cache)] = mtp.sink
-        drafter = mtp
+        engine.model.hidden_sink.add(cache, [mtp.sink])
+        return RowSpeculation(mode, mtp, max_tokens, partial(VerifyStep, engine.model), sink=mtp.sink)
     else:
         drafter = NgramDrafter(tokens, max_n=NGRAM_MAX, min_n=NGRAM_MIN)
     return RowSpeculation(mode, drafter, max_tokens, partial(VerifyStep, engine.model))
@@ -134,3 +181,13 @@ def speculation_snapshot(stats: SpecStats) -> dict[str, float]:
     return {"verify_passes": stats.passes, "drafts_proposed": stats.proposed,
             "drafts_accepted": stats.accepted, "pass_tokens": stats.pass_tokens,
             "speculative_backoffs": stats.backoffs}
+
+
+def mtp_snapshot(mtp: LoadedMtp | None) -> dict[str, float]:
+    """The MTP head's own expert pool, for `pool_snapshot` (zeros without one)."""
+    experts = mtp.experts if mtp is not None else None
+    if experts is None:
+        return {"mtp_slots": 0, "mtp_hits": 0, "mtp_misses": 0, "mtp_pool_bytes": 0}
+    t = experts.pool.snapshot()
+    return {"mtp_slots": t.num_slots, "mtp_hits": t.hits, "mtp_misses": t.misses,
+            "mtp_pool_bytes": experts.nbytes}

@@ -73,7 +73,7 @@ def check_listed(root: Path, manifest: spec.Manifest, names: Iterable[str]) -> N
 
 def non_expert_files(manifest: spec.Manifest) -> list[str]:
     """Every listed file but the expert layers (which are checked per expert by crc32)."""
-    layer_files = {entry.file for entry in manifest.layers}
+    layer_files = {entry.file for entry in manifest.expert_entries}
     return [f.path for f in manifest.files if f.path not in layer_files]
 
 
@@ -167,7 +167,7 @@ def unreadable_files(root: Path, manifest: spec.Manifest) -> list[str]:
 def expert_problem(root: Path, manifest: spec.Manifest, layer: int, expert: int) -> str | None:
     """What is wrong with one expert on disk now (cannot open, short, crc32), or None: a
     health check re-examines an expert that failed a read once its file has changed."""
-    entry = next(e for e in manifest.layers if e.index == layer)
+    entry = manifest.layer(layer)
     path = root / entry.file
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))

@@ -42,9 +42,12 @@ def check_layers(root: Path, m: spec.Manifest) -> None:
         raise QpackError(where, f"top_k {m.top_k} is not within 1..num_experts ({m.num_experts})")
     sizes = {f.path: f.size for f in m.files}
     seen: set[int] = set()
-    for entry in m.layers:
-        name = f"layer {entry.index}"
-        if entry.index in seen or not 0 <= entry.index < m.num_layers:
+    if m.mtp_experts is not None and (m.mtp_layers != 1 or m.mtp_experts.index != m.num_layers):
+        raise QpackError(where, f"mtp_experts: index {m.mtp_experts.index} with mtp_layers "
+                         f"{m.mtp_layers}; the MTP head's experts are layer {m.num_layers} of a head")
+    for entry in m.expert_entries:
+        name = f"layer {entry.index}" if entry is not m.mtp_experts else "mtp_experts"
+        if entry is not m.mtp_experts and (entry.index in seen or not 0 <= entry.index < m.num_layers):
             raise QpackError(where, f"{name}: index duplicated or outside 0..{m.num_layers - 1}")
         seen.add(entry.index)
         spec.check_relative(root, entry.file)

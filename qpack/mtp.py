@@ -12,18 +12,25 @@ int4 MTP head collapsing to 0-4 % acceptance. The manifest's `mtp_layers` says i
 there; containers without it (older ones, MLX-quantized or FP8 sources, which carry no
 head mlx-lm could read) are valid and simply cannot draft with MTP.
 
-Its routed experts are held with the head, not streamed from the pool: one layer's
-worth (about 1/48 of the experts), the price of drafting.
+Its routed experts are written apart, in the container's expert format (one aligned
+blob per expert, `spec.MTP_EXPERTS_FILE`, the manifest's `mtp_experts`, index
+num_layers), so the engine streams them through a pool as it streams a layer's; the
+dense part (fc, norms, attention, router, shared expert) stays in `mtp.safetensors`.
+Containers packed before that keep the experts in `mtp.safetensors` as
+`layer.mlp.switch_mlp.*` (no `mtp_experts`): the engine then holds them resident.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+import zlib
+from collections.abc import Iterable, Iterator
 
 import mlx.core as mx
 
+from qpack import spec
 from qpack.quantize import Rule, quantize
+from qpack.safetensors_io import mx_to_bytes
 
 MTP_FILE = "mtp.safetensors"
 MTP_BITS = 8
@@ -31,6 +38,7 @@ _NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.w
           "k_norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
 _PER_EXPERT = re.compile(r"^mtp\.layers\.0\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^mtp\.layers\.0\.mlp\.experts\.(gate_up_proj|down_proj)$")
+SWITCH = "layer.mlp.switch_mlp."  # the routed experts' prefix in the module tree
 
 
 def mtp_names(names: Iterable[str]) -> list[str]:
@@ -90,3 +98,37 @@ def mtp_arrays(read: dict[str, mx.array], num_experts: int, bits: int | None) ->
         else:
             quantized[name] = arr
     return quantized
+
+
+def split_experts(arrays: dict[str, mx.array]) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
+    """(dense part, routed experts as `{proj}.{part}` -> [E, ...]) of `mtp_arrays`' output."""
+    dense = {n: a for n, a in arrays.items() if not n.startswith(SWITCH)}
+    experts = {n.removeprefix(SWITCH): a for n, a in arrays.items() if n.startswith(SWITCH)}
+    return dense, experts
+
+
+def _dtype(a: mx.array) -> str:
+    return str(a.dtype).rsplit(".", 1)[-1]  # mlx.core.bfloat16 -> bfloat16
+
+
+def expert_layout(experts: dict[str, mx.array]) -> tuple[spec.ExpertFormat, int]:
+    """The experts' format and stride: as a layer's, at 8 bits affine (group 64) when
+    quantized (`mtp_arrays` quantizes every projection alike), else float."""
+    shapes = {n: (tuple(a.shape[1:]), _dtype(a)) for n, a in experts.items()}
+    quantized = any(n.endswith(".scales") for n in experts)
+    fmt = spec.expert_format(shapes, *((MTP_BITS, 64, "affine") if quantized else (None, None, None)))
+    return fmt, spec.round_up(fmt.nbytes, spec.ALIGNMENT)
+
+
+def expert_blobs(experts: dict[str, mx.array], fmt: spec.ExpertFormat, stride: int) -> Iterator[bytearray]:
+    """Each expert's blob (`stride` bytes, tensors at the format's offsets), in order."""
+    count = next(iter(experts.values())).shape[0]
+    for e in range(count):
+        blob = bytearray(stride)
+        for t in fmt.tensors:
+            blob[t.offset : t.offset + t.nbytes] = mx_to_bytes(experts[t.name][e])
+        yield blob
+
+
+def blob_checksum(blob: bytearray, fmt: spec.ExpertFormat) -> int:
+    return zlib.crc32(memoryview(blob)[: fmt.nbytes])

@@ -81,8 +81,10 @@ class Container:
         self.config = config
         self.verify = verify
         self.io = io
-        self._layers = {entry.index: entry for entry in manifest.layers}
-        self._paths = {entry.index: spec.check_relative(root, entry.file) for entry in manifest.layers}
+        # The MTP head's experts (index num_layers) are read like a layer's, but are not one
+        # of the model's MoE layers (`moe_layers`).
+        self._layers = {entry.index: entry for entry in manifest.expert_entries}
+        self._paths = {entry.index: spec.check_relative(root, entry.file) for entry in manifest.expert_entries}
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
         self._checked = {i: bytearray(e.num_experts) for i, e in self._layers.items()}
@@ -137,7 +139,7 @@ class Container:
 
     @property
     def moe_layers(self) -> list[int]:
-        return sorted(self._layers)
+        return sorted(e.index for e in self.manifest.layers)
 
     def _fd(self, layer_index: int) -> int:
         fd = self._fds.get(layer_index)
@@ -327,7 +329,7 @@ def verify_container(path: str | os.PathLike[str],
         return report
     with container:
         m = container.manifest
-        total = sum(f.size for f in m.files) + m.expert_bytes
+        total = sum(f.size for f in m.files) + sum(e.stride * e.num_experts for e in m.expert_entries)
         done = 0
 
         def advance(n: int) -> None:
@@ -351,7 +353,7 @@ def verify_container(path: str | os.PathLike[str],
             report.files_checked += 1
             if h.hexdigest() != f.sha256:
                 report.problems.append(f"{root / f.path}: sha256 {h.hexdigest()[:16]}... != manifest {f.sha256[:16]}...")
-        for entry in m.layers:
+        for entry in m.expert_entries:
             if entry.file in unreadable:
                 continue
             buf = bytearray(entry.stride)

@@ -9,6 +9,8 @@ A container is a directory (so it downloads and resumes file by file):
       dense.safetensors        every tensor except the routed experts, in mlx-lm's names
                                (after the model's `sanitize`), quantized as mlx-lm would
       experts/layer_NNN.bin    expert e of that layer at offset e * stride
+      mtp.safetensors          the checkpoint's MTP head, dense part (optional, qpack/mtp.py)
+      experts/mtp_000.bin      the MTP head's routed experts, as a layer's (`mtp_experts`)
 
 One expert blob holds gate_proj, up_proj, down_proj, each as weight | scales | biases
 (affine), weight | scales (mxfp4, nvfp4, mxfp8) or weight alone (unquantized), then the
@@ -149,6 +151,15 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     created_by: str = "moestream"
     # The checkpoint's MTP head, kept in qpack.mtp.MTP_FILE (0: none; older containers).
     mtp_layers: int = 0
+    # The head's routed experts in the expert format, streamed like a layer's; its index
+    # is num_layers (the layer after the last). None with mtp_layers 1: a container packed
+    # before they were streamed, whose MTP_FILE holds them too (held resident).
+    mtp_experts: LayerEntry | None = None
+
+    @property
+    def expert_entries(self) -> tuple[LayerEntry, ...]:
+        """Every expert file's entry: the model's layers, then the MTP head's."""
+        return self.layers + ((self.mtp_experts,) if self.mtp_experts is not None else ())
 
     @property
     def expert_bytes(self) -> int:
@@ -167,7 +178,7 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return max(self.max_stride, sum(variants.values()))
 
     def layer(self, index: int) -> LayerEntry:
-        for entry in self.layers:
+        for entry in self.expert_entries:
             if entry.index == index:
                 return entry
         raise KeyError(index)
@@ -179,6 +190,9 @@ def round_up(n: int, multiple: int) -> int:
 
 def layer_file(index: int) -> str:
     return f"{EXPERTS_DIR}/layer_{index:03d}.bin"
+
+
+MTP_EXPERTS_FILE = f"{EXPERTS_DIR}/mtp_000.bin"  # the MTP head's routed experts
 
 
 def expert_format(

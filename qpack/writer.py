@@ -11,17 +11,14 @@ last: until it exists the reader refuses the directory.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
-import signal
 import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import mlx.core as mx
 import msgspec
@@ -29,8 +26,18 @@ import structlog
 
 from qpack import spec
 from qpack.layout import ContainerPlan, LayerPlan, make_plan
-from qpack.mtp import MTP_FILE, mtp_arrays, mtp_names, packed_bytes
+from qpack.mtp import (
+    MTP_FILE,
+    blob_checksum,
+    expert_blobs,
+    expert_layout,
+    mtp_arrays,
+    mtp_names,
+    packed_bytes,
+    split_experts,
+)
 from qpack.output_guard import bytes_under, exclusive_output, require_free_space
+from qpack.pack_files import PAUSE_ENV, Done, _fsync_dir, _guard, _milestone, _Out, _pwrite  # noqa: F401  (PAUSE_ENV: tests)
 from qpack.quantize import MODE_DEFAULTS, cast, quantize
 from qpack.safetensors_io import data_offsets, mx_to_bytes
 from qpack.source import SourceCheckpoint, open_source
@@ -39,21 +46,10 @@ from qpack.spec import QpackError
 log = structlog.get_logger("qpack.pack")
 JOURNAL = ".qpack-journal.json"
 DENSE_CHUNK = 32 * 1024 * 1024  # bytes of source rows converted at once
-# Tests: "FD:NAME". The packer writes the name of every milestone it passes (one line each)
-# to file descriptor FD and, at milestone NAME, stops until a signal ends it; so a test
-# kills a pack at an exact step instead of racing a running one.
-PAUSE_ENV = "QPACK_TEST_PAUSE"
-
-
-class Done(msgspec.Struct):
-    size: int
-    sha256: str
-    checksums: list[int] = []
-
-
 class Journal(msgspec.Struct):
     options: dict[str, str | int | None]
     done: dict[str, Done] = {}
+    mtp_format: spec.ExpertFormat | None = None  # the MTP head's experts, once written
 
 
 @dataclass
@@ -66,84 +62,6 @@ class PackResult:
     @property
     def mb_s(self) -> float:
         return self.bytes_written / 1e6 / max(self.seconds, 1e-9)
-
-
-def _milestone(name: str) -> None:
-    """A step of the pack is on disk: "<step> <file>" (begin, wrote N, renamed, journal-tmp,
-    journal). Free unless PAUSE_ENV is set."""
-    if not (hook := os.environ.get(PAUSE_ENV)):
-        return
-    fd, _, stop_at = hook.partition(":")
-    os.write(int(fd), name.encode() + b"\n")
-    # SIGINT raises KeyboardInterrupt here, as it would mid-write. A test that lets the
-    # pack go on (after filling the disk under it) clears the hook from a signal handler.
-    while name == stop_at and os.environ.get(PAUSE_ENV) == hook:
-        signal.pause()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class _Out:
-    """One output file written as .partial then renamed; hashes while writing."""
-
-    def __init__(self, root: Path, rel: str) -> None:
-        self.rel = rel
-        self.path = root / rel
-        self.partial = self.path.with_name(self.path.name + ".partial")
-        self.sha = hashlib.sha256()
-        self.size = 0
-        self.f: BinaryIO  # opened by __enter__
-
-    def __enter__(self) -> _Out:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.f = _guard(self.partial, lambda: open(self.partial, "wb"))  # noqa: SIM115
-        _milestone(f"begin {self.rel}")
-        return self
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        _guard(self.partial, lambda: self.f.write(data))
-        self.sha.update(data)
-        self.size += len(data)
-
-    def __exit__(self, exc_type, exc, tb) -> None:  # noqa: ANN001
-        if exc_type is not None:
-            self.f.close()
-            if isinstance(exc, QpackError):  # disk full: free the space of what we wrote
-                self.partial.unlink(missing_ok=True)
-            return
-        def finish() -> None:
-            self.f.flush()
-            os.fsync(self.f.fileno())
-            self.f.close()
-            os.replace(self.partial, self.path)
-            _fsync_dir(self.path.parent)
-        _guard(self.partial, finish)
-        _milestone(f"renamed {self.rel}")
-
-    def done(self) -> Done:
-        return Done(self.size, self.sha.hexdigest())
-
-
-def _pwrite(fd: int, data: bytes | memoryview, offset: int, path: Path) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = _guard(path, lambda v=view, o=offset: os.pwrite(fd, v, o))
-        view, offset = view[n:], offset + n
-
-
-def _guard(path: Path, fn: Callable):  # noqa: ANN202
-    try:
-        return fn()
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise QpackError(path, "disk full (ENOSPC) while writing; free space and re-run pack to resume") from None
-        raise
 
 
 class Packer:
@@ -214,9 +132,12 @@ class Packer:
         return self._manifest()
 
     def _mtp(self, bar: Callable[[int], None]) -> None:
-        """The MTP head, when the source has one mlx-lm conventions can hold (qpack/mtp.py)."""
+        """The MTP head, when the source has one mlx-lm conventions can hold (qpack/mtp.py):
+        its routed experts as a layer's blobs, the rest in `mtp.safetensors`."""
         names = mtp_names(self.src.index)
-        if not names or self.src.is_mlx or self.src.fp8 is not None or self._finished(MTP_FILE):
+        if not names or self.src.is_mlx or self.src.fp8 is not None:
+            return
+        if self._finished(MTP_FILE) and self._finished(spec.MTP_EXPERTS_FILE):
             return
         if not all(self.src.index[n].is_file() for n in names):
             # Hub downloads skip shards that hold only MTP tensors (qpack.names): no head then.
@@ -225,8 +146,24 @@ class Packer:
         default = self.plan.quant.default
         arrays = mtp_arrays({n: self.src.raw(n).to_mx() for n in names}, self.src.num_experts,
                             default.bits if default is not None else None)
+        dense, experts = split_experts(arrays)
+        if not self._finished(spec.MTP_EXPERTS_FILE):
+            fmt, stride = expert_layout(experts)
+            crcs: list[int] = []
+            with _Out(self.out, spec.MTP_EXPERTS_FILE) as o:
+                for blob in expert_blobs(experts, fmt, stride):
+                    crcs.append(blob_checksum(blob, fmt))
+                    o.write(blob)
+                    bar(stride)
+            self.bytes_written += o.size
+            done = o.done()
+            done.checksums = crcs
+            self.journal.mtp_format = fmt
+            self._commit(spec.MTP_EXPERTS_FILE, done)
+        if self._finished(MTP_FILE):
+            return
         partial = self.out / "mtp.partial.safetensors"
-        _guard(partial, lambda: mx.save_safetensors(str(partial), arrays))
+        _guard(partial, lambda: mx.save_safetensors(str(partial), dense))
         data = partial.read_bytes()
         os.replace(partial, self.out / MTP_FILE)
         _fsync_dir(self.out)
@@ -346,12 +283,18 @@ class Packer:
             for lp in self.plan.layers
         )
         files = tuple(spec.FileEntry(rel, d.size, d.sha256) for rel, d in sorted(done.items()))
+        mtp_experts = None
+        fmt = self.journal.mtp_format
+        if MTP_FILE in done and fmt is not None:
+            blobs = done[spec.MTP_EXPERTS_FILE]
+            mtp_experts = spec.LayerEntry(self.src.num_layers, spec.MTP_EXPERTS_FILE, self.src.num_experts,
+                                          blobs.size // self.src.num_experts, fmt, tuple(blobs.checksums))
         manifest = spec.Manifest(
             magic=spec.MAGIC, version=spec.VERSION, source=self.source_name,
             model_type=self.src.model_type, num_layers=self.src.num_layers,
             num_experts=self.src.num_experts, top_k=self.src.top_k, quantization=quant,
             alignment=spec.ALIGNMENT, checksum="crc32", dense_bytes=done[spec.DENSE].size,
-            layers=layers, files=files, mtp_layers=1 if MTP_FILE in done else 0,
+            layers=layers, files=files, mtp_layers=1 if MTP_FILE in done else 0, mtp_experts=mtp_experts,
         )
         data = json.dumps(json.loads(spec.encode_manifest(manifest)), indent=2, sort_keys=True).encode() + b"\n"
         with _Out(self.out, spec.MANIFEST) as o:
@@ -417,7 +360,8 @@ def _mtp_bytes(src: SourceCheckpoint, plan: ContainerPlan) -> int:
     for name in mtp_names(src.index):
         info = src.info(name)
         total += packed_bytes(tuple(info.shape), info.nbytes // max(1, _elements(info.shape)), bits)
-    return total
+    # Each expert's blob is padded to the alignment at most once.
+    return total + (src.num_experts * spec.ALIGNMENT if total else 0)
 
 
 def _elements(shape: tuple[int, ...] | list[int]) -> int:

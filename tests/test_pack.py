@@ -203,6 +203,9 @@ KILL_POINTS = [
     ("renamed experts/layer_002.bin", signal.SIGKILL),  # just renamed, not yet in the journal
     ("journal experts/layer_002.bin", signal.SIGINT),  # ... and now in it
     ("journal-tmp experts/layer_003.bin", signal.SIGKILL),  # journal written, not yet renamed
+    # The MTP head's experts done, its dense part not: the resumed manifest's mtp_experts
+    # comes from the journal.
+    (f"journal {spec.MTP_EXPERTS_FILE}", signal.SIGTERM),
     (f"begin {spec.MANIFEST}", signal.SIGTERM),  # everything but the manifest
 ]
 EXIT_CODES = {signal.SIGKILL: -9, signal.SIGTERM: -15, signal.SIGINT: 128 + signal.SIGINT}

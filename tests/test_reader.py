@@ -190,8 +190,11 @@ def test_verify_and_info_subcommands(container, capsys, tmp_path):
     assert info["model_type"] == "qwen3_next" and info["moe_layers"] == 4
     assert info["num_experts"] == m.num_experts and info["top_k"] == m.top_k
     assert info["smallest_pool_bytes"] == m.top_k * m.max_stride
-    assert info["total_bytes"] == info["dense_bytes"] + info["expert_bytes"] + sum(
+    head = m.mtp_experts  # the MTP head's experts: blobs under experts/, not a layer's
+    assert head is not None and info["mtp_streamed"]
+    assert info["total_bytes"] == info["dense_bytes"] + info["expert_bytes"] + head.stride * head.num_experts + sum(
         f.size for f in m.files if f.path != spec.DENSE and not f.path.startswith(spec.EXPERTS_DIR))
+    assert info["mtp_bytes"] == head.stride * head.num_experts + (container / "mtp.safetensors").stat().st_size
 
     args = _parser().parse_args(["info", str(container)])
     assert args.func(args) == 0

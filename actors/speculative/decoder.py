@@ -19,9 +19,9 @@ them, and a row that goes on in a batch must not draw them again.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 
@@ -42,15 +42,28 @@ class Drafter(Protocol):
     def propose(self, k: int) -> list[int]: ...
 
 
+@runtime_checkable
+class StreamingDrafter(Protocol):
+    """A drafter that reads experts between its MLX calls (the MTP head, its experts
+    streamed): it runs its MLX work itself, through `on_mlx` (`Compute.on_mlx`)."""
+
+    def extend(self, tokens: Iterable[int]) -> None: ...
+
+    async def draft(self, k: int, on_mlx: Callable[..., Awaitable[Any]]) -> list[int]: ...
+
+
 @dataclass
 class RowSpeculation:
     """One generation's speculation: its mode, drafter and the tokens it may still take."""
 
     mode: str  # "auto", "ngram" or "mtp" (never "off": then there is none)
-    drafter: Drafter  # has seen the prompt and every token the row was given
+    drafter: Drafter | StreamingDrafter  # has seen the prompt and every token the row was given
     left: int  # tokens the row may still be given
     verify_step: MakeVerifyStep  # the model's verify pass
     stats: SpecStats = field(default_factory=SpecStats)  # this row's passes
+    # Where the row's final hidden states go, from every forward it is in (its own and a
+    # decode batch's): an MTP drafter's `sink` (position after the forward, h [1, T, H]).
+    sink: Callable[[int, Any], None] | None = None
 
     def seen(self, token: int) -> None:
         self.left -= 1
@@ -87,8 +100,7 @@ class SpeculativeDecoder:
             return self._give()
         inner = self.inner
         k = 0 if inner.logits is not None else self.policy.draft_len(self.spec.mode, self.spec.left - 1)
-        drafter = self.spec.drafter
-        draft = await self.compute.on_mlx(drafter.propose, k) if drafter.on_mlx and k else drafter.propose(k)
+        draft = await self._propose(k)
         if not draft:
             stepped = inner.logits is None  # the first token is drawn from logits at hand
             t0 = time.perf_counter()
@@ -109,6 +121,14 @@ class SpeculativeDecoder:
         self._pass, self._given = step, 0
         inner.feed = None  # the next tokens come from `_held`
         return self._give()
+
+    async def _propose(self, k: int) -> list[int]:
+        drafter = self.spec.drafter
+        if not k:
+            return []
+        if isinstance(drafter, StreamingDrafter):
+            return await drafter.draft(k, self.compute.on_mlx)
+        return await self.compute.on_mlx(drafter.propose, k) if drafter.on_mlx else drafter.propose(k)
 
     def _accept(self, logits: mx.array, step: VerifyStepper, draft: list[int]) -> Verdict:
         verdict = accept(self.sampler.samplers[0], logits, draft)

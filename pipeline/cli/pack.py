@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from qpack import spec
 from qpack.spec import QpackError
 
 PACK_HELP = """\
@@ -142,6 +143,9 @@ def info_dict(path: Path, prefill_chunk: int | None = None, advice: bool = False
             "dense_bytes": m.dense_bytes,
             "expert_bytes": m.expert_bytes,
             "total_bytes": sum(f.size for f in m.files),
+            # The MTP head's files: its dense part and, streamed, its experts' blobs.
+            "mtp_bytes": sum(f.size for f in m.files if f.path in ("mtp.safetensors", spec.MTP_EXPERTS_FILE)),  # qpack.mtp.MTP_FILE: that module needs MLX, the CLI must not
+            "mtp_streamed": m.mtp_experts is not None,
             "quantization": {"bits": q.bits, "group_size": q.group_size, "mode": q.mode,
                              "overrides": len(q.overrides)},
             "smallest_pool_bytes": c.smallest_pool_bytes,
@@ -224,6 +228,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("expert stride", f"{info['stride']:,} B ({info['expert_nbytes']:,} B payload)"),
         ("dense core", _mb(info["dense_bytes"])),
         ("experts", _mb(info["expert_bytes"])),
+        *([("MTP head", _mb(info["mtp_bytes"]) + (", experts streamed" if info["mtp_streamed"]
+                                                  else ", experts resident"))]
+          if info["mtp_bytes"] else []),
         ("total", _mb(info["total_bytes"])),
         ("quantization", quant),
         ("smallest pool", f"--pool-mb {info['smallest_workable_pool_mb']} ({info['smallest_workable_slots']} "

@@ -84,6 +84,9 @@ class PoolConfig(_Section, frozen=True):
     # the parameters of actors.eviction.LFUDecay, ignored by the other policies.
     lfu_decay: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
     lfu_period: Annotated[int, within(1, 1 << 30)] = 512
+    # The MTP head's experts have a pool of their own (docs/speculative.md); unset: the
+    # same share of its experts as the pool holds of the model's, taken from its bytes.
+    mtp_slots: Annotated[int, within(1, 1 << 24)] | None = None
 
     def __post_init__(self) -> None:
         if self.budget_mb is not None and self.slots is not None:

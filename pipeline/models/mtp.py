@@ -11,8 +11,12 @@ final norm) and the embedding of the token at i + 1,
 
 and a second draft feeds `out` back as the hidden state with the first draft's
 embedding. The layer is the main model's own full-attention class, so attention, RoPE
-and the MoE (softmax top-k, shared expert, its gate) compute exactly as mlx-lm's; its
-routed experts are loaded with the head (qpack/mtp.py), not streamed.
+and the MoE (softmax top-k, shared expert, its gate) compute exactly as mlx-lm's.
+
+Its routed experts are streamed from the container (`manifest.mtp_experts`) through a
+pool of their own (pipeline/models/mtp_experts.py): the head loaded here is then its
+dense part, without `layer.mlp.switch_mlp`. A container packed before that keeps them
+in `mtp.safetensors`; they are then loaded with the head and held resident.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
 from pipeline.models.text_parts import TextParts
-from qpack.mtp import MTP_FILE
+from qpack.mtp import MTP_FILE, SWITCH
 from qpack.spec import QpackError
 
 
@@ -51,11 +55,16 @@ class MtpHead(nn.Module):
         return self.norm(x)
 
 
-def load_mtp(root: Path, parts: TextParts) -> MtpHead:
-    """The container's head (`mtp_layers` in its manifest says there is one), evaluated."""
+def load_mtp(root: Path, parts: TextParts, streamed: bool = False) -> MtpHead:
+    """The container's head (`mtp_layers` in its manifest says there is one), evaluated;
+    `streamed`: its routed experts are the container's `mtp_experts` (not loaded here)."""
     path = Path(root) / MTP_FILE
     weights = cast(dict[str, mx.array], mx.load(str(path)))  # a .safetensors file: a dict
     head = MtpHead(parts)
+    if streamed:
+        del head.layer.mlp["switch_mlp"]
+        # A pack resumed across versions may have written them here too: not needed.
+        weights = {n: a for n, a in weights.items() if not n.startswith(SWITCH)}
     if "fc.scales" in weights:
         # Quantized heads are 8-bit affine, group 64 (qpack.mtp); the rest stays float.
         nn.quantize(head, group_size=64, bits=8,
@@ -67,3 +76,9 @@ def load_mtp(root: Path, parts: TextParts) -> MtpHead:
     head.eval()
     mx.eval(head.parameters())
     return head
+
+
+def head_bytes(root: Path) -> int:
+    """What loading the head holds: its file (the dense part, or, packed before the
+    experts were streamed, the experts too)."""
+    return (Path(root) / MTP_FILE).stat().st_size

@@ -13,27 +13,30 @@ Drafts are argmax (q one-hot), so the row's sampler verifies them exactly.
 Positions whose hidden state the drafter never saw (a prompt resumed from the prefix
 cache, steps decoded in a batch) are skipped: the head's attention then sees fewer
 positions, which may draft worse, never wrong.
+
+With its routed experts streamed (`experts`, pipeline/models/mtp_experts.py) each head
+forward reads what it routes to between its MLX calls; held resident (a container packed
+before they were streamed), the whole draft is one call on the MLX thread. The same ops
+either way, so the same drafts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from pipeline.models.mtp import MtpHead
-from pipeline.models.routing_override import positions
+from pipeline.models.mtp_experts import StreamedExperts
 from pipeline.models.text_parts import TextParts
 
 
 class MtpDrafter:
-    on_mlx = True  # `propose` runs MLX work: the decoder calls it on the MLX thread
-
     def __init__(self, head: MtpHead, parts: TextParts, prompt: Sequence[int],
-                 activation_dtype: mx.Dtype | None) -> None:
-        self.head, self.parts, self.dtype = head, parts, activation_dtype
+                 activation_dtype: mx.Dtype | None, experts: StreamedExperts | None = None) -> None:
+        self.head, self.parts, self.dtype, self.experts = head, parts, activation_dtype, experts
         self.tokens = list(prompt)
         self.cache = KVCache()
         self.done = 0  # positions i < done have been through the head
@@ -42,9 +45,9 @@ class MtpDrafter:
     def extend(self, tokens: Iterable[int]) -> None:
         self.tokens += [int(t) for t in tokens]
 
-    def sink(self, cache: list[Any], h: mx.array) -> None:
-        """On the MLX thread, from each forward of this sequence: h [1, T, H], lazy."""
-        end = positions(cache)[0]
+    def sink(self, end: int, h: mx.array) -> None:
+        """On the MLX thread, from each forward this sequence is in (alone, or a row of a
+        decode batch): h [1, T, H], lazy, for the positions before `end`."""
         normed = self.parts.norm(h)
         start = end - h.shape[1]
         for i in range(h.shape[1]):
@@ -55,10 +58,10 @@ class MtpDrafter:
         e = self.parts.embed_tokens(ids.reshape(1, -1))
         return e if self.dtype is None else e.astype(self.dtype)
 
-    def propose(self, k: int) -> list[int]:
-        """On the MLX thread: up to `k` drafts for the tokens after the last one."""
-        if k < 1:
-            return []
+    def _catch_up(self) -> tuple[mx.array, mx.array] | None:
+        """On the MLX thread: the first forward's inputs (embeddings of t[i+1], hidden
+        states h_i over the positions not yet seen), or None when the last position's
+        hidden state is missing (nothing to draft from)."""
         last = len(self.tokens) - 1  # its hidden state comes with the next forward
         if self.done > last:  # the sequence was cut back (a pass kept fewer tokens)
             self.cache.trim(self.done - last)
@@ -72,17 +75,52 @@ class MtpDrafter:
             run.append(i)
         run.reverse()
         if not run or run[-1] != last - 1:
-            return []
+            return None
         hidden = mx.concatenate([self._hidden[i] for i in run], axis=1)
-        out = self.head(self._embed(mx.array([self.tokens[i + 1] for i in run])), hidden, self.cache)
+        embeds = self._embed(mx.array([self.tokens[i + 1] for i in run]))
         self.done = last
         for i in [p for p in self._hidden if p < last]:
             del self._hidden[i]
-        out = out[:, -1:]
-        drafts = [mx.argmax(self.parts.head(out)[0, 0])]
-        for _ in range(k - 1):
-            out = self.head(self._embed(drafts[-1]), out, self.cache)
-            drafts.append(mx.argmax(self.parts.head(out)[0, 0]))
+        return embeds, hidden
+
+    def _argmax(self, out: mx.array) -> mx.array:
+        return mx.argmax(self.parts.head(out)[0, 0])
+
+    def _end(self, drafts: list[mx.array], k: int) -> list[int]:
         if k > 1:
             self.cache.trim(k - 1)  # speculative positions: redone with the true hidden states
         return cast(list[int], mx.stack(drafts).tolist())
+
+    def propose(self, k: int) -> list[int]:
+        """On the MLX thread, the head's experts resident: up to `k` drafts for the
+        tokens after the last one."""
+        inputs = self._catch_up() if k >= 1 else None
+        if inputs is None:
+            return []
+        out = self.head(*inputs, self.cache)[:, -1:]
+        drafts = [self._argmax(out)]
+        for _ in range(k - 1):
+            out = self.head(self._embed(drafts[-1]), out, self.cache)
+            drafts.append(self._argmax(out))
+        return self._end(drafts, k)
+
+    async def draft(self, k: int, on_mlx: Callable[..., Awaitable[Any]]) -> list[int]:
+        """`propose`, its MLX work run through `on_mlx`; with streamed experts, each head
+        forward reads its experts between its MLX calls."""
+        if self.experts is None:
+            return cast(list[int], await on_mlx(self.propose, k))
+        inputs = await on_mlx(self._catch_up) if k >= 1 else None
+        if inputs is None:
+            return []
+        embeds, hidden = inputs
+        out = await on_mlx(_last, await self.experts.forward(self.head, embeds, hidden, self.cache, on_mlx))
+        drafts = [await on_mlx(self._argmax, out)]
+        for _ in range(k - 1):
+            embeds = await on_mlx(self._embed, drafts[-1])
+            out = await self.experts.forward(self.head, embeds, out, self.cache, on_mlx)
+            drafts.append(await on_mlx(self._argmax, out))
+        return cast(list[int], await on_mlx(self._end, drafts, k))
+
+
+def _last(out: mx.array) -> mx.array:
+    return out[:, -1:]

@@ -103,8 +103,8 @@ class StreamedModel:
 
     routing: RoutingOverride | None = None  # benchmark-only calibrated routing (bench --routing)
     slice_tokens: int = 1 << 30  # prefill mixers run in slices this long (pipeline/prefill_slices.py)
-    # (cache, final residual stream [1, T, H]) after each forward of one sequence: what
-    # an MTP drafter reads (pipeline/models/mtp_drafter.py); None: nobody.
+    # (cache, final residual stream [rows, T, H]) after each forward: what an MTP drafter
+    # reads (pipeline/models/mtp_drafter.py, fed by pipeline.speculation.HiddenSinks); None: nobody.
     hidden_sink: Callable[[list[Any], mx.array], None] | None = None
 
     def __init__(
@@ -316,7 +316,7 @@ class ForwardStep:
         return out[:, 0] if self.rows else out[0, 0]
 
     def _to_sink(self) -> None:
-        if self.m.hidden_sink is not None and not self.rows:
+        if self.m.hidden_sink is not None:  # a batch's rows too: the sink splits them
             self.m.hidden_sink(self.cache, self.h)
 
     def restore(self, snapshot: list[dict[str, Any]], layers: range) -> None:

@@ -210,19 +210,39 @@ def write_bench_container(
                       mtp)
 
 
-def write_mtp_head(root: Path, dims: ModelDims, bits: int, seed: int) -> int:
-    """`mtp.safetensors` as `pack` makes it of synth's hub MTP tensors (8-bit); its size."""
+def write_mtp_head(root: Path, dims: ModelDims, bits: int, seed: int,
+                   files: dict[str, tuple[int, str]]) -> spec.LayerEntry:
+    """The MTP head as `pack` makes it of synth's hub MTP tensors (8-bit): `mtp.safetensors`
+    and its experts' blobs, added to `files`; the manifest's `mtp_experts` entry."""
     import mlx.core as mx
 
-    from qpack.mtp import MTP_FILE, mtp_arrays
+    from qpack.mtp import (
+        MTP_FILE,
+        blob_checksum,
+        expert_blobs,
+        expert_layout,
+        mtp_arrays,
+        split_experts,
+    )
     from qpack.synth.mtp import mtp_entries
 
     src = WeightSource(seed, dims.num_experts, dims.hidden_size)
     read = {}
     for e in mtp_entries(src, dims, "float32"):
         read[e.name] = mx.array(np.concatenate(list(e.chunks()), axis=0).reshape(e.shape)).astype(mx.bfloat16)
-    mx.save_safetensors(str(root / MTP_FILE), mtp_arrays(read, dims.num_experts, bits))
-    return (root / MTP_FILE).stat().st_size
+    dense, experts = split_experts(mtp_arrays(read, dims.num_experts, bits))
+    mx.save_safetensors(str(root / MTP_FILE), dense)
+    files[MTP_FILE] = ((root / MTP_FILE).stat().st_size, _sha256_file(root / MTP_FILE))
+    fmt, stride = expert_layout(experts)
+    crcs = []
+    with open(root / spec.MTP_EXPERTS_FILE, "wb") as f:
+        for blob in expert_blobs(experts, fmt, stride):
+            crcs.append(blob_checksum(blob, fmt))
+            f.write(blob)
+    path = root / spec.MTP_EXPERTS_FILE
+    files[spec.MTP_EXPERTS_FILE] = (path.stat().st_size, _sha256_file(path))
+    return spec.LayerEntry(dims.num_hidden_layers, spec.MTP_EXPERTS_FILE, dims.num_experts, stride,
+                           fmt, tuple(crcs))
 
 
 def _write(root: Path, dims: ModelDims, bits: int, group_size: int, seed: int,
@@ -246,10 +266,7 @@ def _write(root: Path, dims: ModelDims, bits: int, group_size: int, seed: int,
         files[p.name] = (p.stat().st_size, _sha256_file(p))
     dense_size = write_safetensors(root / spec.DENSE, entries, {"format": "mlx"})
     files[spec.DENSE] = (dense_size, _sha256_file(root / spec.DENSE))
-    if mtp:
-        from qpack.mtp import MTP_FILE
-
-        files[MTP_FILE] = (write_mtp_head(root, dims, bits, seed), _sha256_file(root / MTP_FILE))
+    mtp_experts = write_mtp_head(root, dims, bits, seed, files) if mtp else None
     t_dense = time.perf_counter()
     log.info("bench_container.dense", mb=round(dense_size / 1e6, 1), seconds=round(t_dense - t0, 2))
 
@@ -270,7 +287,7 @@ def _write(root: Path, dims: ModelDims, bits: int, group_size: int, seed: int,
                                        {k: dict(v) for k, v in sorted(overrides.items())}),
         alignment=spec.ALIGNMENT, checksum="crc32", dense_bytes=dense_size, layers=tuple(layers),
         files=tuple(spec.FileEntry(rel, size, sha) for rel, (size, sha) in sorted(files.items())),
-        created_by="moestream bench-container", mtp_layers=1 if mtp else 0,
+        created_by="moestream bench-container", mtp_layers=1 if mtp else 0, mtp_experts=mtp_experts,
     )
     data = json.dumps(json.loads(spec.encode_manifest(manifest)), indent=2, sort_keys=True).encode() + b"\n"
     tmp = root / (spec.MANIFEST + ".tmp")
