@@ -70,9 +70,8 @@ def head_slots(configured: int | None, slots: int, moe_layers: int, num_experts:
     """The MTP head's pool (actors/pool/head_pool.py): `pool.mtp_slots`, else the share of
     its experts that the model's pool holds of the model's (a pool of every expert holds
     every one of the head's too), at least one position's top-k, at most its experts."""
-    if configured is not None:
-        return max(top_k, min(configured, num_experts))
-    share = -(-slots * num_experts // max(moe_layers * num_experts, 1))
+    # The model's pool holds slots / moe_layers of a layer's experts on average: so many.
+    share = configured if configured is not None else -(-slots // max(moe_layers, 1))
     return max(top_k, min(share, num_experts))
 
 
