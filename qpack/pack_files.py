@@ -7,38 +7,20 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
 import msgspec
 
+from qpack.milestones import milestone as _milestone
 from qpack.spec import QpackError
-
-# Tests: "FD:NAME". The packer writes the name of every milestone it passes (one line each)
-# to file descriptor FD and, at milestone NAME, stops until a signal ends it; so a test
-# kills a pack at an exact step instead of racing a running one.
-PAUSE_ENV = "QPACK_TEST_PAUSE"
 
 
 class Done(msgspec.Struct):
     size: int
     sha256: str
     checksums: list[int] = []
-
-
-def _milestone(name: str) -> None:
-    """A step of the pack is on disk: "<step> <file>" (begin, wrote N, renamed, journal-tmp,
-    journal). Free unless PAUSE_ENV is set."""
-    if not (hook := os.environ.get(PAUSE_ENV)):
-        return
-    fd, _, stop_at = hook.partition(":")
-    os.write(int(fd), name.encode() + b"\n")
-    # SIGINT raises KeyboardInterrupt here, as it would mid-write. A test that lets the
-    # pack go on (after filling the disk under it) clears the hook from a signal handler.
-    while name == stop_at and os.environ.get(PAUSE_ENV) == hook:
-        signal.pause()
 
 
 def _fsync_dir(path: Path) -> None:

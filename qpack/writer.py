@@ -37,7 +37,7 @@ from qpack.mtp import (
     split_experts,
 )
 from qpack.output_guard import bytes_under, exclusive_output, require_free_space
-from qpack.pack_files import PAUSE_ENV, Done, _fsync_dir, _guard, _milestone, _Out, _pwrite  # noqa: F401  (PAUSE_ENV: tests)
+from qpack.pack_files import Done, _fsync_dir, _guard, _milestone, _Out, _pwrite
 from qpack.quantize import MODE_DEFAULTS, cast, quantize
 from qpack.safetensors_io import data_offsets, mx_to_bytes
 from qpack.source import SourceCheckpoint, open_source

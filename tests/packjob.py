@@ -2,7 +2,7 @@
 
 `import qpack.writer` costs seconds (MLX, mlx-lm); a fork of a server that preloaded it
 starts a pack in a fraction of one. The packer writes the name of every milestone it
-passes to a pipe (`qpack.writer.PAUSE_ENV`) and stops at the one asked for, so a test
+passes to a pipe (`qpack.milestones.PAUSE_ENV`) and stops at the one asked for, so a test
 sends its signal at an exact step of the pack: no polling of files, no race with a pack
 that runs on. `pack_on_a_full_disk` runs `moestream pack` against a real ENOSPC, on a
 tmpfs that only its forked child sees (tests/private_tmpfs.py).
@@ -23,9 +23,10 @@ import msgspec
 import pytest
 import structlog
 
+from qpack.milestones import PAUSE_ENV
 from qpack.reader import Container, verify_container
 from qpack.spec import QpackError
-from qpack.writer import JOURNAL, PAUSE_ENV, Journal, pack
+from qpack.writer import JOURNAL, Journal, pack
 
 # What the fork server imports once; its children (which import this module to find
 # `_child`) then find all of it loaded.

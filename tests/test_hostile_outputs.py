@@ -9,13 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pipeline.cli import main
+from qpack.milestones import PAUSE_ENV
 from qpack.synth.st_write import TensorEntry, write_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,19 +82,26 @@ def test_a_safetensors_write_that_fails_leaves_no_partial(tmp_path) -> None:
 
 def test_an_interrupted_synth_removes_its_output_so_a_rerun_starts_clean(tmp_path) -> None:
     out = tmp_path / "src"
+    # The synth stops mid-shard (its .partial open, the header written) until a signal
+    # comes: Ctrl-C lands there however loaded the machine, not after a finished synth.
+    r, w = os.pipe()
+    stop_at = "begin model-00002-of-00005.safetensors"
+    env = {**os.environ, PAUSE_ENV: f"{w}:{stop_at}"}
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "synth", "--family", "qwen3_next",
-                             # Many small shards: however late this loaded test sees the
-                             # first one, the synth is still writing when Ctrl-C comes.
-                             "--preset", "demo", "--shard-mb", "8", "-o", str(out)], cwd=REPO,
+                             "--preset", "tiny", "--shard-mb", "1", "-o", str(out)], cwd=REPO,
+                            env=env, pass_fds=(w,),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             # A job started in the background by a shell inherits SIGINT
                             # ignored (and Python then keeps it so): Ctrl-C must reach it.
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    os.close(w)
     try:
-        deadline = time.monotonic() + 60
-        while not any(out.glob("*.partial")) and proc.poll() is None:
-            assert time.monotonic() < deadline, "synth never started writing"
-            time.sleep(0.02)
+        with os.fdopen(r) as steps:  # the synth's steps, up to the one it stops at
+            seen = []
+            while (step := steps.readline().strip()) != stop_at:
+                assert step, f"the synth ended before {stop_at!r}: {seen}"
+                seen.append(step)
+        assert (out / "model-00002-of-00005.safetensors.partial").exists()
         proc.send_signal(signal.SIGINT)  # Ctrl-C mid-shard
         _, err = proc.communicate(timeout=60)
     finally:
@@ -102,3 +109,4 @@ def test_an_interrupted_synth_removes_its_output_so_a_rerun_starts_clean(tmp_pat
             proc.kill()
     assert proc.returncode == 130, err[-2000:]
     assert not out.exists(), sorted(os.listdir(out))
+

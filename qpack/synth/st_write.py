@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from qpack.milestones import milestone
 from qpack.safetensors_io import header_bytes
 
 # safetensors dtype tag -> bytes per element
@@ -94,6 +95,7 @@ def _write_entries(tmp: Path, path: Path, entries: Sequence[TensorEntry],
     with open(tmp, "wb") as f:
         # Unsorted: the JSON lists the tensors in file order, as synth has always written it.
         f.write(header_bytes(_check_dtypes(entries), metadata, sort_keys=False))
+        milestone(f"begin {path.name}")
         for e in entries:
             written = 0
             for chunk in e.chunks():
