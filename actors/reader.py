@@ -121,9 +121,11 @@ class ExpertReader:
         stage: Callable[[list[np.ndarray]], list[Any]] | None = None,
         switch_interval_s: float | None = SWITCH_INTERVAL_S,
         stride: int | None = None,
+        register: Callable[[np.ndarray], object] | None = None,
     ) -> None:
         """`stride`: the largest blob its buffers must hold (default: the model's layers';
-        more when it also reads the MTP head's experts)."""
+        more when it also reads the MTP head's experts). `register`: called on every
+        staging buffer once (the direct copy path page-locks them)."""
         self.switch_interval_s = switch_interval_s
         # Run on finished reads off the MLX thread: the host->device copy of their blobs,
         # several at once (one result per blob, in order).
@@ -140,6 +142,9 @@ class ExpertReader:
         count = buffers if buffers is not None else max(4 * concurrency, 16)
         # Page-aligned, so the same buffers serve O_DIRECT reads.
         self._free: list[np.ndarray] = [aligned_empty(stride) for _ in range(count)]
+        if register is not None:
+            for buffer in self._free:
+                register(buffer)
         self._demand: deque[Load] = deque()
         self._prefetch: deque[Load] = deque()
         # Guards the queues and the free buffers: trio submits, disk threads take.

@@ -53,6 +53,7 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     readers: int  # reads in flight at once
     o_direct: bool
     strategy: str  # the prefetch strategy's name ("none" for the serial streamer)
+    device_copy: str = "host"  # how blobs reach the pool: host, direct, load, prefetch
 
 
 @dataclass(eq=False)

@@ -23,6 +23,7 @@ import trio
 
 from actors.compute import Compute
 from actors.compute_task import ComputeTask
+from actors.cuda_direct import pin
 from actors.cuda_prefetch import usable as prefetch_usable
 from actors.decode_batch import DecodeBatch
 from actors.mlx_worker import MlxWorker
@@ -41,6 +42,8 @@ from pipeline.config.schema import PipelineConfig
 from pipeline.engine_core import EngineCore, ModelFacts
 from pipeline.engine_parts import (
     cached_tokenizer,
+    device_copy_name,
+    direct_probe,
     guarded,
     installer,
     reader_concurrency,
@@ -154,7 +157,9 @@ async def open_core(
         storage = await worker.run(PoolStorage, layout, slots)
         mtp_storage = await worker.run(PoolStorage, mtp_layout, mtp_slots) if mtp_layout else None
         stage_in_threads = await staging_probe(config.reader.stage_in_threads, worker)
-        if stage_in_threads and config.reader.device_copy == "prefetch":
+        if await direct_probe(config.reader.device_copy, worker, storage, mtp_storage):
+            stage_in_threads = False  # installs copy from the staging buffers themselves
+        elif stage_in_threads and config.reader.device_copy == "prefetch":
             storage.prefetch_copy = await MlxWorker.staging(0).run(prefetch_usable)
         model = (stage.model if stage else StreamedModel)(
             dense, fmt, storage.arrays, dtype, views=storage.view)
@@ -224,6 +229,7 @@ def _start_actors(
         retries=config.reader.retries,
         retry_backoff_s=config.reader.retry_backoff_ms / 1000,
         stage=storage.stage if stage_in_threads else None,
+        register=pin if storage.direct is not None else None,
         switch_interval_s=config.reader.switch_interval_ms / 1000 or None,
         stride=stride,
     )
@@ -285,7 +291,7 @@ def _start_actors(
         readers=reader.concurrency,
         max_batch=core.max_batch,
         stage_in_threads=stage_in_threads,
-        device_copy="prefetch" if storage.prefetch_copy else "load",
+        device_copy=device_copy_name(storage),
         seconds=round(time.perf_counter() - started, 2),
     )
     return core
@@ -327,6 +333,7 @@ def _core(config: PipelineConfig, container: Container, worker: MlxWorker,
             router.table.num_slots, manifest.num_experts, manifest.top_k),
         readers=router.reader.concurrency,
         o_direct=container.o_direct,
+        device_copy=device_copy_name(storage),
         strategy=strategy,
     )
     batch = DecodeBatch(compute, model.batch_caches(), lock)

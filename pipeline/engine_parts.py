@@ -33,18 +33,53 @@ def detokenizer(tokenizer: Any) -> Any:
 
 
 def installer(worker: MlxWorker, storage: PoolStorage) -> Callable[[list[Any]], Awaitable[None]]:
-    """How finished reads enter the pool: a memcpy on the CPU, an MLX scatter elsewhere."""
+    """How finished reads enter the pool: a memcpy on the CPU, DMA from the staging
+    buffers where the direct path was probed (actors/cuda_direct.py), else an MLX scatter."""
     if storage.host_bytes is not None:
 
         async def write(items: list[Any]) -> None:
             storage.write(items)
 
         return write
+    if storage.direct is not None:
+
+        async def dma(items: list[Any]) -> None:
+            await worker.run(storage.install_direct, items)
+
+        return dma
 
     async def install(items: list[Any]) -> None:
         await worker.run(storage.install, items)
 
     return install
+
+
+async def direct_probe(setting: str, worker: MlxWorker, *storages: PoolStorage | None) -> bool:
+    """Whether installs DMA straight from the staging buffers ("auto" and "direct": where the
+    probe passes; each storage given gets its writer). False leaves every storage as it was."""
+    from actors.cuda_direct import probe
+    from actors.pool.direct_install import direct_ok
+
+    if setting not in ("auto", "direct"):
+        return False
+    pools = [s for s in storages if s is not None]
+    if not pools or not direct_ok(pools[0].layout):
+        return False
+    writers = [await worker.run(probe, s.arrays) if direct_ok(s.layout) else None for s in pools]
+    if writers[0] is None:
+        if setting == "direct":
+            log.warning("engine.direct_copy_unavailable", fallback="load")
+        return False
+    for storage, writer in zip(pools, writers, strict=True):
+        storage.direct = writer
+    return True
+
+
+def device_copy_name(storage: PoolStorage) -> str:
+    """The copy path this engine's installs took, for its open event and the bench."""
+    if storage.host_bytes is not None:
+        return "host"
+    return "direct" if storage.direct is not None else "prefetch" if storage.prefetch_copy else "load"
 
 
 async def staging_probe(setting: str, worker: MlxWorker) -> bool:

@@ -14,15 +14,19 @@ import ctypes
 import ctypes.util
 import os
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 import numpy as np
 
 from actors.device_staging import to_device_many, to_device_prefetched
 from actors.libc import glibc
+from actors.pool.direct_install import direct_copies
 from actors.pool.layout import PoolLayout
 from qpack.spec import ExpertFormat, QpackError, TensorSpec
+
+if TYPE_CHECKING:
+    from actors.cuda_direct import DirectWriter
 
 _MX_DTYPES = {
     "uint32": mx.uint32,
@@ -85,8 +89,10 @@ class PoolStorage:
         self.fmt = self.layout.formats[next(iter(self.layout.formats))]  # the uniform case's format
         self.num_slots = num_slots
         self.layer_of: Callable[[int], int | None] | None = None
-        # How a reader's staging thread moves blobs to the GPU (`reader.device_copy`).
+        # How a reader's staging thread moves blobs to the GPU (`reader.device_copy`), or
+        # (`direct`) how installs write the staging buffers into the slots by DMA.
         self.prefetch_copy = False
+        self.direct: DirectWriter | None = None
         check_allocatable(self.layout.slot_nbytes * num_slots)
         self.arrays: dict[str, mx.array] = {
             name: mx.zeros((num_slots, *shape), dtype=_MX_DTYPES[dtype])
@@ -168,6 +174,12 @@ class PoolStorage:
             fmt, names = self._layer_format(slot)
             for t in fmt.tensors:
                 self._copy_in(names[t.name], slot, t, blob[t.offset : t.offset + t.nbytes])
+
+    def install_direct(self, items: Sequence[tuple[int, np.ndarray]]) -> None:
+        """GPU installs by DMA from the (pinned) staging buffers, on the MLX thread
+        (actors/cuda_direct.py says why that is safe)."""
+        assert self.direct is not None, "install_direct needs a probed DirectWriter"
+        self.direct.write(direct_copies(self.layout, self.direct.base, items, self._layer_format))
 
     def install(self, items: Sequence[tuple[int, np.ndarray | mx.array]]) -> None:
         """Copy expert blobs (uint8, at least fmt.nbytes; numpy or staged) into their slots.

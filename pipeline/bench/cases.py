@@ -106,7 +106,7 @@ async def measure_engine(case: Case) -> Result:
             slots=facts.slots, readers=facts.readers,
             strategy=_strategy_label(cfg.prefetch) if cfg.compute.overlap else "none",
             eviction=cfg.pool.eviction, overlap=cfg.compute.overlap,
-            o_direct=facts.o_direct, hit_rate=s.hit_rate,
+            o_direct=facts.o_direct, device_copy=facts.device_copy, hit_rate=s.hit_rate,
             decode_hit_rate=decode.hit_rate,
             bytes_read_per_token=s.bytes_read_per_token,
             decode_bytes_per_token=decode.bytes_read / decoded if decoded else 0.0,

@@ -59,6 +59,7 @@ class Result(msgspec.Struct, kw_only=True):
     eviction: str = ""
     overlap: bool = True
     o_direct: bool = False
+    device_copy: str = ""  # how blobs reached the pool (host, direct, load, prefetch)
     hit_rate: float = 0.0
     decode_hit_rate: float = 0.0
     bytes_read_per_token: float = 0.0

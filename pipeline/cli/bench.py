@@ -195,9 +195,10 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="expert reads in flight: a number or auto (the queue depth measured at start; default)")
     p.add_argument("--demand-lane", type=int, default=1,
                    help="disk threads beside --readers that take demand reads only (default 1)")
-    p.add_argument("--device-copy", choices=("load", "prefetch"), default="load",
-                   help="how staged blobs reach GPU memory: MLX's Load (pageable copy) or managed "
-                        "memory prefetched by the driver (default load)")
+    p.add_argument("--device-copy", choices=("auto", "direct", "load", "prefetch"), default="auto",
+                   help="how blobs reach GPU memory: DMA from pinned staging buffers (direct), MLX's "
+                        "Load (pageable copy), managed memory prefetched by the driver; auto: direct "
+                        "where its probe passes, else load (default auto)")
     p.add_argument("--prefetch-yields", choices=("on", "off"), default="on",
                    help="no prediction starts while a demand read runs (default on)")
     p.add_argument("--strategy", default="next-gate",

@@ -144,10 +144,11 @@ class ReaderConfig(_Section, frozen=True):
     # Copy each blob into MLX memory in the reader's own thread rather than on the MLX
     # thread. "auto": on GPUs (where that copy is slower than the disk), if MLX allows it.
     stage_in_threads: Literal["auto", "on", "off"] = "auto"
-    # How a staged blob reaches GPU memory: "load", MLX's Load (a pageable copy through the
-    # driver, beside the compute's launches); "prefetch", managed memory moved in bulk by
-    # the driver (actors/cuda_prefetch.py; CUDA only, else "load").
-    device_copy: Literal["load", "prefetch"] = "load"
+    # How a blob reaches GPU memory: "direct", DMA from page-locked staging buffers into
+    # the pool's rows (actors/cuda_direct.py; CUDA, where its probe passes); "load", MLX's
+    # Load (a pageable copy) then an MLX scatter; "prefetch", managed memory moved in bulk
+    # by the driver (actors/cuda_prefetch.py). "auto": direct where it can, else load.
+    device_copy: Literal["auto", "direct", "load", "prefetch"] = "auto"
 
 
 class PrefetchConfig(_Section, frozen=True):
