@@ -82,6 +82,13 @@ class DirectWriter:
         check(cu.cuStreamSynchronize(s), "cuStreamSynchronize")
 
 
+def _last_row_sum(array: mx.array) -> int:
+    # Taken from the whole array each time, by a gather as the forward's reads are: an
+    # evaluated slice kept from before the write may hold a copy of the old bytes.
+    row = mx.take(array, mx.array([array.shape[0] - 1]), axis=0)
+    return to_int(row.reshape(-1).view(mx.uint8).astype(mx.int64).sum())
+
+
 def probe(arrays: Mapping[str, mx.array]) -> DirectWriter | None:
     """A writer for these arrays if a DMA into them is seen by MLX's kernels here (on the
     MLX thread, before any install); None elsewhere. The probed row is zeroed again."""
@@ -90,18 +97,15 @@ def probe(arrays: Mapping[str, mx.array]) -> DirectWriter | None:
     try:
         writer = DirectWriter(arrays)
         for name, array in arrays.items():
-            row = array[-1]
-            n = row.nbytes
-            pattern = np.frombuffer(np.random.default_rng(n).bytes(n), dtype=np.uint8)
+            n = array.nbytes // array.shape[0]
+            pattern = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
             pin(pattern)
             last = writer.base[name] + (array.shape[0] - 1) * n
             writer.write([(last, pattern.ctypes.data, n)])
-            seen = to_int(row.reshape(-1).view(mx.uint8).astype(mx.int64).sum())
-            zeros = np.zeros(n, dtype=np.uint8)
+            seen = _last_row_sum(array)
+            zeros = np.zeros(n, dtype=np.uint8)  # held: the copy reads it after this line
             writer.write([(last, zeros.ctypes.data, n)])
-            if seen != int(pattern.astype(np.int64).sum()):
-                return None
-            if to_int(row.reshape(-1).view(mx.uint8).astype(mx.int64).sum()) != 0:
+            if seen != int(pattern.astype(np.int64).sum()) or _last_row_sum(array) != 0:
                 return None
         return writer
     except (CudaDriverError, AttributeError, ValueError, TypeError, RuntimeError):

@@ -56,6 +56,6 @@ case $step in
   big)  # issue 31 / 25: the 80B at full dimensions, direct
     rm -rf "$DATA/c35.qpack"
     $B bench-container --preset qwen3-next-80b-a3b -o "$DATA/c80.qpack" 2>&1 | tail -2
-    bench 330 c80 c80 "${cold[@]}" --cases default,io --readers 8 ;;
+    bench 330 c80 c80 "${cold[@]}" --cases default,io ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
