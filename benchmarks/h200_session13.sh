@@ -53,6 +53,14 @@ case $step in
   spec)  # issue 24: speculation with every expert pooled, and cold calibrated
     bench 260 c35-warm-spec c35 "${cold[@]}" --cases warm-all,resident,warm-spec-k2-a0.8,warm-spec-k3-a0.8,warm-spec-auto-a0.8
     bench 220 c35-cold-spec c35 "${cold[@]}" --cases default,spec-k2-a0.8,spec-k3-a0.8,spec-auto-a0.8 --routing calibrated-gate ;;
+  final)  # the last lease's one call (kernels compile in the first bench, ~140 s)
+    rm -rf "$DATA/c35.qpack"; $B bench-container --preset qwen3.6-35b-a3b -o "$DATA/c35.qpack" 2>&1 | tail -1
+    bench 230 c35-direct c35 "${cold[@]}" --cases default,io --device-copy direct
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    bench 50 c35-fast-direct c35 --pool-mb 1024 --warm --max-tokens 32 --cases default,io --device-copy direct
+    bench 40 c35-cal-direct c35 "${cold[@]}" --cases default,io --routing calibrated-gate --device-copy direct
+    bench 30 c35-load c35 "${cold[@]}" --cases default --device-copy load
+    tokens c35-direct c35-load ;;
   big)  # issue 31 / 25: the 80B at full dimensions, direct
     rm -rf "$DATA/c35.qpack"
     $B bench-container --preset qwen3-next-80b-a3b -o "$DATA/c80.qpack" 2>&1 | tail -2
