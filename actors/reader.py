@@ -34,7 +34,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,6 +44,7 @@ from actors import timeline
 from actors.disk_meter import DiskMeter
 from actors.mlx_worker import MlxWorker
 from actors.pool.eviction import ExpertKey
+from actors.read_load import ExpertReadError, Load, ReaderStats
 from actors.switch_interval import SWITCH_INTERVAL_S, shortened
 from qpack.reader import Container, aligned_empty
 
@@ -54,57 +54,6 @@ log = structlog.get_logger("moestream.reader")
 MAX_STAGERS = 4
 # Blobs one staging thread copies to the device in one go (what it found queued).
 MAX_STAGE_BATCH = 16
-
-
-class ExpertReadError(RuntimeError):
-    """An expert could not be read after the configured retries; `key` is (layer, expert)
-    and the failed attempt's error is the `__cause__` (what kind of damage it was)."""
-
-    def __init__(self, message: str, key: ExpertKey | None = None) -> None:
-        super().__init__(message)
-        self.key = key
-
-
-@dataclass(eq=False)
-class Load:
-    key: ExpertKey
-    demand: bool
-    done: trio.Event = field(default_factory=trio.Event)
-    buffer: np.ndarray | None = None
-    staged: Any = None  # what `stage` made of the buffer, on a staging thread
-    error: BaseException | None = None
-    started: bool = False
-    predicted: bool = False  # submitted as a prefetch (whatever it became later)
-    read_as_demand: bool = False  # a demand when its read started (predictions yield to it)
-    # perf_counter times: submitted, pread started, pread ended, finished (checked/staged).
-    t_submit: float = 0.0
-    t_start: float = 0.0
-    t_read: float = 0.0
-    t_done: float = 0.0
-    check_s: float = 0.0
-    stage_s: float = 0.0
-
-    @property
-    def seconds(self) -> float:
-        return self.t_done - self.t_start if self.t_done else 0.0
-
-
-@dataclass
-class ReaderStats:
-    reads: int = 0
-    demand_reads: int = 0
-    prefetch_reads: int = 0
-    bytes_read: int = 0
-    retries: int = 0
-    failures: int = 0
-    read_seconds: float = 0.0  # pread started -> blob ready (checked, staged)
-    # Where a read's time goes: waiting for a disk thread, the pread itself, waiting
-    # for a staging thread, the crc32, the copy into device memory.
-    queue_seconds: float = 0.0
-    pread_seconds: float = 0.0
-    finish_wait_seconds: float = 0.0
-    check_seconds: float = 0.0
-    stage_seconds: float = 0.0
 
 
 class ExpertReader:
