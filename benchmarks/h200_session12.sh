@@ -5,17 +5,7 @@
 # Containers live in $DATA on the device's disk (35B 19.5 GB and 80B ~44 GB do not fit
 # together). Results: $OUT/*.json and $OUT/STEP.log.
 set -uo pipefail
-DATA=${DATA:-/tmp/bench-data}; OUT=${OUT:-$PWD/bench-out}
-mkdir -p "$DATA" "$OUT"
-export PYTHONUNBUFFERED=1 MLX_PTX_CACHE_DIR=$DATA/ptx-cache
-B="python3 benchmarks/moestream_bench.py"
-cold=(--pool-mb 1024 --o-direct --max-tokens 24)
-bench() {  # bench LIMIT_S NAME CONTAINER ARGS...
-  local limit=$1 name=$2 c=$3; shift 3
-  echo "== $(date -u +%T) $name: $*"
-  timeout "$limit" $B bench "$DATA/$c.qpack" --json "$OUT/$name.json" "$@" 2>&1 | tail -"${TAIL:-16}"
-  echo "== $(date -u +%T) $name rc ${PIPESTATUS[0]}"
-}
+. "$(dirname "$0")/h200_lib.sh"
 step=$1
 {
 case $step in

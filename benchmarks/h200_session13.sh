@@ -7,17 +7,7 @@
 # "load" (MLX's Load + scatter), side by side in one lease, on every issue-31 case.
 # Containers live in $DATA on the device's disk. Results: $OUT/*.json and $OUT/STEP.log.
 set -uo pipefail
-DATA=${DATA:-/tmp/bench-data}; OUT=${OUT:-$PWD/bench-out}
-mkdir -p "$DATA" "$OUT"
-export PYTHONUNBUFFERED=1 MLX_PTX_CACHE_DIR=$DATA/ptx-cache
-B="python3 benchmarks/moestream_bench.py"
-cold=(--pool-mb 1024 --o-direct --max-tokens 24)
-bench() {  # bench LIMIT_S NAME CONTAINER ARGS...
-  local limit=$1 name=$2 c=$3; shift 3
-  echo "== $(date -u +%T) $name: $*"
-  timeout "$limit" $B bench "$DATA/$c.qpack" --json "$OUT/$name.json" "$@" 2>&1 | tail -"${TAIL:-14}"
-  echo "== $(date -u +%T) $name rc ${PIPESTATUS[0]}"
-}
+. "$(dirname "$0")/h200_lib.sh"
 tokens() {  # the default case's tokens of two runs: the same, bit for bit?
   python3 - "$OUT/$1.json" "$OUT/$2.json" <<'PY'
 import json, sys
@@ -30,7 +20,8 @@ PY
 step=$1
 {
 case $step in
-  setup)  # the 35B container; exactness of direct vs load on a tiny model meanwhile
+  setup)  # the 35B container; exactness of direct vs load on a tiny model meanwhile (on a
+          # fresh machine its kernel compiles outlast 200 s: session 13 never saw it finish)
     nvidia-smi -L; df -h /tmp | tail -1
     (rm -rf "$DATA/c35.qpack"; $B bench-container --preset qwen3.6-35b-a3b -o "$DATA/c35.qpack" 2>&1 | tail -2) &
     timeout 200 python3 benchmarks/direct_exact_check.py --dir "$DATA/exact" 2>&1 | tail -1 | tee "$OUT/exact.json"
