@@ -175,7 +175,8 @@ async def batch_of_two_greedy(qpack: Path, ref: Any) -> tuple[list[list[int]], l
 
 
 def assert_close_to_transformers(src: Path, qpack: Path, class_name: str, tol: float = 1e-4) -> None:
-    """Every position's logits within `tol` of transformers' PyTorch model in fp32."""
+    """Every position's logits within `tol` of transformers' PyTorch model in fp32, which
+    loaded every tensor of the checkpoint and missed none."""
     import numpy as np
     import pytest
 
@@ -185,7 +186,11 @@ def assert_close_to_transformers(src: Path, qpack: Path, class_name: str, tol: f
     ours = DirectForward(qpack)
     got = np.array(ours.forward(PROMPT, ours.make_cache())[0])
     ours.close()
-    model = getattr(transformers, class_name).from_pretrained(src, dtype=torch.float32).eval()
+    model, loading = getattr(transformers, class_name).from_pretrained(src, dtype=torch.float32,
+                                                                       output_loading_info=True)
+    # The checkpoint's tensor names and shapes are transformers' own, key by key.
+    assert not any(loading[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), loading
+    model.eval()
     with torch.no_grad():
         want = model(input_ids=torch.tensor([PROMPT]), use_cache=False).logits[0].numpy()
     assert got.shape == want.shape
