@@ -67,7 +67,9 @@ def _interpolate(rows: list[AdviceRow], target: float) -> int | None:
 
 
 def pool_advice(moe_layers: int, num_experts: int, top_k: int, stride: int,
-                eviction: str = "reuse", seed: int = 0) -> PoolAdvice:
+                eviction: str = "reuse", seed: int = 0, borrowed_for: str | None = None) -> PoolAdvice:
+    """`borrowed_for`: the container's model type when its routers have no published
+    statistics (the note says whose fitted parameters replayed it)."""
     from pipeline.replay import simulate
 
     family = family_for(num_experts, top_k)
@@ -92,7 +94,9 @@ def pool_advice(moe_layers: int, num_experts: int, top_k: int, stride: int,
         family=family, eviction=eviction, rows=rows,
         pool_mb_for_hits={f"{t:.0%}": _interpolate(rows, t) for t in TARGETS},
         note=(f"decode hit rates replayed on calibrated routing ({family} parameters, fitted "
-              f"to published traces of trained routers; docs/routing.md): 2 requests "
+              f"to published traces of trained routers; docs/routing.md"
+              + (f"; borrowed: no published routing statistics for {borrowed_for}" if borrowed_for else "")
+              + f"): 2 requests "
               f"x {TOKENS} tokens in 2 domains, {layers} layers, eviction {eviction}, with the "
               "emulated next-gate (default) and without prefetch; the first replayed layer is "
               "never predicted (as the engine's first MoE layer), so with few layers the "
