@@ -105,5 +105,33 @@ def test_deepseek_parallel_calls_share_one_block(containers):
 
 
 def test_an_unknown_style_is_one_line():
-    with pytest.raises(ValueError, match="unknown tool-call style 'yaml'; one of json, xml, kv, sep, harmony"):
+    with pytest.raises(ValueError, match="unknown tool-call style 'yaml'; one of json, xml, kv, sep, sep-fenced, harmony"):
         call_grammar.tool_grammar(TOOLS, parallel=False, style="yaml")
+
+
+# DeepSeek-V3-0324 / R1's template writes a call as `type<｜tool▁sep｜>name` and the
+# arguments (JSON text) in a ```json fence, calls apart by a newline (their released
+# template, cut to its tool-call lines).
+FENCED_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}{% elif m.tool_calls %}"
+    "<｜Assistant｜><｜tool▁calls▁begin｜>{% for t in m.tool_calls %}{% if not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<｜tool▁call▁begin｜>' + t.type + '<｜tool▁sep｜>' + t.function.name + '\\n```json\\n' + t.function.arguments"
+    " + '\\n```<｜tool▁call▁end｜>' }}{% endfor %}<｜tool▁calls▁end｜><｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}")
+
+
+def test_deepseek_r1_fenced_calls_are_forced_as_its_template_writes_them(containers):
+    import copy
+
+    root = containers("deepseek_v3")
+    tok = copy.copy(cached_tokenizer(root))
+    tok.chat_template = FENCED_TEMPLATE
+    assert call_grammar.call_style(tok) == "sep-fenced"
+    one = '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city":"Paris","days":2,"unit":"celsius"}\n```<｜tool▁call▁end｜>'
+    written = "<｜tool▁calls▁begin｜>" + one + "\n" + one + "<｜tool▁calls▁end｜>"
+    constraint = _constraint(root, tok, "sep-fenced", parallel=True)
+    for t in tok.encode(written, add_special_tokens=False):
+        assert constraint.allowed()[t], tok.decode([t])
+        constraint.advance(t)
+    assert constraint.matcher.is_accepting()
+    assert parse_streamed(root, written, in_reasoning=False)[2] == [("get_weather", CALL)] * 2

@@ -14,6 +14,8 @@ grammar writes exactly that markup, the arguments constrained to the tool's sche
   </tool_call>`
 - sep (DeepSeek-V3.1): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}
   <｜tool▁call▁end｜><｜tool▁calls▁end｜>`
+- sep-fenced (DeepSeek-V3 / V3-0324 / R1): the same block, each call `function<｜tool▁sep｜>NAME
+  \n```json\n{...}\n```` and the calls apart by a newline
 - harmony (gpt-oss): `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>
   {...}<|call|>` (one call: `<|call|>` ends the turn, so parallel calls do not exist)
 
@@ -32,7 +34,7 @@ from typing import Any
 from pipeline.server.grammar import closed, compact_json
 
 Tool = tuple[str, dict[str, Any] | None]  # (name, parameters schema)
-STYLES = ("json", "xml", "kv", "sep", "harmony")
+STYLES = ("json", "xml", "kv", "sep", "sep-fenced", "harmony")
 NEWLINE = "\n"
 _PROBE_NAME, _PROBE_KEY = "probe_call", "probe_key"
 _PROBE_TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {"name": _PROBE_NAME, "description": "probe", "parameters": {
@@ -41,7 +43,7 @@ _PROBE: list[dict[str, Any]] = [{"role": "user", "content": "probe"},
           {"role": "assistant", "content": "", "tool_calls": [{"id": "call_probe", "type": "function", "function": {
               "name": _PROBE_NAME, "arguments": {_PROBE_KEY: "probe_value"}}}]}]
 # Markers of each style in a rendered call, most specific first (json is what is left).
-_MARKERS = (("sep", "<｜tool▁sep｜>"), ("harmony", f"to=functions.{_PROBE_NAME}"),
+_MARKERS = (("sep-fenced", f"function<｜tool▁sep｜>{_PROBE_NAME}"), ("sep", "<｜tool▁sep｜>"), ("harmony", f"to=functions.{_PROBE_NAME}"),
             ("kv", f"<arg_key>{_PROBE_KEY}</arg_key>"), ("xml", f"<function={_PROBE_NAME}>"))
 _STYLES: dict[tuple[int, str], str] = {}
 
@@ -125,6 +127,9 @@ def _call(style: str, name: str, params: dict[str, Any] | None) -> str:
         return f'<tool_call> {_lit(name)} "\\n" {_arguments(params, pair)} </tool_call>'
     if style == "sep":
         return f"<｜tool▁call▁begin｜> {_lit(name)} <｜tool▁sep｜> {_json_args(params)} <｜tool▁call▁end｜>"
+    if style == "sep-fenced":
+        return (f'<｜tool▁call▁begin｜> "function" <｜tool▁sep｜> {_lit(name + chr(10) + "```json" + chr(10))} '
+                f'{_json_args(params)} "\\n```" <｜tool▁call▁end｜>')
     if style == "harmony":
         return (f'<|channel|> {_lit(f"commentary to=functions.{name} ")} <|constrain|> "json" <|message|> '
                 f"{_json_args(params)} <|call|>")
@@ -140,8 +145,9 @@ def tool_grammar(tools: Sequence[Tool], parallel: bool, style: str = "json") -> 
     else:
         rules = ["call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
                  *(f"call_{i}: {_call(style, name, params)}" for i, (name, params) in enumerate(tools))]
-    if style == "sep":  # the calls sit in one <｜tool▁calls▁begin｜> block
-        start = "start: <｜tool▁calls▁begin｜> call" + (" call*" if parallel else "") + " <｜tool▁calls▁end｜>"
+    if style in ("sep", "sep-fenced"):  # the calls sit in one <｜tool▁calls▁begin｜> block
+        more = (' ("\\n" call)*' if style == "sep-fenced" else " call*") if parallel else ""
+        start = "start: <｜tool▁calls▁begin｜> call" + more + " <｜tool▁calls▁end｜>"
     elif style == "harmony":
         start = "start: call"
     elif style == "kv":  # after GLM's `<think></think>` the template puts a newline
