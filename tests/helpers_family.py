@@ -276,6 +276,19 @@ async def forced_calls(client: Any, port: int) -> None:
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather"
     check(json.loads(call.function.arguments))
+    # Streamed, the same call arrives in deltas (the prompt now comes from the prefix cache).
+    stream = await client.chat.completions.create(
+        model="tiny", messages=USER, tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False, max_tokens=48, temperature=0, stream=True)
+    names, arguments, finish = [], "", None
+    async for chunk in stream:
+        delta = chunk.choices[0].delta if chunk.choices else None
+        for d in (delta.tool_calls or []) if delta else []:
+            names += [d.function.name] if d.function and d.function.name else []
+            arguments += d.function.arguments or "" if d.function else ""
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    assert names == ["get_weather"] and json.loads(arguments) == json.loads(call.function.arguments)
+    assert finish == "tool_calls"
     claude = anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{port}", api_key="unused", max_retries=0)
     used = await claude.messages.create(
         model="tiny", max_tokens=48, messages=USER, extra_body={"temperature": 0},
