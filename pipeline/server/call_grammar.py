@@ -37,14 +37,17 @@ Tool = tuple[str, dict[str, Any] | None]  # (name, parameters schema)
 STYLES = ("json", "xml", "kv", "sep", "sep-fenced", "harmony")
 NEWLINE = "\n"
 _PROBE_NAME, _PROBE_KEY = "probe_call", "probe_key"
-_PROBE_TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {"name": _PROBE_NAME, "description": "probe", "parameters": {
-    "type": "object", "properties": {_PROBE_KEY: {"type": "string"}}, "required": [_PROBE_KEY]}}}]
-_PROBE: list[dict[str, Any]] = [{"role": "user", "content": "probe"},
-          {"role": "assistant", "content": "", "tool_calls": [{"id": "call_probe", "type": "function", "function": {
-              "name": _PROBE_NAME, "arguments": {_PROBE_KEY: "probe_value"}}}]}]
+_PROBE_TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {
+    "name": _PROBE_NAME, "description": "probe",
+    "parameters": {"type": "object", "properties": {_PROBE_KEY: {"type": "string"}}, "required": [_PROBE_KEY]}}}]
+_PROBE: list[dict[str, Any]] = [
+    {"role": "user", "content": "probe"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_probe", "type": "function", "function": {
+        "name": _PROBE_NAME, "arguments": {_PROBE_KEY: "probe_value"}}}]}]
 # Markers of each style in a rendered call, most specific first (json is what is left).
-_MARKERS = (("sep-fenced", f"function<｜tool▁sep｜>{_PROBE_NAME}"), ("sep", "<｜tool▁sep｜>"), ("harmony", f"to=functions.{_PROBE_NAME}"),
-            ("kv", f"<arg_key>{_PROBE_KEY}</arg_key>"), ("xml", f"<function={_PROBE_NAME}>"))
+_MARKERS = (("sep-fenced", f"function<｜tool▁sep｜>{_PROBE_NAME}"), ("sep", "<｜tool▁sep｜>"),
+            ("harmony", f"to=functions.{_PROBE_NAME}"), ("kv", f"<arg_key>{_PROBE_KEY}</arg_key>"),
+            ("xml", f"<function={_PROBE_NAME}>"))
 _STYLES: dict[tuple[int, str], str] = {}
 
 
@@ -128,7 +131,7 @@ def _call(style: str, name: str, params: dict[str, Any] | None) -> str:
     if style == "sep":
         return f"<｜tool▁call▁begin｜> {_lit(name)} <｜tool▁sep｜> {_json_args(params)} <｜tool▁call▁end｜>"
     if style == "sep-fenced":
-        return (f'<｜tool▁call▁begin｜> "function" <｜tool▁sep｜> {_lit(name + chr(10) + "```json" + chr(10))} '
+        return (f'<｜tool▁call▁begin｜> "function" <｜tool▁sep｜> {_lit(name + NEWLINE + "```json" + NEWLINE)} '
                 f'{_json_args(params)} "\\n```" <｜tool▁call▁end｜>')
     if style == "harmony":
         return (f'<|channel|> {_lit(f"commentary to=functions.{name} ")} <|constrain|> "json" <|message|> '
