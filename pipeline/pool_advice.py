@@ -44,6 +44,7 @@ class PoolAdvice(msgspec.Struct, frozen=True):
     rows: list[AdviceRow]
     pool_mb_for_hits: dict[str, int | None]  # "50%" -> smallest pool MiB reaching it (None: above the rows)
     note: str
+    borrowed_for: str | None = None  # the model type whose routers have no published statistics
 
 
 def _slot_options(num_experts: int, top_k: int, one_gib: int) -> list[int]:
@@ -91,7 +92,7 @@ def pool_advice(moe_layers: int, num_experts: int, top_k: int, stride: int,
             one_gib=slots == one_gib,
         ))
     return PoolAdvice(
-        family=family, eviction=eviction, rows=rows,
+        family=family, eviction=eviction, rows=rows, borrowed_for=borrowed_for,
         pool_mb_for_hits={f"{t:.0%}": _interpolate(rows, t) for t in TARGETS},
         note=(f"decode hit rates replayed on calibrated routing ({family} parameters, fitted "
               f"to published traces of trained routers; docs/routing.md"

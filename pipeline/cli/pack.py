@@ -246,8 +246,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     ]
     if "pool_advice" in info:
         a = info["pool_advice"]
+        borrowed = (f", borrowed: no published routing statistics for {a['borrowed_for']}"
+                    if a.get("borrowed_for") else "")
         rows.append((f"pool advice ({a['eviction']})", "expected decode hits on trained-like routing "
-                     f"(calibrated model, {a['family']} parameters; a replay, not a measurement)"))
+                     f"(calibrated model, {a['family']} parameters{borrowed}; a replay, not a measurement)"))
         rows += _advice_rows(a)
     if "memory_budget" in info:
         b = info["memory_budget"]
