@@ -44,6 +44,7 @@ class PoolAdvice(msgspec.Struct, frozen=True):
     rows: list[AdviceRow]
     pool_mb_for_hits: dict[str, int | None]  # "50%" -> smallest pool MiB reaching it (None: above the rows)
     note: str
+    borrowed_for: str | None = None  # the model type whose routers have no published statistics
 
 
 def _slot_options(num_experts: int, top_k: int, one_gib: int) -> list[int]:
@@ -67,7 +68,9 @@ def _interpolate(rows: list[AdviceRow], target: float) -> int | None:
 
 
 def pool_advice(moe_layers: int, num_experts: int, top_k: int, stride: int,
-                eviction: str = "reuse", seed: int = 0) -> PoolAdvice:
+                eviction: str = "reuse", seed: int = 0, borrowed_for: str | None = None) -> PoolAdvice:
+    """`borrowed_for`: the container's model type when its routers have no published
+    statistics (the note says whose fitted parameters replayed it)."""
     from pipeline.replay import simulate
 
     family = family_for(num_experts, top_k)
@@ -89,10 +92,12 @@ def pool_advice(moe_layers: int, num_experts: int, top_k: int, stride: int,
             one_gib=slots == one_gib,
         ))
     return PoolAdvice(
-        family=family, eviction=eviction, rows=rows,
+        family=family, eviction=eviction, rows=rows, borrowed_for=borrowed_for,
         pool_mb_for_hits={f"{t:.0%}": _interpolate(rows, t) for t in TARGETS},
         note=(f"decode hit rates replayed on calibrated routing ({family} parameters, fitted "
-              f"to published traces of trained routers; docs/routing.md): 2 requests "
+              f"to published traces of trained routers; docs/routing.md"
+              + (f"; borrowed: no published routing statistics for {borrowed_for}" if borrowed_for else "")
+              + f"): 2 requests "
               f"x {TOKENS} tokens in 2 domains, {layers} layers, eviction {eviction}, with the "
               "emulated next-gate (default) and without prefetch; the first replayed layer is "
               "never predicted (as the engine's first MoE layer), so with few layers the "

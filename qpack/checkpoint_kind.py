@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from qpack.families import canonical, family
-from qpack.fp8 import Fp8Layout, block_layout, channel_layout
+from qpack.fp8 import Fp8Layout, block_layout, channel_layout, compressed_layout
 from qpack.names import is_text_tensor
 from qpack.spec import QpackError
 
@@ -47,25 +47,43 @@ def is_fp8_block(block: Mapping | None) -> bool:
             and len(block["weight_block_size"]) == 2)
 
 
+def _weights(block: Mapping) -> list[Mapping]:
+    """Each compressed-tensors config group's `weights` arguments ({} where a group has none)."""
+    groups = block.get("config_groups")
+    if not isinstance(groups, Mapping):
+        return []
+    return [g["weights"] if isinstance(g, Mapping) and isinstance(g.get("weights"), Mapping) else {}
+            for g in groups.values()]
+
+
 def _compressed_fp8(block: Mapping) -> Fp8Layout | None:
     """llm-compressor's FP8 (GLM's "-FP8" repos): `float-quantized`, every group's weights
-    8-bit floats scaled per output row (`channel`) or per 2-D block; None otherwise."""
-    groups = block.get("config_groups")
-    if block.get("format", "float-quantized") != "float-quantized" or not isinstance(groups, Mapping):
+    8-bit floats scaled per output row (`channel`) or per 2-D block (`block`); None
+    otherwise (`compressed_scheme` says what it is instead)."""
+    weights = _weights(block)
+    if block.get("format", "float-quantized") != "float-quantized" or not weights:
         return None
     layouts = set()
-    for group in groups.values():
-        w = group.get("weights") if isinstance(group, Mapping) else None
-        if not isinstance(w, Mapping) or w.get("type") != "float" or w.get("num_bits") != 8:
+    for w in weights:
+        if w.get("type") != "float" or w.get("num_bits") != 8:
             return None
         shape = w.get("block_structure")
         if w.get("strategy") == "channel":
             layouts.add(channel_layout())
         elif w.get("strategy") == "block" and isinstance(shape, list | tuple) and len(shape) == 2:
-            layouts.add(Fp8Layout((int(shape[0]), int(shape[1])), "_scale", channel_layout().skipped))
+            layouts.add(compressed_layout((int(shape[0]), int(shape[1]))))
         else:
             return None
+    # Groups with different scale layouts (one per module class) are one layout too few here.
     return layouts.pop() if len(layouts) == 1 else None
+
+
+def compressed_scheme(block: Mapping) -> str:
+    """A compressed-tensors quantization in words, for the line that refuses it: the
+    format and each group's weight type, bits and scale strategy."""
+    kinds = sorted({f"{w.get('type', '?')} {w.get('num_bits', '?')}-bit weights scaled per "
+                    f"{w.get('strategy', '?')}" for w in _weights(block)}) or ["no weight groups"]
+    return f"format {block.get('format', '?')!r}, " + "; ".join(kinds)
 
 
 def fp8_layout(config: Mapping) -> Fp8Layout | None:
@@ -105,6 +123,11 @@ def check_config(config: Mapping, where: str | Path) -> None:
     if method == "fp8":
         raise QpackError(where, "FP8 checkpoint with per-tensor scales (no 2-D weight_block_size) "
                          f"is not supported; moestream packs {SUPPORTED}")
+    if method == "compressed-tensors":
+        raise QpackError(where, f"compressed-tensors checkpoint ({compressed_scheme(block)}) is not "
+                         f"supported; moestream packs {SUPPORTED} (compressed-tensors: format "
+                         "'float-quantized', 8-bit float weights scaled per channel or per block). "
+                         "Use the model's bf16 repo")
     raise QpackError(where, f"{name} checkpoints (quantization_config.quant_method {method!r}) "
                      f"are not supported; moestream packs {SUPPORTED}. Use the model's bf16 repo")
 

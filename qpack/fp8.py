@@ -43,9 +43,21 @@ def block_layout(block: tuple[int, int]) -> Fp8Layout:
     return Fp8Layout(block, SCALE_SUFFIX, (SCALE_SUFFIX,))
 
 
+# What llm-compressor writes beside its e4m3 weights that a weight read never uses as a
+# tensor: the weight scales (read with their weights), static activation scales and
+# quantized-KV-cache scales (`kv_cache_scheme`: mlx-lm keeps its cache in float).
+_COMPRESSED_SKIPPED = (".weight_scale", ".input_scale", ".output_scale", ".k_scale", ".v_scale")
+
+
 def channel_layout() -> Fp8Layout:
     """llm-compressor's `float-quantized` channel FP8: `weight_scale` [rows, 1]."""
-    return Fp8Layout((1, WHOLE_ROW), "_scale", (".weight_scale", ".input_scale"))
+    return compressed_layout((1, WHOLE_ROW))
+
+
+def compressed_layout(block: tuple[int, int]) -> Fp8Layout:
+    """llm-compressor's `float-quantized` FP8: `weight_scale` per row (`channel`) or per
+    `block_structure` block (`block`, its FP8_BLOCK scheme)."""
+    return Fp8Layout(block, "_scale", _COMPRESSED_SKIPPED)
 
 
 def dequantize_rows(

@@ -9,6 +9,7 @@ kept: embed, one causal mask from the first cache, the layers, norm, head.
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -174,7 +175,8 @@ async def batch_of_two_greedy(qpack: Path, ref: Any) -> tuple[list[list[int]], l
 
 
 def assert_close_to_transformers(src: Path, qpack: Path, class_name: str, tol: float = 1e-4) -> None:
-    """Every position's logits within `tol` of transformers' PyTorch model in fp32."""
+    """Every position's logits within `tol` of transformers' PyTorch model in fp32, which
+    loaded every tensor of the checkpoint and missed none."""
     import numpy as np
     import pytest
 
@@ -184,7 +186,11 @@ def assert_close_to_transformers(src: Path, qpack: Path, class_name: str, tol: f
     ours = DirectForward(qpack)
     got = np.array(ours.forward(PROMPT, ours.make_cache())[0])
     ours.close()
-    model = getattr(transformers, class_name).from_pretrained(src, dtype=torch.float32).eval()
+    model, loading = getattr(transformers, class_name).from_pretrained(src, dtype=torch.float32,
+                                                                       output_loading_info=True)
+    # The checkpoint's tensor names and shapes are transformers' own, key by key.
+    assert not any(loading[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), loading
+    model.eval()
     with torch.no_grad():
         want = model(input_ids=torch.tensor([PROMPT]), use_cache=False).logits[0].numpy()
     assert got.shape == want.shape
@@ -199,10 +205,12 @@ SCHEMAS = {"get_weather": TOOLS[0]["function"]["parameters"]}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-async def served_tool_round_trip(container: Path, src: Path) -> str:
+async def served_tool_round_trip(container: Path, src: Path, forced: bool = True) -> str:
     """The served engine's greedy tokens equal mlx-lm's for two prompts decoded in one batch
     (next-gate prefetch); then, through the real server and the official openai client, a request with
-    tools, the assistant's call and the tool's result fed back. Returns the prompt the server
+    tools, the assistant's call and the tool's result fed back; a forced call through the
+    openai and anthropic clients (`forced_calls`; off for Qwen's JSON markup, which
+    tests/test_server_agent_apis.py forces). Returns the prompt the server
     built for the last request (the family's markup, for the caller to check)."""
     import json
 
@@ -239,7 +247,56 @@ async def served_tool_round_trip(container: Path, src: Path) -> str:
                 {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]},
              result[-1]], TOOLS)
         assert len(tokens) == answered.usage.prompt_tokens
+        if forced:
+            await forced_calls(client, port)
         return engine.tokenizer.decode(tokens)
+
+
+# Bounded values, so a random model's forced call ends within a few tokens.
+FORCED = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]},
+                                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+          "required": ["city", "days"]}
+
+
+async def forced_calls(client: Any, port: int) -> None:
+    """A forced call through the official openai and anthropic clients: the grammar writes
+    the family's own markup (pipeline/server/call_grammar.py), the server parses it back
+    into an OpenAI tool call and an Anthropic tool_use block."""
+    import anthropic
+
+    def check(args: Any) -> None:
+        assert args["city"] in ("Paris", "Lyon") and 1 <= args["days"] <= 7 and set(args) == {"city", "days"}
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": FORCED}}]
+    reply = await client.chat.completions.create(
+        model="tiny", messages=USER, tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False, max_tokens=48, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    check(json.loads(call.function.arguments))
+    # Streamed, the same call arrives in deltas (the prompt now comes from the prefix cache).
+    stream = await client.chat.completions.create(
+        model="tiny", messages=USER, tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False, max_tokens=48, temperature=0, stream=True)
+    names, arguments, finish = [], "", None
+    async for chunk in stream:
+        delta = chunk.choices[0].delta if chunk.choices else None
+        for d in (delta.tool_calls or []) if delta else []:
+            names += [d.function.name] if d.function and d.function.name else []
+            arguments += d.function.arguments or "" if d.function else ""
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    assert names == ["get_weather"] and json.loads(arguments) == json.loads(call.function.arguments)
+    assert finish == "tool_calls"
+    claude = anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{port}", api_key="unused", max_retries=0)
+    used = await claude.messages.create(
+        model="tiny", max_tokens=48, messages=USER, extra_body={"temperature": 0},
+        tools=[{"name": "get_weather", "input_schema": FORCED}],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    [block] = [b for b in used.content if b.type == "tool_use"]
+    assert used.stop_reason == "tool_use" and block.name == "get_weather"
+    check(block.input)
 
 
 def parse_streamed(container: Path, text: str, in_reasoning: bool) -> tuple[str, str, list[tuple[str, dict]]]:

@@ -112,6 +112,7 @@ def test_info_reports_the_minimum_the_default_prefill_chunk_needs(tiny, capsys):
     assert info["prefill_chunk"] == 0  # the default: chunks follow the pool
     rows = info["pool_advice"]["rows"]
     assert rows and all(r["slots_per_layer"] >= info["top_k"] for r in rows)
+    assert info["pool_advice"]["borrowed_for"] is None  # Qwen3-Next's routers have published statistics
     assert rows[-1]["pool_mb"] * 2**20 >= rows[-1]["slots_per_layer"] * info["moe_layers"] * info["expert_nbytes"]
     assert main(["info", str(tiny), "--json", "--no-advice"]) == 0
     assert "pool_advice" not in json.loads(capsys.readouterr().out)

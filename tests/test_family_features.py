@@ -1,7 +1,9 @@
 """The engine's features on every family beyond the Qwen hybrids (issue 27, item 4): prefix
 reuse over their plain (or latent) KV caches, exact speculative verify passes, and the
-routing trace of what each step demanded. Tiny fp32 checkpoints; references are the same
-engine's plain, cold runs (the family tests compare those to mlx-lm)."""
+routing trace of what each step demanded, and calibrated routing (bench --routing), which
+says that no routing statistics of these families are published and whose parameters it
+borrows. Tiny fp32 checkpoints; references are the same engine's plain, cold runs (the
+family tests compare those to mlx-lm)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from helpers_engine import engine_config, generate
 from helpers_forward import tiny_pair
 
 from actors.sampling_params import SamplingParams
+from pipeline.bench.routing import calibrate
 from pipeline.engine import open_engine
 from pipeline.events import Done
 from pipeline.speculation import EmulatedDrafts
@@ -70,3 +73,12 @@ async def test_prefix_reuse_speculation_and_routing_traces(container) -> None:
         for st in passes:
             for entry in st.layers:
                 assert entry.chosen == list(dict.fromkeys(e for row in entry.observed() for e in row))
+
+        # Calibrated routing (benchmark only) with the emulated gate: none of these
+        # families has published router statistics, and the label on every row says so.
+        model_type = engine.facts.model_type
+        override = calibrate(engine, "calibrated-gate", seed=0)
+        assert f"borrowed: no published routing statistics for {model_type}" in override.label
+        assert "calibrated-model qwen3.5-397b parameters" in override.label
+        engine.prefix_cache.clear()
+        assert len((await generate(engine, PROMPT, 3)).token_ids) == 3

@@ -105,3 +105,13 @@ async def test_served_tool_calls_and_reasoning_in_glm_markup(pair):
     reasoning, content, calls = parse_streamed(qpack, out, in_reasoning=False)
     assert (reasoning, content) == ("The user wants weather.", "Let me check.")
     assert calls == [("get_weather", {"city": "Paris", "days": 2})]
+
+
+def test_info_pool_advice_says_no_routing_statistics_are_published(pair, capsys):
+    from pipeline.cli import main
+
+    _src, qpack, _ = pair("mlx-q4")
+    assert main(["info", str(qpack), "--json"]) == 0
+    advice = json.loads(capsys.readouterr().out)["pool_advice"]
+    assert advice["borrowed_for"] == FAMILY and advice["family"] == "qwen3.5-397b"
+    assert f"borrowed: no published routing statistics for {FAMILY}" in advice["note"]

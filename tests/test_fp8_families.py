@@ -1,10 +1,13 @@
 """FP8 releases of the families beyond the Qwen hybrids pack to exactly what their
 dequantized weights pack to: Qwen3 MoE's and DeepSeek-V3's block-scaled layout
-(`weight_scale_inv` per block, qpack/synth/wild.py `fp8-block`) and GLM-4.5 / 4.6's
-llm-compressor layout (`compressed-tensors`, one `weight_scale` per output row:
-`fp8-channel`). The reference is a bf16 checkpoint holding those dequantized weights,
-computed here from the format's definition (not with qpack.fp8); both are packed at 4
-bits, and the containers' files and the decoded logits are compared bit for bit."""
+(`weight_scale_inv` per block, qpack/synth/wild.py `fp8-block`), GLM-4.5 / 4.6's
+llm-compressor layout (`compressed-tensors`, one bf16 `weight_scale` per output row:
+`fp8-channel`) and llm-compressor's FP8_BLOCK scheme (float32 `weight_scale` per block,
+static `input_scale`s beside them: `fp8-ct-block`). The reference is a bf16 checkpoint
+holding those dequantized weights, computed here from the format's definition (not with
+qpack.fp8); both are packed at 4 bits, and the containers' files and the decoded logits
+are compared bit for bit. Other compressed-tensors schemes are refused in one line that
+names the scheme."""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ PROMPT = [9707, 11, 1879, 0, 151, 30000, 77]
 def _dequantized(q: np.ndarray, scale: np.ndarray, kind: str) -> np.ndarray:
     """e4m3 values x their scales, rounded to bf16 (as float32)."""
     w = _e4m3(q).reshape(q.shape)
-    if kind == "fp8-block":
+    if kind in ("fp8-block", "fp8-ct-block"):
         b0, b1 = FP8_BLOCK
         s = np.repeat(np.repeat(scale, b0, axis=-2), b1, axis=-1)[..., : w.shape[-2], : w.shape[-1]]
     else:
@@ -48,7 +51,7 @@ def _bf16_twin(fp8: Path, out: Path, kind: str) -> Path:
         entries = []
         with SafetensorsFile(fp8 / shard) as f:
             for name, info in f.tensors.items():
-                if name.endswith(suffix) and name[: -len(suffix)] in f.tensors:
+                if name.endswith(".input_scale") or (name.endswith(suffix) and name[: -len(suffix)] in f.tensors):
                     continue
                 data = bytes(f.read_bytes(name))
                 if info.dtype == "F8_E4M3":
@@ -75,12 +78,15 @@ def _bf16_twin(fp8: Path, out: Path, kind: str) -> Path:
     ("qwen3_moe", "fp8-block", "model.layers.1.mlp.experts.3.down_proj.weight"),  # Qwen3-30B-A3B-FP8
     ("deepseek_v3", "fp8-block", "model.layers.2.mlp.experts.3.down_proj.weight"),  # DeepSeek-V3
     ("glm4_moe", "fp8-channel", "model.layers.1.mlp.experts.3.down_proj.weight"),  # GLM-4.5-Air-FP8
+    ("glm4_moe", "fp8-ct-block", "model.layers.2.mlp.experts.3.gate_proj.weight"),  # llm-compressor FP8_BLOCK
 ])
 def test_an_fp8_release_packs_and_decodes_as_its_dequantized_bf16(
         synth_checkpoint, tmp_path: Path, family: str, kind: str, expert: str) -> None:
     fp8 = derive(synth_checkpoint(family, dtype="bfloat16"), tmp_path / "fp8", kind)
     with SafetensorsFile(open_source(fp8).index[expert]) as f:
         assert f.tensors[expert].dtype == "F8_E4M3"  # the experts too are e4m3 in the release
+    if kind == "fp8-ct-block":  # static activation scales beside the weights, never read
+        assert expert.removesuffix(".weight") + ".input_scale" in open_source(fp8).index
     twin = _bf16_twin(fp8, tmp_path / "bf16", kind)
     packs = [pack(src, tmp_path / f"{src.name}.qpack", progress=False).path for src in (fp8, twin)]
     files = []
@@ -99,15 +105,22 @@ def test_an_fp8_release_packs_and_decodes_as_its_dequantized_bf16(
         assert mx.array_equal(a, b).item()
 
 
-def test_a_compressed_tensors_checkpoint_that_is_not_fp8_is_refused_in_one_line(
-        synth_checkpoint, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("change", "named"), [
+    ({"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128},
+     "int 4-bit weights scaled per group"),  # W4A16 (format pack-quantized in the wild)
+    ({"strategy": "tensor"}, "float 8-bit weights scaled per tensor"),  # llm-compressor's static FP8
+])
+def test_a_compressed_tensors_scheme_this_cannot_read_is_refused_in_one_line_naming_it(
+        synth_checkpoint, tmp_path: Path, change: dict, named: str) -> None:
     from qpack.spec import QpackError
 
     fp8 = derive(synth_checkpoint("glm4_moe", dtype="bfloat16"), tmp_path / "fp8", "fp8-channel")
     config = json.loads((fp8 / "config.json").read_text())
-    config["quantization_config"]["config_groups"]["group_0"]["weights"].update(type="int", num_bits=4)
+    config["quantization_config"]["config_groups"]["group_0"]["weights"].update(change)
     (fp8 / "config.json").unlink()
     (fp8 / "config.json").write_text(json.dumps(config))
     with pytest.raises(QpackError) as err:
         open_source(fp8)
-    assert "compressed-tensors checkpoints" in str(err.value) and "\n" not in str(err.value)
+    message = str(err.value)
+    assert "compressed-tensors checkpoint (format 'float-quantized', " + named in message
+    assert "per channel or per block" in message and "\n" not in message

@@ -19,7 +19,7 @@ import httpx2
 import pytest
 from helpers_conformance import client, running
 
-from pipeline.server import grammar
+from pipeline.server import call_grammar, grammar
 
 SYSTEM = [{"role": "system", "content": "You are a coding assistant."},
           {"role": "user", "content": "Write an example"}]
@@ -143,7 +143,7 @@ def test_closed_tool_grammar_refuses_another_key(container: Path) -> None:
     params = TEST_TOOL["function"]["parameters"]
     allowed = {}
     for label, schema in (("closed", params), ("open", {**params, "additionalProperties": True})):
-        text = grammar.tool_grammar([("test", schema)], parallel=False)
+        text = call_grammar.tool_grammar([("test", schema)], parallel=False)
         constraint = grammar.GrammarConstraint(ll, text, vocab, eos)
         for t in tok.encode('<tool_call>\n{"name":"test","arguments":{"success":true',
                             add_special_tokens=False):

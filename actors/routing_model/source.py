@@ -47,8 +47,12 @@ class CalibratedSource:
         family: str | None = None,
         params: RoutingParams | None = None,
         seed: int = 0,
+        borrowed_for: str | None = None,
     ) -> None:
+        """`borrowed_for`: the model type routed, when no statistics of its own routers
+        are published (the label says whose parameters stand in for them)."""
         self.family = family or family_for(num_experts, top_k)
+        self.borrowed_for = borrowed_for
         if self.family not in FAMILIES:
             raise ValueError(f"unknown routing family {self.family!r}; valid: {', '.join(FAMILIES)}")
         shape = RoutingShape(self.family, num_layers, num_experts, top_k)
@@ -59,6 +63,9 @@ class CalibratedSource:
 
     @property
     def label(self) -> str:
+        if self.borrowed_for is not None:
+            return (f"calibrated-model {self.family} parameters, borrowed: no published routing statistics "
+                    f"for {self.borrowed_for}, seed {self.seed} (benchmark only)")
         return f"calibrated-model {self.family}, seed {self.seed} (benchmark only)"
 
     def begin_request(self, index: int, rows: int = 0, requests: int = 1) -> None:

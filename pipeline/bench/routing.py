@@ -16,6 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import structlog
+
+log = structlog.get_logger()
+
 ROUTINGS = ("router", "calibrated", "calibrated-gate")
 
 
@@ -33,8 +37,15 @@ def calibrate(engine: Any, routing: str, seed: int) -> Any:
                          "token's position) and this model has none: use more layers (--max-layers >= 4)")
     from actors.routing_model.source import CalibratedSource
     from pipeline.models.routing_override import RoutingOverride
+    from qpack.families import family
 
-    source = CalibratedSource(len(facts.moe_layers), facts.num_experts, facts.top_k, seed=seed)
+    # A family whose routers have no published statistics is routed by another's fitted
+    # parameters: the label (on every result row) and the log say so.
+    borrowed = None if family(facts.model_type).published_routing else facts.model_type
+    source = CalibratedSource(len(facts.moe_layers), facts.num_experts, facts.top_k, seed=seed,
+                              borrowed_for=borrowed)
+    if borrowed is not None:
+        log.warning("bench.routing_borrowed", model_type=borrowed, parameters=source.family)
     override = RoutingOverride(source, facts.moe_layers, emulate_gate=routing == "calibrated-gate")
     engine.use_routing(override)
     override.begin_request(0)

@@ -128,7 +128,7 @@ def info_dict(path: Path, prefill_chunk: int | None = None, advice: bool = False
         # chunk 0 (the default) follows the pool: any pool that holds one token's
         # experts works, prefill then runs in chunks of slots // top_k tokens.
         slots = min(m.num_experts, max(chunk, 1) * m.top_k)
-        extra = ({"pool_advice": _advice(len(m.layers), m.num_experts, m.top_k, slot_bytes)}
+        extra = ({"pool_advice": _advice(len(m.layers), m.num_experts, m.top_k, slot_bytes, m.model_type)}
                  if advice and m.layers and slot_bytes > 0 else {})
         return {**extra,
             "path": str(path),
@@ -159,14 +159,17 @@ def info_dict(path: Path, prefill_chunk: int | None = None, advice: bool = False
         }
 
 
-def _advice(moe_layers: int, num_experts: int, top_k: int, slot_bytes: int) -> dict:
+def _advice(moe_layers: int, num_experts: int, top_k: int, slot_bytes: int, model_type: str) -> dict:
     import msgspec
 
     from pipeline.config.schema import PoolConfig
     from pipeline.pool_advice import pool_advice
+    from qpack.families import canonical, family
 
+    published = canonical(model_type) is not None and family(model_type).published_routing
     return msgspec.to_builtins(pool_advice(moe_layers, num_experts, top_k, slot_bytes,
-                                           eviction=PoolConfig().eviction))
+                                           eviction=PoolConfig().eviction,
+                                           borrowed_for=None if published else model_type))
 
 
 def _advice_rows(a: dict) -> list[tuple[str, str]]:
@@ -243,8 +246,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     ]
     if "pool_advice" in info:
         a = info["pool_advice"]
+        borrowed = (f", borrowed: no published routing statistics for {a['borrowed_for']}"
+                    if a.get("borrowed_for") else "")
         rows.append((f"pool advice ({a['eviction']})", "expected decode hits on trained-like routing "
-                     f"(calibrated model, {a['family']} parameters; a replay, not a measurement)"))
+                     f"(calibrated model, {a['family']} parameters{borrowed}; a replay, not a measurement)"))
         rows += _advice_rows(a)
     if "memory_budget" in info:
         b = info["memory_budget"]

@@ -19,7 +19,6 @@ plain bitsets applied with one `mx.where`).
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,7 +51,7 @@ def tokenizer_for(root: Path, vocab: int, eos: Sequence[int]) -> Any:
     return ll_tokenizer(path, path.stat().st_mtime_ns, vocab, tuple(sorted(eos)))
 
 
-def _compact(schema: dict[str, Any]) -> dict[str, Any]:
+def compact_json(schema: dict[str, Any]) -> dict[str, Any]:
     guidance = schema.get("x-guidance")
     return {**schema, "x-guidance": {**(guidance if isinstance(guidance, dict) else {}),
                                      **_COMPACT}}
@@ -134,29 +133,6 @@ def gbnf_grammar(text: str) -> str:
         return llguidance.grammar_from("gbnf", text)
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"invalid grammar: {str(exc)[:_MAX_ERROR_CHARS]}") from None
-
-
-def tool_grammar(tools: Sequence[tuple[str, dict[str, Any] | None]], parallel: bool) -> str:
-    """One or more Qwen tool calls, `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
-    each naming one of `tools` ((name, parameters schema) pairs) with matching arguments.
-
-    `<tool_call>` is a token of its own in Qwen's vocabulary, so the grammar names the
-    token (what the model writes) rather than its characters.
-    """
-    import llguidance
-
-    calls = [{"type": "object",
-              "properties": {"name": {"const": name},
-                             "arguments": closed(params) if params is not None
-                             else {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False}
-             for name, params in tools]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    repeat = ' ("\\n" call)*' if parallel else ""
-    lark = (f"start: call{repeat}\n"
-            f'call: <tool_call> "\\n" body "\\n" </tool_call>\n'
-            f"body: %json {json.dumps(_compact(schema))}\n")
-    return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
 class GrammarConstraint(TokenConstraint):

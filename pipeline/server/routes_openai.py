@@ -14,7 +14,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pipeline.server import grammar
+from pipeline.server import call_grammar, grammar
 from pipeline.server import schema as s
 from pipeline.server import schema_out as o
 from pipeline.server.api import Api
@@ -156,7 +156,11 @@ async def plan_chat(api: Api, req: s.ChatRequest) -> ChatPlan:
     make = None
     if forced:
         parallel = req.parallel_tool_calls is not False
-        make = await api.constraint(lambda: grammar.tool_grammar(forced, parallel), "tools")
+        # In the markup the container's template writes calls in (GLM's, DeepSeek's, harmony...).
+        tok = api.engine.tokenizer
+        style = await api.offload(lambda: call_grammar.call_style(tok), "reading the chat template's "
+                                  "tool-call markup", "tools")
+        make = await api.constraint(lambda: call_grammar.tool_grammar(forced, parallel, style), "tools")
     elif output:
         make = await api.constraint(output[1], output[0])
     n = req.n or 1

@@ -64,6 +64,11 @@ class CheckpointFamily:
     # <|message|>JSON<|call|>); the server reads every style (server/call_formats.py,
     # server/harmony.py).
     tool_calls: ClassVar[str] = "json"
+    # Whether routing statistics of this family's trained routers are published (what the
+    # calibrated routing model, actors/routing_model/families.py, is fitted to). Without
+    # them, calibrated routing and `info`'s pool advice borrow the nearest fitted
+    # parameters and say so in their labels.
+    published_routing: ClassVar[bool] = False
     # The hub release carries a multi-token-prediction head at its root (`mtp.*`), which
     # pack keeps (qpack/mtp.py); per_expert_mtp: its experts one tensor each (else fused).
     expert_biases: ClassVar[bool] = False  # each expert projection adds a bias (gpt-oss)

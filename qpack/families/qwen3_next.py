@@ -174,6 +174,7 @@ class Qwen3Next(CheckpointFamily):
     layouts = ("hub", "per-expert")  # the hub layout already is per-expert
     variants = ("instruct", "thinking")
     tokenizer = QWEN3_TOKENIZER
+    published_routing = True  # the Qwen3-Next / Qwen3.5 traces of actors/routing_model/families.py
     zero_centred = ZERO_CENTRED
     routers_8bit = ("mlp.gate", "shared_expert_gate")
 

@@ -19,6 +19,9 @@ upload saves it; unchanged shards are symlinked, so a variant costs only what di
   `float-quantized`, the same weights as e4m3 with a bf16 `weight_scale` [rows, 1] per
   output row (`strategy: channel`, dynamic per-token activations), head and routers in
   `ignore`.
+- `fp8-ct-block`: llm-compressor's FP8_BLOCK scheme (`compressed-tensors`, `strategy: block`,
+  `block_structure` FP8_BLOCK): float32 `weight_scale` per block, and static per-tensor
+  activation scales (`input_scale`, which a weight read has no use for) beside them.
 - `nvfp4-global-scale` (MLX nvfp4): what `mlx_lm.convert --q-mode nvfp4 --global-scale`
   records in the config (one tensor scale per expert; only the config is changed).
 """
@@ -35,7 +38,7 @@ import numpy as np
 from qpack.synth.st_write import TensorEntry, write_safetensors
 
 KINDS = ("tf5-rope", "mlx-vision-tower", "extra-shards", "gptq", "awq", "fp8-per-tensor", "gguf",
-         "nvfp4-global-scale", "fp8-block", "fp8-channel")
+         "nvfp4-global-scale", "fp8-block", "fp8-channel", "fp8-ct-block")
 # Smaller than the hub's 128 x 128 and not dividing the tiny dims: partial edge blocks and
 # rows vs columns both get exercised.
 FP8_BLOCK = (32, 48)
@@ -101,18 +104,21 @@ def derive(src: Path, out: Path, kind: str) -> Path:
         config["quantization_config"] = {
             "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
             "weight_block_size": list(FP8_BLOCK), "modules_to_not_convert": ["lm_head", "embed_tokens", "mlp.gate"]}
-    elif kind == "fp8-channel":
-        _to_fp8(src, out, _fp8_channel, "_scale")
+    elif kind in ("fp8-channel", "fp8-ct-block"):
+        channel = kind == "fp8-channel"
+        _to_fp8(src, out, _fp8_channel if channel else _fp8_block, "_scale", input_scale=not channel)
         text = config.get("text_config", config)
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "group_size": None,
+                   "strategy": "channel" if channel else "block",
+                   "block_structure": None if channel else list(FP8_BLOCK)}
+        inputs = ({"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
+                  if channel else {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
+                                   "dynamic": False})
         config["quantization_config"] = {
             "quant_method": "compressed-tensors", "format": "float-quantized",
             "quantization_status": "compressed", "kv_cache_scheme": None,
-            "config_groups": {"group_0": {
-                "targets": ["Linear"], "output_activations": None,
-                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
-                            "dynamic": False, "group_size": None, "block_structure": None},
-                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
-                                      "symmetric": True, "dynamic": True}}},
+            "config_groups": {"group_0": {"targets": ["Linear"], "output_activations": None,
+                                          "weights": weights, "input_activations": inputs}},
             "ignore": ["lm_head", *(f"model.layers.{i}.mlp.gate" for i in range(text["num_hidden_layers"]))]}
     elif kind in _QUANT:
         config["quantization_config"] = dict(_QUANT[kind])
@@ -173,8 +179,9 @@ def _fp8_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _to_fp8(src: Path, out: Path, quantize: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
-            suffix: str) -> None:
-    """Rewrite every shard: eligible Linear weights become e4m3 + their scale (`suffix`)."""
+            suffix: str, input_scale: bool = False) -> None:
+    """Rewrite every shard: eligible Linear weights become e4m3 + their scale (`suffix`),
+    and with `input_scale` a static float32 activation scale [1] (`x.input_scale`)."""
     from qpack.safetensors_io import SafetensorsFile, bytes_to_mx
 
     index = json.loads((src / INDEX).read_text())
@@ -199,6 +206,11 @@ def _to_fp8(src: Path, out: Path, quantize: Callable[[np.ndarray], tuple[np.ndar
                 tag = "BF16" if scale.dtype == np.uint16 else "F32"  # bf16 travels as its bits
                 entries.append(TensorEntry(name + suffix, tag, scale.shape, _later(np.asarray, scale)))
                 weight_map[name] = weight_map[name + suffix] = shard
+                if input_scale:
+                    module = name.removesuffix(".weight")
+                    entries.append(TensorEntry(module + ".input_scale", "F32", (1,),
+                                               _later(np.full, (1,), 0.05, np.float32)))
+                    weight_map[module + ".input_scale"] = shard
         (out / shard).unlink()
         write_safetensors(out / shard, entries, {"format": "pt"})
     index["weight_map"] = weight_map
