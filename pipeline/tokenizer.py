@@ -110,11 +110,11 @@ class StreamDetokenizer:
 
 class Tokenizer:
     def __init__(self, root: Path) -> None:
-        from tokenizers import Tokenizer as RustTokenizer
+        from pipeline import tokenizer_build
 
         root = Path(root)
-        self._tok = RustTokenizer.from_file(str(root / "tokenizer.json"))
-        trim_heap()  # the JSON parse's garbage: ~250 MiB at 248k tokens
+        self._tok = tokenizer_build.parse(root / "tokenizer.json")
+        trim_heap()  # the JSON parse's garbage: ~150 MiB at 248k tokens
         config = _read_json(root / "tokenizer_config.json")
         self.chat_template = _chat_template(root, config)
         self.special_tokens = {name: text for name in SPECIAL_TOKEN_NAMES

@@ -28,11 +28,14 @@ from pipeline.resident_map import current_rss_mb
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
 
-# Measured 2026-12-02 on the 2-core VM (docs/memory.md): tokenizer 95 MiB for the 248k
-# vocabulary (its Rust object's floor is ~67 MiB of live heap); temporaries on the tiny
-# model a few MiB. The bounds leave room for allocator noise, not for a Python copy of the
-# vocabulary (+60 MiB and more) or a whole-pool cast (~the pool's scales again).
-TOKENIZER_MAX_MB = 120
+# Measured 2026-12-03 on the 2-core VM (docs/memory.md): tokenizer 75 MiB for the 248k
+# vocabulary with its library's import (its Rust object's floor is ~66 MiB of live heap;
+# `Tokenizer.from_file` measured 97 here: its parse garbage left the object's pages
+# scattered, pipeline/tokenizer_build.py); temporaries on the tiny model a few MiB. The
+# bounds leave room for allocator noise, not for the library's own parse coming back, a
+# Python copy of the vocabulary (+60 MiB and more) or a whole-pool cast (~the pool's
+# scales again).
+TOKENIZER_MAX_MB = 85
 READERS = {"concurrency": 2}  # no queue-depth probe at open
 TEMPORARIES_MAX_MB = 24
 
