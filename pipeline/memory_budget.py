@@ -150,7 +150,7 @@ def plan_memory(mem: MemoryConfig, *, process_bytes: int, dense_bytes: int, slot
         slots = min(max(rest, 0) // slot_nbytes, max_slots)
     if slots < need_slots:
         short = need_slots * slot_nbytes - rest
-        enough = f"{-(-(budget + short) // 2**20):,}"
+        enough = -(-(budget + short) // 2**20)
         if default:
             raise PoolBudgetError(
                 f"the default memory budget of {_mib(budget)} (what the process holds plus "
@@ -161,7 +161,7 @@ def plan_memory(mem: MemoryConfig, *, process_bytes: int, dense_bytes: int, slot
         raise PoolBudgetError(
             f"memory budget of {_mib(budget)} is too small: {parts}, and the smallest workable "
             f"expert pool is {_mib(need_slots * slot_nbytes)} ({need_slots} slots); raise "
-            f"--memory-mb (memory.budget_mb) to at least {enough} or lower memory.state_mb")
+            f"--memory-mb (memory.budget_mb) to at least {enough:,} or lower memory.state_mb")
     return MemoryPlan(
         budget_mb=budget / 2**20, process_mb=process_bytes / 2**20, dense_mb=dense_bytes / 2**20,
         state_mb=state / 2**20, staging_mb=staging / 2**20, temporaries_mb=temporaries / 2**20,
