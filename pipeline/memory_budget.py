@@ -13,10 +13,11 @@ from available memory (`engine_sizing.num_slots`), so only explicit sizes are ch
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 import psutil
+import structlog
 
 from pipeline.config.schema import MemoryConfig
 from pipeline.memory_facts import MemoryPlan
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from pipeline.config.schema import PipelineConfig
     from pipeline.engine_core import EngineCore
     from pipeline.memory_facts import OpenMarks
+
+log = structlog.get_logger("moestream.memory")
 
 # Kept aside for the rest of the process (Python, MLX, tokenizer, KV cache, staging).
 RESERVE_BYTES = 512 * 2**20
@@ -98,13 +101,34 @@ def resolved(mem: MemoryConfig) -> MemoryConfig:
     return msgspec.structs.replace(mem, budget_mb=max(1, int(current_rss_mb() + AUTO_SHARE * available)))
 
 
+def applied_budget(config: PipelineConfig) -> int | Literal["auto"] | None:
+    """memory.budget_mb as an engine applies it (None: no budget).
+
+    Unset, it is "auto" where nothing else sizes the pool and the pool lives in host
+    memory: a user who gives no sizes gets a process held to what the machine has. A
+    [pool] size is an experiment the budget must not move (`--pool-mb` wins, as before);
+    a discrete GPU's pool is in device memory, which a host budget does not describe; the
+    ranks of a distributed job on one host would each claim the same free memory."""
+    budget = config.memory.budget_mb
+    if budget == "off":
+        return None
+    if budget is not None:
+        return budget
+    if config.pool.budget_mb is not None or config.pool.slots is not None or config.distributed.enabled:
+        return None
+    import mlx.core as mx
+
+    return None if mx.cuda.is_available() else "auto"
+
+
 def plan_memory(mem: MemoryConfig, *, process_bytes: int, dense_bytes: int, slot_nbytes: int,
                 stride: int, readers: int, need_slots: int, max_slots: int,
-                pool_bytes: int | None = None) -> MemoryPlan:
+                pool_bytes: int | None = None, default: bool = False) -> MemoryPlan:
     """Size the pool from the budget (or check an explicit `pool_bytes` against it).
 
     Raises PoolBudgetError, one line with every number, when the rest cannot hold the
-    smallest workable pool (`need_slots`)."""
+    smallest workable pool (`need_slots`); `default`: the budget is the unset one's
+    "auto", and the line says how to set another."""
     mem = resolved(mem)
     assert isinstance(mem.budget_mb, int)
     budget = mem.budget_mb * 2**20
@@ -126,11 +150,18 @@ def plan_memory(mem: MemoryConfig, *, process_bytes: int, dense_bytes: int, slot
         slots = min(max(rest, 0) // slot_nbytes, max_slots)
     if slots < need_slots:
         short = need_slots * slot_nbytes - rest
+        enough = -(-(budget + short) // 2**20)
+        if default:
+            raise PoolBudgetError(
+                f"the default memory budget of {_mib(budget)} (what the process holds plus "
+                f"{AUTO_SHARE:.0%} of the memory available) is too small: {parts}, and the "
+                f"smallest workable expert pool is {_mib(need_slots * slot_nbytes)} ({need_slots} "
+                f"slots); free memory, or give --memory-mb {enough} (memory.budget_mb) or "
+                "--pool-mb, or --memory-mb off for no budget")
         raise PoolBudgetError(
             f"memory budget of {_mib(budget)} is too small: {parts}, and the smallest workable "
             f"expert pool is {_mib(need_slots * slot_nbytes)} ({need_slots} slots); raise "
-            f"--memory-mb (memory.budget_mb) to at least {-(-(budget + short) // 2**20):,} or "
-            "lower memory.state_mb")
+            f"--memory-mb (memory.budget_mb) to at least {enough:,} or lower memory.state_mb")
     return MemoryPlan(
         budget_mb=budget / 2**20, process_mb=process_bytes / 2**20, dense_mb=dense_bytes / 2**20,
         state_mb=state / 2**20, staging_mb=staging / 2**20, temporaries_mb=temporaries / 2**20,
@@ -158,19 +189,23 @@ def apply_cache_limit(mem: MemoryConfig, budget: bool) -> None:
 
 def engine_plan(config: PipelineConfig, *, dense_bytes: int, slot_nbytes: int, stride: int,
                 readers: int, need_slots: int, max_slots: int) -> MemoryPlan | None:
-    """The plan for an engine being opened (None without `memory.budget_mb`); measured
-    after the tokenizer loaded and before the dense core does."""
+    """The plan for an engine being opened (None without a budget: `applied_budget`);
+    measured after the tokenizer loaded and before the dense core does."""
     from pipeline.resident_map import current_rss_mb
 
-    if config.memory.budget_mb is None:
+    budget = applied_budget(config)
+    if budget is None:
         return None
     pool = config.pool
     explicit = (pool.budget_mb * 2**20 if pool.budget_mb is not None
                 else pool.slots * slot_nbytes if pool.slots is not None else None)
-    return plan_memory(config.memory, process_bytes=int(current_rss_mb() * 2**20),
-                       dense_bytes=dense_bytes, slot_nbytes=slot_nbytes, stride=stride,
-                       readers=readers, need_slots=need_slots, max_slots=max_slots,
-                       pool_bytes=explicit)
+    plan = plan_memory(msgspec.structs.replace(config.memory, budget_mb=budget),
+                       process_bytes=int(current_rss_mb() * 2**20), dense_bytes=dense_bytes,
+                       slot_nbytes=slot_nbytes, stride=stride, readers=readers,
+                       need_slots=need_slots, max_slots=max_slots, pool_bytes=explicit,
+                       default=config.memory.budget_mb is None)
+    log.debug("memory.plan", default=config.memory.budget_mb is None, line=plan.line())
+    return plan
 
 
 def context_within(state_bytes: Callable[[int], int], state: int, limit: int) -> int:

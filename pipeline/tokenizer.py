@@ -6,8 +6,9 @@ vocabulary (`get_vocab`, the added-token maps) and a detokenizer token map of ev
 piece. Here the vocabulary lives only in the Rust object; decode-side lookups ask it
 one id at a time, the streaming detokenizer is the library's `DecodeStream`, and the
 chat template renders through `pipeline.template_render`. Loading parses tokenizer.json
-(a transient of ~250 MiB freed right after, handed back to the OS with malloc_trim), so
-the engine loads it before the dense core: the transient never meets the peak.
+(`pipeline.tokenizer_build`: 69 MiB kept at 248k tokens, a transient of ~270 MiB more freed
+right after, handed back to the OS with malloc_trim), so the engine loads it before the
+dense core: the transient never meets the peak.
 
 The surface is what the engine, the server and the tests use of mlx-lm's wrapper:
 encode, decode, apply_chat_template, eos_token_id(s), convert_ids_to_tokens,
@@ -110,11 +111,11 @@ class StreamDetokenizer:
 
 class Tokenizer:
     def __init__(self, root: Path) -> None:
-        from tokenizers import Tokenizer as RustTokenizer
+        from pipeline import tokenizer_build
 
         root = Path(root)
-        self._tok = RustTokenizer.from_file(str(root / "tokenizer.json"))
-        trim_heap()  # the JSON parse's garbage: ~250 MiB at 248k tokens
+        self._tok = tokenizer_build.parse(root / "tokenizer.json")
+        trim_heap()  # the JSON parse's garbage: ~270 MiB at 248k tokens
         config = _read_json(root / "tokenizer_config.json")
         self.chat_template = _chat_template(root, config)
         self.special_tokens = {name: text for name in SPECIAL_TOKEN_NAMES

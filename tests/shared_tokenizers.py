@@ -7,11 +7,11 @@ among them. So containers that differ only in generation_config, the template va
 the model type each parse the same 15 MB tokenizer.json again: about 1 s of CPU at Qwen3.5's
 248k tokens. That was a dozen times per xdist worker.
 
-Here `tokenizers.Tokenizer.from_file` answers calls from `pipeline.tokenizer` with one Rust
-object per file content (a sha256 of the bytes, ~15 ms). The object is a real one, parsed
-from those bytes by the library: the product already shares one between every engine of a
-process and never changes it. Other callers (transformers, which sets truncation and padding
-on the object it gets) get a fresh one as before.
+Here `pipeline.tokenizer_build.parse` (what `pipeline.tokenizer` builds its Rust object
+with) answers with one object per file content (a sha256 of the bytes, ~15 ms). The object
+is a real one, built from those bytes by the product's own code: the product already shares
+one between every engine of a process and never changes it. Other callers (transformers,
+which sets truncation and padding on the object it gets) call the library as before.
 
 The grammar's `llguidance.LLTokenizer` (1.2-2 s of CPU to build) is cached by the server
 per container path, and every test module serves its own containers (or copies): here
@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 _BY_DIGEST: dict[Any, Any] = {}
-_CALLERS = frozenset({"pipeline.tokenizer"})
 _LL_CALLERS = frozenset({"pipeline.server.grammar"})
 
 
@@ -59,20 +58,18 @@ def _share_ll_tokenizer() -> None:
 
 
 def _share_from_file() -> None:
-    import tokenizers
+    from pipeline import tokenizer_build
 
-    cls = tokenizers.Tokenizer
-    if getattr(cls, "_moestream_tests_shared", False):
+    parse = tokenizer_build.parse
+    if getattr(parse, "_moestream_tests_shared", False):
         return
-    parse = cls.from_file
 
-    def from_file(path: str, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs or sys._getframe(1).f_globals.get("__name__") not in _CALLERS:
-            return parse(path, *args, **kwargs)
+    def shared(path: Path) -> Any:
         digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
         if digest not in _BY_DIGEST:
             _BY_DIGEST[digest] = parse(path)
         return _BY_DIGEST[digest]
 
-    cls.from_file = staticmethod(from_file)
-    cls._moestream_tests_shared = True
+    # `pipeline.tokenizer` calls it through the module, so this name is the one it meets.
+    shared._moestream_tests_shared = True  # type: ignore[attr-defined]
+    tokenizer_build.parse = shared

@@ -102,6 +102,20 @@ def test_pool_refusals_name_the_numbers(tiny, capsys):
     assert "--pool-mb and --slots are exclusive" in capsys.readouterr().err
 
 
+def test_the_default_budget_is_said_at_load_and_off_or_a_pool_size_leaves_it(tiny, capsys):
+    args = ["--prompt", "Hi", "--max-tokens", "1", "--prefill-chunk", "2"]
+    assert main(["generate", str(tiny), *args]) == 0
+    err = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
+    assert "within a memory budget of" in err and "the default: --memory-mb or --pool-mb" in err, err
+    for flags in (["--memory-mb", "off"], ["--slots", "16"]):
+        assert main(["generate", str(tiny), *args, *flags]) == 0
+        assert "memory budget" not in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # argparse's usage line and exit status
+        main(["generate", str(tiny), *args, "--memory-mb", "lots"])
+    assert exited.value.code == 2
+    assert "expected MiB, auto or off, not 'lots'" in capsys.readouterr().err
+
+
 def test_info_reports_the_minimum_the_default_prefill_chunk_needs(tiny, capsys):
     assert main(["info", str(tiny)]) == 0
     out = capsys.readouterr().out

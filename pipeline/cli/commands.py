@@ -25,8 +25,13 @@ def readers_arg(text: str) -> int | str:
 
 
 def budget_arg(text: str) -> int | str:
-    """--memory-mb: MiB, or "auto"."""
-    return text if text == "auto" else int(text)
+    """--memory-mb: MiB, "auto" or "off"."""
+    if text in ("auto", "off"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MiB, auto or off, not {text!r}") from None
 
 
 def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) -> None:
@@ -37,9 +42,10 @@ def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) ->
     g = p.add_argument_group("engine")
     if config_flag:
         g.add_argument("--config", type=Path, help="a TOML config to start from (flags override it)")
-    g.add_argument("--memory-mb", type=budget_arg, help="total memory budget in MiB, or auto "
-                   "(what the process holds plus 80%% of the available memory): the expert pool "
-                   "gets what the rest leaves (memory.budget_mb; docs/memory.md)")
+    g.add_argument("--memory-mb", type=budget_arg, help="total memory budget in MiB, auto "
+                   "(what the process holds plus 80%% of the available memory) or off: the expert "
+                   "pool gets what the rest leaves (memory.budget_mb; default auto on the CPU and "
+                   "unified memory unless --pool-mb or --slots; docs/memory.md)")
     g.add_argument("--pool-mb", type=int, help="expert pool budget in MiB")
     g.add_argument("--slots", type=int, help="expert pool size in experts (instead of --pool-mb)")
     g.add_argument("--strategy", help=f"prefetch strategy (default next-gate): {strategies_help()}")

@@ -202,7 +202,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             return _error(exc)
     try:
         info = info_dict(args.container, args.prefill_chunk, advice=not args.no_advice)
-        if args.memory_mb is not None:
+        if args.memory_mb not in (None, "off"):  # "off": no budget to plan
             import msgspec
 
             from pipeline.budget_info import budget_info

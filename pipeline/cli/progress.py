@@ -57,6 +57,11 @@ async def loaded_engine(cfg: PipelineConfig, **kwargs: Any) -> AsyncIterator[Eng
         else:
             err.print(f"loading {cfg.model.path} ...")
             engine = await stack.enter_async_context(open_engine(cfg, **kwargs))
+        plan = engine.memory_plan
+        budget = "" if plan is None else (
+            f" within a memory budget of {plan.budget_mb:,.0f} MiB, context up to "
+            f"{engine.context_limit:,} tokens"
+            + ("; the default: --memory-mb or --pool-mb to change" if cfg.memory.budget_mb is None else ""))
         err.print(f"[dim]loaded {engine.name} in {time.perf_counter() - started:.1f} s "
-                  f"(expert pool {engine.pool_bytes / 2**20:,.1f} MiB)[/dim]")
+                  f"(expert pool {engine.pool_bytes / 2**20:,.1f} MiB{budget})[/dim]")
         yield engine

@@ -97,13 +97,15 @@ class PoolConfig(_Section, frozen=True):
 class MemoryConfig(_Section, frozen=True):
     """One total budget for the process (docs/memory.md): the pool gets what is left of it."""
 
-    # MiB the whole process may take (RSS). Unset: the pool is sized by [pool] as before
-    # (budget_mb, slots, or half the memory left after the dense core). Set: the engine
-    # subtracts what it measured (the process with its tokenizer, the dense core) and what
-    # it reserves (model state, staging buffers, MLX temporaries) and sizes the pool from
-    # the rest; too small a budget is refused at start with the numbers. "auto": what the
-    # process holds when it opens plus 80% of the memory available then (memory_budget.py).
-    budget_mb: Annotated[int, within(1, MIB_MAX)] | Literal["auto"] | None = None
+    # MiB the whole process may take (RSS). Set: the engine subtracts what it measured (the
+    # process with its tokenizer, the dense core) and what it reserves (model state, staging
+    # buffers, MLX temporaries) and sizes the pool from the rest; too small a budget is
+    # refused at start with the numbers. "auto": what the process holds when it opens plus
+    # 80% of the memory available then (memory_budget.py). "off": no budget, the pool sized
+    # by [pool] (budget_mb, slots, or half the memory left after the dense core). Unset:
+    # "auto" where the pool lives in host memory (CPU, unified memory) and [pool] gives no
+    # size; "off" with a [pool] size, on a discrete GPU, or distributed.
+    budget_mb: Annotated[int, within(1, MIB_MAX)] | Literal["auto", "off"] | None = None
     # Model state (KV caches, DeltaNet state) within the budget: half for the sequences
     # decoding at once (it also caps a request's context), half for the prefix cache's
     # copies. 0 = an eighth of the budget.
