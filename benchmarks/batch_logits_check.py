@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors.sampling_params import SamplingParams  # noqa: E402
 from pipeline.bench.spec import prompt_ids  # noqa: E402
-from pipeline.config.schema import config_from_dict  # noqa: E402
+from pipeline.config.loading import config_from_dict  # noqa: E402
 from pipeline.events import Done, TextDelta  # noqa: E402
 
 Run = tuple[list[int], list[dict[int, float]]]  # tokens; per position {token: logprob}

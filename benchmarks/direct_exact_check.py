@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import trio  # noqa: E402
 
 from actors.sampling_params import SamplingParams  # noqa: E402
-from pipeline.config.schema import config_from_dict  # noqa: E402
+from pipeline.config.loading import config_from_dict  # noqa: E402
 from pipeline.engine import open_engine  # noqa: E402
 from pipeline.events import Done, TextDelta  # noqa: E402
 from qpack.synth.checkpoint import synthesize  # noqa: E402

@@ -38,7 +38,8 @@ import trio  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors.sampling_params import SamplingParams  # noqa: E402
-from pipeline.config.schema import PipelineConfig, config_from_dict  # noqa: E402
+from pipeline.config.loading import config_from_dict  # noqa: E402
+from pipeline.config.schema import PipelineConfig
 from pipeline.events import Done, TextDelta  # noqa: E402
 from pipeline.logging_setup import configure_logging  # noqa: E402
 

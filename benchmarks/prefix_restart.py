@@ -25,7 +25,7 @@ async def _once(container: str, where: str, tokens: int, pool_mb: int) -> dict[s
     import numpy as np
 
     from actors.sampling_params import SamplingParams
-    from pipeline.config.schema import config_from_dict
+    from pipeline.config.loading import config_from_dict
     from pipeline.engine import open_engine
     from pipeline.events import Done
 

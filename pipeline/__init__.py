@@ -24,7 +24,8 @@ log_to_stderr_by_default()  # not stdout, where generated text goes
 if TYPE_CHECKING:
     from actors.sampling_params import SamplingParams
     from pipeline.config.errors import ConfigError
-    from pipeline.config.schema import PipelineConfig, config_from_dict, load_config
+    from pipeline.config.loading import config_from_dict, load_config
+    from pipeline.config.schema import PipelineConfig
     from pipeline.engine import Engine, open_engine
     from pipeline.events import Done, Event, GenerationStats, TextDelta
 
@@ -51,8 +52,8 @@ _WHERE = {
     "PipelineConfig": "pipeline.config.schema",
     "SamplingParams": "actors.sampling_params",
     "TextDelta": "pipeline.events",
-    "config_from_dict": "pipeline.config.schema",
-    "load_config": "pipeline.config.schema",
+    "config_from_dict": "pipeline.config.loading",
+    "load_config": "pipeline.config.loading",
     "open_engine": "pipeline.engine",
 }
 

@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from actors.sampling_params import SamplingParams
-from pipeline.config.schema import PipelineConfig, config_from_dict
+from pipeline.config.loading import config_from_dict
+from pipeline.config.schema import PipelineConfig
 from pipeline.events import Done, Event, TextDelta
 
 

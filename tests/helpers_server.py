@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import trio
 
-from pipeline.config.schema import config_from_dict
+from pipeline.config.loading import config_from_dict
 from pipeline.engine import Engine, open_engine
 from pipeline.server.app import serve_engine
 from pipeline.server.settings import ServerSettings

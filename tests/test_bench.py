@@ -100,7 +100,7 @@ async def test_serial_reads_one_expert_at_a_time_and_prefetches_nothing(tiny_ben
     `default_over_serial` is the ratio of their decode rates."""
     from pipeline.bench.cases import Report
     from pipeline.bench.spec import Result, engine_dict
-    from pipeline.config.schema import config_from_dict
+    from pipeline.config.loading import config_from_dict
     from pipeline.engine import open_engine
 
     serial = next(c for c in _planned(tiny_bench, "serial") if c.name == "serial")

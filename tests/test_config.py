@@ -8,13 +8,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli.config import register
-from pipeline.config.schema import (
-    EVICTION_POLICIES,
-    PREFETCH_STRATEGIES,
-    ConfigError,
-    PipelineConfig,
-    load_config,
-)
+from pipeline.config.errors import ConfigError
+from pipeline.config.loading import load_config
+from pipeline.config.schema import EVICTION_POLICIES, PREFETCH_STRATEGIES, PipelineConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 

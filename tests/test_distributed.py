@@ -25,7 +25,8 @@ from forked_ranks import Job
 from helpers_server import serving
 
 from pipeline.cli import main
-from pipeline.config.schema import ConfigError, config_from_dict
+from pipeline.config.errors import ConfigError
+from pipeline.config.loading import config_from_dict
 from pipeline.distributed import wire
 from pipeline.distributed.errors import RankLost
 from pipeline.distributed.link import Link

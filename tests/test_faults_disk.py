@@ -22,7 +22,7 @@ import trio
 
 from actors.reader import ExpertReadError
 from actors.sampling_params import SamplingParams
-from pipeline.config.schema import config_from_dict
+from pipeline.config.loading import config_from_dict
 from pipeline.engine import Engine, open_engine
 from pipeline.events import Done
 from qpack import spec

@@ -16,8 +16,9 @@ from structlog.testing import capture_logs
 
 from actors.sampling_params import SamplingParams
 from pipeline.chat_template import TemplateKwargsError, template_kwargs
+from pipeline.config.errors import ConfigError
+from pipeline.config.loading import config_from_dict
 from pipeline.config.sampling import ChatConfig, SamplingConfig
-from pipeline.config.schema import ConfigError, config_from_dict
 from pipeline.engine import open_engine
 from pipeline.events import Done
 from pipeline.generation_config import default_params, eos_token_ids, model_defaults

@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 
 from actors.bounds import range_at
 from pipeline.cli import main
-from pipeline.config.schema import ConfigError, PipelineConfig, config_from_dict, load_config
+from pipeline.config.errors import ConfigError
+from pipeline.config.loading import config_from_dict, load_config
+from pipeline.config.schema import PipelineConfig
 from pipeline.config.toml import dumps_toml, dumps_value
 
 REPO = Path(__file__).resolve().parents[1]

@@ -26,7 +26,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pipeline.config.schema import ConfigError, PipelineConfig, config_from_dict, load_config
+from pipeline.config.errors import ConfigError
+from pipeline.config.loading import config_from_dict, load_config
+from pipeline.config.schema import PipelineConfig
 from qpack import spec
 from qpack.reader import Container
 from qpack.spec import QpackError

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import trio
 
-from pipeline.config.schema import config_from_dict
+from pipeline.config.loading import config_from_dict
 from pipeline.engine import Engine, open_engine
 from pipeline.server.app import serve_engine
 from pipeline.server.settings import ServerSettings

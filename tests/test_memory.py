@@ -45,7 +45,7 @@ import json, sys
 import trio
 import pipeline.engine as E
 from actors.sampling_params import SamplingParams
-from pipeline.config.schema import config_from_dict
+from pipeline.config.loading import config_from_dict
 from pipeline.resident_map import current_rss_mb
 from pipeline.tokenizer import load_tokenizer
 from qpack.reader import Container

@@ -244,7 +244,7 @@ async def test_constrained_decoding_json_and_tool_calls(container: Path) -> None
 def test_serve_flags_become_server_config() -> None:
     from pipeline.cli import build_parser
     from pipeline.cli.serve import server_overrides
-    from pipeline.config.schema import config_from_dict
+    from pipeline.config.loading import config_from_dict
 
     args = build_parser().parse_args([
         "serve", "m.qpack", "--alias", "gpt-4o", "--alias", "qwen", "--strict-model",

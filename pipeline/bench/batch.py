@@ -36,7 +36,7 @@ async def measure_batch(case: Case) -> Result:
     from actors.sampling_params import SamplingParams
     from pipeline.bench.refs import drop_page_cache
     from pipeline.bench.routing import calibrate
-    from pipeline.config.schema import config_from_dict
+    from pipeline.config.loading import config_from_dict
     from pipeline.engine import open_engine
 
     n = case.concurrency

@@ -40,7 +40,7 @@ async def measure_engine(case: Case) -> Result:
     from pipeline.bench.read_path import between
     from pipeline.bench.refs import drop_page_cache
     from pipeline.bench.routing import calibrate
-    from pipeline.config.schema import config_from_dict
+    from pipeline.config.loading import config_from_dict
     from pipeline.counters import Counters
     from pipeline.engine import open_engine
     from pipeline.events import Done

@@ -100,7 +100,8 @@ _FLAG_KEYS = {
 def engine_config(args: argparse.Namespace, model: str | None = None, *,
                   check_paths: bool = True) -> PipelineConfig:
     """The config file (if any), then the flags, validated as one config."""
-    from pipeline.config.schema import ConfigError, config_from_dict, read_toml
+    from pipeline.config.errors import ConfigError
+    from pipeline.config.loading import config_from_dict, read_toml
 
     if getattr(args, "pool_mb", None) is not None and getattr(args, "slots", None) is not None:
         raise ConfigError("--pool-mb and --slots are exclusive: give one (or neither to size "
@@ -168,7 +169,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     from actors import timeline
     from pipeline.cli.console import run_pipeline
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
     from pipeline.prepare import ensure_container
 
     args.config = args.config_file
@@ -193,7 +194,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import trio
 
     from pipeline.cli.console import run_pipeline
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
 
     try:
         cfg = engine_config(args, args.model)
@@ -215,7 +216,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     import trio
 
     from pipeline.cli.console import chat
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
 
     try:
         cfg = engine_config(args, args.model)

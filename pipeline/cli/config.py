@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from pipeline.config.schema import ConfigError, load_config
+    from pipeline.config.errors import ConfigError
+    from pipeline.config.loading import load_config
 
     try:
         cfg = load_config(args.path, args.overrides, check_paths=not args.no_check_paths)

@@ -37,7 +37,7 @@ def server_overrides(args: argparse.Namespace) -> list[str]:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
     from pipeline.prepare import ensure_container
     from pipeline.server.serve import check_bindable, serve_config
 
