@@ -62,4 +62,8 @@ def address(array: mx.array) -> int:
 
 
 def on_cuda() -> bool:
-    return mx.default_device() != mx.cpu and mx.cuda.is_available()
+    """Whether MLX runs on its CUDA backend (False on the CPU backend and on Metal)."""
+    try:
+        return mx.default_device() != mx.cpu and bool(mx.cuda.is_available())
+    except AttributeError:  # an MLX build without the `cuda` module
+        return False
