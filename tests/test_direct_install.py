@@ -61,3 +61,19 @@ def test_a_widened_pool_is_not_written_directly(synth_checkpoint, packed) -> Non
         container.close()
     # Off CUDA there is nothing to probe: the engine keeps its host install.
     assert cuda_direct.probe({}) is None
+
+
+async def test_asking_for_direct_where_it_cannot_run_opens_with_the_host_install(synth_checkpoint, packed) -> None:
+    """`reader.device_copy = "direct"` on MLX's CPU backend: the probe declines, the engine
+    opens, installs by memcpy as always and says so; the tokens are those of the default."""
+    from helpers_engine import engine_config, generate
+
+    from pipeline.engine import open_engine
+
+    container = packed(synth_checkpoint("qwen3_next", dtype="bfloat16", bits=4))
+    tokens = []
+    for copy in ("direct", "auto"):
+        async with open_engine(engine_config(container, reader={"device_copy": copy})) as engine:
+            assert engine.facts.device_copy == "host"
+            tokens.append(list((await generate(engine, [9707, 11, 1879, 0], 6)).token_ids))
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6
