@@ -11,3 +11,11 @@ bench() {  # bench LIMIT_S NAME CONTAINER ARGS...
   timeout "$limit" $B bench "$DATA/$c.qpack" --json "$OUT/$name.json" "$@" 2>&1 | tail -"${TAIL:-16}"
   echo "== $(date -u +%T) $name rc ${PIPESTATUS[0]}"
 }
+
+# MLX compiles its CUDA kernels on first use, ~140 s of a lease's first 35B bench (session
+# 13: 167 s against 24 s once cached), and a fresh lease starts with an empty cache.
+# `ptx_save` leaves the cache in $OUT as one file; a later session copies it into .ptx/
+# (git-ignored) and carries it beside .gpu1 (64 MiB per call in all); `ptx_restore`
+# unpacks it before the first bench. Not yet tried on a lease: check the size it prints.
+ptx_save() { tar czf "$OUT/ptx-cache.tgz" -C "$DATA" ptx-cache && du -h "$OUT/ptx-cache.tgz"; }
+ptx_restore() { [ -f .ptx/ptx-cache.tgz ] && tar xzf .ptx/ptx-cache.tgz -C "$DATA" && echo "ptx cache restored"; true; }

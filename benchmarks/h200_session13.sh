@@ -18,6 +18,7 @@ print("tokens identical:", {k: ta[k] == tb.get(k) for k in ta if k in tb})
 PY
 }
 step=$1
+ptx_restore
 {
 case $step in
   setup)  # the 35B container; exactness of direct vs load on a tiny model meanwhile (on a
@@ -52,6 +53,8 @@ case $step in
     bench 40 c35-cal-direct c35 "${cold[@]}" --cases default,io --routing calibrated-gate --device-copy direct
     bench 30 c35-load c35 "${cold[@]}" --cases default --device-copy load
     tokens c35-direct c35-load ;;
+  save)  # the kernel cache into $OUT for the next lease (h200_lib.sh)
+    ptx_save ;;
   big)  # issue 31 / 25: the 80B at full dimensions, direct
     rm -rf "$DATA/c35.qpack"
     $B bench-container --preset qwen3-next-80b-a3b -o "$DATA/c80.qpack" 2>&1 | tail -2
