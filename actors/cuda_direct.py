@@ -30,11 +30,12 @@ from __future__ import annotations
 import ctypes
 import weakref
 from collections.abc import Mapping, Sequence
+from functools import cache
 
 import mlx.core as mx
 import numpy as np
 
-from actors.cuda_driver import CudaDriverError, address, check, driver, on_cuda, stream
+from actors.cuda_driver import CudaDriverError, address, check, current, driver, on_cuda, stream
 from actors.mx_typed import to_int
 
 _CU_MEMHOSTREGISTER_PORTABLE = 1
@@ -42,6 +43,7 @@ _CU_MEMHOSTREGISTER_PORTABLE = 1
 Copy = tuple[int, int, int]  # (device address, host address, bytes)
 
 
+@cache
 def _typed() -> ctypes.CDLL:
     cu, _ = driver()
     cu.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
@@ -55,7 +57,7 @@ def pin(buffer: np.ndarray) -> bool:
     engine's speed, asynchronously); False where the driver refuses (copies still work,
     through the driver's bounce buffer)."""
     cu = _typed()
-    stream()  # the context current on this thread
+    current()  # registration needs a context, not a stream
     ptr = buffer.ctypes.data
     if cu.cuMemHostRegister_v2(ptr, buffer.nbytes, _CU_MEMHOSTREGISTER_PORTABLE):
         return False

@@ -44,12 +44,20 @@ def check(rc: int, what: str) -> None:
 _local = threading.local()
 
 
+def current() -> ctypes.CDLL:
+    """libcuda, with the primary context current on this thread (made so once)."""
+    cu, ctx = driver()
+    if not getattr(_local, "current", False):
+        check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        _local.current = True
+    return cu
+
+
 def stream() -> ctypes.c_void_p:
     """This thread's stream (the primary context made current once)."""
     s = getattr(_local, "stream", None)
     if s is None:
-        cu, ctx = driver()
-        check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        cu = current()
         s = ctypes.c_void_p()
         check(cu.cuStreamCreate(ctypes.byref(s), _CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         _local.stream = s

@@ -13,11 +13,8 @@ from qpack.spec import ExpertFormat
 
 def direct_ok(layout: PoolLayout) -> bool:
     """Whether every tensor is stored as the blob holds it (no widening on the way in)."""
-    for fmt, names in ((layout.formats[k], layout.names[k]) for k in layout.formats):
-        for t in fmt.tensors:
-            if layout.arrays[names[t.name]][2] != t.nbytes:
-                return False
-    return True
+    return all(layout.arrays[layout.names[layer][t.name]][2] == t.nbytes
+               for layer, fmt in layout.formats.items() for t in fmt.tensors)
 
 
 def direct_copies(

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, cast
 import mlx.core as mx
 import numpy as np
 
+from actors.cuda_driver import on_cuda
 from actors.device_staging import to_device_many, to_device_prefetched
 from actors.libc import glibc
 from actors.pool.direct_install import direct_copies
@@ -66,7 +67,7 @@ def check_allocatable(nbytes: int) -> None:
     the last guard, without the margin, for every caller."""
     import psutil
 
-    if mx.default_device() == mx.cpu or not mx.cuda.is_available():
+    if not on_cuda():
         room, where = psutil.virtual_memory().available, "available host memory"
     else:
         info = mx.device_info()
