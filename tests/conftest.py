@@ -100,7 +100,39 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     return make
 
 
+_TMPFS = Path("/dev/shm")
+_TMPFS_FREE = 12 * 2**30  # the run's files peak near 4 GiB (kept fixtures plus a test's own)
+
+
+def _tmpfs_basetemp(config: pytest.Config) -> None:
+    """The run's temporary files on a tmpfs where there is one with room (and O_DIRECT,
+    which the reader's direct path opens with): the suite writes some 7 GB of synthetic
+    checkpoints and containers, and on the ext4 of the 2-core VM (discard) writing and
+    unlinking them cost more kernel time than the tests' own work (tests/test_pack.py with
+    tests/test_hostile_container.py: 27.5 s on disk, 15.5 s on /dev/shm). Only the process
+    that starts the run chooses: the xdist workers get their basetemp below it. A given
+    --basetemp is kept."""
+    if config.option.basetemp or hasattr(config, "workerinput") or not sys.platform.startswith("linux"):
+        return
+    try:
+        vfs = os.statvfs(_TMPFS)
+        if vfs.f_bavail * vfs.f_frsize < _TMPFS_FREE:
+            return
+        base = tempfile.mkdtemp(prefix="moestream-tests-", dir=_TMPFS)
+    except OSError:
+        return
+    try:
+        os.close(os.open(os.path.join(base, "probe"), os.O_CREAT | os.O_RDWR | os.O_DIRECT))
+    except (OSError, AttributeError):
+        shutil.rmtree(base, ignore_errors=True)
+        return
+    config.option.basetemp = base
+    config.add_cleanup(lambda: shutil.rmtree(base, ignore_errors=True))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's tmpdir plugin reads the option
 def pytest_configure(config: pytest.Config) -> None:
+    _tmpfs_basetemp(config)
     # The engine's tokenizer.json parsed once per content in this process (shared_tokenizers.py).
     import shared_tokenizers
 
