@@ -137,10 +137,11 @@ def test_launch_forwards_a_sigint_no_terminal_delivered() -> None:
 # -- a serving job, stopped the way service managers stop things -----------------------------
 
 
-def _job(fork_server, container: Path) -> tuple[Launched, int]:
+def _job(fork_server, container: Path, grace_s: float) -> tuple[Launched, int]:
+    """A two-rank serving job; a reply still running at shutdown decodes for `grace_s`."""
     port = free_ports(1)[0]
     argv = ["--log-level", "info", "serve", str(container), "--distributed", "--port", str(port),
-            "--slots", "8", "--prefill-chunk", "2", "--set", "server.shutdown_grace_s=3"]
+            "--slots", "8", "--prefill-chunk", "2", "--set", f"server.shutdown_grace_s={grace_s}"]
     job = Launched(fork_server, 2, argv)
     job.wait_for("server.listening", 120)
     return job, port
@@ -176,7 +177,7 @@ def _stopped_as_on_sigterm(job: Launched, port: int, stop: Callable[[], None]) -
 
 
 def test_sigkill_to_the_launcher_stops_every_rank(fork_server, container) -> None:
-    job, port = _job(fork_server, container)
+    job, port = _job(fork_server, container, 1)  # the 3000-token reply is cut after 1 s
     try:
         _stopped_as_on_sigterm(job, port, lambda: job.proc.kill())
         log = job.output()
@@ -187,7 +188,8 @@ def test_sigkill_to_the_launcher_stops_every_rank(fork_server, container) -> Non
 
 
 def test_sigterm_to_the_launcher_is_forwarded_and_waited_for(fork_server, container) -> None:
-    job, port = _job(fork_server, container)
+    # 3 s: the second SIGTERM must land while rank 0 still drains.
+    job, port = _job(fork_server, container, 3)
     try:
         def twice() -> None:  # as a service manager that signals the launcher and its group
             job.proc.terminate()
