@@ -127,8 +127,8 @@ def _tmpfs_basetemp(config: pytest.Config) -> None:
     checkpoints and containers, and on the ext4 of the 2-core VM (discard) writing and
     unlinking them cost more kernel time than the tests' own work (tests/test_pack.py with
     tests/test_hostile_container.py: 27.5 s on disk, 15.5 s on /dev/shm). Only the process
-    that starts the run chooses: the xdist workers get their basetemp below it. A given
-    --basetemp is kept."""
+    that starts the run chooses: the xdist workers get their basetemp below it, and TMPDIR
+    (where unset) points beside it. A given --basetemp is kept."""
     if config.option.basetemp or hasattr(config, "workerinput") or not sys.platform.startswith("linux"):
         return
     try:
@@ -140,12 +140,22 @@ def _tmpfs_basetemp(config: pytest.Config) -> None:
     except OSError:
         return
     try:
-        os.close(os.open(os.path.join(base, "probe"), os.O_CREAT | os.O_RDWR | os.O_DIRECT))
+        probe = os.path.join(base, "probe")
+        os.close(os.open(probe, os.O_CREAT | os.O_RDWR | os.O_DIRECT))
+        os.unlink(probe)
     except (OSError, AttributeError):
         shutil.rmtree(base, ignore_errors=True)
         return
-    config.option.basetemp = base
     config.add_cleanup(lambda: shutil.rmtree(base, ignore_errors=True))
+    config.option.basetemp = os.path.join(base, "pytest")
+    if "TMPDIR" not in os.environ:
+        # What the code itself puts in the temporary directory (a private copy of each
+        # container's tokenizer files per process, 15 MB at Qwen3.5's vocabulary; the
+        # launcher's hostfiles; the tokenizer cache below), in this process, the workers,
+        # the fork server and every subprocess.
+        os.mkdir(tmp := os.path.join(base, "tmp"))
+        os.environ["TMPDIR"] = tmp
+        tempfile.tempdir = None  # gettempdir() asks again
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's tmpdir plugin reads the option
