@@ -241,7 +241,17 @@ async def test_served_kimi_k2_tool_calls_in_its_own_markup(synth_checkpoint, pac
     in `<|tool_calls_section_begin|>` and results as `## Return of ID`, forced calls in
     Kimi's own markup through the official clients. The greedy batch is left out (~3 s):
     the forward pass is DeepSeek's, served greedy above."""
+    from pipeline.engine_parts import cached_tokenizer
+
     src = synth_checkpoint(FAMILY, dtype="float32", preset="kimi-tiny")
+    with Container.open(packed(src, bits=16)) as c:
+        tok = cached_tokenizer(c.tokenizer_dir())
+    # Kimi's ids (tokenizer_config.json), its turns ending at <|im_end|> (generation_config)
+    # as well as [EOS], and its split pattern keeping Han runs apart from Latin letters.
+    ids = tok.encode("<|im_user|>user<|im_middle|>中文abc<|tool_call_argument_begin|>", add_special_tokens=False)
+    assert (ids[0], ids[2], ids[-1]) == (163587, 163601, 163598)
+    assert tok.eos_token_ids == {163585, 163586}
+    assert not [t for t in map(tok.decode, ([i] for i in ids[3:-1])) if "中" in t and "a" in t]
     prompt = await served_tool_round_trip(packed(src, bits=16), src, greedy=False)
     assert prompt.startswith('<|im_system|>tool_declare<|im_middle|>[{"type":"function","function":'
                              '{"name":"get_weather","description":"Current weather for a city"')
