@@ -58,20 +58,21 @@ def synth_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., 
     workers). `bits` 4 or 8 gives the
     MLX-quantized layout (what `mlx_lm.convert -q` writes); `layout="per-expert"` gives
     transformers' text-only Qwen3.5 MoE layout; `variant="thinking"` Qwen3-Next's Thinking
-    template and generation_config; `mode` (mxfp4, nvfp4, mxfp8) and `recipe` (mixed_3_6, ...)
+    template and generation_config; `preset` another small preset (deepseek_v3 "kimi-tiny":
+    Kimi-K2's tokenizer and chat); `mode` (mxfp4, nvfp4, mxfp8) and `recipe` (mixed_3_6, ...)
     what mlx_lm.convert --q-mode / --quant-predicate write. Treat the directory as read-only.
     """
-    made: dict[tuple[str, str, int | None, str, str | None], Path] = {}
+    made: dict[tuple[str, str, int | None, str, str | None, str, str | None, str], Path] = {}
 
     def make(family: str, *, dtype: str = "float32", bits: int | None = None,
              layout: str = "hub", variant: str | None = None, mode: str = "affine",
-             recipe: str | None = None) -> Path:
+             recipe: str | None = None, preset: str = "tiny") -> Path:
         from qpack.synth.checkpoint import synthesize
 
-        key = (family, dtype, bits, layout, variant, mode, recipe)
+        key = (family, dtype, bits, layout, variant, mode, recipe, preset)
         if key not in made:
             made[key] = _once(_shared_root(tmp_path_factory), f"synth {key!r}", lambda out: synthesize(
-                out, family, "tiny", dtype=dtype, bits=bits, layout=layout, progress=False,
+                out, family, preset, dtype=dtype, bits=bits, layout=layout, progress=False,
                 variant=variant, mode=mode, recipe=recipe))
         return made[key]
 

@@ -82,6 +82,28 @@ async def collect(engine: Any) -> dict[str, np.ndarray]:
     return out
 
 
+async def collect_greedy(engine: Any) -> dict[str, np.ndarray]:
+    """The lighter comparison: the prompt's and decode steps' logits and greedy tokens."""
+    out = {f"step{i}": x for i, x in enumerate(await forward_logits(engine, PROMPT, DECODE))}
+    out["greedy"] = np.array((await generate(engine, PROMPT, GREEDY)).token_ids)
+    return out
+
+
+def greedy_job(path: str, out_dir: str) -> int:
+    """One rank of a job that only compares logits and greedy tokens (`collect_greedy`);
+    rank 0 also saves which layers it ran."""
+    from pipeline.distributed.job import run_distributed
+    from pipeline.engine import open_engine
+
+    async def rank0(cfg: Any, stage: Any) -> int:
+        async with open_engine(cfg, stage=stage) as engine:
+            np.savez(Path(out_dir) / "greedy.npz", **await collect_greedy(engine),
+                     layers=np.array(list(engine._core.model.layers)))
+        return 0
+
+    return run_distributed(config(Path(path)), lambda c, s: trio.run(rank0, c, s))
+
+
 def config(path: Path, distributed: bool = True, slots: int = 8) -> Any:
     return engine_config(path, pool={"slots": slots}, distributed={"enabled": distributed})
 

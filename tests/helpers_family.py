@@ -205,9 +205,10 @@ SCHEMAS = {"get_weather": TOOLS[0]["function"]["parameters"]}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-async def served_tool_round_trip(container: Path, src: Path, forced: bool = True) -> str:
+async def served_tool_round_trip(container: Path, src: Path, forced: bool = True, greedy: bool = True) -> str:
     """The served engine's greedy tokens equal mlx-lm's for two prompts decoded in one batch
-    (next-gate prefetch); then, through the real server and the official openai client, a request with
+    (next-gate prefetch; `greedy` False leaves that out, ~3 s, where another test of the
+    same forward pass has it); then, through the real server and the official openai client, a request with
     tools, the assistant's call and the tool's result fed back; a forced call through the
     openai and anthropic clients (`forced_calls`; off for Qwen's JSON markup, which
     tests/test_server_agent_apis.py forces). Returns the prompt the server
@@ -215,25 +216,11 @@ async def served_tool_round_trip(container: Path, src: Path, forced: bool = True
     import json
 
     import openai
-    from helpers_engine import generate
     from helpers_server import serving
 
     async with serving(container, prefill_chunk=4) as (engine, port):
-        # Two requests at once decode in one batch (plain KV caches merged); each row gets
-        # mlx-lm's tokens for its prompt alone.
-        prompts = (PROMPT, PROMPT[5:])
-        eos = set(engine.tokenizer.eos_token_ids)
-        want = [greedy_reference(reference(src), p, 12, eos, chunk=4) for p in prompts]
-        got: dict[int, list[int]] = {}
-
-        async def run(i: int) -> None:
-            got[i] = list((await generate(engine, prompts[i], 12)).token_ids)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(len(prompts)):
-                nursery.start_soon(run, i)
-        assert [got[i] for i in range(len(prompts))] == want
-        assert engine.largest_batch == 2
+        if greedy:
+            await _greedy_batch_of_two(engine, src)
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         plain = await client.chat.completions.create(model="tiny", messages=USER, max_tokens=1)
         call = {"id": "call_1", "type": "function",
@@ -250,6 +237,26 @@ async def served_tool_round_trip(container: Path, src: Path, forced: bool = True
         if forced:
             await forced_calls(client, port)
         return engine.tokenizer.decode(tokens)
+
+
+async def _greedy_batch_of_two(engine: Any, src: Path) -> None:
+    """Two requests at once decode in one batch (plain KV caches merged); each row gets
+    mlx-lm's tokens for its prompt alone."""
+    from helpers_engine import generate
+
+    prompts = (PROMPT, PROMPT[5:])
+    eos = set(engine.tokenizer.eos_token_ids)
+    want = [greedy_reference(reference(src), p, 12, eos, chunk=4) for p in prompts]
+    got: dict[int, list[int]] = {}
+
+    async def run(i: int) -> None:
+        got[i] = list((await generate(engine, prompts[i], 12)).token_ids)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(run, i)
+    assert [got[i] for i in range(len(prompts))] == want
+    assert engine.largest_batch == 2
 
 
 # Bounded values, so a random model's forced call ends within a few tokens.

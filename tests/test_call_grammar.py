@@ -35,13 +35,22 @@ WRITTEN = {
                            '"days":2,"unit":"celsius"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
     "gpt_oss": ("harmony", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
                            '{"city":"Paris","days":2,"unit":"celsius"}<|call|>'),
+    "kimi-k2": ("kimi", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                        '<|tool_call_argument_begin|>{"city":"Paris","days":2,"unit":"celsius"}<|tool_call_end|>'
+                        "<|tool_calls_section_end|>"),
 }
+# Kimi-K2 is deepseek_v3's architecture at its kimi presets (Kimi's tokenizer and chat).
+SOURCES = {"kimi-k2": ("deepseek_v3", "kimi-tiny")}
 
 
 @pytest.fixture(scope="module")
 def containers(synth_checkpoint, packed):
     """The containers the family tests build anyway (only the tokenizer and template matter)."""
-    return lambda family: packed(synth_checkpoint(family), bits=None if family == "qwen3_5_moe" else 16)
+    def make(key: str) -> Path:
+        family, preset = SOURCES.get(key, (key, "tiny"))
+        return packed(synth_checkpoint(family, preset=preset), bits=None if family == "qwen3_5_moe" else 16)
+
+    return make
 
 
 def _constraint(root: Path, tok, style: str, parallel: bool = False) -> grammar.GrammarConstraint:
@@ -104,8 +113,27 @@ def test_deepseek_parallel_calls_share_one_block(containers):
     assert parse_streamed(root, written, in_reasoning=False)[2] == [("get_time", {}), ("get_time", {})]
 
 
+def test_kimi_parallel_calls_share_one_section_and_count_on(containers):
+    """Kimi's ids number the turn's calls: the first 0, the later ones on from 1."""
+    root = containers("kimi-k2")
+    tok = cached_tokenizer(root)
+    written = "<|tool_calls_section_begin|>" + "".join(
+        f"<|tool_call_begin|>functions.get_time:{i}<|tool_call_argument_begin|>{{}}<|tool_call_end|>"
+        for i in range(2)) + "<|tool_calls_section_end|>"
+    constraint = _constraint(root, tok, "kimi", parallel=True)
+    for t in tok.encode(written, add_special_tokens=False):
+        assert constraint.allowed()[t], tok.decode([t])
+        constraint.advance(t)
+    assert constraint.matcher.is_accepting()
+    assert parse_streamed(root, written, in_reasoning=False)[2] == [("get_time", {}), ("get_time", {})]
+    # A second call numbered 0 again is not what the model writes: refused.
+    constraint = _constraint(root, tok, "kimi", parallel=True)
+    ids = tok.encode(written.replace("get_time:1", "get_time:0"), add_special_tokens=False)
+    assert not all(constraint.allowed()[t] and constraint.advance(t) is None for t in ids)
+
+
 def test_an_unknown_style_is_one_line():
-    with pytest.raises(ValueError, match="unknown tool-call style 'yaml'; one of json, xml, kv, sep, sep-fenced, harmony"):
+    with pytest.raises(ValueError, match="unknown tool-call style 'yaml'; one of json, xml, kv, sep, sep-fenced, harmony, kimi"):
         call_grammar.tool_grammar(TOOLS, parallel=False, style="yaml")
 
 

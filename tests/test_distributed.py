@@ -254,6 +254,35 @@ def test_three_ranks_give_one_process_logits(fork_server, containers, tmp_path, 
     assert text and text in job.ranks[0].output()  # `generate --distributed` printed the same
 
 
+async def _greedy_in_one_process(path: Path) -> dict[str, np.ndarray]:
+    from distributed_ranks import collect_greedy, config
+
+    async with open_engine(config(path, distributed=False)) as engine:
+        return await collect_greedy(engine)
+
+
+def test_two_ranks_split_glm_as_one_process(fork_server, synth_checkpoint, packed, tmp_path) -> None:
+    """GLM-4.5 (a dense first layer, shared experts, grouped routing): rank 0 runs the dense
+    layer and the first MoE layer, rank 1 the other; the logits of the prompt and of decode
+    steps bit for bit, and the greedy tokens, are one process's. Only these (the decode
+    batch and the prefix cache across ranks run on DeepSeek's split above): a two-rank job
+    of its own costs ~4 s here."""
+    from distributed_ranks import greedy_job
+
+    path = packed(synth_checkpoint("glm4_moe", dtype="float32"), bits=16)
+    job = Job(fork_server, 2, tmp_path, (str(path), str(tmp_path)), target=greedy_job)
+    try:
+        want = trio.run(_greedy_in_one_process, path)
+        assert job.wait(TIMEOUT) == [0, 0], job.outputs()
+    finally:
+        job.kill()
+    got = np.load(tmp_path / "greedy.npz")
+    assert list(got["layers"]) == [0, 1]
+    assert len(want["greedy"]) == GREEDY
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+
+
 async def _served_by_one_process(container: Path, body: dict) -> dict:
     async with serving(container, prefill_chunk=2) as (_, port):
         status, reply = await trio.to_thread.run_sync(_post, port, body)

@@ -66,16 +66,17 @@ def test_no_product_module_outside_the_family_modules_names_a_family():
 
 @pytest.mark.parametrize("name", families.names())
 def test_each_template_writes_tool_calls_in_its_declared_style(name):
-    """`tool_calls` is what the family's chat template renders (transformers' Jinja setup)."""
+    """`tool_call_style` is what each chat variant's template renders (transformers' Jinja setup)."""
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     fam = family(name)
-    marker = {"json": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',
+    markers = {"json": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',
               "xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>",
               "kv": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>",
               "sep": '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>',
               "harmony": ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
-                          '{"city": "Paris"}<|call|>')}[fam.tool_calls]
+                          '{"city": "Paris"}<|call|>'),
+               "kimi": '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'}
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
     messages = [{"role": "user", "content": "Weather in Paris?"},
@@ -84,4 +85,4 @@ def test_each_template_writes_tool_calls_in_its_declared_style(name):
     for variant in fam.variants:
         text = _compile_jinja_template(fam.chat_template(variant)).render(
             messages=messages, tools=tools, add_generation_prompt=False)
-        assert marker in text, (variant, text)
+        assert markers[fam.tool_call_style(variant)] in text, (variant, text)

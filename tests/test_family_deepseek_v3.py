@@ -233,3 +233,38 @@ async def test_served_tool_calls_and_reasoning_in_deepseek_markup(pair):
     reasoning, content, calls = parse_streamed(qpack, out, in_reasoning=True)
     assert (reasoning, content) == ("The user wants weather.", "Let me check.")
     assert calls == [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Lyon"})]
+
+
+async def test_served_kimi_k2_tool_calls_in_its_own_markup(synth_checkpoint, packed):
+    """Kimi-K2 (deepseek_v3's architecture, the kimi-tiny preset: Kimi's routing, its
+    tokenizer's 163840 ids, its template): tools declared in the `tool_declare` turn, calls
+    in `<|tool_calls_section_begin|>` and results as `## Return of ID`, forced calls in
+    Kimi's own markup through the official clients. The greedy batch is left out (~3 s):
+    the forward pass is DeepSeek's, served greedy above."""
+    from pipeline.engine_parts import cached_tokenizer
+
+    src = synth_checkpoint(FAMILY, dtype="float32", preset="kimi-tiny")
+    with Container.open(packed(src, bits=16)) as c:
+        tok = cached_tokenizer(c.tokenizer_dir())
+    # Kimi's ids (tokenizer_config.json), its turns ending at <|im_end|> (generation_config)
+    # as well as [EOS], and its split pattern keeping Han runs apart from Latin letters.
+    ids = tok.encode("<|im_user|>user<|im_middle|>中文abc<|tool_call_argument_begin|>", add_special_tokens=False)
+    assert (ids[0], ids[2], ids[-1]) == (163587, 163601, 163598)
+    assert tok.eos_token_ids == {163585, 163586}
+    assert not [t for t in map(tok.decode, ([i] for i in ids[3:-1])) if "中" in t and "a" in t]
+    prompt = await served_tool_round_trip(packed(src, bits=16), src, greedy=False)
+    assert prompt.startswith('<|im_system|>tool_declare<|im_middle|>[{"type":"function","function":'
+                             '{"name":"get_weather","description":"Current weather for a city"')
+    assert ("<|im_end|><|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI."
+            "<|im_end|><|im_user|>user<|im_middle|>What is the weather in Paris?<|im_end|>"
+            "<|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|><|tool_call_begin|>call_1"
+            '<|tool_call_argument_begin|>{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|>'
+            "<|im_end|><|im_system|>tool<|im_middle|>## Return of call_1\n18 degrees and sunny<|im_end|>") in prompt
+    assert prompt.endswith("<|im_assistant|>assistant<|im_middle|>")
+    out = ("Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+           '<|tool_call_argument_begin|>{"city": "Paris", "days": 2}<|tool_call_end|><|tool_call_begin|>'
+           'functions.get_weather:1<|tool_call_argument_begin|>{"city": "Lyon"}<|tool_call_end|>'
+           "<|tool_calls_section_end|>")
+    reasoning, content, calls = parse_streamed(packed(src, bits=16), out, in_reasoning=False)
+    assert (reasoning, content) == ("", "Let me check.")
+    assert calls == [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Lyon"})]

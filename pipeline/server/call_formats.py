@@ -11,6 +11,8 @@
 
 - Separator (DeepSeek-V3.1): `NAME<｜tool▁sep｜>{"city": "Paris"}`; V3-0324 / R1 wrote
   `function<｜tool▁sep｜>NAME` then the arguments in a ```json fence, read too.
+- Kimi-K2: `functions.NAME:0<|tool_call_argument_begin|>{"city": "Paris"}` (the call's id,
+  `functions.` + name + `:` + its index in the turn, then the arguments).
 
 Which style a family writes is fixed by its chat template, but every style is accepted for
 every family: a body is unambiguous (JSON starts with `{`, XML with `<function=`, key/value
@@ -135,6 +137,29 @@ def parse_sep_call(body: str) -> tuple[str, dict[str, Any]] | None:
     return (name, args) if isinstance(args, dict) else None
 
 
+KIMI_ARGUMENTS = "<|tool_call_argument_begin|>"
+_KIMI_ID = re.compile(r"\s*(?:functions\.)?([\w.\-]+?)(?::\d+)?\s*")
+
+
+def parse_kimi_call(body: str) -> tuple[str, dict[str, Any]] | None:
+    """`functions.NAME:IDX<|tool_call_argument_begin|>{...}` (Kimi-K2) -> (name, arguments):
+    the name is the id less its `functions.` prefix and `:IDX` suffix (a dotted tool name
+    stays whole); None if the arguments are no JSON object."""
+    ident, _, text = body.partition(KIMI_ARGUMENTS)
+    m = _KIMI_ID.fullmatch(ident)
+    if m is None:
+        return None
+    try:
+        args = json.loads(text) if text.strip() else {}
+    except ValueError:
+        return None
+    return (m[1], args) if isinstance(args, dict) else None
+
+
+# Bodies told apart by a separator token in them, before the shape-told styles.
+_SEPARATED = ((TOOL_SEP, parse_sep_call), (KIMI_ARGUMENTS, parse_kimi_call))
+
+
 def _strip_newline(text: str) -> str:
     # The template writes "<parameter=x>\n" + value + "\n</parameter>": one newline on each
     # side is framing, the rest (a multi-line value's own newlines) belongs to the value.
@@ -227,8 +252,9 @@ def _convert(text: str, kind: str) -> tuple[bool, Any]:
 def parse_call_body(body: str, schemas: Schemas | None = None) -> tuple[str, str] | None:
     """A `<tool_call>` body in either style -> (name, arguments as JSON text), or None."""
     start = body.lstrip()
-    if TOOL_SEP in body:
-        parsed = parse_sep_call(body)
+    separated = next((parse for sep, parse in _SEPARATED if sep in body), None)
+    if separated is not None:
+        parsed = separated(body)
     elif start.startswith("{"):
         parsed = parse_json_call(body)
     elif start.startswith("<function="):

@@ -18,6 +18,9 @@ grammar writes exactly that markup, the arguments constrained to the tool's sche
   \n```json\n{...}\n```` and the calls apart by a newline
 - harmony (gpt-oss): `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>
   {...}<|call|>` (one call: `<|call|>` ends the turn, so parallel calls do not exist)
+- kimi (Kimi-K2): `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0
+  <|tool_call_argument_begin|>{...}<|tool_call_end|><|tool_calls_section_end|>` (later
+  parallel calls numbered on from 1)
 
 The xml and kv styles write values bare, as the templates do: a string as its text (no `<`
 in it: the closing tag is what ends it), an enum of strings as one of them, anything else
@@ -34,7 +37,7 @@ from typing import Any
 from pipeline.server.grammar import closed, compact_json
 
 Tool = tuple[str, dict[str, Any] | None]  # (name, parameters schema)
-STYLES = ("json", "xml", "kv", "sep", "sep-fenced", "harmony")
+STYLES = ("json", "xml", "kv", "sep", "sep-fenced", "harmony", "kimi")
 NEWLINE = "\n"
 _PROBE_NAME, _PROBE_KEY = "probe_call", "probe_key"
 _PROBE_TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {
@@ -46,6 +49,7 @@ _PROBE: list[dict[str, Any]] = [
         "name": _PROBE_NAME, "arguments": {_PROBE_KEY: "probe_value"}}}]}]
 # Markers of each style in a rendered call, most specific first (json is what is left).
 _MARKERS = (("sep-fenced", f"function<｜tool▁sep｜>{_PROBE_NAME}"), ("sep", "<｜tool▁sep｜>"),
+            ("kimi", "<|tool_call_argument_begin|>"),
             ("harmony", f"to=functions.{_PROBE_NAME}"), ("kv", f"<arg_key>{_PROBE_KEY}</arg_key>"),
             ("xml", f"<function={_PROBE_NAME}>"))
 _STYLES: dict[tuple[int, str], str] = {}
@@ -119,42 +123,72 @@ def _json_call(tools: Sequence[Tool]) -> str:
     return f'call: <tool_call> "\\n" %json {json.dumps(compact_json(schema))} "\\n" </tool_call>'
 
 
-def _call(style: str, name: str, params: dict[str, Any] | None) -> str:
-    if style == "xml":
-        pair = '"<parameter=" {key} ">" {value} "</parameter>\\n"'
-        args = _arguments(params, pair, NEWLINE)
-        return (f'<tool_call> "\\n<function=" {_lit(name)} ">\\n" {args} '
-                f'"</function>\\n" </tool_call>')
-    if style == "kv":
-        pair = '<arg_key> {key} </arg_key> "\\n" <arg_value> {value} </arg_value> "\\n"'
-        return f'<tool_call> {_lit(name)} "\\n" {_arguments(params, pair)} </tool_call>'
-    if style == "sep":
-        return f"<｜tool▁call▁begin｜> {_lit(name)} <｜tool▁sep｜> {_json_args(params)} <｜tool▁call▁end｜>"
-    if style == "sep-fenced":
-        return (f'<｜tool▁call▁begin｜> "function" <｜tool▁sep｜> {_lit(name + NEWLINE + "```json" + NEWLINE)} '
-                f'{_json_args(params)} "\\n```" <｜tool▁call▁end｜>')
-    if style == "harmony":
-        return (f'<|channel|> {_lit(f"commentary to=functions.{name} ")} <|constrain|> "json" <|message|> '
-                f"{_json_args(params)} <|call|>")
-    raise ValueError(f"unknown tool-call style {style!r}; one of {', '.join(STYLES)}")
+def _xml(name: str, params: dict[str, Any] | None, index: str) -> str:
+    pair = '"<parameter=" {key} ">" {value} "</parameter>\\n"'
+    return (f'<tool_call> "\\n<function=" {_lit(name)} ">\\n" {_arguments(params, pair, NEWLINE)} '
+            f'"</function>\\n" </tool_call>')
+
+
+def _kv(name: str, params: dict[str, Any] | None, index: str) -> str:
+    pair = '<arg_key> {key} </arg_key> "\\n" <arg_value> {value} </arg_value> "\\n"'
+    return f'<tool_call> {_lit(name)} "\\n" {_arguments(params, pair)} </tool_call>'
+
+
+def _sep(name: str, params: dict[str, Any] | None, index: str) -> str:
+    return f"<｜tool▁call▁begin｜> {_lit(name)} <｜tool▁sep｜> {_json_args(params)} <｜tool▁call▁end｜>"
+
+
+def _sep_fenced(name: str, params: dict[str, Any] | None, index: str) -> str:
+    return (f'<｜tool▁call▁begin｜> "function" <｜tool▁sep｜> {_lit(name + NEWLINE + "```json" + NEWLINE)} '
+            f'{_json_args(params)} "\\n```" <｜tool▁call▁end｜>')
+
+
+def _harmony(name: str, params: dict[str, Any] | None, index: str) -> str:
+    return (f'<|channel|> {_lit(f"commentary to=functions.{name} ")} <|constrain|> "json" <|message|> '
+            f"{_json_args(params)} <|call|>")
+
+
+def _kimi(name: str, params: dict[str, Any] | None, index: str) -> str:
+    return (f"<|tool_call_begin|> {_lit(f'functions.{name}:')} {index} <|tool_call_argument_begin|> "
+            f"{_json_args(params)} <|tool_call_end|>")
+
+
+# One call's markup by style; `index` is the call's place in the turn as a Lark expression
+# (only Kimi writes it, in the call's id).
+_CALLS = {"xml": _xml, "kv": _kv, "sep": _sep, "sep-fenced": _sep_fenced, "harmony": _harmony, "kimi": _kimi}
+_LINES = ' ("\\n" call)*'
+# How each style frames its calls: the start rule (`{more}`: where parallel calls go) and
+# what a further call is. DeepSeek's and Kimi's calls sit in one section; GLM's template
+# puts a newline after `<think></think>`; gpt-oss writes one call a turn (`<|call|>` ends
+# it); the rest are calls a line apart.
+_FRAMES = {
+    "sep": ("<｜tool▁calls▁begin｜> call{more} <｜tool▁calls▁end｜>", " call*"),
+    "sep-fenced": ("<｜tool▁calls▁begin｜> call{more} <｜tool▁calls▁end｜>", _LINES),
+    "kimi": ("<|tool_calls_section_begin|> call{more} <|tool_calls_section_end|>", " later*"),
+    "harmony": ("call{more}", ""),
+    "kv": ('"\\n"? call{more}', _LINES),
+}
+# Kimi's ids count the turn's calls from 0: the first is 0, a later one up to 99 (a bound:
+# a random model held to digits alone could write them until max_tokens).
+_FIRST, _LATER = '"0"', "/[1-9][0-9]?/"
 
 
 def tool_grammar(tools: Sequence[Tool], parallel: bool, style: str = "json") -> str:
     """One or more calls in `style`, each naming one of `tools` with matching arguments."""
     import llguidance
 
+    frame, more = _FRAMES.get(style, ("call{more}", _LINES))
+    more = more if parallel else ""
     if style == "json":
         rules = [_json_call(tools)]
+    elif style in _CALLS:
+        body = _CALLS[style]
+        rules = []
+        for rule, index in (("call", _FIRST), ("later", _LATER)):
+            if rule == "call" or "later" in more:
+                rules += [f"{rule}: " + " | ".join(f"{rule}_{i}" for i in range(len(tools))),
+                          *(f"{rule}_{i}: {body(name, params, index)}" for i, (name, params) in enumerate(tools))]
     else:
-        rules = ["call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
-                 *(f"call_{i}: {_call(style, name, params)}" for i, (name, params) in enumerate(tools))]
-    if style in ("sep", "sep-fenced"):  # the calls sit in one <｜tool▁calls▁begin｜> block
-        more = (' ("\\n" call)*' if style == "sep-fenced" else " call*") if parallel else ""
-        start = "start: <｜tool▁calls▁begin｜> call" + more + " <｜tool▁calls▁end｜>"
-    elif style == "harmony":
-        start = "start: call"
-    elif style == "kv":  # after GLM's `<think></think>` the template puts a newline
-        start = 'start: "\\n"? call' + (' ("\\n" call)*' if parallel else "")
-    else:
-        start = "start: call" + (' ("\\n" call)*' if parallel else "")
+        raise ValueError(f"unknown tool-call style {style!r}; one of {', '.join(STYLES)}")
+    start = "start: " + frame.format(more=more)
     return llguidance.LLMatcher.grammar_from_lark("\n".join([start, *rules]) + "\n")

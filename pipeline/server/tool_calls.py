@@ -4,7 +4,9 @@ Qwen models write tool calls as `<tool_call>{"name": ..., "arguments": {...}}</t
 (Qwen3-Next) or `<tool_call><function=NAME><parameter=ARG>value</parameter></function>
 </tool_call>` (Qwen3.5/3.6; values typed from the tools' JSON schemas, see `call_formats`),
 DeepSeek-V3.x as `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` inside a
-`<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>` section,
+`<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>` section, Kimi-K2 as
+`<|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}<|tool_call_end|>` inside
+`<|tool_calls_section_begin|>` ... `<|tool_calls_section_end|>`,
 and thinking as `<think>...</think>` (thinking templates open the `<think>` in the prompt,
 so the output starts inside it: the caller says so with `in_reasoning`). gpt-oss writes
 harmony channels instead (`<|channel|>analysis<|message|>...`): from its first `<|channel|>`
@@ -34,7 +36,12 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 # section whose markers carry nothing (dropped).
 DS_CALL_OPEN, DS_CALL_CLOSE = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
 DS_SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
-CALLS = {CALL_OPEN: CALL_CLOSE, DS_CALL_OPEN: DS_CALL_CLOSE}  # opening tag -> its closing tag
+# Kimi-K2: the same shape in its own tokens.
+KIMI_CALL_OPEN, KIMI_CALL_CLOSE = "<|tool_call_begin|>", "<|tool_call_end|>"
+KIMI_SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+SECTIONS = (*DS_SECTION, *KIMI_SECTION)
+# opening tag -> its closing tag
+CALLS = {CALL_OPEN: CALL_CLOSE, DS_CALL_OPEN: DS_CALL_CLOSE, KIMI_CALL_OPEN: KIMI_CALL_CLOSE}
 HARMONY = (CHANNEL, START)  # gpt-oss's message markers: the rest is harmony
 
 
@@ -92,7 +99,7 @@ class OutputParser:
             return (THINK_CLOSE,)
         if self._mode == "call":
             return (CALLS[self._open],)
-        return (THINK_OPEN, *CALLS, *DS_SECTION, *HARMONY) if self.tools else (THINK_OPEN, *HARMONY)
+        return (THINK_OPEN, *CALLS, *SECTIONS, *HARMONY) if self.tools else (THINK_OPEN, *HARMONY)
 
     def feed(self, delta: str) -> list[Part]:
         out: list[Part] = []

@@ -60,8 +60,9 @@ class CheckpointFamily:
     template_file: ClassVar[bool] = False  # chat_template.jinja beside the tokenizer (else inline)
     # How the template writes a <tool_call> body: "json" (hermes), "xml" (<function=...>),
     # "kv" (<arg_key>/<arg_value>), "sep" (DeepSeek: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>JSON)
-    # or "harmony" (gpt-oss: <|start|>assistant to=functions.NAME<|channel|>commentary json
-    # <|message|>JSON<|call|>); the server reads every style (server/call_formats.py,
+    # "harmony" (gpt-oss: <|start|>assistant to=functions.NAME<|channel|>commentary json
+    # <|message|>JSON<|call|>) or "kimi" (Kimi-K2: <|tool_call_begin|>functions.NAME:0
+    # <|tool_call_argument_begin|>JSON<|tool_call_end|>); the server reads every style (server/call_formats.py,
     # server/harmony.py).
     tool_calls: ClassVar[str] = "json"
     # Whether routing statistics of this family's trained routers are published (what the
@@ -149,6 +150,20 @@ class CheckpointFamily:
 
     def generation_config(self, dims: ModelDims, variant: str) -> dict[str, Any]:
         raise NotImplementedError
+
+    def preset_variants(self, preset: str) -> tuple[str, ...]:
+        """The chat variants a preset's release ships, its default first: the family's own,
+        unless a preset's release has another tokenizer and chat (Kimi-K2 on DeepSeek-V3's
+        architecture)."""
+        return self.variants
+
+    def tokenizer_facts(self, variant: str) -> TokenizerFacts:
+        """The tokenizer a chat variant ships with."""
+        return self.tokenizer
+
+    def tool_call_style(self, variant: str) -> str:
+        """How a chat variant's template writes tool calls (`tool_calls`' styles)."""
+        return self.tool_calls
 
     def template_name(self, variant: str) -> str:
         """The chat template under qpack/synth/templates (without .jinja)."""

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from qpack.families import kimi_chat
 from qpack.families.base import (
     CheckpointFamily,
     TokenizerFacts,
@@ -70,6 +71,9 @@ _V3 = dict(hidden_size=7168, num_hidden_layers=61, num_experts=256, num_experts_
            n_group=8, topk_group=4, routed_scaling_factor=2.5, rope_theta=10000.0,
            rms_norm_eps=1e-6, max_position_embeddings=163840, q_lora_rank=1536, kv_lora_rank=512,
            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+_KIMI = dict(_V3, num_experts=384, num_attention_heads=64, num_key_value_heads=64, vocab_size=163840,
+             first_dense_layers=1, n_group=1, topk_group=1, routed_scaling_factor=2.827,
+             rope_theta=50000.0, max_position_embeddings=131072)
 PRESETS = {
     # V3's routing (groups of the experts, the best half kept; scaling 2.5) and YaRN, at a
     # size MLX's CPU runs in milliseconds; every Linear's input a multiple of 64, and the
@@ -82,12 +86,38 @@ PRESETS = {
     # Real dimensions (hub config.json). ~6.3 GB of 4-bit experts per MoE layer (Kimi-K2:
     # ~9.5 GB): bench them with --max-layers (see docs/families.md).
     "deepseek-v3": ModelDims(family="deepseek_v3", name="deepseek-v3", **_V3),  # type: ignore[arg-type]
-    "kimi-k2": ModelDims(family="deepseek_v3", name="kimi-k2", **dict(
-        _V3, num_experts=384, num_attention_heads=64, num_key_value_heads=64, vocab_size=163840,
-        first_dense_layers=1, n_group=1, topk_group=1, routed_scaling_factor=2.827,
-        rope_theta=50000.0, max_position_embeddings=131072)),  # type: ignore[arg-type]
+    "kimi-k2": ModelDims(family="deepseek_v3", name="kimi-k2", **_KIMI),  # type: ignore[arg-type]
+    # Kimi-K2's routing (one group, scaling 2.827), YaRN and vocabulary (its own tokenizer's
+    # 163840 ids) at the tiny sizes: what the Kimi chat is served on in the tests.
+    "kimi-tiny": ModelDims(family="deepseek_v3", name="kimi-tiny", **dict(
+        _KIMI, hidden_size=64, num_hidden_layers=3, num_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+        intermediate_size=128, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=64,
+        qk_rope_head_dim=16, v_head_dim=128)),  # type: ignore[arg-type]
 }
-ROPE_SCALING = {"tiny": _YARN_V3, "deepseek-v3": _YARN_V3, "kimi-k2": _YARN_KIMI}
+ROPE_SCALING = {"tiny": _YARN_V3, "deepseek-v3": _YARN_V3, "kimi-k2": _YARN_KIMI, "kimi-tiny": _YARN_KIMI}
+
+
+class Chat(NamedTuple):
+    """What a chat variant's release ships: its tokenizer, chat template, tool-call style,
+    and the BOS / EOS ids of its config.json."""
+
+    tokenizer: TokenizerFacts
+    template: str
+    tool_calls: str
+    bos_eos: tuple[int, int]
+    generation: dict[str, Any]  # generation_config.json
+
+
+# deepseek-ai/DeepSeek-V3.1's generation_config.json.
+_GENERATION = {"_from_model_config": True, "bos_token_id": BOS, "eos_token_id": EOS, "do_sample": True,
+               "temperature": 0.6, "top_p": 0.95, "transformers_version": "4.46.3"}
+# V3.1's own chat, and Kimi-K2's (Moonshot's tokenizer and markup on this architecture).
+CHATS = {"hybrid": Chat(TOKENIZER, "deepseek_v3", "sep", (BOS, EOS), _GENERATION),
+         "kimi-k2": Chat(kimi_chat.TOKENIZER, "kimi_k2", "kimi", (kimi_chat.BOS, kimi_chat.EOS),
+                         kimi_chat.GENERATION)}
+# The chat each preset's release ships.
+PRESET_CHAT = {"tiny": "hybrid", "deepseek-v3": "hybrid", "kimi-k2": "kimi-k2", "kimi-tiny": "kimi-k2"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _KV_B = "self_attn.kv_b_proj.weight"
 _PARTS = ("self_attn.embed_q.weight", "self_attn.unembed_out.weight")
@@ -122,12 +152,26 @@ class DeepseekV3(CheckpointFamily):
     experts_key = "n_routed_experts"
     presets = PRESETS
     full_size = ("deepseek-v3", "kimi-k2")
-    variants = ("hybrid",)  # V3.1: answers directly unless `thinking` (or enable_thinking) is true
+    # hybrid (V3.1): answers directly unless `thinking` (or enable_thinking) is true;
+    # kimi-k2: Kimi-K2-Instruct's tokenizer and chat (the Kimi presets).
+    variants = tuple(CHATS)
     tokenizer = TOKENIZER
     tool_calls = "sep"
     float32_suffixes = ("e_score_correction_bias",)  # mlx-lm's cast_predicate keeps it float32
     not_quantized = ("mlp.gate.weight",)  # MoEGate is no Linear: mlx_lm.convert leaves it float
     multi_linear = ("self_attn.embed_q.weight", "self_attn.unembed_out.weight")
+
+    def preset_variants(self, preset: str) -> tuple[str, ...]:
+        return (PRESET_CHAT.get(preset, "hybrid"),)
+
+    def tokenizer_facts(self, variant: str) -> TokenizerFacts:
+        return CHATS[variant].tokenizer
+
+    def tool_call_style(self, variant: str) -> str:
+        return CHATS[variant].tool_calls
+
+    def template_name(self, variant: str) -> str:
+        return CHATS[variant].template
 
     def target_name(self, name: str, text: dict[str, Any]) -> str | None:
         """The hub's names are mlx-lm's but for kv_b_proj (split, `dense_parts`); the MTP
@@ -212,21 +256,22 @@ class DeepseekV3(CheckpointFamily):
         return out + routed_mlp(p, dims, layer)
 
     def generation_config(self, dims: ModelDims, variant: str) -> dict[str, Any]:
-        """deepseek-ai/DeepSeek-V3.1's generation_config.json."""
-        return {"_from_model_config": True, "bos_token_id": BOS, "eos_token_id": EOS, "do_sample": True,
-                "temperature": 0.6, "top_p": 0.95, "transformers_version": "4.46.3"}
+        """The chat's generation_config.json (DeepSeek-V3.1's, Kimi-K2-Instruct's)."""
+        return dict(CHATS[variant].generation)
 
     def hf_config(self, dims: ModelDims, torch_dtype: str, layout: str) -> dict[str, Any]:
         """config.json of deepseek-ai/DeepSeek-V3.1 (DeepseekV3ForCausalLM; the FP8 block
         quantization_config and the auto_map to its remote code left out: synth writes float
-        weights, and mlx-lm and transformers have the architecture), this preset's dimensions."""
+        weights, and mlx-lm and transformers have the architecture), this preset's dimensions
+        and its chat's BOS / EOS ids (Kimi-K2's config.json: 163584 / 163585)."""
+        bos, eos = CHATS[PRESET_CHAT.get(dims.name, "hybrid")].bos_eos
         return {
             "architectures": ["DeepseekV3ForCausalLM"],
             "attention_bias": False,
             "attention_dropout": 0.0,
             "aux_loss_alpha": 0.001,
-            "bos_token_id": BOS,
-            "eos_token_id": EOS,
+            "bos_token_id": bos,
+            "eos_token_id": eos,
             "ep_size": 1,
             "first_k_dense_replace": dims.first_dense_layers,
             "hidden_act": "silu",

@@ -260,8 +260,10 @@ def _write(root: Path, dims: ModelDims, bits: int, group_size: int, seed: int,
     config["quantization_config"] = quant
     (root / spec.CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     from qpack.synth.tokenizer import write_tokenizer
+    from qpack.synth.variants import check_variant
 
-    small = [root / spec.CONFIG, *write_tokenizer(root, dims.family)]
+    # The preset's release's tokenizer and chat (Kimi-K2's on its deepseek_v3 preset).
+    small = [root / spec.CONFIG, *write_tokenizer(root, dims.family, check_variant(dims.family, None, dims.name))]
     for p in small:
         files[p.name] = (p.stat().st_size, _sha256_file(p))
     dense_size = write_safetensors(root / spec.DENSE, entries, {"format": "mlx"})

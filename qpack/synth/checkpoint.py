@@ -263,7 +263,7 @@ def synthesize(
     everything quantized but the routed experts).
     """
     dims = get_preset(family, preset)
-    variant = check_variant(dims.family, variant)
+    variant = check_variant(dims.family, variant, dims.name)
     if dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"dtype {dtype!r}: expected bfloat16, float16 or float32")
     if mode not in MODE_DEFAULTS:

@@ -23,13 +23,15 @@ from qpack.families import UnsupportedModel, family, names
 
 
 class TokenizerSpec:
-    """A family's tokenizer facts (qpack.families: ranks, split pattern, added tokens)."""
+    """A family's tokenizer facts (qpack.families: ranks, split pattern, added tokens), those
+    of one chat variant where its variants ship different tokenizers (Kimi-K2)."""
 
-    def __init__(self, family_name: str) -> None:
+    def __init__(self, family_name: str, variant: str | None = None) -> None:
         try:
-            self.facts = family(family_name).tokenizer
+            fam = family(family_name)
         except UnsupportedModel:
             raise ValueError(f"unknown family {family_name!r}: expected one of {list(names())}") from None
+        self.facts = fam.tokenizer_facts(variant or fam.variants[0])
         f = self.facts
         self.family = family_name
         self.ranks_file, self.pattern, self.specials = f.ranks_file, f.pattern, f.specials
@@ -83,11 +85,11 @@ def bpe_model(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tuple[str, 
     return {text[tok]: rank for tok, rank in ranks.items()}, [(m[3], m[4]) for m in merges]
 
 
-def build_tokenizer(family: str):  # -> tokenizers.Tokenizer
+def build_tokenizer(family: str, variant: str | None = None):  # -> tokenizers.Tokenizer
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE
 
-    spec = TokenizerSpec(family)
+    spec = TokenizerSpec(family, variant)
     # A family whose vocabulary is a prefix of the file's keeps its first ranks only
     # (BPE with fewer merges is still a valid BPE).
     # Leading added tokens (DeepSeek's BOS/EOS/pad at 0..2) push the ranks up by their count.
@@ -124,15 +126,15 @@ def build_tokenizer(family: str):  # -> tokenizers.Tokenizer
 
 
 @cache
-def tokenizer_json(family: str) -> str:
+def tokenizer_json(family: str, variant: str | None = None) -> str:
     """tokenizer.json's text. Building it takes seconds (150-250k ranks), so it is built
     once per process and kept on disk (`cache_path`) for the next process."""
-    path = cache_path(family)
+    path = cache_path(family, variant)
     try:
         return path.read_text()
     except OSError:
         pass
-    text = build_tokenizer(family).to_str()
+    text = build_tokenizer(family, variant).to_str()
     try:  # a cache only: a read-only home still synthesizes
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -143,14 +145,14 @@ def tokenizer_json(family: str) -> str:
     return text
 
 
-def cache_path(family: str) -> Path:
+def cache_path(family: str, variant: str | None = None) -> Path:
     """$MOESTREAM_CACHE (or ~/.cache/moestream)/tokenizers/RANKS-KEY.json. KEY hashes the
     ranks, the family's tokenizer facts, this module and the tokenizers version: any of
     them changing builds anew, and families sharing a tokenizer (Qwen3 and Qwen3-Next)
     share one file."""
     import tokenizers
 
-    spec = TokenizerSpec(family)
+    spec = TokenizerSpec(family, variant)
     digest = hashlib.sha256(tokenizers.__version__.encode())
     digest.update(Path(__file__).read_bytes())
     # Field by field, sets sorted: a set's repr follows string hashing, which Python seeds
@@ -169,7 +171,7 @@ def chat_template(family_name: str, variant: str | None = None) -> str:
 
 
 def tokenizer_config(family_name: str, variant: str | None = None) -> dict[str, Any]:
-    spec = TokenizerSpec(family_name)
+    spec = TokenizerSpec(family_name, variant)
     f = spec.facts
     decoder = {
         str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
@@ -201,7 +203,7 @@ def write_tokenizer(out: Path, family_name: str, variant: str | None = None) -> 
     family ships its template as a file)."""
     out = Path(out)
     written = [out / "tokenizer.json", out / "tokenizer_config.json"]
-    written[0].write_text(tokenizer_json(family_name))
+    written[0].write_text(tokenizer_json(family_name, variant))
     written[1].write_text(json.dumps(tokenizer_config(family_name, variant), indent=2, ensure_ascii=False) + "\n")
     if family(family_name).template_file:
         written.append(out / "chat_template.jinja")
