@@ -203,3 +203,40 @@ def test_batch_cases_decode_rows_together_under_calibrated_routing(tiny_bench: P
     assert derived["batch_2_aggregate_over_1"] == 1.5
     assert derived["batch_2@router_aggregate_over_1"] == 4.0
     assert derived["batch_2@router_ms_per_token_over_1"] == 0.5
+
+
+def test_a_failing_case_is_one_line_and_finished_cases_are_on_disk(tiny_bench: Path,
+                                                                  tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from pipeline.bench.cases import run_case
+    from pipeline.bench.spec import Case
+
+    # A case whose worker raises: its error is the exception's one line, no traceback.
+    missing = run_case(Case(name="default", model=str(tmp_path / "gone.qpack"), max_tokens=2))
+    assert missing.error is not None and "\n" not in missing.error
+    assert "gone.qpack" in missing.error and "Traceback" not in missing.error
+    assert 'File "' not in missing.error
+
+    # The JSON is rewritten after every case: a bench stopped (a time limit, a lost
+    # machine) while its second case runs keeps its first.
+    out = tmp_path / "partial.json"
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, str(root / "benchmarks" / "moestream_bench.py"), "bench", str(tiny_bench),
+         "--cases", "io,default", "--max-tokens", "4000", "--json", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not out.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the bench ended before its first case's JSON appeared"
+        report = json.loads(out.read_text())
+        assert [r["name"] for r in report["results"]] == ["io"]
+        assert report["results"][0]["read_gb_s"] > 0
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -216,8 +217,9 @@ def run_case(case: Case, timeout_s: float | None = None) -> Result:
         return Result(name=case.name, kind=case.kind, error=f"timed out after {timeout_s} s")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
-        return Result(name=case.name, kind=case.kind, error=f"exit {proc.returncode}: " + " | ".join(tail))
+        # A crash (the worker reports its own exceptions): the last line says what killed it.
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return Result(name=case.name, kind=case.kind, error=f"exit {proc.returncode}: {tail[0]}")
     return msgspec.json.decode(lines[-1], type=Result)
 
 
@@ -316,7 +318,11 @@ def main(argv: list[str]) -> int:
 
     configure_logging("warning", False)
     case = msgspec.json.decode(argv[1], type=Case)
-    result = measure(case)
+    try:
+        result = measure(case)
+    except Exception as e:  # noqa: BLE001 - the worker reports one line per case, not a traceback
+        traceback.print_exc()  # to stderr, which the parent keeps only on a crash
+        result = Result(name=case.name, kind=case.kind, error=f"{type(e).__name__}: {e}")
     sys.stdout.write("\n" + json.dumps(msgspec.to_builtins(result)) + "\n")
     sys.stdout.flush()
     return 0

@@ -106,7 +106,9 @@ def read_path_table(report: dict[str, Any]):  # -> rich.table.Table | None
 def write_json(report: dict[str, Any], path: str | Path) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    part = out.with_name(out.name + ".part")  # a reader never sees half a file
+    part.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    part.replace(out)
     return out
 
 

@@ -98,6 +98,7 @@ def run_bench(args: argparse.Namespace, command: str) -> dict[str, Any]:
     from rich.console import Console
 
     from pipeline.bench.refs import container_summary
+    from pipeline.bench.report import write_json
 
     err = Console(stderr=True)
     report = Report(machine_info(), container_summary(args.model), command)
@@ -111,6 +112,8 @@ def run_bench(args: argparse.Namespace, command: str) -> dict[str, Any]:
         if result.error:
             err.print(f"[red]bench: {case.name} failed:[/red] {result.error}")
         report.results.append(result)
+        if args.json:  # after every case: a bench stopped by a time limit keeps what it ran
+            write_json(report.to_json(), args.json)
     return report.to_json()
 
 
