@@ -16,8 +16,8 @@ from pathlib import Path
 
 from qpack.families import family
 from qpack.synth.tokenizer import TokenizerSpec, chat_template, tokenizer_config, write_tokenizer
-from qpack.tokenizer_convert import RESERVED, TOKENIZER_CONFIG
 from qpack.tokenizer_convert import KIMI_PATTERN as TIKTOKEN_PATTERN
+from qpack.tokenizer_convert import RESERVED, TOKENIZER_CONFIG
 
 TIKTOKEN_FILE = "tiktoken.model"
 
