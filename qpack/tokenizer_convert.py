@@ -93,7 +93,8 @@ def read_ranks(path: Path) -> dict[bytes, int]:
         try:
             rank = int(fields[1])
         except ValueError:
-            raise QpackError(path, f"line {n}: rank {fields[1][:20]!r} is not an integer") from None
+            shown = fields[1][:20].decode("utf-8", "replace")
+            raise QpackError(path, f"line {n}: rank {shown!r} is not an integer") from None
         if rank < 0:
             raise QpackError(path, f"line {n}: rank {rank} is negative")
         if rank in seen:
