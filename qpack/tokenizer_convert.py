@@ -195,6 +195,9 @@ def convert_tiktoken(root: Path, vocab_size: int | None) -> dict[str, bytes]:
     does not carry one, and Kimi-K2 is the one release packed that ships this format."""
     path = root / "tiktoken.model"
     ranks = read_ranks(path)
+    if vocab_size is not None and vocab_size < len(ranks):
+        # Ids past the embedding's rows would index outside it.
+        raise QpackError(path, f"has {len(ranks)} ranks, more than config.json's vocab_size {vocab_size}")
     config, config_path = _read_config(root)
     try:
         specials = all_specials(named_specials(config, config_path), len(ranks), vocab_size)

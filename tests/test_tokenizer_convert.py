@@ -103,6 +103,11 @@ def test_specials_past_vocab_size_are_left_out(release: Path, tmp_path: Path) ->
     added = {t["id"]: (t["content"], t["special"]) for t in tok["added_tokens"]}
     assert added == {300: ("<|reserved_token_300|>", True), 301: ("<|named|>", False),
                      302: ("<|reserved_token_302|>", True), 303: ("<|reserved_token_303|>", True)}
+    with pytest.raises(QpackError, match="has 300 ranks, more than config.json's vocab_size 299"):
+        convert_tiktoken(tmp_path, 299)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"7": {"content": "x"}}}))
+    with pytest.raises(QpackError, match="names id 7, which is a BPE rank"):
+        convert_tiktoken(tmp_path, 304)
 
 
 def _one_line(exc: QpackError) -> str:
