@@ -194,6 +194,12 @@ def test_damaged_rank_file_fails_pack_in_one_line(synth_src: Path, tmp_path: Pat
     assert not list((tmp_path / "k.qpack").glob("*.safetensors"))
 
 
-def test_tiktoken_format_is_refused_for_other_tokenizers(tmp_path: Path) -> None:
+def test_tiktoken_format_is_refused_for_other_tokenizers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="only Kimi-K2's tokenizer ships as tiktoken.model"):
         write_tiktoken(tmp_path, "qwen3_next")
+    out = tmp_path / "q"
+    assert main(["synth", "--family", "qwen3_next", "--preset", "tiny", "--tokenizer-format", "tiktoken",
+                 "-o", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "only Kimi-K2's tokenizer ships as tiktoken.model" in err[0], err
+    assert not out.exists() or not any(out.iterdir())  # refused before any shard

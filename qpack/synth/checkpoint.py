@@ -264,12 +264,12 @@ def synthesize(
     everything quantized but the routed experts). `tokenizer_format` "tiktoken" writes the
     tokenizer as Kimi-K2's release does (tiktoken.model, no tokenizer.json).
     """
-    from qpack.synth.tokenizer_files import FORMATS
+    from qpack.synth.tokenizer_files import FORMATS, check_format
 
-    if tokenizer_format not in FORMATS:
-        raise ValueError(f"tokenizer_format {tokenizer_format!r}: expected one of {list(FORMATS)}")
     dims = get_preset(family, preset)
     variant = check_variant(dims.family, variant, dims.name)
+    if tokenizer:
+        check_format(tokenizer_format, dims.family, variant)
     if dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"dtype {dtype!r}: expected bfloat16, float16 or float32")
     if mode not in MODE_DEFAULTS:

