@@ -21,6 +21,7 @@ import structlog
 from qpack.checkpoint_kind import check_config, check_files, needed_shards
 from qpack.source import TOKENIZER_FILES
 from qpack.spec import QpackError, parse_json
+from qpack.tokenizer_convert import conversion_source
 
 log = structlog.get_logger("qpack.hub")
 T = TypeVar("T")
@@ -31,6 +32,15 @@ _WANTED = {"config.json", "model.safetensors.index.json", *TOKENIZER_FILES}
 def wanted(filename: str) -> bool:
     """Files a pack reads; everything else in a repo (READMEs, .bin, images) is skipped."""
     return "/" not in filename and (filename in _WANTED or filename.endswith(".safetensors"))
+
+
+def wanted_files(listed: list[str]) -> list[str]:
+    """The files of a repo's listing a pack reads: `wanted` ones, plus the file its
+    tokenizer.json is converted from where it ships none (Kimi-K2's tiktoken.model)."""
+    files = {f for f in listed if wanted(f)}
+    if (source := conversion_source(listed)) is not None:
+        files.add(source)
+    return sorted(files)
 
 
 def is_repo_id(source: str) -> bool:
@@ -145,7 +155,7 @@ def download(repo_id: str, *, revision: str | None = None, progress: bool = True
             repo_id, revision=revision, timeout=timeout), **retry)
         listed = [s.rfilename for s in (info.siblings or [])]
         check_files(listed, where)
-        files = sorted(f for f in listed if wanted(f))
+        files = wanted_files(listed)
         if "config.json" not in files:
             raise QpackError(where, f"repo has no config.json (files: {files[:10]})")
         commit = info.sha or revision

@@ -42,6 +42,7 @@ from qpack.quantize import MODE_DEFAULTS, cast, quantize
 from qpack.safetensors_io import data_offsets, mx_to_bytes
 from qpack.source import SourceCheckpoint, open_source
 from qpack.spec import QpackError
+from qpack.tokenizer_convert import tokenizer_outputs
 
 log = structlog.get_logger("qpack.pack")
 JOURNAL = ".qpack-journal.json"
@@ -66,8 +67,9 @@ class PackResult:
 
 class Packer:
     def __init__(self, src: SourceCheckpoint, plan: ContainerPlan, out: Path, source_name: str,
-                 options: dict, progress: bool) -> None:
+                 options: dict, progress: bool, tokenizer: dict[str, bytes]) -> None:
         self.src, self.plan, self.out = src, plan, out
+        self.tokenizer = tokenizer  # file name -> bytes (tokenizer_convert.tokenizer_outputs)
         self.source_name = source_name
         self.options = options
         self.progress = progress
@@ -123,8 +125,8 @@ class Packer:
         for p in self.out.rglob("*.partial"):  # leftovers of a killed run
             p.unlink()
         self._small(spec.CONFIG, (json.dumps(self.plan.config, indent=2, sort_keys=True) + "\n").encode())
-        for tok in self.src.tokenizer_files():
-            self._small(tok.name, tok.read_bytes())
+        for name, data in self.tokenizer.items():
+            self._small(name, data)
         self._dense(bar)
         for layer in self.plan.layers:
             self._layer(layer, bar)
@@ -339,9 +341,12 @@ def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: i
             plan = make_plan(src, plan_bits, group_size, dtype, mode)
             total = sum(t.nbytes for t in plan.dense_plan()) + sum(lp.stride * src.num_experts for lp in plan.layers)
             total += _mtp_bytes(src, plan)
-            small = sum(f.stat().st_size for f in src.tokenizer_files())  # copied as they are
+            # Copied as they are, or converted once here (Kimi-K2's tiktoken.model) so that
+            # a damaged file is refused before any weight is written.
+            tokenizer = tokenizer_outputs(src.root, src.tokenizer_files(), _vocab_size(src))
+            small = sum(len(data) for data in tokenizer.values())
             require_free_space(out, total + small, "packing", already=bytes_under(out))
-            packer = Packer(src, plan, out, str(source), options, progress)
+            packer = Packer(src, plan, out, str(source), options, progress, tokenizer)
             manifest = _with_progress(packer, total, progress, out)
         finally:
             src.close()
@@ -349,6 +354,12 @@ def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: i
     log.info("pack.done", path=str(out), mb=round(result.bytes_written / 1e6, 2), seconds=round(result.seconds, 2),
              mb_s=round(result.mb_s, 1))
     return result
+
+
+def _vocab_size(src: SourceCheckpoint) -> int | None:
+    """config.json's vocab_size (the embedding's rows), None where it gives none."""
+    value = src.text.get("vocab_size")
+    return value if isinstance(value, int) else None
 
 
 def _mtp_bytes(src: SourceCheckpoint, plan: ContainerPlan) -> int:

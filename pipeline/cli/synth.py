@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pipeline.cli.counts import LAYERS, count
 from qpack.synth.presets import FAMILIES, FULL_SIZE, get_preset, preset_names
+from qpack.synth.tokenizer_files import FORMATS as TOKENIZER_FORMATS
 from qpack.synth.variants import VARIANTS
 
 
@@ -46,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default=None, help="chat variant (template and generation_config; the first "
                    "is the family's default): " + "; ".join(f"{fam} {', '.join(vs)}"
                                                             for fam, vs in VARIANTS.items()))
+    p.add_argument("--tokenizer-format", choices=list(TOKENIZER_FORMATS), default="json",
+                   help="json: tokenizer.json (default); tiktoken: tiktoken.model and no "
+                   "tokenizer.json, as Kimi-K2's release ships it (pack converts it)")
     p.add_argument("--seed", type=int, default=0, help="random seed: same seed, same bytes (default 0)")
     p.add_argument("--shard-mb", type=count(1, 1 << 20), default=None,
                    help="maximum shard size in MiB (default: 8 for tiny, 2048 otherwise)")
@@ -81,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
                 variant=args.variant,
                 mode=args.mode,
                 recipe=args.recipe,
+                tokenizer_format=args.tokenizer_format,
                 shard_bytes=args.shard_mb * 1024 * 1024 if args.shard_mb else None,
                 max_layers=args.max_layers,
                 progress=not args.no_progress and sys.stderr.isatty(),

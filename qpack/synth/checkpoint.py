@@ -249,6 +249,7 @@ def synthesize(
     variant: str | None = None,
     mode: str = "affine",
     recipe: str | None = None,
+    tokenizer_format: str = "json",
 ) -> Path:
     """Write a synthetic checkpoint of `family`/`preset` into directory `out`; returns `out`.
 
@@ -260,10 +261,15 @@ def synthesize(
     --q-mode (affine, mxfp4, nvfp4, mxfp8: group size and bits then default to the mode's
     unless given) and `recipe` its --quant-predicate (mixed_3_6 etc.: down_proj and lm_head
     at the high bits in some layers, every module listed in the config; "float_experts":
-    everything quantized but the routed experts).
+    everything quantized but the routed experts). `tokenizer_format` "tiktoken" writes the
+    tokenizer as Kimi-K2's release does (tiktoken.model, no tokenizer.json).
     """
+    from qpack.synth.tokenizer_files import FORMATS, check_format
+
     dims = get_preset(family, preset)
     variant = check_variant(dims.family, variant, dims.name)
+    if tokenizer:
+        check_format(tokenizer_format, dims.family, variant)
     if dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"dtype {dtype!r}: expected bfloat16, float16 or float32")
     if mode not in MODE_DEFAULTS:
@@ -326,9 +332,7 @@ def synthesize(
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(generation_config(dims, variant), indent=2) + "\n")
     if tokenizer:
-        from qpack.synth.tokenizer import write_tokenizer
-
-        write_tokenizer(out, dims.family, variant)
+        FORMATS[tokenizer_format](out, dims.family, variant)
     log.info("synth.done", out=str(out), shards=len(set(index["weight_map"].values())),
              gb=round(total / 1e9, 3))
     return out

