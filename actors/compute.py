@@ -249,12 +249,20 @@ class Compute:
         self, step: ForwardStepper, routing: Routing | None, preds: Predictions | None,
         phase: Phase, all_positions: bool = False,
     ) -> mx.array:
-        """Step the forward on, one MoE layer at a time: demand, prefetch, advance."""
-        while routing is not None:
-            self.tick += 1
-            ids = unique_in_order(routing.ids)
-            slot_of = await self._demand(
-                Routed(routing.layer, routing.ids, ids, self.tick, phase, predicted=preds)
-            )
-            routing, preds = await self.on_mlx(self._advance, step, slot_of, phase)
-        return await self.on_mlx(step.logits, all_positions)
+        """Step the forward on, one MoE layer at a time: demand, prefetch, advance.
+
+        Every caller enters after a routing sync with nothing else queued, and from here
+        on each queued kernel reads only its layer's pinned experts: reads may land
+        (actors/router.py). Cleared before any run-ahead can be queued again."""
+        self.router.landing_safe = True
+        try:
+            while routing is not None:
+                self.tick += 1
+                ids = unique_in_order(routing.ids)
+                slot_of = await self._demand(
+                    Routed(routing.layer, routing.ids, ids, self.tick, phase, predicted=preds)
+                )
+                routing, preds = await self.on_mlx(self._advance, step, slot_of, phase)
+            return await self.on_mlx(step.logits, all_positions)
+        finally:
+            self.router.landing_safe = False

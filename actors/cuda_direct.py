@@ -78,6 +78,11 @@ class DirectWriter:
     def write(self, copies: Sequence[Copy]) -> None:
         """On the MLX thread: wait for its queued work, then every copy, then their end."""
         mx.synchronize()
+        self.write_now(copies)
+
+    def write_now(self, copies: Sequence[Copy]) -> None:
+        """On any thread, without waiting for MLX: every copy on this thread's stream, then
+        their end. Only for rows no queued kernel reads (a landing: actors/router.py)."""
         cu, s = self._cu, stream()
         for dst, src, n in copies:
             check(cu.cuMemcpyHtoDAsync_v2(dst, src, n, s), "cuMemcpyHtoDAsync")

@@ -11,7 +11,18 @@ It owns the slot table (through the `PoolDriver`, the same call sequence `moestr
 replay` makes) and the loads in flight. For a demand it pins the layer's experts,
 issues reads for the misses, promotes prefetches that are now needed, and waits for
 exactly those loads; the wait is the compute stall. Finished loads, demanded or
-prefetched, are handed to compute to be installed between layers.
+prefetched, are handed to compute to be installed between layers, unless they landed.
+
+Landing (actors/reader.py): a read may be installed by its disk thread when it ends only
+if no MLX work queued at any time before then can read the slot it goes to. Compute sets
+`landing_safe` while it steps layer by layer: then the only queued kernels are the current
+layer's, which read that layer's pinned experts, and a slot taken now (its key evicted:
+never a pinned one) is read by nothing queued; later kernels are queued only after the
+key is marked ready, by which time its bytes are in place. A run-ahead's kernels read any
+ready expert through the slot map, so slots taken while one may be queued are installed
+the synchronized way. A landing read whose key is evicted before it lands is abandoned
+(under the reader's landing lock) and set aside until it ends, so its buffer comes back;
+the key, if demanded again, gets a read of its own.
 """
 
 from __future__ import annotations
@@ -45,6 +56,8 @@ class RouterStats:
     # a prefetch had ordered but that came late, or one no prediction asked for.
     stall_late_seconds: float = 0.0
     stall_unpredicted_seconds: float = 0.0
+    # Landing reads whose key was evicted before they landed (they wrote nothing).
+    landings_abandoned: int = 0
 
 
 @dataclass
@@ -73,6 +86,11 @@ class ExpertRouter:
         # Reads land in milliseconds; a disk that hangs must not hold a finished
         # generation's end longer than this (the next demand collects what is left).
         self.settle_timeout_s = 2.0
+        # Reads may be installed where they land (compute sets it; see the module docstring).
+        self.landing_safe = False
+        # Landing reads whose key was evicted first: kept until they end (their buffers).
+        self.orphans: list[Load] = []
+        table.on_evict = self._evicted
         # Bounded: a sender waits while the router is busy (compute waits anyway).
         self._requests, self._inbox = trio.open_memory_channel[_Request](16)
 
@@ -143,11 +161,12 @@ class ExpertRouter:
         self.failures.clear()  # only this demand's failures are reported
         placed = self.driver.demand(layer, ids, tick)
         waits: list[Load] = []
-        for expert, (_slot, was_resident) in zip(ids, placed, strict=True):
+        for expert, (taken, was_resident) in zip(ids, placed, strict=True):
             key = (layer, int(expert))
             load = self.loads.get(key)
             if load is None and not was_resident:
-                load = self.loads[key] = self.reader.submit(key, demand=True)
+                load = self.loads[key] = self.reader.submit(key, demand=True, slot=taken,
+                                                            land=self.landing_safe)
             elif load is not None:
                 if not load.demand:
                     self.stats.prefetch_hits_waited += 1
@@ -197,8 +216,12 @@ class ExpertRouter:
     async def install_finished(self) -> int:
         """Copy every finished load into its slot (on the MLX thread) and mark it ready."""
         installs, keys, buffers = self.collect()
+        landed = [key for key in keys[len(installs):]]
+        keys = keys[: len(installs)]
+        for key in landed:
+            self.table.mark_ready(key)
         if not installs:
-            return 0
+            return len(landed)
         try:
             with timeline.span("router", "install", experts=len(installs)):
                 await self.install(installs)
@@ -213,18 +236,40 @@ class ExpertRouter:
         for key in keys:
             if key in self.table:
                 self.table.mark_ready(key)
-        return len(installs)
+        return len(installs) + len(landed)
 
     async def _prefetch(self, predictions: Sequence[tuple[int, Sequence[int]]], tick: int) -> None:
-        for key, _slot in self.driver.prefetch(predictions, tick):
+        for key, slot in self.driver.prefetch(predictions, tick):
             if key not in self.loads:
-                self.loads[key] = self.reader.submit(key, demand=False)
+                self.loads[key] = self.reader.submit(key, demand=False, slot=slot,
+                                                     land=self.landing_safe)
+
+    def _evicted(self, key: ExpertKey) -> None:
+        """The slot table dropped `key`: a read landing for it must not write that slot."""
+        load = self.loads.get(key)
+        if load is None or not load.land:
+            return
+        with self.reader.landing_lock:
+            load.abandoned = True
+        self.stats.landings_abandoned += 1
+        del self.loads[key]
+        self.orphans.append(load)
+
+    def _collect_orphans(self) -> None:
+        for load in [o for o in self.orphans if o.done.is_set()]:
+            self.orphans.remove(load)
+            if load.buffer is not None:
+                self.reader.give_back(load.buffer)
 
     def collect(self) -> tuple[list[Install], list[ExpertKey], list[np.ndarray]]:
-        """Finished loads whose key is still resident, as (slot, blob); stale ones are dropped."""
+        """Finished loads whose key is still resident, as (slot, blob); stale ones are
+        dropped. `keys` holds the installs' keys, then those of loads that landed (in
+        their slots already: only to be marked ready)."""
         installs: list[Install] = []
         buffers: list[np.ndarray] = []
         keys: list[ExpertKey] = []
+        landed: list[ExpertKey] = []
+        self._collect_orphans()
         for key, load in list(self.loads.items()):
             if not load.done.is_set():
                 continue
@@ -235,6 +280,11 @@ class ExpertRouter:
                 if slot is not None:
                     self.table.release(key)
                 continue
+            if load.landed:
+                # Not abandoned, so never evicted: the key still holds the slot it landed in.
+                assert slot == load.slot, (key, slot, load.slot)
+                landed.append(key)
+                continue
             assert load.buffer is not None
             if slot is None:
                 self.reader.give_back(load.buffer)
@@ -243,7 +293,7 @@ class ExpertRouter:
             installs.append((slot, load.staged if load.staged is not None else load.buffer))
             buffers.append(load.buffer)
             keys.append(key)
-        return installs, keys, buffers
+        return installs, keys + landed, buffers
 
     async def _drain(self) -> None:
         # Loads can outnumber the staging buffers (queued predictions): each finished one
@@ -252,7 +302,7 @@ class ExpertRouter:
             _installs, _keys, buffers = self.collect()
             for buffer in buffers:
                 self.reader.give_back(buffer)
-            if not self.loads:
+            if not self.loads and not self.orphans:
                 break
             await self.reader.wait_any()
         self.driver.end_layer()
@@ -263,7 +313,7 @@ class ExpertRouter:
         with trio.move_on_after(self.settle_timeout_s) as waited:
             while True:
                 await self.install_finished()
-                if not self.loads:
+                if not self.loads and not self.orphans:
                     break
                 await self.reader.wait_any()
         if waited.cancelled_caught:

@@ -309,3 +309,31 @@ async def test_pipelined_decode_draws_the_same_sampled_tokens_as_one_step_at_a_t
 
 async def _last(events: Any) -> Any:
     return [e async for e in events][-1]
+
+
+async def test_reads_installed_where_they_land_compute_what_installs_at_the_demand_do(pair):
+    """Landing (actors/reader.py): reads installed by their disk thread between layers,
+    including reads whose key was evicted before they landed (abandoned: they must write
+    nothing), give the logits the install at the next demand gives, bit for bit."""
+    _src, qpack = pair("qwen3_next")
+    runs: dict[bool, tuple[list[int], list[np.ndarray], Any]] = {}
+    for land in (True, False):
+        config = engine_config(qpack, pool={"slots": 8, "eviction": "lru"},
+                               reader={"concurrency": 4, "land": land},
+                               prefetch={"strategy": "lookahead", "depth": 2})
+        async with open_engine(config) as engine:
+            done = await generate(engine, PROMPT, MAX_TOKENS)
+            pool_is_clean(engine)
+            assert not engine._core.router.orphans  # abandoned reads gave their buffers back
+            logits = await forward_logits(engine, PROMPT, DECODE)
+            runs[land] = (list(done.token_ids), logits,
+                          (engine._core.router.reader.stats, engine._core.router.stats))
+    (tokens_on, logits_on, (reader_on, router_on)), (tokens_off, logits_off, (reader_off, _)) = (
+        runs[True], runs[False])
+    assert tokens_on == tokens_off
+    for i, (a, b) in enumerate(zip(logits_on, logits_off, strict=True)):
+        assert np.array_equal(a, b), f"forward {i}"
+    assert reader_on.landings > reader_on.reads // 2, (reader_on.landings, reader_on.reads)
+    assert reader_off.landings == 0
+    # Predictions two layers ahead outrun 8 slots: some are evicted in flight.
+    assert router_on.landings_abandoned > 0

@@ -13,7 +13,7 @@ is loading or ready: it is in the pool, and any wait for it is measured live as 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Container
+from collections.abc import Callable, Container
 from typing import Literal
 
 import msgspec
@@ -65,6 +65,8 @@ class SlotTable:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        # Told of every key evicted (the router: a read landing for it must stop).
+        self.on_evict: Callable[[ExpertKey], None] | None = None
         self.prefetch_installs = 0
         self.prefetch_used = 0
         self.prefetch_wasted = 0
@@ -180,6 +182,8 @@ class SlotTable:
         del self._state[key]
         self.policy.remove(key)
         self.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(key)
         if key in self._prefetched:
             self._prefetched.discard(key)
             self.prefetch_wasted += 1

@@ -176,6 +176,26 @@ class PoolStorage:
             for t in fmt.tensors:
                 self._copy_in(names[t.name], slot, t, blob[t.offset : t.offset + t.nbytes])
 
+    def land(self, slot: int, layer: int, blob: np.ndarray) -> None:
+        """One blob into its slot from a disk thread, where it landed (actors/reader.py,
+        "Landing"; the router allows it only for slots no queued kernel reads): a memcpy
+        on the CPU, DMA from the pinned staging buffer on CUDA, waited for on this
+        thread's own stream (never MLX's: the MLX thread is not involved)."""
+        fmt_names = self.layout.layer(layer)
+        if self.host_bytes is not None:
+            fmt, names = fmt_names
+            for t in fmt.tensors:
+                self._copy_in(names[t.name], slot, t, blob[t.offset : t.offset + t.nbytes])
+            return
+        assert self.direct is not None, "landing on a GPU needs a probed DirectWriter"
+        self.direct.write_now(direct_copies(self.layout, self.direct.base, [(slot, blob)],
+                                            lambda _slot: fmt_names))
+
+    @property
+    def can_land(self) -> bool:
+        """Whether `land` works here: host memory (CPU) or the probed direct path."""
+        return self.host_bytes is not None or self.direct is not None
+
     def install_direct(self, items: Sequence[tuple[int, np.ndarray]]) -> None:
         """GPU installs by DMA from the (pinned) staging buffers, on the MLX thread
         (actors/cuda_direct.py says why that is safe)."""
