@@ -6,6 +6,15 @@
 # Containers live in $DATA on the device's disk. Results: $OUT/*.json and $OUT/STEP.log.
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
+same() {  # every case's tokens against the first case's, within one or more JSON files
+  python3 - "$@" <<'PY'
+import json, sys
+runs = [r for p in sys.argv[1:] for r in json.load(open(p))["results"] if r.get("token_ids")]
+if runs:
+    ref = runs[0]
+    print("tokens as", ref["name"], {r["name"]: r["token_ids"] == ref["token_ids"] for r in runs[1:]})
+PY
+}
 step=$1
 ptx_restore
 {
@@ -18,5 +27,16 @@ case $step in
     bench 330 c35-fast-trace c35 "${fast[@]}" --cases default,io --trace "$OUT/fast-trace.json"
     bench 60 c35-cal-trace c35 "${cold[@]}" --max-tokens 16 --cases default --routing calibrated-gate --trace "$OUT/cal-trace.json"
     ptx_save ;;
+  land)  # landing (reads installed by their disk thread) on and off, side by side
+    [ -f "$DATA/c35.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b -o "$DATA/c35.qpack" 2>&1 | tail -1
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    fast=(--pool-mb 1024 --warm --max-tokens 32)
+    bench 90 c35-fast-land c35 "${fast[@]}" --cases default,io --trace "$OUT/fast-land-trace.json"
+    bench 60 c35-fast-noland c35 "${fast[@]}" --cases default --land off
+    bench 90 c35-random-land c35 "${cold[@]}" --cases default,io
+    bench 90 c35-cal-land c35 "${cold[@]}" --cases default,io --routing calibrated-gate
+    bench 120 c35-long-land c35 "${cold[@]}" --cases long-prompt
+    same "$OUT"/c35-fast-land.json "$OUT"/c35-fast-noland.json
+    same "$OUT"/c35-random-land.json "$OUT"/c35-cal-land.json ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
