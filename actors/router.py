@@ -21,7 +21,7 @@ never a pinned one) is read by nothing queued; later kernels are queued only aft
 key is marked ready, by which time its bytes are in place. A run-ahead's kernels read any
 ready expert through the slot map, so slots taken while one may be queued are installed
 the synchronized way. A landing read whose key is evicted before it lands is abandoned
-(under the reader's landing lock) and set aside until it ends, so its buffer comes back;
+(under the reader's landing lock for its slot) and set aside until it ends, so its buffer comes back;
 the key, if demanded again, gets a read of its own.
 """
 
@@ -249,7 +249,7 @@ class ExpertRouter:
         load = self.loads.get(key)
         if load is None or not load.land:
             return
-        with self.reader.landing_lock:
+        with self.reader.landing_lock(load.slot):
             load.abandoned = True
         self.stats.landings_abandoned += 1
         del self.loads[key]

@@ -38,5 +38,13 @@ case $step in
     bench 120 c35-long-land c35 "${cold[@]}" --cases long-prompt
     same "$OUT"/c35-fast-land.json "$OUT"/c35-fast-noland.json
     same "$OUT"/c35-random-land.json "$OUT"/c35-cal-land.json ;;
+  stripes)  # landing with one lock per stripe of slots; the 1024-token prefill (JIT included)
+    [ -f "$DATA/c35.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b -o "$DATA/c35.qpack" 2>&1 | tail -1
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    fast=(--pool-mb 1024 --warm --max-tokens 32)
+    bench 90 c35-fast-stripes c35 "${fast[@]}" --cases default,io --trace "$OUT/fast-stripes-trace.json"
+    bench 60 c35-fast-noland2 c35 "${fast[@]}" --cases default --land off
+    same "$OUT"/c35-fast-stripes.json "$OUT"/c35-fast-noland2.json
+    bench 330 c35-long-land c35 "${cold[@]}" --cases long-prompt,io ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
