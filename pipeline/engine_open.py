@@ -46,6 +46,7 @@ from pipeline.engine_parts import (
     direct_probe,
     guarded,
     installer,
+    landing_wanted,
     reader_concurrency,
     staging_probe,
 )
@@ -230,7 +231,7 @@ def _start_actors(
         retry_backoff_s=config.reader.retry_backoff_ms / 1000,
         stage=storage.stage if stage_in_threads else None,
         register=pin if storage.direct is not None else None,
-        lander=storage.land if config.reader.land and storage.can_land else None,
+        lander=storage.land if storage.can_land and landing_wanted(config, container) else None,
         switch_interval_s=config.reader.switch_interval_ms / 1000 or None,
         stride=stride,
     )

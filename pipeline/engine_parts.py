@@ -117,6 +117,26 @@ def reader_concurrency(config: PipelineConfig, container: Container) -> int:
     return setting
 
 
+# Above this disk bandwidth landing loses: on the H200 a landing's copies ran ~4.4 GB/s a
+# disk thread (a 1.7 MiB blob in 0.4 ms), and with the page cache's 13 GB/s landing decoded
+# 9 % slower, with a 1.7 GB/s disk 17 % faster (docs/results.md, session 16). Where between
+# the two the crossover lies was not measured: the copy's rate is the bound taken.
+LANDING_MAX_GB_S = 4.0
+
+
+def landing_wanted(config: PipelineConfig, container: Container) -> bool:
+    """`reader.land`: "auto" lands unless the probed disk outruns a landing's copies (a
+    fixed reader count runs no probe: the slow-disk regime is the product's own)."""
+    setting = config.reader.land
+    if setting != "auto":
+        return setting == "on"
+    if config.reader.concurrency != "auto" or not config.compute.overlap:
+        return True
+    from actors.queue_depth import choose_depth
+
+    return max(choose_depth(container).gb_s.values(), default=0.0) < LANDING_MAX_GB_S
+
+
 def guarded(path: Path, fn: Callable[..., Any], *args: Any) -> Any:
     """Run a loader; anything it raises becomes a QpackError naming the file it read."""
     try:

@@ -319,7 +319,7 @@ async def test_reads_installed_where_they_land_compute_what_installs_at_the_dema
     runs: dict[bool, tuple[list[int], list[np.ndarray], Any]] = {}
     for land in (True, False):
         config = engine_config(qpack, pool={"slots": 8, "eviction": "lru"},
-                               reader={"concurrency": 4, "land": land},
+                               reader={"concurrency": 4, "land": "on" if land else "off"},
                                prefetch={"strategy": "lookahead", "depth": 2})
         async with open_engine(config) as engine:
             done = await generate(engine, PROMPT, MAX_TOKENS)

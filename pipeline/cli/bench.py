@@ -44,7 +44,7 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
         "pool": pool,
         "reader": {"concurrency": args.readers, "o_direct": args.o_direct, "demand_lane": args.demand_lane,
                    "prefetch_yields": args.prefetch_yields == "on", "device_copy": args.device_copy,
-                   "land": args.land == "on"},
+                   "land": args.land},
         "prefetch": {"strategy": args.strategy, "depth": args.depth, "extra": args.prefetch_extra},
         "compute": {"prefill_chunk": args.prefill_chunk},
     }
@@ -205,9 +205,10 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                         "where its probe passes, else load (default auto)")
     p.add_argument("--prefetch-yields", choices=("on", "off"), default="on",
                    help="no prediction starts while a demand read runs (default on)")
-    p.add_argument("--land", choices=("on", "off"), default="on",
+    p.add_argument("--land", choices=("auto", "on", "off"), default="auto",
                    help="install reads where they land, on the disk thread, between layers "
-                        "(default on; off: at the next demand, on the MLX thread)")
+                        "(off: at the next demand, on the MLX thread; auto, the default: on "
+                        "unless the probed disk is faster than the copies)")
     p.add_argument("--strategy", default="next-gate",
                    help=f"prefetch strategy of the default case ({strategies_help()})")
     p.add_argument("--prefetch-extra", type=int, default=0,
