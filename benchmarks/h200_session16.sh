@@ -46,5 +46,11 @@ case $step in
     bench 60 c35-fast-noland2 c35 "${fast[@]}" --cases default --land off
     same "$OUT"/c35-fast-stripes.json "$OUT"/c35-fast-noland2.json
     bench 330 c35-long-land c35 "${cold[@]}" --cases long-prompt,io ;;
+  auto)  # reader.land = auto picks off on the page cache, on from the cloud disk; x serial
+    [ -f "$DATA/c35.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b -o "$DATA/c35.qpack" 2>&1 | tail -1
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    bench 60 c35-fast-auto c35 --pool-mb 1024 --warm --max-tokens 32 --cases default
+    bench 200 c35-random-auto c35 "${cold[@]}" --cases default,serial,io
+    same "$OUT"/c35-random-auto.json ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"

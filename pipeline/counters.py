@@ -25,6 +25,7 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     # The reads (actors/reader.py): counts, bytes, and where a read's time goes.
     reads: int
     failures: int
+    landings: int  # reads installed where they landed, by their disk thread
     bytes_read: int
     read_seconds: float
     queue_seconds: float

@@ -294,6 +294,7 @@ def _start_actors(
         max_batch=core.max_batch,
         stage_in_threads=stage_in_threads,
         device_copy=device_copy_name(storage),
+        landing=reader.lander is not None,
         seconds=round(time.perf_counter() - started, 2),
     )
     return core

@@ -117,11 +117,12 @@ def reader_concurrency(config: PipelineConfig, container: Container) -> int:
     return setting
 
 
-# Above this disk bandwidth landing loses: on the H200 a landing's copies ran ~4.4 GB/s a
-# disk thread (a 1.7 MiB blob in 0.4 ms), and with the page cache's 13 GB/s landing decoded
-# 9 % slower, with a 1.7 GB/s disk 17 % faster (docs/results.md, session 16). Where between
-# the two the crossover lies was not measured: the copy's rate is the bound taken.
-LANDING_MAX_GB_S = 4.0
+# Above this probed bandwidth landing loses. On the H200 a landing's copies ran ~4.4 GB/s a
+# disk thread (a 1.7 MiB blob in 0.4 ms); landing decoded 17 % faster from the cloud disk,
+# whose start-up probe read 0.7-1.3 GB/s, and 9 % slower from the page cache, whose probe
+# read 4.0-4.6 GB/s (its `io` case 13; docs/results.md, session 16). The crossover between
+# them was not measured: the line sits between the two probes.
+LANDING_MAX_GB_S = 2.5
 
 
 def landing_wanted(config: PipelineConfig, container: Container) -> bool:

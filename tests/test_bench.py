@@ -90,7 +90,8 @@ def test_bench_end_to_end_writes_json_and_trace(tiny_bench: Path, tmp_path: Path
     tracks = set(timeline.track_names(data).values())
     assert {"compute", "router", "sampler", "reader-0"} <= tracks
     names = {e["name"] for e in data["traceEvents"] if e["ph"] == "X"}
-    assert {"decode-step", "prefill-chunk", "sample", "stall", "install"} <= names
+    assert {"decode-step", "prefill-chunk", "sample", "stall"} <= names
+    assert names & {"install", "land"}  # at the demand, or where reads land (reader.land)
     assert names & {"read", "prefetch"}
 
 

@@ -32,6 +32,7 @@ class ReadPath(msgspec.Struct, kw_only=True):
     finish_wait_ms: float = 0.0
     check_ms: float = 0.0
     stage_ms: float = 0.0
+    landed_fraction: float = 0.0  # of the reads, installed where they landed (reader.land)
 
 
 def between(start: Counters | None, end: Counters, stride: int) -> ReadPath:
@@ -51,5 +52,5 @@ def between(start: Counters | None, end: Counters, stride: int) -> ReadPath:
         stall_late_s=d.stall_late_seconds, stall_unpredicted_s=d.stall_unpredicted_seconds,
         decode_s=d.t, queue_ms=ms(d.queue_seconds), pread_ms=ms(d.pread_seconds),
         finish_wait_ms=ms(d.finish_wait_seconds), check_ms=ms(d.check_seconds),
-        stage_ms=ms(d.stage_seconds),
+        stage_ms=ms(d.stage_seconds), landed_fraction=d.landings / reads,
     )

@@ -149,8 +149,8 @@ class ReaderConfig(_Section, frozen=True):
     # Install a read into its pool slot on the disk thread where it lands, when no queued
     # kernel can read that slot (layer-by-layer steps; actors/router.py): off the compute's
     # path and off the MLX thread. CPU pools and the direct path; elsewhere ignored.
-    # "auto": on, unless the queue-depth probe (readers = "auto") measured a disk faster
-    # than a disk thread's copies into the pool (pipeline/engine_parts.py).
+    # "auto": on, unless the queue-depth probe (readers = "auto") measured a disk fast
+    # enough that a disk thread's copies into the pool cost more (pipeline/engine_parts.py).
     land: Literal["auto", "on", "off"] = "auto"
 
 
