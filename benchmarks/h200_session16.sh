@@ -6,15 +6,6 @@
 # Containers live in $DATA on the device's disk. Results: $OUT/*.json and $OUT/STEP.log.
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
-same() {  # every case's tokens against the first case's, within one or more JSON files
-  python3 - "$@" <<'PY'
-import json, sys
-runs = [r for p in sys.argv[1:] for r in json.load(open(p))["results"] if r.get("token_ids")]
-if runs:
-    ref = runs[0]
-    print("tokens as", ref["name"], {r["name"]: r["token_ids"] == ref["token_ids"] for r in runs[1:]})
-PY
-}
 step=$1
 ptx_restore
 {
