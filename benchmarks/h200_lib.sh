@@ -16,8 +16,9 @@ bench() {  # bench LIMIT_S NAME CONTAINER ARGS...
 # 13: 167 s against 24 s once cached), and a fresh lease starts with an empty cache.
 # `ptx_save` leaves the cache in $OUT as one file; a later session copies it into .ptx/
 # (git-ignored) and carries it beside .gpu1 (64 MiB per call in all); `ptx_restore`
-# unpacks it before the first bench (session 16: 2.0 MB; a restored cache cut the 1024-token
-# prefill's first run from 178 s to 33 s).
+# unpacks it before the first bench (session 16: 2.0 MB. Restored from a lease that ran only
+# decode, it left the 1024-token prefill's first run at 135 s, 178 in session 15 without it;
+# run again in the same lease, 33 s: save it after the step that compiled what you need).
 ptx_save() { tar czf "$OUT/ptx-cache.tgz" -C "$DATA" ptx-cache && du -h "$OUT/ptx-cache.tgz"; }
 ptx_restore() { [ -f .ptx/ptx-cache.tgz ] && tar xzf .ptx/ptx-cache.tgz -C "$DATA" && echo "ptx cache restored"; true; }
 same() {  # every case's tokens against the first case's, within one or more JSON files
