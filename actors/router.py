@@ -16,7 +16,9 @@ prefetched, are handed to compute to be installed between layers, unless they la
 Landing (actors/reader.py): a read may be installed by its disk thread when it ends only
 if no MLX work queued at any time before then can read the slot it goes to. Compute sets
 `landing_safe` while it steps layer by layer: then the only queued kernels are the current
-layer's, which read that layer's pinned experts, and a slot taken now (its key evicted:
+layer's, which read that layer's pinned experts (every path into `Compute.layered` syncs
+first, and a decode batch's queued step is parked before any other compute turn:
+`DecodeBatch.exclusive`), and a slot taken now (its key evicted:
 never a pinned one) is read by nothing queued; later kernels are queued only after the
 key is marked ready, by which time its bytes are in place. A run-ahead's kernels read any
 ready expert through the slot map, so slots taken while one may be queued are installed
