@@ -217,9 +217,7 @@ class ExpertRouter:
 
     async def install_finished(self) -> int:
         """Copy every finished load into its slot (on the MLX thread) and mark it ready."""
-        installs, keys, buffers = self.collect()
-        landed = [key for key in keys[len(installs):]]
-        keys = keys[: len(installs)]
+        installs, keys, buffers, landed = self.collect()
         for key in landed:
             self.table.mark_ready(key)
         if not installs:
@@ -263,10 +261,10 @@ class ExpertRouter:
             if load.buffer is not None:
                 self.reader.give_back(load.buffer)
 
-    def collect(self) -> tuple[list[Install], list[ExpertKey], list[np.ndarray]]:
-        """Finished loads whose key is still resident, as (slot, blob); stale ones are
-        dropped. `keys` holds the installs' keys, then those of loads that landed (in
-        their slots already: only to be marked ready)."""
+    def collect(self) -> tuple[list[Install], list[ExpertKey], list[np.ndarray], list[ExpertKey]]:
+        """Finished loads whose key is still resident, as (slot, blob) with their keys and
+        buffers; stale ones are dropped. Last, the keys of loads that landed (in their
+        slots already: only to be marked ready)."""
         installs: list[Install] = []
         buffers: list[np.ndarray] = []
         keys: list[ExpertKey] = []
@@ -295,13 +293,13 @@ class ExpertRouter:
             installs.append((slot, load.staged if load.staged is not None else load.buffer))
             buffers.append(load.buffer)
             keys.append(key)
-        return installs, keys + landed, buffers
+        return installs, keys, buffers, landed
 
     async def _drain(self) -> None:
         # Loads can outnumber the staging buffers (queued predictions): each finished one
         # gives its buffer back at once, or the queued ones would never start.
         while True:
-            _installs, _keys, buffers = self.collect()
+            _installs, _keys, buffers, _landed = self.collect()
             for buffer in buffers:
                 self.reader.give_back(buffer)
             if not self.loads and not self.orphans:

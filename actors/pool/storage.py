@@ -172,9 +172,14 @@ class PoolStorage:
         """
         assert self.host_bytes is not None, "write() is for MLX's CPU backend"
         for slot, blob in items:
-            fmt, names = self._layer_format(slot)
-            for t in fmt.tensors:
-                self._copy_in(names[t.name], slot, t, blob[t.offset : t.offset + t.nbytes])
+            self._write_blob(slot, self._layer_format(slot), blob)
+
+    def _write_blob(self, slot: int, fmt_names: tuple[ExpertFormat, dict[str, str]],
+                    blob: np.ndarray) -> None:
+        """CPU: every tensor of one blob into its slot row."""
+        fmt, names = fmt_names
+        for t in fmt.tensors:
+            self._copy_in(names[t.name], slot, t, blob[t.offset : t.offset + t.nbytes])
 
     def land(self, slot: int, layer: int, blob: np.ndarray) -> None:
         """One blob into its slot from a disk thread, where it landed (actors/reader.py,
@@ -183,9 +188,7 @@ class PoolStorage:
         thread's own stream (never MLX's: the MLX thread is not involved)."""
         fmt_names = self.layout.layer(layer)
         if self.host_bytes is not None:
-            fmt, names = fmt_names
-            for t in fmt.tensors:
-                self._copy_in(names[t.name], slot, t, blob[t.offset : t.offset + t.nbytes])
+            self._write_blob(slot, fmt_names, blob)
             return
         assert self.direct is not None, "landing on a GPU needs a probed DirectWriter"
         self.direct.write_now(direct_copies(self.layout, self.direct.base, [(slot, blob)],
