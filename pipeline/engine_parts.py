@@ -119,7 +119,8 @@ def reader_concurrency(config: PipelineConfig, container: Container) -> int:
 
 # Above this probed bandwidth landing loses. On the H200 a landing's copies ran ~4.4 GB/s a
 # disk thread (a 1.7 MiB blob in 0.4 ms); landing decoded 17 % faster from the cloud disk,
-# whose start-up probe read 0.7-1.3 GB/s, and 9 % slower from the page cache, whose probe
+# whose start-up probe read 0.7-1.3 GB/s (2.0 in a later lease, landing on: 1.07 of its
+# ceiling), and 9 % slower from the page cache, whose probe
 # read 4.0-4.6 GB/s (its `io` case 13; docs/results.md, session 16). The crossover between
 # them was not measured: the line sits between the two probes.
 LANDING_MAX_GB_S = 2.5
