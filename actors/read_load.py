@@ -32,7 +32,7 @@ class Load:
     predicted: bool = False  # submitted as a prefetch (whatever it became later)
     read_as_demand: bool = False  # a demand when its read started (predictions yield to it)
     # Installed where it lands (actors/reader.py, "Landing"): the slot it goes to, whether
-    # the router allowed it, whether the disk thread did it, and whether the key lost that
+    # the router allowed it, whether a staging thread did it, and whether the key lost that
     # slot meanwhile (set under the reader's landing lock).
     slot: int = -1
     land: bool = False
@@ -59,7 +59,7 @@ class ReaderStats:
     bytes_read: int = 0
     retries: int = 0
     failures: int = 0
-    landings: int = 0  # reads installed by their disk thread (actors/reader.py, "Landing")
+    landings: int = 0  # reads installed where they landed (actors/reader.py, "Landing")
     read_seconds: float = 0.0  # pread started -> blob ready (checked, staged)
     # Where a read's time goes: waiting for a disk thread, the pread itself, waiting
     # for a staging thread, the crc32, the copy into device memory.

@@ -12,29 +12,24 @@ next load itself, under one lock, demand before prefetch, so the disk is never l
 waiting for the event loop; a prefetch that becomes a demand before it starts is
 promoted, one already running is simply waited on (never issued twice).
 
-What a blob needs after the read (its crc32 on first use, the copy into device memory
-on GPUs) runs on the staging threads (`MlxWorker.staging(i)`), never on a disk thread:
-the next read starts at once. A staging thread takes every finished read queued for it
-at once and copies them to the device together (one `mx.load`), then hands the batch to
-trio with one `run_sync_soon`. Measured on the H200 (session 10), batching shortened the
-wait for a stager (1.36 -> 0.81 ms a read on a page-cache-fast disk) but not a blob's
-copy itself (~1.2 ms inside the engine, 0.3-0.5 ms alone: what it waits on there is the
-MLX thread's use of the driver, not the per-load callbacks). Per read,
-the event loop does a queue operation to submit and a callback to complete; the rest
-happens in threads.
+What a blob needs after the read (its crc32 on first use, its copy into device memory,
+or its landing) runs on the staging threads (actors/read_finish.py), never on a disk
+thread: the next read starts at once. Per read, the event loop does a queue operation to
+submit and a callback to complete; the rest happens in threads.
 
 Landing. With a `lander` (the pool's memory written from any thread: a memcpy on the
 CPU, a DMA from the pinned staging buffer on CUDA), a read the router marked `land` is
-installed by its disk thread as soon as it ends, and its buffer is free again at once: no
-install batch at the next demand, no trip through the MLX thread, no buffer held until
-then (on the H200 the installs were 64 of a fast disk's 167 ms per token, on the critical
-path: session 16's trace). The router marks a read `land` only when the slot it took was
-free of every queued MLX kernel at that moment (actors/router.py says when); a key that
-loses its slot before its read lands is `abandoned` under its slot's `landing_lock`, and
-a landing checks that flag under the same lock, so a late landing never writes a slot's next owner.
+installed into its slot by a staging thread as soon as it ends, and its buffer is free
+again at once: no install batch at the next demand, no trip through the MLX thread, no
+buffer held until then (on the H200 the installs were 64 of a fast disk's 167 ms per
+token, on the critical path: session 16's trace). The router marks a read `land` only
+when the slot it took was free of every queued MLX kernel at that moment
+(actors/router.py says when); a key that loses its slot before its read lands is
+`abandoned` under its slot's `landing_lock`, and a landing checks that flag under the
+same lock, so a late landing never writes a slot's next owner.
 
 A read that fails is retried a bounded number of times, then reported on its `Load`.
-A blob that fails its checksum is re-read (the same bounded retries) on the staging
+A blob that fails its checksum is re-read (the same bounded retries) on its staging
 thread, off the disk threads.
 """
 
@@ -52,8 +47,8 @@ import trio
 
 from actors import timeline
 from actors.disk_meter import DiskMeter
-from actors.mlx_worker import MlxWorker
 from actors.pool.eviction import ExpertKey
+from actors.read_finish import Done, Finisher, Lander
 from actors.read_load import ExpertReadError, Load, ReaderStats
 from actors.switch_interval import SWITCH_INTERVAL_S, shortened
 from qpack.reader import Container, aligned_empty
@@ -62,9 +57,6 @@ log = structlog.get_logger("moestream.reader")
 # Staging threads touch MLX (each keeps its streams for life), so there are few of them;
 # a 1.7 MiB blob's copy to the H200 takes ~0.6 ms, so 4 keep up with ~10 GB/s of reads.
 MAX_STAGERS = 4
-# Blobs one staging thread copies to the device in one go (what it found queued).
-MAX_STAGE_BATCH = 16
-LANDING_STRIPES = 64
 
 
 class ExpertReader:
@@ -82,20 +74,15 @@ class ExpertReader:
         switch_interval_s: float | None = SWITCH_INTERVAL_S,
         stride: int | None = None,
         register: Callable[[np.ndarray], object] | None = None,
-        lander: Callable[[int, int, np.ndarray], None] | None = None,
+        lander: Lander | None = None,
     ) -> None:
         """`stride`: the largest blob its buffers must hold (default: the model's layers';
         more when it also reads the MTP head's experts). `register`: called on every
-        staging buffer once (the direct copy path page-locks them). `lander(slot, layer,
-        blob)`: writes a blob into its slot from a disk thread (see "Landing")."""
+        staging buffer once (the direct copy path page-locks them). `lander`: writes blobs
+        into their slots from a staging thread (see "Landing"). `stage`: the host->device
+        copy of several finished blobs off the MLX thread (one result per blob, in order)."""
         self.lander = lander
-        # One lock per stripe of slots: landings into different slots copy at once (one
-        # lock serialized them: 0.4 ms a blob, 124 ms of a fast disk's 165 ms per token
-        # on the H200, session 16), a landing and its key's eviction still exclude.
-        self._landing_locks = [threading.Lock() for _ in range(LANDING_STRIPES)]
         self.switch_interval_s = switch_interval_s
-        # Run on finished reads off the MLX thread: the host->device copy of their blobs,
-        # several at once (one result per blob, in order).
         self.stage = stage
         self.container = container
         self.concurrency = concurrency
@@ -120,18 +107,15 @@ class ExpertReader:
         self._lane_cond = threading.Condition(lock)  # the demand lane's threads wait here
         self._closed = False
         self._any_done = trio.Event()
-        self._stagers = max(1, min(MAX_STAGERS, concurrency))
-        self._next_stager = 0
-        # Per staging thread: finished reads waiting for it, and whether a drain is queued.
-        self._stage_lock = threading.Lock()
-        self._stage_queue: list[deque[tuple[Load, np.ndarray]]] = [deque() for _ in range(self._stagers)]
-        self._stage_queued = [False] * self._stagers
+        self.finisher = Finisher(max(1, min(MAX_STAGERS, concurrency)), check=self._check,
+                                 give_back=self.give_back, complete=self._complete_all,
+                                 stage=stage, lander=lander)
         self.meter = DiskMeter()
         self.stats = ReaderStats()
 
     def landing_lock(self, slot: int) -> threading.Lock:
         """The lock a landing into `slot` holds while it checks and copies."""
-        return self._landing_locks[slot % LANDING_STRIPES]
+        return self.finisher.landing_lock(slot)
 
     @property
     def staging_bytes(self) -> int:
@@ -247,43 +231,10 @@ class ExpertReader:
             load.t_read = time.perf_counter()
             self._read_done(load)
             layer, expert = load.key
-            if self.stage is None and not self.container.needs_check(layer, expert):
-                if load.land:
-                    self._land(token, load, buffer)
-                    continue
+            if self.stage is None and not load.land and not self.container.needs_check(layer, expert):
                 self._deliver(token, load, buffer, None)
                 continue
-            self._to_stager(token, load, buffer)
-
-    def _land(self, token: trio.lowlevel.TrioToken, load: Load, buffer: np.ndarray) -> None:
-        """On a disk thread: the blob into its slot (unless its key lost the slot), then
-        its buffer back at once."""
-        assert self.lander is not None
-        try:
-            with self.landing_lock(load.slot), timeline.span("landing", "land", layer=load.key[0]):
-                if not load.abandoned:
-                    self.lander(load.slot, load.key[0], buffer)
-                    load.landed = True
-        except Exception as exc:  # noqa: BLE001 - reported to whoever waits on the load
-            self._deliver(token, load, buffer, exc)
-            return
-        if not load.landed:
-            self._deliver(token, load, buffer, None)  # the router gives the buffer back
-            return
-        self.give_back(buffer)
-        self._deliver(token, load, None, None)
-
-    def _to_stager(self, token: trio.lowlevel.TrioToken, load: Load, buffer: np.ndarray) -> None:
-        """Queue a finished read for a staging thread; queue that thread's drain unless
-        one is already waiting to run (it will find this read too)."""
-        with self._stage_lock:
-            stager = self._next_stager
-            self._next_stager = (stager + 1) % self._stagers
-            self._stage_queue[stager].append((load, buffer))
-            if self._stage_queued[stager]:
-                return
-            self._stage_queued[stager] = True
-        MlxWorker.staging(stager).submit(lambda: self._drain(token, stager))
+            self.finisher.submit(token, load, buffer)
 
     def _read(self, key: ExpertKey, buffer: np.ndarray) -> None:
         """Blocking, in a disk thread: one read, retried on failure with a short backoff."""
@@ -316,55 +267,7 @@ class ExpertReader:
         with self._cond:
             self.stats.retries += 1
 
-    # -- the staging threads ----------------------------------------------------------------
-
-    def _drain(self, token: trio.lowlevel.TrioToken, stager: int) -> None:
-        """On staging thread `stager`: every read queued for it, in batches, until none."""
-        while True:
-            with self._stage_lock:
-                queue = self._stage_queue[stager]
-                if not queue:
-                    self._stage_queued[stager] = False
-                    return
-                batch = [queue.popleft() for _ in range(min(len(queue), MAX_STAGE_BATCH))]
-            self._finish(token, stager, batch)
-
-    def _finish(self, token: trio.lowlevel.TrioToken, stager: int,
-                batch: list[tuple[Load, np.ndarray]]) -> None:
-        """The blobs' checksums (a failing one is re-read), then their copy, together."""
-        begun = time.perf_counter()
-        done: list[tuple[Load, np.ndarray, BaseException | None]] = []
-        good: list[tuple[Load, np.ndarray]] = []
-        with timeline.span(f"stager-{stager}", "finish", layer=batch[0][0].key[0], blobs=len(batch)):
-            for load, buffer in batch:
-                started = time.perf_counter()
-                try:
-                    self._check(load.key, buffer)
-                except Exception as exc:  # noqa: BLE001 - reported to whoever waits on the load
-                    done.append((load, buffer, exc))
-                    continue
-                load.check_s = time.perf_counter() - started
-                good.append((load, buffer))
-            if self.stage is not None and good:
-                checked = time.perf_counter()
-                try:
-                    staged = self.stage([buffer for _, buffer in good])
-                except Exception as exc:  # noqa: BLE001 - reported to whoever waits on the loads
-                    done.extend((load, buffer, exc) for load, buffer in good)
-                    good = []
-                else:
-                    share = (time.perf_counter() - checked) / len(good)
-                    for (load, _), blob in zip(good, staged, strict=True):
-                        load.staged = blob
-                        load.stage_s = share
-        finished = time.perf_counter()
-        done.extend((load, buffer, None) for load, buffer in good)
-        for load, _, _ in done:
-            load.t_done = finished
-        try:
-            token.run_sync_soon(self._complete_all, done, begun)
-        except trio.RunFinishedError:
-            pass  # the engine is gone: nobody waits for these loads
+    # -- on the staging threads (actors/read_finish.py) --------------------------------------
 
     def _check(self, key: ExpertKey, buffer: np.ndarray) -> None:
         """The crc32 check; a mismatch is read again (a flipped bit in flight), bounded."""
@@ -387,8 +290,7 @@ class ExpertReader:
         except trio.RunFinishedError:
             pass  # the engine is gone: nobody waits for this load
 
-    def _complete_all(self, done: list[tuple[Load, np.ndarray, BaseException | None]],
-                      begun: float) -> None:
+    def _complete_all(self, done: list[Done], begun: float) -> None:
         for load, buffer, error in done:
             self._complete(load, buffer, error, begun)
 

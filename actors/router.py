@@ -13,7 +13,7 @@ issues reads for the misses, promotes prefetches that are now needed, and waits 
 exactly those loads; the wait is the compute stall. Finished loads, demanded or
 prefetched, are handed to compute to be installed between layers, unless they landed.
 
-Landing (actors/reader.py): a read may be installed by its disk thread when it ends only
+Landing (actors/reader.py): a read may be installed by a staging thread when it ends only
 if no MLX work queued at any time before then can read the slot it goes to. Compute sets
 `landing_safe` while it steps layer by layer: then the only queued kernels are the current
 layer's, which read that layer's pinned experts (every path into `Compute.layered` syncs

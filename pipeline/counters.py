@@ -25,7 +25,7 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     # The reads (actors/reader.py): counts, bytes, and where a read's time goes.
     reads: int
     failures: int
-    landings: int  # reads installed where they landed, by their disk thread
+    landings: int  # reads installed where they landed, by a staging thread
     bytes_read: int
     read_seconds: float
     queue_seconds: float

@@ -181,18 +181,21 @@ class PoolStorage:
         for t in fmt.tensors:
             self._copy_in(names[t.name], slot, t, blob[t.offset : t.offset + t.nbytes])
 
-    def land(self, slot: int, layer: int, blob: np.ndarray) -> None:
-        """One blob into its slot from a disk thread, where it landed (actors/reader.py,
-        "Landing"; the router allows it only for slots no queued kernel reads): a memcpy
-        on the CPU, DMA from the pinned staging buffer on CUDA, waited for on this
-        thread's own stream (never MLX's: the MLX thread is not involved)."""
-        fmt_names = self.layout.layer(layer)
+    def land(self, items: Sequence[tuple[int, int, np.ndarray]]) -> None:
+        """(slot, layer, blob)s into their slots from a staging thread, where they landed
+        (actors/reader.py, "Landing"; the router allows it only for slots no queued kernel
+        reads): memcpys on the CPU, DMAs from the pinned staging buffers on CUDA, waited
+        for together on this thread's own stream (never MLX's: the MLX thread is not
+        involved). The format goes by the layer given, not the slot table's (this thread
+        must not read the router's state)."""
+        formats = {slot: self.layout.layer(layer) for slot, layer, _ in items}
         if self.host_bytes is not None:
-            self._write_blob(slot, fmt_names, blob)
+            for slot, _, blob in items:
+                self._write_blob(slot, formats[slot], blob)
             return
         assert self.direct is not None, "landing on a GPU needs a probed DirectWriter"
-        self.direct.write_now(direct_copies(self.layout, self.direct.base, [(slot, blob)],
-                                            lambda _slot: fmt_names))
+        self.direct.write_now(direct_copies(self.layout, self.direct.base,
+                                            [(slot, blob) for slot, _, blob in items], formats.__getitem__))
 
     @property
     def can_land(self) -> bool:

@@ -56,14 +56,16 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
         suffix = "" if i == 0 else f"@{routing}"
         for case in _cases(args, base, {**common, "routing": routing}):
             cases.append(msgspec.structs.replace(case, name=case.name + suffix))
-    return cases
+    # One timeline, of the case asked for (its first routing's run).
+    return [msgspec.structs.replace(c, trace=args.trace) if args.trace and c.name == args.trace_case else c
+            for c in cases]
 
 
 def _cases(args: argparse.Namespace, base: dict[str, Any], common: dict[str, Any]) -> list[Case]:
     cases: list[Case] = []
     for name in args.cases:
         if name == "default":
-            cases.append(Case(name="default", config=base, trace=args.trace, **common))
+            cases.append(Case(name="default", config=base, **common))
         elif name == "serial":
             serial = {**base, "compute": {**base["compute"], "overlap": False}}
             cases.append(Case(name="serial", config=serial, **common))
@@ -130,6 +132,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     bad = [r for r in args.routing if r not in ROUTINGS]
     if bad or not args.routing:
         print(f"error: unknown routing {bad or args.routing}; choose from {list(ROUTINGS)}", file=sys.stderr)
+        return 2
+    if args.trace and args.trace_case not in args.cases:
+        print(f"error: --trace-case {args.trace_case!r} is not among --cases {','.join(args.cases)}",
+              file=sys.stderr)
         return 2
     if args.pool_mb is not None and args.slots is not None:
         print("error: --pool-mb and --slots are exclusive: give one", file=sys.stderr)
@@ -252,7 +258,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "docs/speculative.md)")
     add_bench_flags(p)
     p.add_argument("--json", help="write the report as JSON here")
-    p.add_argument("--trace", help="write the default case's Chrome/Perfetto timeline here")
+    p.add_argument("--trace", help="write a case's Chrome/Perfetto timeline here (--trace-case)")
+    p.add_argument("--trace-case", default="default", metavar="CASE",
+                   help="the case --trace records (default: default; e.g. long-prompt, spec-auto)")
     p.add_argument("--plots", help="directory for PNG plots (needs matplotlib)")
     p.set_defaults(func=_cmd_bench)
 
