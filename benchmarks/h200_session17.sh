@@ -19,5 +19,17 @@ case $step in
     ptx_save
     cat "$DATA"/c35.qpack/experts/* > /dev/null
     bench 90 c35-fast-trace c35 --pool-mb 1024 --warm --max-tokens 16 --cases default --trace "$OUT/fast-trace.json" ;;
+  mid)  # landing on the staging threads: prefill, cold random, the page cache on/off; warm traces
+    c35
+    bench 200 c35-long-stagers c35 "${cold[@]}" --cases long-prompt,io
+    bench 90 c35-random-stagers c35 "${cold[@]}" --cases default,io
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    fast=(--pool-mb 1024 --warm --max-tokens 32 --cases default)
+    bench 60 c35-fast-landon c35 "${fast[@]}" --land on
+    bench 60 c35-fast-landoff c35 "${fast[@]}" --land off
+    same "$OUT"/c35-fast-landon.json "$OUT"/c35-fast-landoff.json
+    bench 150 c35-warm c35 --pool-mb 1024 --max-tokens 32 --cases warm-all,resident --trace-case warm-all --trace "$OUT/warm-trace.json"
+    bench 120 c35-warm-spec c35 --pool-mb 1024 --max-tokens 32 --cases warm-all,warm-spec-k2-a0.8 --trace-case warm-spec-k2-a0.8 --trace "$OUT/spec-trace.json"
+    ptx_save ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
