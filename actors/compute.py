@@ -50,6 +50,15 @@ def _ids(tokens: Tokens) -> list[int] | mx.array:
     return list(tokens)  # type: ignore[arg-type]
 
 
+def _count(tokens: Tokens) -> int:
+    """Tokens per row: a prompt chunk's length (a batch's [rows, tokens] too)."""
+    if isinstance(tokens, mx.array):
+        return int(tokens.shape[-1])
+    if tokens and not isinstance(tokens[0], int):
+        return len(tokens[0])
+    return len(tokens)
+
+
 @dataclass
 class ComputeStats:
     mlx_seconds: float = 0.0
@@ -185,8 +194,16 @@ class Compute:
             if miss is None:
                 return result.logits
             return await self.finish_from(step, miss, phase)
-        step, routing, preds = await self.on_mlx(self._start, tokens, cache, phase)
-        logits = await self.layered(step, routing, preds, phase, all_positions)
+        # A prompt's chunk wants the disk's bandwidth: the reader's bulk lane reads too.
+        bulk = phase == "prefill" and _count(tokens) > 1
+        if bulk:
+            self.router.reader.set_bulk(True)
+        try:
+            step, routing, preds = await self.on_mlx(self._start, tokens, cache, phase)
+            logits = await self.layered(step, routing, preds, phase, all_positions)
+        finally:
+            if bulk:
+                self.router.reader.set_bulk(False)
         # A prompt's last token runs alone, as a decode token does: whether it needed a
         # read says whether the first decode token may run ahead (a run-ahead that misses
         # costs its wasted layers and holds a snapshot of the model's state meanwhile).

@@ -7,7 +7,11 @@ is busy with a prediction (with realistic routing, ~40 % of a layer's experts ar
 predicted, and each waited behind a prefetch read already in flight). With
 `prefetch_yields`, no prediction starts while a demand read is running, so the reads the
 compute waits for have the disk to themselves (reads in flight share its bandwidth: a
-demand read beside a prediction took twice as long). A thread that finishes a read takes the
+demand read beside a prediction took twice as long). `bulk_lane` more threads read only
+while `bulk` is set (a prompt's prefill, which wants the disk's bandwidth, not one read's
+latency): the depth a decode wants is the smallest that nearly reaches the bandwidth,
+a prefill's the one that reaches it (on the H200 a probe saw 2.7 GB/s at depth 8 where
+the chosen 2 moved 2.06, the disk busy 98 % of a 1024-token prefill: session 17). A thread that finishes a read takes the
 next load itself, under one lock, demand before prefetch, so the disk is never left
 waiting for the event loop; a prefetch that becomes a demand before it starts is
 promoted, one already running is simply waited on (never issued twice).
@@ -57,6 +61,9 @@ log = structlog.get_logger("moestream.reader")
 # Staging threads touch MLX (each keeps its streams for life), so there are few of them;
 # a 1.7 MiB blob's copy to the H200 takes ~0.6 ms, so 4 keep up with ~10 GB/s of reads.
 MAX_STAGERS = 4
+# A disk thread's lane: the queue (demand first, then predictions), demand reads only, or
+# the queue again but only while `bulk` is set.
+_QUEUE, _DEMAND, _BULK = "queue", "demand", "bulk"
 
 
 class ExpertReader:
@@ -66,6 +73,7 @@ class ExpertReader:
         *,
         concurrency: int,
         demand_lane: int = 0,
+        bulk_lane: int = 0,
         prefetch_yields: bool = False,
         retries: int = 2,
         retry_backoff_s: float = 0.01,
@@ -87,6 +95,8 @@ class ExpertReader:
         self.container = container
         self.concurrency = concurrency
         self.demand_lane = demand_lane
+        self.bulk_lane = bulk_lane
+        self._bulk = False  # set_bulk: the bulk lane reads
         self.prefetch_yields = prefetch_yields
         self._demand_reading = 0  # demand reads between their start and their pread's end
         self.retries = retries
@@ -105,6 +115,7 @@ class ExpertReader:
         lock = threading.Lock()
         self._cond = threading.Condition(lock)
         self._lane_cond = threading.Condition(lock)  # the demand lane's threads wait here
+        self._bulk_cond = threading.Condition(lock)  # the bulk lane's
         self._closed = False
         self._any_done = trio.Event()
         self.finisher = Finisher(max(1, min(MAX_STAGERS, concurrency)), check=self._check,
@@ -126,9 +137,10 @@ class ExpertReader:
         token = trio.lowlevel.current_trio_token()
         with self._cond:
             self._closed = False
-        threads = [threading.Thread(target=self._disk_thread, args=(i, token, i >= self.concurrency),
+        lanes = [_QUEUE] * self.concurrency + [_DEMAND] * self.demand_lane + [_BULK] * self.bulk_lane
+        threads = [threading.Thread(target=self._disk_thread, args=(i, token, lane),
                                     daemon=True, name=f"moestream-read-{i}")
-                   for i in range(self.concurrency + self.demand_lane)]
+                   for i, lane in enumerate(lanes)]
         for thread in threads:
             thread.start()
         try:
@@ -139,6 +151,7 @@ class ExpertReader:
                 self._closed = True
                 self._cond.notify_all()
                 self._lane_cond.notify_all()
+                self._bulk_cond.notify_all()
             # A read in flight ends in milliseconds; a hung disk must not hold shutdown.
             deadline = time.monotonic() + 2.0
             for thread in threads:
@@ -154,7 +167,16 @@ class ExpertReader:
             self._cond.notify()
             if demand:
                 self._lane_cond.notify()
+            if self._bulk:
+                self._bulk_cond.notify()
         return load
+
+    def set_bulk(self, on: bool) -> None:
+        """Whether the bulk lane reads (compute sets it around a prompt's chunk)."""
+        with self._cond:
+            self._bulk = on
+            if on:
+                self._bulk_cond.notify_all()
 
     def promote(self, load: Load) -> None:
         """A queued prefetch is now needed: move it to the front of the line."""
@@ -167,6 +189,7 @@ class ExpertReader:
             self._demand.append(load)
             self._cond.notify()  # without a lane, a queue thread must take it
             self._lane_cond.notify()
+            self._bulk_cond.notify()
 
     @property
     def starved(self) -> bool:
@@ -183,15 +206,17 @@ class ExpertReader:
             self._cond.notify()
             if self._demand:
                 self._lane_cond.notify()
+            if self._bulk:
+                self._bulk_cond.notify()
 
     # -- the disk threads -------------------------------------------------------------------
 
-    def _take(self, lane: bool) -> tuple[Load, np.ndarray] | None:
-        """Under the lock: the next load (demand first; a lane thread takes only demand)
-        and a free buffer, or None to exit."""
-        cond = self._lane_cond if lane else self._cond
+    def _take(self, lane: str) -> tuple[Load, np.ndarray] | None:
+        """Under the lock: the next load (demand first; a demand-lane thread takes only
+        demand, a bulk-lane one only while `bulk`) and a free buffer, or None to exit."""
+        cond = {_QUEUE: self._cond, _DEMAND: self._lane_cond, _BULK: self._bulk_cond}[lane]
         with cond:
-            while not self._closed and not ((self._demand or self._may_prefetch(lane)) and self._free):
+            while not self._closed and not (self._may_take(lane) and self._free):
                 cond.wait()
             if self._closed:
                 return None
@@ -203,8 +228,12 @@ class ExpertReader:
             load.started = True
             return load, self._free.pop()
 
-    def _may_prefetch(self, lane: bool) -> bool:
-        return bool(self._prefetch) and not lane and not (self.prefetch_yields and self._demand_reading)
+    def _may_take(self, lane: str) -> bool:
+        if lane == _BULK and not self._bulk:
+            return False
+        prefetch = (bool(self._prefetch) and lane != _DEMAND
+                    and not (self.prefetch_yields and self._demand_reading))
+        return bool(self._demand) or prefetch
 
     def _read_done(self, load: Load) -> None:
         """A read ended: predictions held back for it may start."""
@@ -214,8 +243,10 @@ class ExpertReader:
             self._demand_reading -= 1
             if not self._demand_reading and (self._prefetch or self._demand):
                 self._cond.notify_all()
+                if self._bulk:
+                    self._bulk_cond.notify_all()
 
-    def _disk_thread(self, index: int, token: trio.lowlevel.TrioToken, lane: bool) -> None:
+    def _disk_thread(self, index: int, token: trio.lowlevel.TrioToken, lane: str) -> None:
         while (taken := self._take(lane)) is not None:
             load, buffer = taken
             load.t_start = time.perf_counter()

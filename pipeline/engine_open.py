@@ -47,6 +47,7 @@ from pipeline.engine_parts import (
     guarded,
     installer,
     landing_wanted,
+    reader_bulk_lane,
     reader_concurrency,
     staging_probe,
 )
@@ -226,6 +227,7 @@ def _start_actors(
         concurrency=readers,
         buffers=staging_buffers(readers),
         demand_lane=config.reader.demand_lane if overlap else 0,
+        bulk_lane=reader_bulk_lane(config, container, readers),
         prefetch_yields=config.reader.prefetch_yields,
         retries=config.reader.retries,
         retry_backoff_s=config.reader.retry_backoff_ms / 1000,
@@ -291,6 +293,7 @@ def _start_actors(
         strategy=strategy_name,
         eviction=config.pool.eviction,
         readers=reader.concurrency,
+        readers_prefill=reader.concurrency + reader.bulk_lane,
         max_batch=core.max_batch,
         stage_in_threads=stage_in_threads,
         device_copy=device_copy_name(storage),

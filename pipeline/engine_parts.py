@@ -117,6 +117,24 @@ def reader_concurrency(config: PipelineConfig, container: Container) -> int:
     return setting
 
 
+# Disk threads in all while a prompt is read (the bulk lane's top), within the staging
+# buffers a reader gets (pipeline/memory_budget.py: at least 16).
+MAX_BULK_DEPTH = 8
+
+
+def reader_bulk_lane(config: PipelineConfig, container: Container, readers: int) -> int:
+    """Threads that read only during a prompt's prefill: with `concurrency = "auto"`, up
+    to the probed depth of the best bandwidth (the chosen depth is the smallest within
+    80 % of it, for decode's latency); none with a fixed count or without overlap."""
+    if config.reader.concurrency != "auto" or not config.compute.overlap:
+        return 0
+    from actors.queue_depth import choose_depth
+
+    probe = choose_depth(container)
+    best = max(probe.gb_s, key=lambda depth: probe.gb_s[depth], default=readers)
+    return max(0, min(best, MAX_BULK_DEPTH) - readers)
+
+
 # Above this probed bandwidth landing loses. On the H200 a landing's copies ran ~4.4 GB/s a
 # disk thread (a 1.7 MiB blob in 0.4 ms); landing decoded 17 % faster from the cloud disk,
 # whose start-up probe read 0.7-1.3 GB/s (2.0 in a later lease, landing on: 1.07 of its

@@ -172,6 +172,38 @@ async def test_a_demand_read_starts_at_once_in_its_lane_while_predictions_hold_e
     assert served_first == bool(lane)
 
 
+async def test_the_bulk_lane_reads_only_while_a_prompt_is_read(container):
+    """One queue thread and a bulk lane of two: four held predictions keep one read in
+    flight until `set_bulk`, then three; once it is cleared the lane takes nothing new."""
+    io = HeldIO()
+    with Container.open(container, verify="off", io=io) as c:
+        stride = c.manifest.layer(0).stride
+        io.held = {e * stride for e in range(4)}
+        reader = ExpertReader(c, concurrency=1, bulk_lane=2)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.run)
+            loads = [reader.submit((0, e), demand=False) for e in range(4)]
+            with trio.fail_after(10):
+                while not io.started:
+                    await trio.sleep(0.002)
+            await trio.sleep(0.2)
+            alone = len(io.started)
+            reader.set_bulk(True)
+            with trio.fail_after(10):
+                while len(io.started) < 3:
+                    await trio.sleep(0.002)
+            reader.set_bulk(False)
+            later = [reader.submit((0, e), demand=False) for e in (6, 7)]
+            io.release.set()
+            for load in (*loads, *later):
+                await load.done.wait()
+                assert load.error is None
+                reader.give_back(load.buffer)
+            nursery.cancel_scope.cancel()
+    assert alone == 1
+    assert sorted(io.started[:3]) == [0, stride, 2 * stride]
+
+
 @pytest.mark.parametrize("yields", [True, False])
 async def test_predictions_wait_while_a_demand_read_runs_when_they_yield(container, yields):
     io = HeldIO()
