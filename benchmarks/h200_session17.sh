@@ -31,5 +31,22 @@ case $step in
     bench 150 c35-warm c35 --pool-mb 1024 --max-tokens 32 --cases warm-all,resident --trace-case warm-all --trace "$OUT/warm-trace.json"
     bench 120 c35-warm-spec c35 --pool-mb 1024 --max-tokens 32 --cases warm-all,warm-spec-k2-a0.8 --trace-case warm-spec-k2-a0.8 --trace "$OUT/spec-trace.json"
     ptx_save ;;
+  final)  # side by side: prefill with/without the bulk lane, cold decode, the page cache on/off, warm-all
+    c35
+    bench 110 c35-long-bulk c35 "${cold[@]}" --cases long-prompt,io
+    bench 80 c35-long-r2 c35 "${cold[@]}" --cases long-prompt --readers 2
+    bench 150 c35-random c35 "${cold[@]}" --cases default,serial,io
+    bench 60 c35-cal c35 "${cold[@]}" --cases default --routing calibrated-gate
+    same "$OUT"/c35-random.json "$OUT"/c35-cal.json
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    fast=(--pool-mb 1024 --warm --max-tokens 32 --cases default)
+    for i in 1 2; do
+      bench 40 c35-fast-on$i c35 "${fast[@]}" --land on
+      bench 40 c35-fast-off$i c35 "${fast[@]}" --land off
+    done
+    TAIL=4 same "$OUT"/c35-fast-*.json
+    bench 120 c35-warm c35 --pool-mb 1024 --max-tokens 32 --cases warm-all,resident
+    # At most 8 files come back from a lease: the JSON as one archive.
+    tar czf "$OUT/final-json.tgz" -C "$OUT" $(cd "$OUT" && ls *.json) && rm -f "$OUT"/*.json ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
