@@ -48,5 +48,12 @@ case $step in
     bench 120 c35-warm c35 --pool-mb 1024 --max-tokens 32 --cases warm-all,resident
     # At most 8 files come back from a lease: the JSON as one archive.
     tar czf "$OUT/final-json.tgz" -C "$OUT" $(cd "$OUT" && ls *.json) && rm -f "$OUT"/*.json ;;
+  probe)  # the fixed depth probe (buffers faulted first, threads timed from a barrier):
+    # what readers=auto and the prefill's bulk lane pick, cold and on the page cache
+    c35
+    bench 75 c35-long-probe c35 "${cold[@]}" --cases long-prompt,io
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    bench 40 c35-fast-probe c35 --pool-mb 1024 --warm --max-tokens 32 --cases default
+    bench 40 c35-fast-r2 c35 --pool-mb 1024 --warm --max-tokens 32 --cases default --readers 2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"

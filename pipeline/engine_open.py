@@ -233,7 +233,7 @@ def _start_actors(
         retry_backoff_s=config.reader.retry_backoff_ms / 1000,
         stage=storage.stage if stage_in_threads else None,
         register=pin if storage.direct is not None else None,
-        lander=storage.land if storage.can_land and landing_wanted(config, container) else None,
+        lander=storage.land if storage.can_land and landing_wanted(config) else None,
         switch_interval_s=config.reader.switch_interval_ms / 1000 or None,
         stride=stride,
     )

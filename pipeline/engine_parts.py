@@ -135,26 +135,13 @@ def reader_bulk_lane(config: PipelineConfig, container: Container, readers: int)
     return max(0, min(best, MAX_BULK_DEPTH) - readers)
 
 
-# Above this probed bandwidth landing loses. On the H200 a landing's copies ran ~4.4 GB/s a
-# disk thread (a 1.7 MiB blob in 0.4 ms); landing decoded 17 % faster from the cloud disk,
-# whose start-up probe read 0.7-1.3 GB/s (2.0 in a later lease, landing on: 1.07 of its
-# ceiling), and 9 % slower from the page cache, whose probe
-# read 4.0-4.6 GB/s (its `io` case 13; docs/results.md, session 16). The crossover between
-# them was not measured: the line sits between the two probes.
-LANDING_MAX_GB_S = 2.5
-
-
-def landing_wanted(config: PipelineConfig, container: Container) -> bool:
-    """`reader.land`: "auto" lands unless the probed disk outruns a landing's copies (a
-    fixed reader count runs no probe: the slow-disk regime is the product's own)."""
-    setting = config.reader.land
-    if setting != "auto":
-        return setting == "on"
-    if config.reader.concurrency != "auto" or not config.compute.overlap:
-        return True
-    from actors.queue_depth import choose_depth
-
-    return max(choose_depth(container).gb_s.values(), default=0.0) < LANDING_MAX_GB_S
+def landing_wanted(config: PipelineConfig) -> bool:
+    """`reader.land`: "auto" and "on" land wherever the pool can be written from another
+    thread (the caller checks that). Session 16 landed on the disk threads and lost 9 % on
+    a page-cache-fast disk, so "auto" then stayed off above a probed 2.5 GB/s; since
+    session 17 a staging thread lands, and landing won there too (H200, one lease, two
+    pairs: 6.27 / 5.72 tok/s on, 5.40 / 4.95 off; docs/results.md, seventh pass)."""
+    return config.reader.land != "off"
 
 
 def guarded(path: Path, fn: Callable[..., Any], *args: Any) -> Any:
