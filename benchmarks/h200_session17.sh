@@ -51,9 +51,9 @@ case $step in
   probe)  # the fixed depth probe (buffers faulted first, threads timed from a barrier):
     # what readers=auto and the prefill's bulk lane pick, cold and on the page cache
     c35
-    bench 75 c35-long-probe c35 "${cold[@]}" --cases long-prompt,io
     cat "$DATA"/c35.qpack/experts/* > /dev/null
     bench 40 c35-fast-probe c35 --pool-mb 1024 --warm --max-tokens 32 --cases default
-    bench 40 c35-fast-r2 c35 --pool-mb 1024 --warm --max-tokens 32 --cases default --readers 2 ;;
+    bench 40 c35-fast-r2 c35 --pool-mb 1024 --warm --max-tokens 32 --cases default --readers 2
+    bench 75 c35-long-probe c35 "${cold[@]}" --cases long-prompt,io ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
