@@ -130,9 +130,7 @@ def reader_bulk_lane(config: PipelineConfig, container: Container, readers: int)
         return 0
     from actors.queue_depth import choose_depth
 
-    probe = choose_depth(container)
-    best = max(probe.gb_s, key=lambda depth: probe.gb_s[depth], default=readers)
-    return max(0, min(best, MAX_BULK_DEPTH) - readers)
+    return max(0, min(choose_depth(container).best, MAX_BULK_DEPTH) - readers)
 
 
 def landing_wanted(config: PipelineConfig) -> bool:

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from actors.disk_meter import DiskMeter
-from actors.queue_depth import MAX_DEPTH, MIN_DEPTH, choose_depth
+from actors.queue_depth import DECODE_MAX_DEPTH, MIN_DEPTH, choose_depth
 from actors.reader import ExpertReader
 from actors.switch_interval import SWITCH_INTERVAL_S
 from qpack.reader import Container, PosixIO
@@ -107,9 +107,20 @@ def test_disk_meter_integrates_reads_in_flight_over_time():
 def test_queue_depth_probe_picks_a_bounded_depth_once_per_container(container):
     with Container.open(container, verify="off") as c:
         probe = choose_depth(c)
-        assert MIN_DEPTH <= probe.depth <= MAX_DEPTH
+        assert MIN_DEPTH <= probe.depth <= DECODE_MAX_DEPTH
         assert 1 in probe.gb_s and all(v > 0 for v in probe.gb_s.values())
+        assert probe.gb_s[probe.best] == max(probe.gb_s.values())
         assert choose_depth(c) is probe  # measured once per process
+        # The prefill's bulk lane: up to the best depth with "auto", none with a count.
+        from pipeline.config.loading import config_from_dict
+        from pipeline.engine_parts import MAX_BULK_DEPTH, reader_bulk_lane
+
+        def bulk(concurrency: object) -> int:
+            config = config_from_dict({"model": {"path": str(container)}, "reader": {"concurrency": concurrency}})
+            return reader_bulk_lane(config, c, probe.depth)
+
+        assert bulk("auto") == max(0, min(probe.best, MAX_BULK_DEPTH) - probe.depth)
+        assert bulk(2) == 0
 
 
 async def test_the_gil_switch_interval_is_short_while_reading_and_restored(container):
