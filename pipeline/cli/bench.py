@@ -212,9 +212,8 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-yields", choices=("on", "off"), default="on",
                    help="no prediction starts while a demand read runs (default on)")
     p.add_argument("--land", choices=("auto", "on", "off"), default="auto",
-                   help="install reads where they land, on the disk thread, between layers "
-                        "(off: at the next demand, on the MLX thread; auto, the default: on "
-                        "unless the probed disk is faster than the copies)")
+                   help="install reads where they land, on a staging thread, between layers "
+                        "(off: at the next demand, on the MLX thread; auto, the default: on)")
     p.add_argument("--strategy", default="next-gate",
                    help=f"prefetch strategy of the default case ({strategies_help()})")
     p.add_argument("--prefetch-extra", type=int, default=0,

@@ -146,11 +146,10 @@ class ReaderConfig(_Section, frozen=True):
     # Load (a pageable copy) then an MLX scatter; "prefetch", managed memory moved in bulk
     # by the driver (actors/cuda_prefetch.py). "auto": direct where it can, else load.
     device_copy: Literal["auto", "direct", "load", "prefetch"] = "auto"
-    # Install a read into its pool slot on the disk thread where it lands, when no queued
+    # Install a read into its pool slot on a staging thread as it lands, when no queued
     # kernel can read that slot (layer-by-layer steps; actors/router.py): off the compute's
     # path and off the MLX thread. CPU pools and the direct path; elsewhere ignored.
-    # "auto": on, unless the queue-depth probe (readers = "auto") measured a disk fast
-    # enough that a disk thread's copies into the pool cost more (pipeline/engine_parts.py).
+    # "auto": on (pipeline/engine_parts.py says what was measured).
     land: Literal["auto", "on", "off"] = "auto"
 
 
