@@ -26,6 +26,7 @@ import numpy as np
 from actors import timeline
 from actors.forward import ForwardStepper, Presync, Routing, SteppedModel
 from actors.mlx_worker import MlxWorker
+from actors.pair_step import PairStep
 from actors.prefetch import PrefetchScorer, PrefetchStrategy
 from actors.prefetch.actor import Prefetcher, Routed, TokenStart
 from actors.prefetch.strategies import as_prediction
@@ -64,6 +65,7 @@ class ComputeStats:
     mlx_seconds: float = 0.0
     run_ahead_tokens: int = 0  # decode tokens that tried the one-sync path
     run_ahead_misses: int = 0  # ... and fell back at their first missing layer
+    paired_prompts: int = 0  # prompts whose last chunk and last token stepped together
 
 
 def unique_in_order(ids: np.ndarray) -> list[int]:
@@ -211,6 +213,40 @@ class Compute:
         if phase == "decode" or last_prompt_token:
             self.run_ahead.after_layered(hit=self.router.table.misses == misses0)
         return logits
+
+    async def forward_pair(self, tokens: list[int], last: int, cache: list[Any],
+                           between: Callable[[int | None], None]) -> mx.array | None:
+        """A prompt's last chunk `tokens` and its last token in one layer-by-layer pass
+        (actors/pair_step.py; `between` as there): the last token's logits, the same as
+        `forward(tokens)` then `forward([last])` give. None, with nothing run, where the
+        model cannot pair them: the caller runs them one after the other."""
+        pair = await self.on_mlx(self._pair, tokens, last, cache, between)
+        if pair is None:
+            return None
+        self.stats.paired_prompts += 1
+        await self.begin_token("prefill")
+        misses0 = self.router.table.misses
+        self.router.reader.set_bulk(True)
+        try:
+            routing, preds = await self.on_mlx(self._first_routing, pair, "prefill")
+            logits = await self.layered(pair, routing, preds, "prefill")
+        finally:
+            self.router.reader.set_bulk(False)
+        # As after a prompt's last token run alone: whether the first decode token runs ahead.
+        self.run_ahead.after_layered(hit=self.router.table.misses == misses0)
+        return logits
+
+    def _pair(self, tokens: list[int], last: int, cache: list[Any],
+              between: Callable[[int | None], None]) -> PairStep | None:
+        step_after = getattr(self.model, "step_after", None)
+        second = step_after([last], cache, len(tokens)) if step_after is not None else None
+        if second is None:
+            return None
+        return PairStep(self.model.step(tokens, cache), second, between)  # type: ignore[arg-type]
+
+    def _first_routing(self, step: ForwardStepper, phase: Phase) -> tuple[Routing | None, Predictions | None]:
+        routing = step.run_to_routing(self._presync(phase))
+        return routing, self._learn(routing, phase)
 
     async def account(self, result: Any, phase: Phase) -> int | None:
         """Bookkeeping for a run-ahead's layers up to its first miss; that layer or None.

@@ -29,6 +29,7 @@ from pipeline import speculation
 from pipeline.container_damage import explain
 from pipeline.engine_core import EngineCore
 from pipeline.engine_parts import detokenizer
+from pipeline.engine_sizing import smallest_workable_slots
 from pipeline.events import Done, Event, FinishReason, TextDelta
 from pipeline.generation_stats import GenerationMeasure
 
@@ -96,6 +97,9 @@ class Generation:
         # (see PrefixCache.wants) let a prompt sent again, extended, or sharing a long
         # start with this one restart from there. One chunk per compute turn: while other
         # sequences decode, chunks are capped so their steps come between (no starving).
+        # The last chunk and the last token go through the layers together where the
+        # model can pair them and their experts fit the pool pinned at once
+        # (actors/pair_step.py): each layer's experts read once.
         end = len(self.tokens) - 1
         prefixes = core.prefix_cache
         i = start
@@ -105,6 +109,16 @@ class Generation:
                 if batch.size:
                     chunk = min(chunk, core.config.compute.batch_prefill_chunk)
                 part = self.tokens[i : min(i + chunk, end)]
+                facts = core.facts
+                if i + len(part) == end and smallest_workable_slots(
+                        facts.num_experts, facts.top_k, len(part) + 1) <= facts.slots:
+                    with timeline.span("compute", "prefill-chunk", tokens=len(part) + 1):
+                        logits = await compute.forward_pair(
+                            part, self.tokens[end], cache, prefixes.piecewise(self.tokens[:end], cache))
+                    if logits is not None:
+                        if self.on_prefill is not None:
+                            self.on_prefill(end, end + 1)
+                        return logits
                 with timeline.span("compute", "prefill-chunk", tokens=len(part)):
                     await compute.forward(part, cache, "prefill")
             i += len(part)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -131,6 +131,26 @@ class PrefixCache:
             log.debug("prefix_cache.no_checkpoint", reason=str(exc))
             return
         self.put(tokens, copied)
+
+    def piecewise(self, tokens: Sequence[int], cache: list[Any]) -> Callable[[int | None], None]:
+        """The checkpoint after `tokens` (as `checkpoint`), copied a range of layers at a
+        time while a paired step runs (actors/pair_step.py): `between(upto)` copies the
+        layers below `upto` not copied yet; at None, the rest, and keeps the copy."""
+        parts: list[Any] = []
+        wanted = [self.max_entries > 0 and bool(tokens) and tuple(tokens) not in self._entries]
+
+        def between(upto: int | None) -> None:
+            stop = len(cache) if upto is None else upto
+            if wanted[0] and len(parts) < stop:
+                try:
+                    parts.extend(snapshot(cache[len(parts) : stop]))
+                except TypeError as exc:  # a cache kind `snapshot` does not know
+                    log.debug("prefix_cache.no_checkpoint", reason=str(exc))
+                    wanted[0] = False
+            if upto is None and wanted[0]:
+                self.put(tokens, parts)
+
+        return between
 
     def clear(self) -> None:
         self._entries.clear()

@@ -75,11 +75,12 @@ class HiddenSinks:
         if entry is not None and entry[0] is cache:
             del self.by_cache[id(cache)]
 
-    def __call__(self, cache: list[Any], h: mx.array) -> None:
+    def __call__(self, cache: list[Any], h: mx.array, behind: int = 0) -> None:
         entry = self.by_cache.get(id(cache))
         if entry is None or entry[0] is not cache:
             return
-        ends = positions(cache)  # each row's tokens after the forward
+        # Each row's tokens after the forward (the caches may hold `behind` more already).
+        ends = [p - behind for p in positions(cache)]
         for row, sink in enumerate(entry[1]):
             if sink is not None:
                 sink(ends[row], h[row : row + 1])

@@ -26,7 +26,7 @@ from helpers_forward import DirectForward, greedy_reference, reference_for, tiny
 
 from actors.sampling_params import SamplingParams
 from pipeline.engine import open_engine
-from pipeline.events import TextDelta
+from pipeline.events import Done, TextDelta
 from pipeline.replay import simulate
 
 PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
@@ -337,3 +337,37 @@ async def test_reads_installed_where_they_land_compute_what_installs_at_the_dema
     assert reader_off.landings == 0
     # Predictions two layers ahead outrun 8 slots: some are evicted in flight.
     assert router_on.landings_abandoned > 0
+
+
+async def test_a_prompts_last_token_steps_with_its_last_chunk_as_it_computes_alone(pair):
+    """With room for a layer's experts (16 slots: top-4 of 16), the last chunk and the
+    last token go through the layers together, each layer's experts demanded once: the
+    sampled tokens are those of the two forwards one after the other (8 slots, where
+    the pair does not fit), and a prompt sent again restarts from the pair's checkpoint
+    (taken layer by layer between the two steps) to the same tokens."""
+    _src, qpack = pair("qwen3_next")
+    prompt = PROMPT[:7]  # chunks of 2, 2, 2, then the last token
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=8, logprobs=3)
+    runs = []
+    for slots, paired in ((16, 1), (8, 0)):
+        async with open_engine(engine_config(qpack, pool={"slots": slots})) as engine:
+            events = await _events(engine, prompt, params)
+            assert engine._core.compute.stats.paired_prompts == paired
+            runs.append(_sampled(events))
+            if paired:
+                again = await _events(engine, prompt, params)
+                assert again[-1].stats.cached_tokens == len(prompt) - 1
+                assert _sampled(again) == runs[0]
+    assert runs[0] == runs[1]
+
+
+async def _events(engine: Any, prompt: list[int], params: SamplingParams) -> list[Any]:
+    events = [e async for e in engine.generate(prompt, params)]
+    assert isinstance(events[-1], Done)
+    return events
+
+
+def _sampled(events: list[Any]) -> list[Any]:
+    """Each token with its log-probability and the top 3 (floats compared exactly)."""
+    return [(lp.token, lp.logprob, lp.top) for e in events if isinstance(e, TextDelta) for lp in e.logprobs]
+

@@ -110,6 +110,12 @@ class StageModel(StreamedModel):
         return StageStep(inner, self.stage, cache, phase_decode=_is_decode(tokens))
 
 
+    def step_after(self, tokens: list[int], cache: list[Any], before: int) -> None:
+        """No pairing across ranks: each rank's steps cross the boundary one forward at a
+        time, in the order rank 0 runs them."""
+        return None
+
+
 def _is_decode(tokens: list[int] | mx.array) -> bool:
     return isinstance(tokens, mx.array) or len(tokens) == 1
 

@@ -105,7 +105,9 @@ class StreamedModel:
     slice_tokens: int = 1 << 30  # prefill mixers run in slices this long (pipeline/prefill_slices.py)
     # (cache, final residual stream [rows, T, H]) after each forward: what an MTP drafter
     # reads (pipeline/models/mtp_drafter.py, fed by pipeline.speculation.HiddenSinks); None: nobody.
-    hidden_sink: Callable[[list[Any], mx.array], None] | None = None
+    # `behind`: tokens the caches already hold past this forward's (a paired step's: its
+    # partner wrote them first; actors/pair_step.py).
+    hidden_sink: Callable[[list[Any], mx.array, int], None] | None = None
 
     def __init__(
         self,
@@ -133,6 +135,19 @@ class StreamedModel:
 
     def step(self, tokens: list[int] | mx.array, cache: list[Any]) -> ForwardStep:
         return ForwardStep(self, tokens, cache)
+
+    def step_after(self, tokens: list[int], cache: list[Any], before: int) -> ForwardStep | None:
+        """A step over one sequence's `tokens` that will run, layer by layer, right after
+        another step over `before` tokens has run that layer (actors/pair_step.py): built
+        now, before the caches hold those tokens. None where that would change the step:
+        a mask (made here from the caches) that is not None, as it is for one token."""
+        step = ForwardStep(self, tokens, cache)
+        if any(m is not None for m in (step.fa_mask, step.ssm_mask, step.swa_mask)):
+            return None
+        if step.where is not None:  # calibrated routing: its positions come after `before`
+            positions, requests = step.where
+            step.where = ([p + before for p in positions], requests)
+        return step
 
     def batch_caches(self) -> BatchCaches:
         return BatchCaches(self.layers)
@@ -315,9 +330,9 @@ class ForwardStep:
         out = self.m.parts.head(self.m.parts.norm(self.h[:, -1:, :]))
         return out[:, 0] if self.rows else out[0, 0]
 
-    def _to_sink(self) -> None:
+    def _to_sink(self, behind: int = 0) -> None:
         if self.m.hidden_sink is not None:  # a batch's rows too: the sink splits them
-            self.m.hidden_sink(self.cache, self.h)
+            self.m.hidden_sink(self.cache, self.h, behind)
 
     def restore(self, snapshot: list[dict[str, Any]], layers: range) -> None:
         """Put `layers`' caches back as `snapshot` (a `snapshot()`) had them."""
@@ -345,6 +360,15 @@ class ForwardStep:
         self._snapshot = None
         self._h_in.clear()
         return self.run_to_routing(presync)
+
+    def end(self) -> None:
+        """The forward's end without logits (a step paired before another): its final
+        residual stream and the caches evaluated; the hidden sink is fed by `sink`."""
+        mx.eval(self.h, [a for c in self.cache for a in _arrays(c.state)])
+
+    def sink(self, behind: int) -> None:
+        """Feed the hidden sink (`end`'s step), once the caches hold `behind` more tokens."""
+        self._to_sink(behind)
 
     def logits(self, all_positions: bool = False) -> mx.array:
         """Final logits, [vocab] for the last position (or [tokens, vocab]); evaluated."""
