@@ -51,6 +51,7 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     pool_bytes: int
     prefill_chunk: int  # prompt tokens per compute turn
     readers: int  # reads in flight at once
+    readers_prefill: int  # ... while a prompt's chunk is read (the bulk lane's too)
     o_direct: bool
     strategy: str  # the prefetch strategy's name ("none" for the serial streamer)
     device_copy: str = "host"  # how blobs reach the pool: host, direct, load, prefetch

@@ -69,6 +69,9 @@ def test_bench_end_to_end_writes_json_and_trace(tiny_bench: Path, tmp_path: Path
     assert default["strategy"] == "next-gate" and default["overlap"]
     # readers = auto: the depth the probe chose, from what it measured.
     assert default["readers"] >= 2 and default["queue_depth_gb_s"]
+    # ... and a prompt's: up to the depth of the best bandwidth it measured (at most 8).
+    best = max(default["queue_depth_gb_s"].items(), key=lambda kv: kv[1])[0]
+    assert default["readers_prefill"] == max(default["readers"], min(int(best), 8))
     # Where decode's read time went: fractions are fractions, the split adds up.
     path = default["read_path"]
     assert 0 <= path["disk_busy_fraction"] <= 1 and path["mean_in_flight"] >= 0

@@ -55,6 +55,7 @@ class Result(msgspec.Struct, kw_only=True):
     pool_mb: float = 0.0
     slots: int = 0
     readers: int = 0
+    readers_prefill: int = 0  # disk threads reading a prompt (readers = auto's bulk lane)
     strategy: str = ""
     eviction: str = ""
     overlap: bool = True
