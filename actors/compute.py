@@ -129,8 +129,7 @@ class Compute:
         self, tokens: Tokens, cache: list[Any], phase: Phase
     ) -> tuple[ForwardStepper, Routing | None, Predictions | None]:
         step = self.model.step(_ids(tokens), cache)
-        routing = step.run_to_routing(self._presync(phase))
-        return step, routing, self._learn(routing, phase)
+        return (step, *self._first_routing(step, phase))
 
     def _advance(
         self, step: ForwardStepper, slot_of: np.ndarray, phase: Phase
