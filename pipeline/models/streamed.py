@@ -307,7 +307,7 @@ class ForwardStep:
         """
         self._snapshot = [_snapshot(c) for c in self.cache]
         ids: list[mx.array] = []
-        present: list[mx.array] = []
+        found_all: list[mx.array] = []
         layers: list[int] = []
         while (block := self._to_next_moe()) is not None:
             self._h_in[self.layer] = self.h
@@ -317,12 +317,16 @@ class ForwardStep:
             routed = routed_experts(arrays, fmt, x, mx.maximum(found, 0), self.m.family.activation)
             self.h = h_mid + self.m.family.moe_output(block.mlp, x, routed, scores)
             ids.append(inds.reshape(-1, inds.shape[-1]))
-            present.append((found >= 0).all())
+            found_all.append(found)
             layers.append(self.layer)
             self.layer += 1
         states = [a for c in self.cache for a in _arrays(c.state)]
         self._to_sink()
-        return LazyRunAhead(layers, mx.stack(ids), mx.stack(present), self._last_logits(),
+        # "All present" per layer from one stack of the layers' slots: three kernels a
+        # token, not two a layer (a decode step is kernel-launch bound on a GPU).
+        slots = mx.stack(found_all).reshape(len(found_all), -1)
+        present = (slots >= 0).all(axis=1)
+        return LazyRunAhead(layers, mx.stack(ids), present, self._last_logits(),
                             [*self._h_in.values(), *states])
 
     def _last_logits(self) -> mx.array:
