@@ -85,7 +85,7 @@ def test_a_truncated_expert_file_is_one_line(copy, capsys):
         assert "layer_002.bin" in line and "truncated or replaced" in line, line
 
 
-def test_pool_refusals_name_the_numbers(tiny, capsys):
+def test_pool_refusals_name_the_numbers(tiny, capsys, tmp_path):
     info_json = main(["info", str(tiny), "--json", "--prefill-chunk", "2"])
     info = json.loads(capsys.readouterr().out)
     assert info_json == 0
@@ -100,6 +100,13 @@ def test_pool_refusals_name_the_numbers(tiny, capsys):
 
     assert main(["generate", str(tiny), "--pool-mb", "64", "--slots", "16"]) == 2
     assert "--pool-mb and --slots are exclusive" in capsys.readouterr().err
+    # A timeline of a case the bench does not run: refused before any case runs.
+    trace = tmp_path / "t.json"
+    assert main(["bench", str(tiny), "--cases", "default", "--trace", str(trace),
+                 "--trace-case", "long-prompt"]) == 2
+    line = one_error(capsys.readouterr().err)
+    assert "--trace-case 'long-prompt' is not among --cases default" in line, line
+    assert not trace.exists()
 
 
 def test_the_default_budget_is_said_at_load_and_off_or_a_pool_size_leaves_it(tiny, capsys):
