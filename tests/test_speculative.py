@@ -161,6 +161,22 @@ async def test_greedy_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_
             engine.prefix_cache.clear()
 
 
+async def test_auto_prices_plain_decode_by_its_pipelined_steps_not_the_restart_after_a_pass(container):
+    """With every expert pooled plain decode is pipelined (each step queued behind the
+    last). The step after a pass restarts the pipeline (a forward, then the next queued)
+    and costs more: `auto` must not take it as plain decode's price."""
+    config = engine_config(container, pool={"slots": 64}, compute={"run_ahead": "on"})
+    async with open_engine(config) as engine:
+        greedy = SamplingParams(temperature=0.0, max_tokens=24, speculative="off")
+        tokens = _done(await _run(engine, greedy)).token_ids
+        policy = engine._core.batch.speculation
+        engine.emulate_drafts(EmulatedDrafts(tokens, 0.0, seed=1))  # every draft rejected
+        done = _done(await _run(engine, msgspec.structs.replace(greedy, speculative="auto")))
+    assert done.token_ids == tokens and done.stats.verify_passes >= 1
+    # One plain step restarted the pipeline after each pass that plain steps followed.
+    assert 1 <= policy.plain_priced < policy.stats.plain_steps
+
+
 async def test_auto_speculates_when_drafts_pay_and_backs_off_when_they_do_not():
     policy = SpeculationPolicy(max_draft=3, pinnable_rows=8)
     assert policy.draft_len("auto", 10) == 1  # the cheapest pass is measured first

@@ -103,11 +103,18 @@ class SpeculativeDecoder:
         draft = await self._propose(k)
         if not draft:
             stepped = inner.logits is None  # the first token is drawn from logits at hand
+            queued = inner.launched is not None
             t0 = time.perf_counter()
             tokens = await inner.next(more)
             if stepped:
-                self.policy.after_plain(time.perf_counter() - t0)
                 self.spec.stats.plain_steps += 1
+                # `auto` prices passes against plain decode as it runs: a step queued
+                # behind the last (pipelined), or none at all (layer by layer). The step
+                # that restarts the pipeline after a pass runs a forward and queues the
+                # next, so it costs more than either: priced as plain, it made passes look
+                # cheap (H200, session 15: `auto` at 0.83-0.84x plain).
+                steady = queued or inner.launched is None
+                self.policy.after_plain(time.perf_counter() - t0 if steady else None)
             return tokens
         t0 = time.perf_counter()
         await inner.park()  # a step queued on the last token: undone, its token is the feed

@@ -70,6 +70,7 @@ class SpeculationPolicy:
     pinnable_rows: int = 1 << 30  # pool slots // top_k
     stats: SpecStats = field(default_factory=SpecStats)
     plain_s: float | None = None
+    plain_priced: int = 0  # plain steps `plain_s` has seen
     pass_s: dict[int, float] = field(default_factory=dict)
     kept: float = 0.0  # decayed counts: drafts kept, drafts rejected
     rejected: float = 0.0
@@ -133,9 +134,13 @@ class SpeculationPolicy:
                 out = (n, gain)
         return out
 
-    def after_plain(self, seconds: float) -> None:
+    def after_plain(self, seconds: float | None) -> None:
+        """A plain step of a speculating row; its seconds, or None when it is no price
+        of plain decode (the step that restarts the pipeline after a pass)."""
         self.stats.plain_steps += 1
-        self.plain_s = _ema(self.plain_s, seconds)
+        if seconds is not None:
+            self.plain_priced += 1
+            self.plain_s = _ema(self.plain_s, seconds)
 
     def after_pass(self, drafted: int, accepted: int, seconds: float) -> None:
         self.stats.add_pass(drafted, accepted)
