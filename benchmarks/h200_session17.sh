@@ -3,6 +3,9 @@
 # the bundle:  export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session17.sh STEP
 # look: Perfetto timelines of the 1024-token prefill (cold, O_DIRECT) and of decode on the
 #   page cache (a fast disk), full 35B dimensions, 1 GiB pool.
+# next: what this session built after its device time ran out, for the next lease: the
+#   paired last prompt token and the bulk lane (readers_prefill in the JSON), `auto`
+#   speculation's plain price, warm-all beside resident (JSON as one archive); next80: the 80B.
 # Containers live in $DATA on the device's disk. Results: $OUT/*.json and $OUT/STEP.log.
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
@@ -55,5 +58,16 @@ case $step in
     bench 40 c35-fast-probe c35 --pool-mb 1024 --warm --max-tokens 32 --cases default
     bench 40 c35-fast-r2 c35 --pool-mb 1024 --warm --max-tokens 32 --cases default --readers 2
     bench 75 c35-long-probe c35 "${cold[@]}" --cases long-prompt,io ;;
+  next)
+    c35
+    bench 110 c35-long-next c35 "${cold[@]}" --cases long-prompt,io
+    bench 150 c35-random-next c35 "${cold[@]}" --cases default,serial,io
+    bench 150 c35-warm-next c35 --pool-mb 1024 --max-tokens 32 --cases warm-all,resident,warm-spec-auto-a0.8,warm-spec-k2-a0.8
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    bench 40 c35-fast-next c35 --pool-mb 1024 --warm --max-tokens 32 --cases default
+    tar czf "$OUT/next-json.tgz" -C "$OUT" $(cd "$OUT" && ls *.json) && rm -f "$OUT"/*.json ;;
+  next80)  # the 80B (one call of its own: its container takes ~65 s)
+    [ -f "$DATA/c80.qpack/manifest.json" ] || $B bench-container --preset qwen3-next-80b-a3b -o "$DATA/c80.qpack" 2>&1 | tail -1
+    bench 300 c80-next c80 "${cold[@]}" --max-tokens 16 --cases default,long-prompt,io ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
