@@ -196,15 +196,9 @@ class Compute:
                 return result.logits
             return await self.finish_from(step, miss, phase)
         # A prompt's chunk wants the disk's bandwidth: the reader's bulk lane reads too.
-        bulk = phase == "prefill" and _count(tokens) > 1
-        if bulk:
-            self.router.reader.set_bulk(True)
-        try:
+        with self.router.reader.bulk(phase == "prefill" and _count(tokens) > 1):
             step, routing, preds = await self.on_mlx(self._start, tokens, cache, phase)
             logits = await self.layered(step, routing, preds, phase, all_positions)
-        finally:
-            if bulk:
-                self.router.reader.set_bulk(False)
         # A prompt's last token runs alone, as a decode token does: whether it needed a
         # read says whether the first decode token may run ahead (a run-ahead that misses
         # costs its wasted layers and holds a snapshot of the model's state meanwhile).
@@ -225,12 +219,9 @@ class Compute:
         self.stats.paired_prompts += 1
         await self.begin_token("prefill")
         misses0 = self.router.table.misses
-        self.router.reader.set_bulk(True)
-        try:
+        with self.router.reader.bulk():
             routing, preds = await self.on_mlx(self._first_routing, pair, "prefill")
             logits = await self.layered(pair, routing, preds, "prefill")
-        finally:
-            self.router.reader.set_bulk(False)
         # As after a prompt's last token run alone: whether the first decode token runs ahead.
         self.run_ahead.after_layered(hit=self.router.table.misses == misses0)
         return logits

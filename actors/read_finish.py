@@ -117,8 +117,9 @@ class Finisher:
                     continue
                 load.check_s = time.perf_counter() - started
                 good.append((load, buffer))
-            landing = [(load, buffer) for load, buffer in good if load.land and self.lander is not None]
-            rest = [(load, buffer) for load, buffer in good if not (load.land and self.lander is not None)]
+            # A read is marked `land` only where there is a lander (ExpertReader.submit).
+            landing = [(load, buffer) for load, buffer in good if load.land]
+            rest = [(load, buffer) for load, buffer in good if not load.land]
             if landing:
                 done.extend(self._land(landing))
             done.extend(self._stage(rest))

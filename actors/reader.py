@@ -42,7 +42,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -89,14 +90,12 @@ class ExpertReader:
         staging buffer once (the direct copy path page-locks them). `lander`: writes blobs
         into their slots from a staging thread (see "Landing"). `stage`: the host->device
         copy of several finished blobs off the MLX thread (one result per blob, in order)."""
-        self.lander = lander
         self.switch_interval_s = switch_interval_s
-        self.stage = stage
         self.container = container
         self.concurrency = concurrency
         self.demand_lane = demand_lane
         self.bulk_lane = bulk_lane
-        self._bulk = False  # set_bulk: the bulk lane reads
+        self._bulk = False  # inside `bulk`: the bulk lane reads
         self.prefetch_yields = prefetch_yields
         self._demand_reading = 0  # demand reads between their start and their pread's end
         self.retries = retries
@@ -116,6 +115,7 @@ class ExpertReader:
         self._cond = threading.Condition(lock)
         self._lane_cond = threading.Condition(lock)  # the demand lane's threads wait here
         self._bulk_cond = threading.Condition(lock)  # the bulk lane's
+        self._lane_conds = {_QUEUE: self._cond, _DEMAND: self._lane_cond, _BULK: self._bulk_cond}
         self._closed = False
         self._any_done = trio.Event()
         self.finisher = Finisher(max(1, min(MAX_STAGERS, concurrency)), check=self._check,
@@ -123,6 +123,19 @@ class ExpertReader:
                                  stage=stage, lander=lander)
         self.meter = DiskMeter()
         self.stats = ReaderStats()
+
+    @property
+    def stage(self) -> Callable[[list[np.ndarray]], list[Any]] | None:
+        return self.finisher.stage
+
+    @property
+    def lander(self) -> Lander | None:
+        return self.finisher.lander
+
+    @property
+    def prefill_readers(self) -> int:
+        """Disk threads reading while a prompt's chunk runs (the bulk lane's too)."""
+        return self.concurrency + self.bulk_lane
 
     def landing_lock(self, slot: int) -> threading.Lock:
         """The lock a landing into `slot` holds while it checks and copies."""
@@ -171,8 +184,19 @@ class ExpertReader:
                 self._bulk_cond.notify()
         return load
 
-    def set_bulk(self, on: bool) -> None:
-        """Whether the bulk lane reads (compute sets it around a prompt's chunk)."""
+    @contextmanager
+    def bulk(self, on: bool = True) -> Iterator[None]:
+        """While inside (and `on`), the bulk lane reads: compute's prompt chunks."""
+        if not on:
+            yield
+            return
+        self._set_bulk(True)
+        try:
+            yield
+        finally:
+            self._set_bulk(False)
+
+    def _set_bulk(self, on: bool) -> None:
         with self._cond:
             self._bulk = on
             if on:
@@ -214,7 +238,7 @@ class ExpertReader:
     def _take(self, lane: str) -> tuple[Load, np.ndarray] | None:
         """Under the lock: the next load (demand first; a demand-lane thread takes only
         demand, a bulk-lane one only while `bulk`) and a free buffer, or None to exit."""
-        cond = {_QUEUE: self._cond, _DEMAND: self._lane_cond, _BULK: self._bulk_cond}[lane]
+        cond = self._lane_conds[lane]
         with cond:
             while not self._closed and not (self._may_take(lane) and self._free):
                 cond.wait()

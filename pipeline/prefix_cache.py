@@ -121,33 +121,27 @@ class PrefixCache:
 
     def checkpoint(self, tokens: Sequence[int], cache: list[Any]) -> None:
         """Keep a copy of `cache` (which goes on changing) as the state after `tokens`."""
-        if self.max_entries <= 0 or not tokens or tuple(tokens) in self._entries:
-            return
         if nbytes(cache) > self.max_bytes:
-            return
-        try:
-            copied = snapshot(cache)
-        except TypeError as exc:  # a cache kind `snapshot` does not know: no checkpoints
-            log.debug("prefix_cache.no_checkpoint", reason=str(exc))
-            return
-        self.put(tokens, copied)
+            return  # not copied only to be refused by `put`
+        self.piecewise(tokens, cache)(None)
 
     def piecewise(self, tokens: Sequence[int], cache: list[Any]) -> Callable[[int | None], None]:
-        """The checkpoint after `tokens` (as `checkpoint`), copied a range of layers at a
-        time while a paired step runs (actors/pair_step.py): `between(upto)` copies the
-        layers below `upto` not copied yet; at None, the rest, and keeps the copy."""
+        """The checkpoint after `tokens`, copied a range of layers at a time while a paired
+        step runs (actors/pair_step.py): `between(upto)` copies the layers below `upto`
+        not copied yet; at None, the rest, and keeps the copy (as `checkpoint` does)."""
         parts: list[Any] = []
-        wanted = [self.max_entries > 0 and bool(tokens) and tuple(tokens) not in self._entries]
+        wanted = self.max_entries > 0 and bool(tokens) and tuple(tokens) not in self._entries
 
         def between(upto: int | None) -> None:
+            nonlocal wanted
             stop = len(cache) if upto is None else upto
-            if wanted[0] and len(parts) < stop:
+            if wanted and len(parts) < stop:
                 try:
                     parts.extend(snapshot(cache[len(parts) : stop]))
-                except TypeError as exc:  # a cache kind `snapshot` does not know
+                except TypeError as exc:  # a cache kind `snapshot` does not know: no checkpoints
                     log.debug("prefix_cache.no_checkpoint", reason=str(exc))
-                    wanted[0] = False
-            if upto is None and wanted[0]:
+                    wanted = False
+            if upto is None and wanted:
                 self.put(tokens, parts)
 
         return between

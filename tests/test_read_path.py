@@ -185,7 +185,7 @@ async def test_a_demand_read_starts_at_once_in_its_lane_while_predictions_hold_e
 
 async def test_the_bulk_lane_reads_only_while_a_prompt_is_read(container):
     """One queue thread and a bulk lane of two: four held predictions keep one read in
-    flight until `set_bulk`, then three; once it is cleared the lane takes nothing new."""
+    flight until `bulk`, then three; once it is left the lane takes nothing new."""
     io = HeldIO()
     with Container.open(container, verify="off", io=io) as c:
         stride = c.manifest.layer(0).stride
@@ -199,11 +199,9 @@ async def test_the_bulk_lane_reads_only_while_a_prompt_is_read(container):
                     await trio.sleep(0.002)
             await trio.sleep(0.2)
             alone = len(io.started)
-            reader.set_bulk(True)
-            with trio.fail_after(10):
+            with reader.bulk(), trio.fail_after(10):
                 while len(io.started) < 3:
                     await trio.sleep(0.002)
-            reader.set_bulk(False)
             later = [reader.submit((0, e), demand=False) for e in (6, 7)]
             io.release.set()
             for load in (*loads, *later):
