@@ -20,10 +20,13 @@ case $step in
     ptx_save; pack ;;
   b)
     c35
+    bench 200 c35-warm c35 --pool-mb 1024 --max-tokens 32 --cases warm-all,resident,warm-spec-auto-a0.8,warm-spec-k2-a0.8 --trace-case warm-all --trace "$OUT/warm-trace.json"
     bench 170 c35-random c35 "${cold[@]}" --cases default,serial,io
-    bench 170 c35-warm c35 --pool-mb 1024 --max-tokens 32 --cases warm-all,resident,warm-spec-auto-a0.8,warm-spec-k2-a0.8
-    cat "$DATA"/c35.qpack/experts/* > /dev/null
-    bench 60 c35-fast c35 --pool-mb 1024 --warm --max-tokens 32 --cases default
+    pack ;;
+  w)  # warm-all beside resident, twice (the lease is noisy)
+    c35
+    bench 120 c35-warm1 c35 --pool-mb 1024 --max-tokens 32 --cases warm-all,resident
+    bench 120 c35-warm2 c35 --pool-mb 1024 --max-tokens 32 --cases warm-all,resident
     pack ;;
   c80)
     [ -f "$DATA/c80.qpack/manifest.json" ] || $B bench-container --preset qwen3-next-80b-a3b -o "$DATA/c80.qpack" 2>&1 | tail -1
