@@ -258,10 +258,8 @@ class Compute:
         if self._gate or self.strategy.name == "none":
             await self.prefetcher.caught_up()
             await self.router.demand_all([(layer, ids, tick) for layer, ids, tick, _ in done])
-            for layer, ids, tick, rows in done:
-                await self.prefetcher.send(
-                    Routed(layer, rows, ids, tick, phase, predicted=[], predict=False)
-                )
+            await self.prefetcher.send([Routed(layer, rows, ids, tick, phase, predicted=[], predict=False)
+                                        for layer, ids, tick, rows in done])
             return miss
         for layer, ids, tick, rows in done:
             await self._demand(Routed(layer, rows, ids, tick, phase))

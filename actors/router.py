@@ -131,8 +131,16 @@ class ExpertRouter:
         await self._ask(self._demand_all, [(layer, list(ids), tick) for layer, ids, tick in items])
 
     async def _demand_all(self, items: list[tuple[int, list[int], int]]) -> None:
+        # A token that ran ahead found every expert ready: each layer's pool calls are
+        # made (the same sequence as `demand`'s), and the wait and the slot map are
+        # skipped while every key is still ready (a decode token's 40 layers: the host
+        # work between two pipelined steps). A key that is not goes the whole way.
         for layer, ids, tick in items:
-            await self._demand(layer, ids, tick)
+            placed = self.driver.demand(layer, ids, tick)
+            if not all(was and self.table.state((layer, int(e))) == "ready"
+                       for e, (_, was) in zip(ids, placed, strict=True)):
+                await self._complete(layer, ids, tick, placed)
+        await self.install_finished()  # what the prefetches read meanwhile, once a token
 
     async def prefetch(self, predictions: Sequence[tuple[int, Sequence[int]]], tick: int) -> None:
         """Queue predicted experts for reading (no reply: ordered before later demands)."""
@@ -160,8 +168,14 @@ class ExpertRouter:
     async def _demand(self, layer: int, ids: Sequence[int], tick: int,
                       then_prefetch: Sequence[tuple[int, Sequence[int]]] | None = None) -> np.ndarray:
         """Make `ids` of `layer` resident and installed; returns slot_of (expert -> slot)."""
+        return await self._complete(layer, ids, tick, self.driver.demand(layer, ids, tick),
+                                    then_prefetch)
+
+    async def _complete(self, layer: int, ids: Sequence[int], tick: int,
+                        placed: list[tuple[int, bool]],
+                        then_prefetch: Sequence[tuple[int, Sequence[int]]] | None = None) -> np.ndarray:
+        """A placed demand (`driver.demand`'s answer): its reads issued and waited for."""
         self.failures.clear()  # only this demand's failures are reported
-        placed = self.driver.demand(layer, ids, tick)
         waits: list[Load] = []
         for expert, (taken, was_resident) in zip(ids, placed, strict=True):
             key = (layer, int(expert))

@@ -66,7 +66,8 @@ class Prefetcher:
         self.router = router
         self.recorder = recorder
         self.gate = gate  # compute predicts (on the MLX thread); this task applies it
-        self._send, self._receive = trio.open_memory_channel[TokenStart | Routed](64)
+        # A list: the layers of a token that ran ahead, in order (one wake-up, not 40).
+        self._send, self._receive = trio.open_memory_channel[TokenStart | Routed | list[Routed]](64)
         self._handled = 0  # events handled so far
         self._sent = 0
         self._progress = trio.Event()
@@ -79,7 +80,7 @@ class Prefetcher:
                 self._progress.set()
                 self._progress = trio.Event()
 
-    async def send(self, event: TokenStart | Routed) -> None:
+    async def send(self, event: TokenStart | Routed | list[Routed]) -> None:
         await self._send.send(event)
         self._sent += 1  # only once it is in the channel: a cancelled send sent nothing
 
@@ -88,7 +89,11 @@ class Prefetcher:
         while self._handled < self._sent:
             await self._progress.wait()
 
-    async def _handle(self, event: TokenStart | Routed) -> None:
+    async def _handle(self, event: TokenStart | Routed | list[Routed]) -> None:
+        if isinstance(event, list):
+            for routed in event:
+                await self._handle(routed)
+            return
         if isinstance(event, TokenStart):
             if self.recorder is not None:
                 self.recorder.begin_token(event.phase)
