@@ -23,6 +23,15 @@ case $step in
     bench 200 c35-warm c35 --pool-mb 1024 --max-tokens 32 --cases warm-all,resident,warm-spec-auto-a0.8,warm-spec-k2-a0.8 --trace-case warm-all --trace "$OUT/warm-trace.json"
     bench 170 c35-random c35 "${cold[@]}" --cases default,serial,io
     pack ;;
+  f)  # the page cache as a fast disk: next-gate (one layer ahead) against lookahead 2 and 3
+    c35
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    fast=(--pool-mb 1024 --warm --max-tokens 32 --cases default)
+    bench 60 c35-fast c35 "${fast[@]}"
+    bench 60 c35-fast-la2 c35 "${fast[@]}" --strategy lookahead --depth 2
+    bench 60 c35-fast-la3 c35 "${fast[@]}" --strategy lookahead --depth 3
+    same "$OUT"/c35-fast*.json
+    pack ;;
   w)  # warm-all beside resident, twice (the lease is noisy)
     c35
     bench 120 c35-warm1 c35 --pool-mb 1024 --max-tokens 32 --cases warm-all,resident
