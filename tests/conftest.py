@@ -155,8 +155,26 @@ def _tmpfs_basetemp(config: pytest.Config) -> None:
         # launcher's hostfiles; the tokenizer cache below), in this process, the workers,
         # the fork server and every subprocess.
         os.mkdir(tmp := os.path.join(base, "tmp"))
+        _keep_mlx_kernels(tmp)
         os.environ["TMPDIR"] = tmp
         tempfile.tempdir = None  # gettempdir() asks again
+
+
+def _keep_mlx_kernels(tmp: str) -> None:
+    """MLX's CPU backend compiles each fused kernel of `mx.compile` with the system C++
+    compiler into `<temporary directory>/mlx/<version>/cpu` and reuses it from there in
+    every later process. Left under this run's own TMPDIR, every run compiled them all
+    again (some 30 kernels, 0.5-1 s of g++ each, ~20 s of CPU a run, the test that met one
+    first waiting on it: tests/test_quant_modes.py's float_experts case 4.6 s against 0.8
+    s warm). `<run>/tmp/mlx` points where MLX keeps them without the redirect (the
+    temporary directory of the environment the run started in), so the cache lives across
+    runs as it does for any user; a clean machine's first run still compiles them."""
+    kernels = os.path.join(tempfile.gettempdir(), "mlx")
+    try:
+        os.makedirs(kernels, exist_ok=True)
+        os.symlink(kernels, os.path.join(tmp, "mlx"))
+    except OSError:
+        pass  # not writable there: MLX compiles into the run's TMPDIR, as before
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's tmpdir plugin reads the option
