@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# For the next lease (written in session 18, 2026-12-04): what session 18 changed or
+# could not settle, one step per device call. On the GPU host, after the bundle:
+#   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session19.sh STEP
+# spec: warm speculation now warms up with its measured generation (pass shapes compiled
+#   first): warm-all and the spec cases alternated, twice (the lease is noisy).
+# fast: the page cache as a fast disk, next-gate against lookahead depth 2, twice.
+# long: the 35B 1024-token prefill, twice.
+# g20 / q30: issue 27's headline numbers (cold 1 GiB pool, every expert pooled, resident).
+# Containers live in $DATA on the device's disk (64 GB: one family container at a time).
+set -uo pipefail
+. "$(dirname "$0")/h200_lib.sh"
+step=$1
+ptx_restore
+c35() {
+  [ -f "$DATA/c35.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b -o "$DATA/c35.qpack" 2>&1 | tail -1
+}
+only() {  # only CONTAINER: remove the other bench containers (the disk holds one big one)
+  for d in "$DATA"/*.qpack; do [ "$(basename "$d" .qpack)" = "$1" ] || rm -rf "$d"; done
+}
+pack() { tar czf "$OUT/$step-json.tgz" -C "$OUT" $(cd "$OUT" && ls *.json) && rm -f "$OUT"/*.json; }
+warm=(--pool-mb 1024 --max-tokens 32)
+{
+case $step in
+  spec)
+    c35
+    for i in 1 2; do
+      bench 200 c35-spec$i c35 "${warm[@]}" --cases warm-all,warm-spec-k2-a0.8,warm-spec-auto-a0.8
+    done
+    pack ;;
+  fast)
+    c35
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    for i in 1 2; do
+      bench 90 c35-fast$i c35 "${warm[@]}" --warm --cases default
+      bench 90 c35-fast-la2-$i c35 "${warm[@]}" --warm --cases default --strategy lookahead --depth 2
+    done
+    same "$OUT"/c35-fast*.json
+    pack ;;
+  long)
+    c35
+    for i in 1 2; do bench 300 c35-long$i c35 "${cold[@]}" --cases long-prompt,io; done
+    pack ;;
+  g20)
+    only g20
+    [ -f "$DATA/g20.qpack/manifest.json" ] || $B bench-container --preset gpt-oss-20b -o "$DATA/g20.qpack" 2>&1 | tail -1
+    bench 400 g20 g20 "${cold[@]}" --cases default,io,warm-all,resident
+    pack ;;
+  q30)
+    only q30
+    [ -f "$DATA/q30.qpack/manifest.json" ] || $B bench-container --preset qwen3-30b-a3b -o "$DATA/q30.qpack" 2>&1 | tail -1
+    bench 400 q30 q30 "${cold[@]}" --cases default,io,warm-all,resident
+    pack ;;
+esac
+} 2>&1 | tee -a "$OUT/$step.log"
