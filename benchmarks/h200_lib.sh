@@ -30,3 +30,10 @@ if runs:
     print("tokens as", ref["name"], {r["name"]: r["token_ids"] == ref["token_ids"] for r in runs[1:]})
 PY
 }
+
+# The full 35B container, written once per lease (~55 s); `pack`: a step's JSON as one
+# archive (at most 8 files come back from a lease).
+c35() {
+  [ -f "$DATA/c35.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b -o "$DATA/c35.qpack" 2>&1 | tail -1
+}
+pack() { tar czf "$OUT/$step-json.tgz" -C "$OUT" $(cd "$OUT" && ls *.json) && rm -f "$OUT"/*.json; }

@@ -11,9 +11,6 @@ set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
 ptx_restore
-c35() {
-  [ -f "$DATA/c35.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b -o "$DATA/c35.qpack" 2>&1 | tail -1
-}
 {
 case $step in
   look)

@@ -8,10 +8,6 @@ set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
 ptx_restore
-c35() {
-  [ -f "$DATA/c35.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b -o "$DATA/c35.qpack" 2>&1 | tail -1
-}
-pack() { tar czf "$OUT/$step-json.tgz" -C "$OUT" $(cd "$OUT" && ls *.json) && rm -f "$OUT"/*.json; }
 {
 case $step in
   a)

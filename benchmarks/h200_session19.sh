@@ -12,13 +12,9 @@ set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
 ptx_restore
-c35() {
-  [ -f "$DATA/c35.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b -o "$DATA/c35.qpack" 2>&1 | tail -1
-}
 only() {  # only CONTAINER: remove the other bench containers (the disk holds one big one)
   for d in "$DATA"/*.qpack; do [ "$(basename "$d" .qpack)" = "$1" ] || rm -rf "$d"; done
 }
-pack() { tar czf "$OUT/$step-json.tgz" -C "$OUT" $(cd "$OUT" && ls *.json) && rm -f "$OUT"/*.json; }
 warm=(--pool-mb 1024 --max-tokens 32)
 {
 case $step in
