@@ -12,10 +12,17 @@ causal attention over the cache, with the experts still read once per chunk.
 
 Only single sequences are sliced (mask None or "causal"); batched prefill with padding
 masks runs whole.
+
+A MoE layer's routed experts grow with the chunk too: one row per (token, chosen expert)
+for the tokens sorted by expert, each projection's output and the unsorting (~0.25 MiB a
+token at the 35B's dims in float32: 390 MiB of temporaries for a 1024-token chunk,
+measured). Every token's MoE output is its own, so the MoE half runs over slices of
+`moe_slice_tokens` tokens too (`moe`), each evaluated before the next.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -48,8 +55,37 @@ def per_token_bytes(layers: list[Any], context: int) -> int:
 
 def slice_tokens(layers: list[Any], temporaries_bytes: int, context: int) -> int:
     """Tokens per mixer slice for the temporaries' share (memory.temporaries_mb)."""
+    return tokens_within(per_token_bytes(layers, context), temporaries_bytes)
+
+
+def tokens_within(token_bytes: int, temporaries_bytes: int) -> int:
+    """Tokens whose temporaries (`token_bytes` each) fit the temporaries' share, less the
+    head's reserve: a mixer's slice, or a MoE half's (`moe_token_bytes`)."""
     room = max(temporaries_bytes - HEAD_RESERVE, temporaries_bytes // 4)
-    return max(MIN_SLICE, room // per_token_bytes(layers, context))
+    return max(MIN_SLICE, room // max(token_bytes, 1))
+
+
+def moe_token_bytes(top_k: int, hidden: int, intermediate: int, itemsize: int) -> int:
+    """Temporaries one prompt token adds to a MoE layer: per chosen expert its input row
+    sorted by expert, the down projection's output and its unsorting (hidden wide), and
+    the up, gate and activation rows (intermediate wide); then the weighted sum."""
+    return top_k * (3 * hidden + 3 * intermediate) * itemsize + hidden * itemsize
+
+
+def moe(fn: Callable[[mx.array, mx.array, mx.array], mx.array], x: mx.array, slots: mx.array,
+        scores: mx.array, tokens: int) -> mx.array:
+    """`fn(x, slots, scores)` (x [rows, T, H], slots and scores [rows, T, k]) over slices of
+    at most `tokens` tokens when T is longer, each evaluated before the next."""
+    length = x.shape[-2]
+    if length <= tokens:
+        return fn(x, slots, scores)
+    outs = []
+    for start in range(0, length, tokens):
+        part = slice(start, start + tokens)
+        y = fn(x[..., part, :], slots[..., part, :], scores[..., part, :])
+        mx.eval(y)
+        outs.append(y)
+    return mx.concatenate(outs, axis=-2)
 
 
 def mix(mixer: Any, x: mx.array, mask: Any, cache: Any, tokens: int) -> mx.array:

@@ -225,6 +225,41 @@ def test_prefill_mixers_in_slices_compute_what_a_whole_chunk_does(qwen35: Path) 
     trio.run(main)
 
 
+def test_prefill_moe_halves_in_slices_compute_what_a_whole_chunk_does(qwen35: Path) -> None:
+    """Every token's MoE output is its own: slices of the chunk give the same logits, bit
+    for bit on MLX's CPU, whether a slice takes mlx-lm's sorted path (>= 64 (token, expert)
+    pairs: top-4 x 20 tokens) like the whole chunk or the unsorted one (4 tokens)."""
+    prompt = (PROMPT * 4)[:40]
+
+    async def main() -> None:
+        cfg = engine_config(qwen35, pool={"slots": 64}, compute={"prefill_chunk": 40})
+        async with open_engine(cfg) as engine:
+            model = engine._core.model
+            assert model.moe_slice_tokens >= 40  # the tiny dims fit a whole chunk
+            runs = []
+            for tokens in (model.moe_slice_tokens, 20, 4):
+                model.moe_slice_tokens = tokens
+                runs.append(await forward_logits(engine, prompt, [3, 141]))
+        whole, *sliced = runs
+        for run in sliced:
+            for a, b in zip(whole, run, strict=True):
+                np.testing.assert_array_equal(a, b)
+
+    trio.run(main)
+
+
+def test_a_long_chunks_moe_slices_fit_the_temporaries_share() -> None:
+    """35B dims (top-8, hidden 2048, experts 512 wide): ~248 KiB a token in float32, so a
+    1024-token chunk's MoE half runs in slices of ~350 tokens within 150 MiB."""
+    from pipeline.prefill_slices import HEAD_RESERVE, moe_token_bytes, tokens_within
+
+    per_token = moe_token_bytes(8, 2048, 512, 4)
+    assert per_token == 8 * (3 * 2048 + 3 * 512) * 4 + 2048 * 4
+    n = tokens_within(per_token, 150 * 2**20)
+    assert n * per_token <= 150 * 2**20 - HEAD_RESERVE < (n + 1) * per_token
+    assert 300 < n < 400 and tokens_within(per_token, 2**20) == 16  # never below MIN_SLICE
+
+
 PRESSED = ("some avg10=35.20 avg60=12.00 avg300=3.10 total=9123456\n"
            "full avg10=4.00 avg60=1.00 avg300=0.20 total=812345\n")
 CALM = ("some avg10=0.00 avg60=0.00 avg300=0.00 total=9123456\n"

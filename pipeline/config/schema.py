@@ -105,8 +105,9 @@ class MemoryConfig(_Section, frozen=True):
     # decoding at once (it also caps a request's context), half for the prefix cache's
     # copies. 0 = an eighth of the budget.
     state_mb: Annotated[int, within(0, MIB_MAX)] = 0
-    # MLX's temporaries above dense + pool + state (activations of a prefill slice, a
-    # decode graph) and its buffer cache.
+    # MLX's temporaries above dense + pool + state (activations of a prefill slice: a
+    # chunk's mixers and MoE halves run in slices that fit it; a decode graph) and its
+    # buffer cache.
     temporaries_mb: Annotated[int, within(16, MIB_MAX)] = 150
     # Shrink the pool under memory pressure (Linux PSI, macOS pressure events) and grow it
     # back when the pressure is gone (pipeline/memory_pressure.py).

@@ -24,7 +24,7 @@ from pipeline.models.file_embedding import FileEmbedding, embedding_dtype
 from pipeline.models.moe import routed_experts
 from pipeline.models.routing_override import RoutingOverride
 from pipeline.models.text_parts import TextParts, moe_layers, text_parts
-from pipeline.prefill_slices import mix
+from pipeline.prefill_slices import mix, moe
 from qpack.spec import ExpertFormat
 
 
@@ -103,6 +103,7 @@ class StreamedModel:
 
     routing: RoutingOverride | None = None  # benchmark-only calibrated routing (bench --routing)
     slice_tokens: int = 1 << 30  # prefill mixers run in slices this long (pipeline/prefill_slices.py)
+    moe_slice_tokens: int = 1 << 30  # and MoE halves in slices this long
     # (cache, final residual stream [rows, T, H]) after each forward: what an MTP drafter
     # reads (pipeline/models/mtp_drafter.py, fed by pipeline.speculation.HiddenSinks); None: nobody.
     # `behind`: tokens the caches already hold past this forward's (a paired step's: its
@@ -284,8 +285,12 @@ class ForwardStep:
         slots = mx.array(slot_of.astype(np.int32))[inds]
         block = self.m.parts.layers[self.layer]
         arrays, fmt = self.m.views(self.layer) if self.m.views else (self.m.slot_arrays, self.m.fmt)
-        routed = routed_experts(arrays, fmt, x, slots, self.m.family.activation)
-        self.h = h_mid + self.m.family.moe_output(block.mlp, x, routed, scores)
+
+        def part(x: mx.array, slots: mx.array, scores: mx.array) -> mx.array:
+            routed = routed_experts(arrays, fmt, x, slots, self.m.family.activation)
+            return self.m.family.moe_output(block.mlp, x, routed, scores)
+
+        self.h = h_mid + moe(part, x, slots, scores, self.m.moe_slice_tokens)
         self.layer += 1
         return self.run_to_routing(presync)
 
