@@ -6,6 +6,7 @@
 #   first): warm-all and the spec cases alternated, twice (the lease is noisy).
 # fast: the page cache as a fast disk, next-gate against lookahead depth 2, twice.
 # long: the 35B 1024-token prefill, twice.
+# slices: a 1024-token chunk's MoE halves in slices against the whole chunk, bitwise, on CUDA.
 # g20 / q30: issue 27's headline numbers (cold 1 GiB pool, every expert pooled, resident).
 # Containers live in $DATA on the device's disk (64 GB: one family container at a time).
 set -uo pipefail
@@ -37,6 +38,10 @@ case $step in
     c35
     for i in 1 2; do bench 300 c35-long$i c35 "${cold[@]}" --cases long-prompt,io; done
     pack ;;
+  slices)
+    c35
+    python3 benchmarks/moe_slices_check.py "$DATA/c35.qpack" 1024
+    python3 benchmarks/moe_slices_check.py "$DATA/c35.qpack" 1024 256 ;;
   g20)
     only g20
     [ -f "$DATA/g20.qpack/manifest.json" ] || $B bench-container --preset gpt-oss-20b -o "$DATA/g20.qpack" 2>&1 | tail -1
