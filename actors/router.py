@@ -136,9 +136,8 @@ class ExpertRouter:
         # skipped while every key is still ready (a decode token's 40 layers: the host
         # work between two pipelined steps). A key that is not goes the whole way.
         for layer, ids, tick in items:
-            placed = self.driver.demand(layer, ids, tick)
-            if not all(was and self.table.state((layer, int(e))) == "ready"
-                       for e, (_, was) in zip(ids, placed, strict=True)):
+            placed = self.driver.demand(layer, ids, tick)  # a key not resident is now loading
+            if not all(self.table.state((layer, int(e))) == "ready" for e in ids):
                 await self._complete(layer, ids, tick, placed)
         await self.install_finished()  # what the prefetches read meanwhile, once a token
 

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from pipeline.config.schema import PipelineConfig
     from pipeline.engine_core import EngineCore
     from pipeline.memory_facts import OpenMarks
-    from pipeline.models.streamed import StreamedModel
 
 log = structlog.get_logger("moestream.memory")
 
@@ -221,17 +220,6 @@ def context_within(state_bytes: Callable[[int], int], state: int, limit: int) ->
     return lo
 
 
-def moe_bytes(model: StreamedModel) -> int:
-    """Temporaries a prompt token adds to one of `model`'s MoE layers (prefill_slices)."""
-    from pipeline.models.file_embedding import embedding_dtype
-    from pipeline.prefill_slices import moe_token_bytes
-
-    args = model.parts.args
-    inter = getattr(args, "moe_intermediate_size", None) or args.intermediate_size
-    itemsize = (model.activation_dtype or embedding_dtype(model.parts.embed_tokens)).size
-    return moe_token_bytes(model.top_k, args.hidden_size, inter, itemsize)
-
-
 def attach_memory(core: EngineCore, nursery: trio.Nursery, plan: MemoryPlan | None,
                   marks: OpenMarks, need_slots: int) -> None:
     """Hold the open engine to its memory: prefill mixers in slices sized from the
@@ -246,7 +234,7 @@ def attach_memory(core: EngineCore, nursery: trio.Nursery, plan: MemoryPlan | No
     core.memory_plan, core.memory_marks = plan, marks
     core.model.slice_tokens = slice_tokens(core.model.parts.layers, mem.temporaries_mb * 2**20,
                                            core.config.compute.prefill_max_tokens)
-    core.model.moe_slice_tokens = tokens_within(moe_bytes(core.model), mem.temporaries_mb * 2**20)
+    core.model.moe_slice_tokens = tokens_within(core.model.moe_token_bytes(), mem.temporaries_mb * 2**20)
     if plan is not None:
         # Half the state reserve for the sequences decoding, half for the prefix cache's
         # copies (1 GiB by default otherwise: outside any budget).

@@ -24,7 +24,7 @@ from pipeline.models.file_embedding import FileEmbedding, embedding_dtype
 from pipeline.models.moe import routed_experts
 from pipeline.models.routing_override import RoutingOverride
 from pipeline.models.text_parts import TextParts, moe_layers, text_parts
-from pipeline.prefill_slices import mix, moe
+from pipeline.prefill_slices import mix, moe, moe_token_bytes
 from qpack.spec import ExpertFormat
 
 
@@ -157,10 +157,19 @@ class StreamedModel:
         """About how many bytes one sequence's model state holds after `tokens` tokens:
         keys and values per attention layer (allocated 256 positions at a time), a fixed
         state per recurrent layer (the family's `state_bytes`)."""
-        itemsize = (self.activation_dtype or embedding_dtype(self.parts.embed_tokens)).size
         positions = -(-tokens // 256) * 256
-        return sum(self.family.state_bytes(block, self.parts.args, positions, itemsize)
+        return sum(self.family.state_bytes(block, self.parts.args, positions, self._itemsize())
                    for block in self.parts.layers)
+
+    def moe_token_bytes(self) -> int:
+        """Temporaries a prompt token adds to a MoE layer (pipeline/prefill_slices.py)."""
+        args = self.parts.args
+        inter = getattr(args, "moe_intermediate_size", None) or args.intermediate_size
+        return moe_token_bytes(self.top_k, args.hidden_size, inter, self._itemsize())
+
+    def _itemsize(self) -> int:
+        """Bytes of an activation's element: the compute dtype, else the embedding's."""
+        return (self.activation_dtype or embedding_dtype(self.parts.embed_tokens)).size
 
     def step_from(self, hidden: mx.array, cache: list[Any]) -> ForwardStep:
         """A forward over `self.layers` that starts from the residual stream `hidden`
