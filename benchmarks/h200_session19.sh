@@ -8,6 +8,8 @@
 # long: the 35B 1024-token prefill, twice.
 # slices: a 1024-token chunk's MoE halves in slices against the whole chunk, bitwise, on CUDA.
 # g20 / q30: issue 27's headline numbers (cold 1 GiB pool, every expert pooled, resident).
+# fam NAME PRESET [MAX_LAYERS]: the same for any preset (glm-4.5-air, deepseek-v3 cut to
+#   fit the lease's time: each family's first run compiles its own kernels).
 # Containers live in $DATA on the device's disk (64 GB: one family container at a time).
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
@@ -38,10 +40,17 @@ case $step in
     c35
     for i in 1 2; do bench 300 c35-long$i c35 "${cold[@]}" --cases long-prompt,io; done
     pack ;;
-  slices)
-    c35
-    python3 benchmarks/moe_slices_check.py "$DATA/c35.qpack" 1024
-    python3 benchmarks/moe_slices_check.py "$DATA/c35.qpack" 1024 256 ;;
+  slices)  # 4 layers at 35B dims are enough for one chunk's bits
+    [ -f "$DATA/c35x4.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b --max-layers 4 -o "$DATA/c35x4.qpack" 2>&1 | tail -1
+    python3 benchmarks/moe_slices_check.py "$DATA/c35x4.qpack" 1024
+    python3 benchmarks/moe_slices_check.py "$DATA/c35x4.qpack" 1024 256 ;;
+  fam)
+    name=$2; step=$2
+    only "$name"
+    [ -f "$DATA/$name.qpack/manifest.json" ] || $B bench-container --preset "$3" ${4:+--max-layers $4} -o "$DATA/$name.qpack" 2>&1 | tail -1
+    du -sh "$DATA/$name.qpack"
+    bench "${LIMIT:-520}" "$name" "$name" "${cold[@]}" --cases default,io,warm-all,resident
+    ptx_save; pack ;;
   g20)
     only g20
     [ -f "$DATA/g20.qpack/manifest.json" ] || $B bench-container --preset gpt-oss-20b -o "$DATA/g20.qpack" 2>&1 | tail -1
