@@ -27,6 +27,12 @@ case $step in
       bench 200 c35-spec$i c35 "${warm[@]}" --cases warm-all,warm-spec-k2-a0.8,warm-spec-auto-a0.8
     done
     pack ;;
+  spec2)  # session 19's pass warm-ups: cold calibrated-gate (the issue's cold target), then warm
+    c35
+    bench 260 c35-cold-spec c35 "${cold[@]}" --cases default,spec-k2-a0.8,spec-k3-a0.8,spec-auto-a0.8 --routing calibrated-gate
+    bench 150 c35-warm-spec c35 "${warm[@]}" --cases warm-all,warm-spec-k2-a0.8,warm-spec-auto-a0.8
+    same "$OUT"/c35-*spec.json
+    pack ;;
   fast)
     c35
     cat "$DATA"/c35.qpack/experts/* > /dev/null

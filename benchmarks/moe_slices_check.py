@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 
+import mlx.core as mx
 import numpy as np
 import trio
 
@@ -27,7 +28,7 @@ async def main(path: str, tokens: int, piece: int) -> None:
             core.model.moe_slice_tokens = size
             async with core.lock:
                 logits = await core.compute.forward(prompt, core.model.make_cache(), "prefill")
-                out[name] = await core.worker.run(np.array, logits)
+                out[name] = await core.worker.run(lambda x=logits: np.array(x.astype(mx.float32)))
         same = bool(np.array_equal(out["whole"], out["sliced"]))
         print("moe_slices_check", {"tokens": tokens, "slice": size, "bitwise": same,
                                    "max_abs": float(np.abs(out["whole"] - out["sliced"]).max())})

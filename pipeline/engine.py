@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from actors.sampling_params import SamplingParams
+from actors.speculative.policy import SpeculationPolicy
 from pipeline.chat_template import template_kwargs
 from pipeline.config.schema import PipelineConfig
 from pipeline.counters import Counters
@@ -160,6 +161,13 @@ class Engine:
         reference run's tokens, a seeded fraction corrupted: docs/speculative.md) instead
         of its drafter; None restores the drafters."""
         self._core.emulated_drafts = drafts
+
+    def reset_speculation(self) -> None:
+        """Benchmark only: forget what `auto` measured (pass prices, acceptance, back-off),
+        as a freshly opened engine would, e.g. after a warm-up that compiled the passes."""
+        old = self._core.batch.speculation
+        self._core.batch.speculation = SpeculationPolicy(max_draft=old.max_draft,
+                                                         pinnable_rows=old.pinnable_rows)
 
     def save_routing(self, path: str | Path) -> bool:
         """Write the recorded routing trace (`open_engine(record_routing=True)`); False

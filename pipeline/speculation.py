@@ -170,11 +170,13 @@ class EmulatedDrafts:
     """Benchmark-only: every generation drafts from `reference` (`EmulatedDrafter`),
     whatever the mode says, once `engine.emulated_drafts` is set to one of these."""
 
-    def __init__(self, reference: Sequence[int], acceptance: float, seed: int = 0) -> None:
+    def __init__(self, reference: Sequence[int], acceptance: float, seed: int = 0,
+                 longest: int | None = None) -> None:
         self.reference, self.acceptance, self.seed = list(reference), acceptance, seed
+        self.longest = longest
 
     def drafter(self, prompt: Sequence[int], vocab: int) -> EmulatedDrafter:
-        return EmulatedDrafter(prompt, self.reference, self.acceptance, vocab, self.seed)
+        return EmulatedDrafter(prompt, self.reference, self.acceptance, vocab, self.seed, self.longest)
 
 
 def speculation_snapshot(stats: SpecStats) -> dict[str, float]:

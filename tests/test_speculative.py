@@ -197,6 +197,25 @@ async def test_auto_speculates_when_drafts_pay_and_backs_off_when_they_do_not():
     assert SpeculationPolicy(max_draft=3, pinnable_rows=1).draft_len("ngram", 10) == 0
 
 
+def test_auto_prices_a_length_by_its_second_pass_not_the_first_that_compiled_its_kernels():
+    """On CUDA a length's first pass compiles (x20 a plain step here): it must not keep
+    `auto` backed off once a probe pass of that length shows the steady price."""
+    policy = SpeculationPolicy(max_draft=3, pinnable_rows=8)
+    assert policy.draft_len("auto", 10) == 1
+    policy.after_pass(1, 1, seconds=0.200)  # compiled
+    policy.after_plain(0.010)
+    picks = [policy.draft_len("auto", 10) for _ in range(8)]
+    assert picks == [0] * 8 and policy.stats.backoffs == 1  # losing on the compile's price
+    assert policy.draft_len("auto", 10) == 1  # the probe
+    policy.after_pass(1, 1, seconds=0.012)  # the steady price replaces the first
+    assert policy.pass_s[1] == 0.012
+    assert policy.draft_len("auto", 10) == 3  # speculating again, at the longest length
+    policy.after_pass(3, 3, seconds=0.014)
+    policy.after_pass(3, 3, seconds=0.016)
+    policy.after_pass(3, 3, seconds=0.016)
+    assert abs(policy.pass_s[3] - 0.016) < 1e-12  # from the second on, averaged
+
+
 def test_prompt_lookup_drafts_the_continuation_of_the_latest_longest_match():
     d = NgramDrafter([1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3], max_n=3, min_n=2)
     assert d.propose(3) == [4, 9, 2]  # the 3-gram "1 2 3" wins over the later "2 3"

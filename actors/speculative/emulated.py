@@ -20,13 +20,14 @@ class EmulatedDrafter:
     on_mlx = False
 
     def __init__(self, prompt: Sequence[int], reference: Sequence[int], acceptance: float,
-                 vocab: int, seed: int = 0) -> None:
+                 vocab: int, seed: int = 0, longest: int | None = None) -> None:
         if not 0.0 <= acceptance <= 1.0:
             raise ValueError(f"acceptance must be in [0, 1], got {acceptance!r}")
         self.start = len(prompt)
         self.reference = list(reference)
         self.acceptance, self.vocab, self.seed = acceptance, vocab, seed
         self.length = len(prompt)
+        self.longest = longest  # drafts per proposal at most (None: what the policy asks)
 
     def extend(self, tokens: Iterable[int]) -> None:
         self.length += sum(1 for _ in tokens)
@@ -40,4 +41,5 @@ class EmulatedDrafter:
 
     def propose(self, k: int) -> list[int]:
         i = self.length - self.start
+        k = k if self.longest is None else min(k, self.longest)
         return [self._at(j) for j in range(i, min(i + max(k, 0), len(self.reference)))]

@@ -72,6 +72,7 @@ class SpeculationPolicy:
     plain_s: float | None = None
     plain_priced: int = 0  # plain steps `plain_s` has seen
     pass_s: dict[int, float] = field(default_factory=dict)
+    passes_of: dict[int, int] = field(default_factory=dict)  # passes seen per length
     kept: float = 0.0  # decayed counts: drafts kept, drafts rejected
     rejected: float = 0.0
     _losing: bool = False
@@ -144,6 +145,10 @@ class SpeculationPolicy:
 
     def after_pass(self, drafted: int, accepted: int, seconds: float) -> None:
         self.stats.add_pass(drafted, accepted)
-        self.pass_s[drafted] = _ema(self.pass_s.get(drafted), seconds)
+        # A length's first pass prices it only until its second replaces it: on MLX's CUDA
+        # backend the first pass of a length compiles its kernels (hundreds of ms in a fresh
+        # process, 5-20 plain steps), and averaged in it would keep `auto` backed off.
+        seen = self.passes_of[drafted] = self.passes_of.get(drafted, 0) + 1
+        self.pass_s[drafted] = seconds if seen == 2 else _ema(self.pass_s.get(drafted), seconds)
         self.kept = self.kept * _DECAY + accepted
         self.rejected = self.rejected * _DECAY + (1 if accepted < drafted else 0)
