@@ -22,6 +22,7 @@ from actors.sampling_params import SamplingParams
 from pipeline.bench.routing import calibrate
 from pipeline.engine import open_engine
 from pipeline.events import Done, TextDelta
+from pipeline.models.routing_override import RoutingOverride
 
 PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999]
 TOKENS = 10
@@ -142,3 +143,27 @@ def test_tables_are_prefix_stable_and_families_match_shapes() -> None:
     assert family_for(16, 4) == "qwen3.5-397b" and family_for(64, 12) == "qwen3-next-80b"
     with pytest.raises(ValueError, match="unknown routing family"):
         CalibratedSource(3, 16, 4, family="nope")
+
+
+def test_the_emulated_gate_predicts_every_row_of_steps_routed_in_lockstep() -> None:
+    """A verify pass and the token after it (or a prompt's last chunk and its last token)
+    route a layer one after the other and reach the gate as one hidden state: the gate's
+    rows are both steps', in that order, not only the latest step's."""
+    import mlx.core as mx
+
+    src = CalibratedSource(4, 16, 4, seed=2)
+    override = RoutingOverride(src, [0, 1, 2, 3], emulate_gate=True)
+
+    def predicted(logits: mx.array) -> list[set[int]]:
+        return [set(np.flatnonzero(np.array(row) > 0).tolist()) for row in logits]
+
+    def gate_rows(layer: int, start: int, count: int) -> list[set[int]]:
+        return [set(r.tolist()) for r in src.gate(layer, start, count, 0)]
+
+    override.ids(1, ([7], [0]), 1)  # the previous token's step
+    override.ids(1, ([12], [0]), 3)  # a pass of 3 positions ...
+    override.ids(1, ([15], [0]), 1)  # ... and the token after it, in lockstep
+    got = predicted(override.gate_logits(2, mx.zeros((4, 8))))
+    assert got == gate_rows(2, 12, 3) + gate_rows(2, 15, 1)
+    override.ids(2, ([16], [0]), 1)  # alone again: its own row only
+    assert predicted(override.gate_logits(3, mx.zeros((1, 8)))) == gate_rows(3, 16, 1)

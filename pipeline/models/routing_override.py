@@ -76,8 +76,11 @@ class RoutingOverride:
         self.emulate_gate = emulate_gate
         self.num_experts = source.model.shape.num_experts
         self._next = 0  # the request the next new sequence routes as
-        # (positions, requests, tokens) of the latest routed step, for the gate
-        self._last: tuple[list[int], list[int | None], int] = ([0], [None], 1)
+        # (layer, positions, requests, tokens) of the latest routed steps, for the gate: two
+        # steps routed in lockstep (actors/pair_step.py: a verify pass and the token after
+        # it, a prompt's last chunk and its last token) route the same layer one after the
+        # other, and their hidden states reach the gate as one [rows, H], in that order.
+        self._calls: list[tuple[int, list[int], list[int | None], int]] = []
 
     @property
     def label(self) -> str:
@@ -106,19 +109,29 @@ class RoutingOverride:
         """uint32 [rows, count, k] (the router's argpartition dtype) for `layer`: row r at
         positions pos[r].. of its request."""
         pos, requests = where
-        self._last = (pos, requests, count)
+        self._calls.append((layer, pos, requests, count))
+        del self._calls[:-8]
         rows = [self.source.ids(self.row[layer], p, count, r) for p, r in zip(pos, requests, strict=True)]
         return mx.array(np.stack(rows).astype(np.uint32))
 
     def gate_logits(self, layer: int, hidden: mx.array) -> mx.array:
         """Stand-in for layer `layer`'s router applied to `hidden` [rows * T, H]: [rows * T,
-        experts] logits ranking the emulated gate's prediction first, for the latest
-        routed step (gate strategies predict right after that step's routing, on the same
-        thread)."""
-        pos, requests, count = self._last
+        experts] logits ranking the emulated gate's prediction first, for the latest routed
+        step, or the steps routed in lockstep whose rows `hidden` holds (gate strategies
+        predict right after the routing, on the same thread)."""
         t = hidden.shape[0] if hidden.ndim == 2 else 1
-        rows = np.concatenate([self.source.gate(self.row[layer], p, count, r)
-                               for p, r in zip(pos, requests, strict=True)])[-t:]
+        steps: list[np.ndarray] = []
+        n = 0
+        source = self._calls[-1][0] if self._calls else None
+        for routed, pos, requests, count in reversed(self._calls):
+            if routed != source or n >= t:
+                break
+            steps.append(np.concatenate([self.source.gate(self.row[layer], p, count, r)
+                                         for p, r in zip(pos, requests, strict=True)]))
+            n += len(pos) * count
+        if not steps:
+            steps = [self.source.gate(self.row[layer], 0, 1, None)]
+        rows = np.concatenate(steps[::-1])[-t:]
         k = rows.shape[1]
         out = np.zeros((len(rows), self.num_experts), dtype=np.float32)
         out[np.arange(len(rows))[:, None], rows] = np.arange(k, 0, -1, dtype=np.float32)
