@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# For the next lease (written in session 19, 2026-12-04): what session 19 changed or could
+# not settle, one step per device call. On the GPU host, after the bundle:
+#   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session20.sh STEP
+# spec: session 19's pass warm-ups and `auto` pricing, twice (one run each so far): every
+#   expert pooled (k=2, auto at a=0.8), then cold with calibrated-gate routing (the issue's
+#   cold target, 1.4x; session 19: 1.18x).
+# long: the 35B 1024-token prefill, twice (target 0.85 of one pass; 0.70-0.854 so far).
+# fast: the page cache as a fast disk, next-gate against lookahead depth 2 (0.17-0.28 so far).
+# g120: gpt-oss-120b's first 20 of 36 layers (36.9 GB: the disk holds nothing else).
+# Containers live in $DATA on the device's disk (64 GB: one big container at a time).
+set -uo pipefail
+. "$(dirname "$0")/h200_lib.sh"
+step=$1
+ptx_restore
+warm=(--pool-mb 1024 --max-tokens 32)
+{
+case $step in
+  spec)
+    c35
+    for i in 1 2; do
+      bench 150 c35-warm-spec$i c35 "${warm[@]}" --cases warm-all,warm-spec-k2-a0.8,warm-spec-auto-a0.8
+      bench 200 c35-cold-spec$i c35 "${cold[@]}" --cases default,spec-k2-a0.8,spec-k3-a0.8,spec-auto-a0.8 --routing calibrated-gate
+    done
+    same "$OUT"/c35-cold-spec*.json
+    pack ;;
+  long)
+    c35
+    for i in 1 2; do bench 300 c35-long$i c35 "${cold[@]}" --cases long-prompt,io; done
+    pack ;;
+  fast)
+    c35
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    bench 90 c35-fast c35 "${warm[@]}" --warm --cases default
+    bench 90 c35-fast-la2 c35 "${warm[@]}" --warm --cases default --strategy lookahead --depth 2
+    same "$OUT"/c35-fast*.json
+    pack ;;
+  g120)
+    for d in "$DATA"/*.qpack; do [ "$(basename "$d")" = g120.qpack ] || rm -rf "$d"; done
+    [ -f "$DATA/g120.qpack/manifest.json" ] || $B bench-container --preset gpt-oss-120b --max-layers 20 -o "$DATA/g120.qpack" 2>&1 | tail -1
+    bench 480 g120 g120 "${cold[@]}" --cases default,io,warm-all,resident
+    ptx_save; pack ;;
+esac
+} 2>&1 | tee -a "$OUT/$step.log"
