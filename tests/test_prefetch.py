@@ -120,6 +120,28 @@ def test_next_gate_batch_covers_union_of_token_topk() -> None:
     assert [counts[e] for e in ids] == sorted(counts.values(), reverse=True)
 
 
+def test_next_gate_stages_a_verify_pass_union_in_the_routing_sync() -> None:
+    """A pass's rows (several tokens at decode) are ranked in the routing's own sync, as
+    one token's are: `predict` then reads what `prepare` built, the same union as
+    without it, and runs no router of its own (no second host round trip)."""
+    routers, _ = _routers(6, 16, 32, seed=2)
+    calls = []
+
+    def counted(layer: int, h: mx.array) -> mx.array:
+        calls.append(layer)
+        return routers(layer, h)
+
+    gate = NextGate(counted, moe_layers=MOE, num_experts=32, top_k=3, depth=2, extra=1)
+    h = mx.random.normal((3, 16))
+    fresh = gate.predict(0, [0], h)
+    calls.clear()
+    staged = gate.prepare(0, h)
+    mx.eval(*staged)
+    assert len(calls) == 2  # the two target layers' routers, built into the sync
+    assert gate.predict(0, [0], h) == fresh and len(calls) == 2
+    assert all(len(ids) == len(set(ids)) for _, ids in fresh)
+
+
 def test_make_strategy_registry() -> None:
     kw = {"moe_layers": MOE, "num_experts": 8, "top_k": 2}
     assert isinstance(make_strategy("none", **kw), NoPrefetch)

@@ -61,16 +61,18 @@ class NextGate:
         return (logits[:, 0] if one else logits).astype(mx.float32)
 
     def prepare(self, layer: int, hidden: mx.array) -> list[mx.array]:
-        """Build (lazily) what `predict(layer, ...)` will read, for one decode token.
+        """Build (lazily) what `predict(layer, ...)` will read: one decode token's ranking,
+        or several tokens' union (a verify pass).
 
         The caller evaluates the returned arrays in the same sync as layer `layer`'s
         routing, so the prediction costs no host round trip of its own.
         """
         targets = self.order.after(layer, self.depth)
-        if not targets or (hidden.ndim == 2 and hidden.shape[0] != 1):
+        if not targets:
             self._staged = None
             return []
-        ranked = self._ranked(self._logits(targets, hidden))
+        logits = self._logits(targets, hidden)
+        ranked = self._ranked(logits) if logits.ndim == 2 else self._union(logits)
         self._staged = (layer, hidden, ranked)
         return [ranked]
 
@@ -80,22 +82,19 @@ class NextGate:
             return []
         staged, self._staged = self._staged, None
         if staged is not None and staged[0] == layer and staged[1] is hidden:
-            rows = int_rows(staged[2])
-            return [(t, ids) for t, ids in zip(targets, rows, strict=True) if ids]
-        logits = self._logits(targets, hidden)
-        if logits.ndim == 2:
-            rows = self._single(logits)
-        elif logits.ndim == 3:
-            rows = self._batch(logits)
+            ranked = staged[2]
         else:
-            raise ValueError(
-                f"next-gate: router logits for layer {targets[0]} have shape "
-                f"{tuple(logits.shape[1:])}; expected [experts] or [tokens, experts]"
-            )
+            logits = self._logits(targets, hidden)
+            if logits.ndim not in (2, 3):
+                raise ValueError(
+                    f"next-gate: router logits for layer {targets[0]} have shape "
+                    f"{tuple(logits.shape[1:])}; expected [experts] or [tokens, experts]"
+                )
+            ranked = self._ranked(logits) if logits.ndim == 2 else self._union(logits)
+        rows = int_rows(ranked)
+        if ranked.shape[-1] > self.num_experts:  # a union: each row leads with its length
+            rows = [row[1 : 1 + min(self.num_experts, row[0] + self.extra)] for row in rows]
         return [(t, ids) for t, ids in zip(targets, rows, strict=True) if ids]
-
-    def _single(self, logits: mx.array) -> list[list[int]]:
-        return int_rows(self._ranked(logits))
 
     def _ranked(self, logits: mx.array) -> mx.array:
         # One token: top (k + extra) by logit. argpartition then sort only those n.
@@ -104,10 +103,11 @@ class NextGate:
         n = min(self.num_experts, self.top_k + self.extra)
         return mx.argsort(-logits, axis=-1)[:, :n]
 
-    def _batch(self, logits: mx.array) -> list[list[int]]:
-        # Several tokens (prefill): the demand will be the union of their top-k, so rank
-        # experts by how many tokens pick them, mean probability breaking ties, and keep
-        # every expert some token picks (+ extra).
+    def _union(self, logits: mx.array) -> mx.array:
+        # Several tokens (a verify pass, a prefill chunk): the demand will be the union of
+        # their top-k, so rank experts by how many tokens pick them, mean probability
+        # breaking ties; every expert some token picks (+ extra) is kept. [d, 1 + E]: each
+        # row's count of picked experts, then the ranking.
         k = min(self.num_experts, self.top_k)
         top = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., k - 1 : k]
         threshold = mx.take_along_axis(logits, top, axis=-1)
@@ -115,9 +115,4 @@ class NextGate:
         score = counts + mx.softmax(logits, axis=-1).mean(axis=1)
         order = mx.argsort(-score, axis=-1)
         picked = (counts > 0).sum(axis=-1, keepdims=True).astype(order.dtype)
-        rows = int_rows(mx.concatenate([picked, order], axis=-1))
-        out = []
-        for row in rows:
-            n = min(self.num_experts, int(row[0]) + self.extra)
-            out.append(row[1 : 1 + n])
-        return out
+        return mx.concatenate([picked, order], axis=-1)
