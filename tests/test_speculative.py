@@ -177,6 +177,28 @@ async def test_auto_prices_plain_decode_by_its_pipelined_steps_not_the_restart_a
     assert 1 <= policy.plain_priced < policy.stats.plain_steps
 
 
+async def test_bench_warm_ups_pass_every_draft_length_and_a_cold_case_starts_auto_afresh(container):
+    """Before a speculative case's measured run the bench decodes with passes of each draft
+    length (MLX's CUDA backend compiles a kernel per new shape); every expert pooled,
+    `auto` keeps those prices; cold, it forgets them (they ran on a pool the warm-up itself warmed)."""
+    from pipeline.bench.cases import _tokens, _warm_passes
+    from pipeline.bench.spec import Case
+    from pipeline.bench.speculative import spec_case_fields
+
+    config = engine_config(container, pool={"slots": 64}, compute={"speculative": "auto"})
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    for name in ("warm-spec-auto-a1.0", "spec-auto-a1.0"):
+        case = Case(name=name, model="m", **spec_case_fields(name, {}))
+        async with open_engine(config) as engine:
+            reference = await _tokens(engine, PROMPT, params)
+            await _warm_passes(engine, case, PROMPT, params, reference)
+            policy = engine._core.batch.speculation
+        if case.warm_all:
+            assert set(policy.passes_of) == {1, 2, 3}  # each length passed (and compiled)
+        else:
+            assert policy.passes_of == {} and policy.plain_s is None and policy.stats.passes == 0
+
+
 async def test_auto_speculates_when_drafts_pay_and_backs_off_when_they_do_not():
     policy = SpeculationPolicy(max_draft=3, pinnable_rows=8)
     assert policy.draft_len("auto", 10) == 1  # the cheapest pass is measured first
