@@ -220,7 +220,7 @@ def _start_actors(
     overlap = config.compute.overlap
     policy_params = {"decay": config.pool.lfu_decay, "period": config.pool.lfu_period}
     policy = make_policy(config.pool.eviction, **(policy_params if config.pool.eviction == "lfu" else {}))
-    table = SlotTable(slots, policy)
+    table = SlotTable(slots, policy, keys=sum(layer.num_experts for layer in manifest.layers))
     storage.layer_of = lambda slot: (table.key_at(slot) or (None,))[0]  # mixed-format installs
     reader = ExpertReader(
         container,

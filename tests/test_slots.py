@@ -147,6 +147,34 @@ def test_acquire_counts_hits_misses_and_reuses_slots() -> None:
     assert s.hit_rate == pytest.approx(0.25)
 
 
+def test_a_table_holding_every_key_teaches_its_policy_only_once_slots_are_withdrawn() -> None:
+    """With every key of the model fitting, nothing is ever evicted: hits skip the policy's
+    bookkeeping (most of a token's host work with every expert pooled). Once memory
+    pressure withdraws slots below the key count, the policy learns from hits again."""
+    touched: list[tuple[int, int]] = []
+
+    class Recording(LRU):
+        def touch(self, key: tuple[int, int], tick: int) -> None:
+            touched.append(key)
+            super().touch(key, tick)
+
+    t = SlotTable(4, Recording(), keys=4)
+    for e in range(4):
+        t.acquire((0, e), 0, pin=False)
+        t.mark_ready((0, e))
+    assert [t.acquire((0, e), 1, pin=True) for e in range(4)] == [(e, True) for e in range(4)]
+    assert touched == [] and t.snapshot().hits == 4
+    for e in range(4):
+        t.unpin((0, e))
+    assert t.withdraw(1) == [3]  # 3 usable slots for 4 keys: evictions can happen now
+    t.acquire((0, 0), 2, pin=False)
+    assert touched == [(0, 0)]
+    unknown = SlotTable(4, Recording())  # the key count unknown: every hit teaches
+    unknown.acquire((1, 0), 0, pin=False)
+    unknown.acquire((1, 0), 1, pin=False)
+    assert touched == [(0, 0), (1, 0)]
+
+
 def test_pins_are_refcounted_and_block_eviction() -> None:
     t = SlotTable(2, LRU())
     t.acquire((0, 1), 0, pin=True)

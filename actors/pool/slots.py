@@ -46,10 +46,15 @@ class SlotCounters(msgspec.Struct, frozen=True):
 
 
 class SlotTable:
-    def __init__(self, num_slots: int, policy: EvictionPolicy) -> None:
+    def __init__(self, num_slots: int, policy: EvictionPolicy, keys: int | None = None) -> None:
+        """`keys`: how many distinct keys exist (the model's routed experts), when known.
+        While every one of them fits the usable slots nothing is ever evicted, so a hit
+        does not teach the policy (its bookkeeping was most of a token's host work with
+        every expert pooled); it learns again once slots are withdrawn below that."""
         if num_slots < 1:
             raise ValueError(f"SlotTable: num_slots must be >= 1, got {num_slots!r}")
         self.num_slots = num_slots
+        self.keys = keys
         self.policy = policy
         policy.set_capacity(num_slots)
         self._slot_of: dict[ExpertKey, int] = {}
@@ -122,7 +127,8 @@ class SlotTable:
         if slot is not None:
             if not prefetch:
                 self.hits += 1
-                self.policy.touch(key, tick)
+                if self.keys is None or self.usable < self.keys:
+                    self.policy.touch(key, tick)
                 if key in self._prefetched:
                     self._prefetched.discard(key)
                     self.prefetch_used += 1
