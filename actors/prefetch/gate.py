@@ -42,7 +42,7 @@ class NextGate:
         self.routers = routers
         self.order = LayerOrder(moe_layers)
         self.num_experts, self.top_k, self.depth, self.extra = num_experts, top_k, depth, extra
-        self._staged: tuple[int, mx.array, mx.array] | None = None
+        self._staged: tuple[int, mx.array, mx.array, bool] | None = None
 
     def params(self) -> dict[str, Any]:
         return {"depth": self.depth, "extra": self.extra}
@@ -71,9 +71,8 @@ class NextGate:
         if not targets:
             self._staged = None
             return []
-        logits = self._logits(targets, hidden)
-        ranked = self._ranked(logits) if logits.ndim == 2 else self._union(logits)
-        self._staged = (layer, hidden, ranked)
+        ranked, union = self._rank(targets, self._logits(targets, hidden))
+        self._staged = (layer, hidden, ranked, union)
         return [ranked]
 
     def predict(self, layer: int, chosen: Sequence[int], hidden: mx.array | None) -> Prediction:
@@ -82,19 +81,24 @@ class NextGate:
             return []
         staged, self._staged = self._staged, None
         if staged is not None and staged[0] == layer and staged[1] is hidden:
-            ranked = staged[2]
+            ranked, union = staged[2], staged[3]
         else:
-            logits = self._logits(targets, hidden)
-            if logits.ndim not in (2, 3):
-                raise ValueError(
-                    f"next-gate: router logits for layer {targets[0]} have shape "
-                    f"{tuple(logits.shape[1:])}; expected [experts] or [tokens, experts]"
-                )
-            ranked = self._ranked(logits) if logits.ndim == 2 else self._union(logits)
+            ranked, union = self._rank(targets, self._logits(targets, hidden))
         rows = int_rows(ranked)
-        if ranked.shape[-1] > self.num_experts:  # a union: each row leads with its length
+        if union:  # each row leads with how many experts some token picks
             rows = [row[1 : 1 + min(self.num_experts, row[0] + self.extra)] for row in rows]
         return [(t, ids) for t, ids in zip(targets, rows, strict=True) if ids]
+
+    def _rank(self, targets: list[int], logits: mx.array) -> tuple[mx.array, bool]:
+        """(lazy ranking, whether it is several tokens' union) for `targets`' logits."""
+        if logits.ndim == 2:
+            return self._ranked(logits), False
+        if logits.ndim == 3:
+            return self._union(logits), True
+        raise ValueError(
+            f"next-gate: router logits for layer {targets[0]} have shape "
+            f"{tuple(logits.shape[1:])}; expected [experts] or [tokens, experts]"
+        )
 
     def _ranked(self, logits: mx.array) -> mx.array:
         # One token: top (k + extra) by logit. argpartition then sort only those n.
