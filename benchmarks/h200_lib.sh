@@ -36,4 +36,7 @@ PY
 c35() {
   [ -f "$DATA/c35.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b -o "$DATA/c35.qpack" 2>&1 | tail -1
 }
+only() {  # only CONTAINER: remove the other bench containers (the disk holds one big one)
+  for d in "$DATA"/*.qpack; do [ "$(basename "$d" .qpack)" = "$1" ] || rm -rf "$d"; done
+}
 pack() { tar czf "$OUT/$step-json.tgz" -C "$OUT" $(cd "$OUT" && ls *.json) && rm -f "$OUT"/*.json; }

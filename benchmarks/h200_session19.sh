@@ -15,9 +15,6 @@ set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
 ptx_restore
-only() {  # only CONTAINER: remove the other bench containers (the disk holds one big one)
-  for d in "$DATA"/*.qpack; do [ "$(basename "$d" .qpack)" = "$1" ] || rm -rf "$d"; done
-}
 warm=(--pool-mb 1024 --max-tokens 32)
 {
 case $step in

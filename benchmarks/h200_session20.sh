@@ -36,7 +36,7 @@ case $step in
     same "$OUT"/c35-fast*.json
     pack ;;
   g120)
-    for d in "$DATA"/*.qpack; do [ "$(basename "$d")" = g120.qpack ] || rm -rf "$d"; done
+    only g120
     [ -f "$DATA/g120.qpack/manifest.json" ] || $B bench-container --preset gpt-oss-120b --max-layers 20 -o "$DATA/g120.qpack" 2>&1 | tail -1
     bench 480 g120 g120 "${cold[@]}" --cases default,io,warm-all,resident
     ptx_save; pack ;;

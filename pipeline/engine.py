@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from actors.sampling_params import SamplingParams
-from actors.speculative.policy import SpeculationPolicy
 from pipeline.chat_template import template_kwargs
 from pipeline.config.schema import PipelineConfig
 from pipeline.counters import Counters
@@ -165,9 +164,7 @@ class Engine:
     def reset_speculation(self) -> None:
         """Benchmark only: forget what `auto` measured (pass prices, acceptance, back-off),
         as a freshly opened engine would, e.g. after a warm-up that compiled the passes."""
-        old = self._core.batch.speculation
-        self._core.batch.speculation = SpeculationPolicy(max_draft=old.max_draft,
-                                                         pinnable_rows=old.pinnable_rows)
+        self._core.batch.speculation = self._core.batch.speculation.fresh()
 
     def save_routing(self, path: str | Path) -> bool:
         """Write the recorded routing trace (`open_engine(record_routing=True)`); False

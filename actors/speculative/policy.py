@@ -79,6 +79,10 @@ class SpeculationPolicy:
     _wait: int = 0
     _probe_every: int = _PROBE_FIRST
 
+    def fresh(self) -> SpeculationPolicy:
+        """The same limits with nothing measured (a freshly opened engine's policy)."""
+        return SpeculationPolicy(max_draft=self.max_draft, pinnable_rows=self.pinnable_rows)
+
     @property
     def longest(self) -> int:
         return max(0, min(self.max_draft, self.pinnable_rows - 1))

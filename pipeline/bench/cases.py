@@ -163,7 +163,7 @@ async def _warm_passes(engine: Any, case: Case, prompt: list[int], params: Any,
     from pipeline.speculation import EmulatedDrafts
 
     assert case.emulate is not None
-    longest = int(case.config.get("compute", {}).get("draft_tokens", 3))
+    longest = engine.config.compute.draft_tokens
     drafting = msgspec.structs.replace(params, speculative="ngram")
     for n in range(1, longest + 1):
         engine.emulate_drafts(EmulatedDrafts(reference, case.emulate, case.seed, longest=n))
