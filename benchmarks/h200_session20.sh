@@ -2,10 +2,10 @@
 # For the next lease (written in session 19, 2026-12-04): what session 19 changed or could
 # not settle, one step per device call. On the GPU host, after the bundle:
 #   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session20.sh STEP
-# spec: session 19's pass warm-ups and `auto` pricing, twice (one run each so far): every
+# spec [N]: session 19's pass warm-ups and `auto` pricing, one round per call (one run each so far): every
 #   expert pooled (k=2, auto at a=0.8), then cold with calibrated-gate routing (the issue's
 #   cold target, 1.4x; session 19: 1.18x).
-# long: the 35B 1024-token prefill, twice (target 0.85 of one pass; 0.70-0.854 so far).
+# long [N]: the 35B 1024-token prefill, one run per call (target 0.85 of one pass; 0.70-0.854 so far).
 # fast: the page cache as a fast disk, next-gate against lookahead depth 2 (0.17-0.28 so far).
 # g120: gpt-oss-120b's first 20 of 36 layers (36.9 GB: the disk holds nothing else).
 # Containers live in $DATA on the device's disk (64 GB: one big container at a time).
@@ -18,15 +18,15 @@ warm=(--pool-mb 1024 --max-tokens 32)
 case $step in
   spec)
     c35
-    for i in 1 2; do
-      bench 150 c35-warm-spec$i c35 "${warm[@]}" --cases warm-all,warm-spec-k2-a0.8,warm-spec-auto-a0.8
-      bench 200 c35-cold-spec$i c35 "${cold[@]}" --cases default,spec-k2-a0.8,spec-k3-a0.8,spec-auto-a0.8 --routing calibrated-gate
-    done
-    same "$OUT"/c35-cold-spec*.json
+    i=${2:-1}  # one round per call (a call may run 600 s at most)
+    bench 150 c35-warm-spec$i c35 "${warm[@]}" --cases warm-all,warm-spec-k2-a0.8,warm-spec-auto-a0.8
+    bench 300 c35-cold-spec$i c35 "${cold[@]}" --cases default,spec-k2-a0.8,spec-k3-a0.8,spec-auto-a0.8 --routing calibrated-gate
+    same "$OUT"/c35-cold-spec$i.json
     pack ;;
   long)
     c35
-    for i in 1 2; do bench 300 c35-long$i c35 "${cold[@]}" --cases long-prompt,io; done
+    i=${2:-1}
+    bench 300 c35-long$i c35 "${cold[@]}" --cases long-prompt,io
     pack ;;
   fast)
     c35
