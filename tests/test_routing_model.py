@@ -8,7 +8,9 @@ the universal share); the secondary statistics within the published ranges.
 from __future__ import annotations
 
 import random
+import sys
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -96,3 +98,23 @@ def test_workload_trace_replays_and_its_recorded_gate_is_the_next_gate_strategy(
         parse_workload("mixtral")
     with pytest.raises(ValueError, match="bad setting"):
         parse_workload("qwen3-next-80b,tokens=3")
+
+
+@pytest.mark.parametrize(("family", "old_noise"), [("qwen3.6-35b", 0.0), ("qwen3-next-80b", 0.5)])
+def test_emulated_gate_guesses_each_token_so_a_pass_is_predicted_as_well_as_a_token(
+    family: str, old_noise: float,
+) -> None:
+    # A gate that saw only the shared context guessed nearly one set for consecutive tokens
+    # (overlap 0.92 against the routing's 0.44 on the 35B), so a verify pass's union of
+    # guesses covered far less of its union routed (0.46) than one token's guess (0.58).
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from gate_fit import measure
+
+    params = families.FAMILIES[family][1]
+    one, union, over_routing, over_guess = measure(family, params.gate_share, params.gate_noise,
+                                                   n=60, seeds=1)
+    assert 0.4 <= one <= 0.65
+    assert union >= one - 0.03
+    assert abs(over_guess - over_routing) <= 0.05
+    _, _, _, context_only = measure(family, 0.0, old_noise, n=60, seeds=1)  # session 19's gate
+    assert context_only > over_routing + 0.06

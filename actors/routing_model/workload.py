@@ -93,7 +93,8 @@ def workload_trace(
         num_slots=num_slots or max(1, L * E // 10),
         policy=policy,
         strategy="next-gate",
-        strategy_params={"emulated": f"routing model {w.family}, gate_noise {params.gate_noise}"},
+        strategy_params={"emulated": f"routing model {w.family}, gate_noise {params.gate_noise}, "
+                                   f"gate_share {params.gate_share}"},
     )
     rec = TraceRecorder(trace_model, pool)
     rng = np.random.default_rng([w.seed, 0xC0FFEE])
