@@ -7,6 +7,9 @@
 #   cold target, 1.4x; session 19: 1.18x).
 # long [N]: the 35B 1024-token prefill, one run per call (target 0.85 of one pass; 0.70-0.854 so far).
 # fast: the page cache as a fast disk, next-gate against lookahead depth 2 (0.17-0.28 so far).
+# gate: the emulated gate that sees each token (session 20) against session 19's, whose
+#   guesses for a pass's positions were one set: cold calibrated-gate plain and passes with
+#   each code (the old one unpacked from .ptx/s19-code.tgz), then warm-all against resident.
 # g120: gpt-oss-120b's first 20 of 36 layers (36.9 GB: the disk holds nothing else).
 # Containers live in $DATA on the device's disk (64 GB: one big container at a time).
 set -uo pipefail
@@ -22,6 +25,16 @@ case $step in
     bench 150 c35-warm-spec$i c35 "${warm[@]}" --cases warm-all,warm-spec-k2-a0.8,warm-spec-auto-a0.8
     bench 300 c35-cold-spec$i c35 "${cold[@]}" --cases default,spec-k2-a0.8,spec-k3-a0.8,spec-auto-a0.8 --routing calibrated-gate
     same "$OUT"/c35-cold-spec$i.json
+    pack ;;
+  gate)
+    c35
+    mkdir -p /tmp/s19 && tar xzf .ptx/s19-code.tgz -C /tmp/s19
+    cal=("${cold[@]}" --routing calibrated-gate)
+    (cd /tmp/s19 && PYTHONPATH=/tmp/site:/tmp/s19 OUT=$OUT DATA=$DATA bash -c '. benchmarks/h200_lib.sh
+      bench 200 c35-gate-s19 c35 "$@" --cases default,spec-k2-a0.8' _ "${cal[@]}")
+    bench 300 c35-gate c35 "${cal[@]}" --cases default,spec-k2-a0.8,spec-auto-a0.8
+    bench 150 c35-warm c35 "${warm[@]}" --cases warm-all,resident
+    same "$OUT"/c35-gate*.json
     pack ;;
   long)
     c35
