@@ -38,6 +38,9 @@ class Load:
     land: bool = False
     landed: bool = False
     abandoned: bool = False
+    # Shelved: taken off the queue before a disk thread started it: its layer was routed without
+    # it (actors/router.py, "stale predictions"). Back on the queue when it is wanted.
+    shelved: bool = False
     # perf_counter times: submitted, pread started, pread ended, finished (checked/staged).
     t_submit: float = 0.0
     t_start: float = 0.0
@@ -60,6 +63,7 @@ class ReaderStats:
     retries: int = 0
     failures: int = 0
     landings: int = 0  # reads installed where they landed (actors/reader.py, "Landing")
+    shelved: int = 0  # predictions taken off the queue unread (their layer passed them by)
     read_seconds: float = 0.0  # pread started -> blob ready (checked, staged)
     # Where a read's time goes: waiting for a disk thread, the pread itself, waiting
     # for a staging thread, the crc32, the copy into device memory.

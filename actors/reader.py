@@ -203,17 +203,50 @@ class ExpertReader:
                 self._bulk_cond.notify_all()
 
     def promote(self, load: Load) -> None:
-        """A queued prefetch is now needed: move it to the front of the line."""
+        """A queued (or shelved) prefetch is now needed: move it to the front of the line."""
         with self._cond:
-            if load.demand or load.started or load.done.is_set():
+            if not load.shelved and (load.demand or load.started or load.done.is_set()):
                 load.demand = True
                 return
             load.demand = True
-            self._prefetch.remove(load)
+            if load.shelved:
+                load.shelved, load.t_submit = False, time.perf_counter()
+            else:
+                self._prefetch.remove(load)
             self._demand.append(load)
             self._cond.notify()  # without a lane, a queue thread must take it
             self._lane_cond.notify()
             self._bulk_cond.notify()
+
+    def shelve(self, loads: list[Load]) -> int:
+        """Take queued predictions off the queue before a disk thread starts them (a
+        started one is simply read). How many were shelved; each keeps its slot and
+        goes back with `promote` or `requeue`."""
+        with self._cond:
+            gone = {load for load in loads if not (load.started or load.demand or load.shelved)}
+            if not gone:
+                return 0
+            self._prefetch = deque(load for load in self._prefetch if load not in gone)
+            for load in gone:
+                load.shelved = True
+            self.stats.shelved += len(gone)
+        return len(gone)
+
+    def requeue(self, loads: list[Load]) -> int:
+        """Shelved predictions predicted again (or to be finished): back on the queue, as
+        predictions. How many were shelved."""
+        back = 0
+        with self._cond:
+            for load in loads:
+                if load.shelved:
+                    load.shelved, load.t_submit = False, time.perf_counter()
+                    self._prefetch.append(load)
+                    back += 1
+            if back:
+                self._cond.notify_all()
+                if self._bulk:
+                    self._bulk_cond.notify_all()
+        return back
 
     @property
     def starved(self) -> bool:

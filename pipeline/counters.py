@@ -26,6 +26,8 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     reads: int
     failures: int
     landings: int  # reads installed where they landed, by a staging thread
+    shelved: int  # predictions taken off the queue unread: their layer was routed without them
+    shelved_dropped: int  # of those, evicted before anything read them (never read)
     bytes_read: int
     read_seconds: float
     queue_seconds: float

@@ -95,6 +95,7 @@ class EngineCore:
             t=meter.t, hits=table.hits, misses=table.misses,
             prefetch_used=table.prefetch_used, prefetch_wasted=table.prefetch_wasted,
             reads=r.reads, failures=r.failures, landings=r.landings, bytes_read=r.bytes_read,
+            shelved=r.shelved, shelved_dropped=rs.shelved_dropped,
             read_seconds=r.read_seconds, queue_seconds=r.queue_seconds,
             pread_seconds=r.pread_seconds, finish_wait_seconds=r.finish_wait_seconds,
             check_seconds=r.check_seconds, stage_seconds=r.stage_seconds,

@@ -171,6 +171,23 @@ async def test_a_generation_ends_with_its_slow_mispredicted_reads_landed(tiny_qp
         assert last.hits > 0
 
 
+@pytest.mark.parametrize("strategy", ["next-gate", "transition"])
+async def test_predictions_a_slow_disk_could_not_reach_are_shelved_and_tokens_unchanged(
+    tiny_qpack, reference, strategy,
+):
+    """One disk thread at 10 ms a read: the predictions for a layer are still queued when
+    it is routed, and the ones it did not choose are shelved (actors/router.py). The
+    tokens are a clean engine's, and the engine ends each generation with no read left."""
+    io = FaultIO(tiny_qpack)
+    async with open_engine(_config(tiny_qpack, strategy, readers=1), io=io) as engine:
+        io.inject("slow", delay_s=0.01)
+        for prompt in PROMPTS[:3]:
+            engine.prefix_cache.clear()
+            assert await _tokens(engine, prompt) == reference[prompt]
+            assert_pool_clean(engine)
+        assert engine._core.router.reader.stats.shelved > 0
+
+
 async def test_going_idle_waits_for_a_hung_read_only_so_long(tiny_qpack):
     """A prefetched read that does not come back within `settle_timeout_s` is left for
     the next demand; one that does is installed, ready."""

@@ -274,3 +274,48 @@ def test_landing_follows_the_setting_and_auto_lands(container):
 
     assert wanted(land="on", concurrency="auto") and not wanted(land="off", concurrency=2)
     assert wanted(land="auto", concurrency=2) and wanted(land="auto", concurrency="auto")
+
+
+async def test_a_layer_routed_without_its_queued_predictions_shelves_them_until_wanted(container):
+    """Stale predictions (actors/router.py): once layer 0 is routed to experts 0 and 1,
+    the queued reads predicted for 2-5 leave the queue unread, keeping their slots (the
+    table, and so `replay`, as without shelving); a shelved key read again when it is
+    demanded or predicted again, and the rest when the engine settles."""
+    from actors.pool.eviction import LRU
+    from actors.pool.slots import SlotTable
+    from actors.router import ExpertRouter
+
+    async def install(items):
+        pass
+
+    io = GatedIO()
+    with Container.open(container, io=io) as c:
+        stride = c.layer(0).stride
+        reader = ExpertReader(c, concurrency=1)
+        router = ExpertRouter(SlotTable(16, LRU()), reader, c.manifest.num_experts, install)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.run)
+            nursery.start_soon(router.run)
+            await router.prefetch([(0, [0, 1, 2, 3, 4, 5])], tick=1)
+            with trio.fail_after(10):
+                while not (router.loads and router.loads[(0, 0)].started):  # held in its pread
+                    await trio.sleep(0.001)
+                nursery.start_soon(router.demand, 0, [0, 1], 2)
+                while reader.stats.shelved < 4:
+                    await trio.sleep(0.001)
+                assert sorted(k for k, load in router.loads.items() if load.shelved) == [
+                    (0, 2), (0, 3), (0, 4), (0, 5)]
+                io.release.set()
+                while reader.stats.reads < 2:
+                    await trio.sleep(0.001)
+                assert [offset // stride for offset in io.order] == [0, 1]
+                assert all(router.table.state((0, e)) == "loading" for e in (2, 3, 4, 5))
+                await router.prefetch([(0, [3])], tick=3)  # predicted again: queued again
+                await router.demand(0, [2, 3], 4)  # 2 demanded from the shelf
+                assert sorted(offset // stride for offset in io.order) == [0, 1, 2, 3]
+                await router.settle()  # the rest are read: an idle engine holds no shelf
+            assert sorted(offset // stride for offset in io.order) == [0, 1, 2, 3, 4, 5]
+            assert not router.loads and router.shelved_count == 0
+            assert all(router.table.state((0, e)) == "ready" for e in range(6))
+            nursery.cancel_scope.cancel()
+    assert reader.stats.reads == 6 and reader.stats.shelved == 4

@@ -3,7 +3,8 @@
 Two snapshots of the engine's counters (`Engine.counters`), at the first decode token
 and after the last, give for the decode window: the disk's busy fraction (time with at
 least one read in flight / wall time), the mean
-reads in flight, the bandwidth it delivered, the bytes prefetched in vain, compute's
+reads in flight, the bandwidth it delivered, the bytes prefetched in vain (and the
+predictions shelved before they were read: actors/router.py), compute's
 wait on reads split into "predicted but late" and "not predicted", and a read's time
 split into queueing, the pread, waiting for a staging thread, the crc32 and the copy
 into device memory.
@@ -22,7 +23,8 @@ class ReadPath(msgspec.Struct, kw_only=True):
     disk_busy_fraction: float = 0.0
     mean_in_flight: float = 0.0
     disk_gb_s: float = 0.0  # bytes read / decode wall time
-    wasted_mb: float = 0.0  # prefetched, evicted unused
+    wasted_mb: float = 0.0  # prefetched, read, evicted unused
+    shelved_mb: float = 0.0  # predictions taken off the queue unread (actors/router.py)
     stall_late_s: float = 0.0
     stall_unpredicted_s: float = 0.0
     decode_s: float = 0.0
@@ -48,7 +50,8 @@ def between(start: Counters | None, end: Counters, stride: int) -> ReadPath:
     return ReadPath(
         disk_busy_fraction=d.disk_busy_fraction, mean_in_flight=d.mean_in_flight,
         disk_gb_s=d.bytes_read / max(d.t, 1e-9) / 1e9,
-        wasted_mb=d.prefetch_wasted * stride / 1e6,
+        wasted_mb=(d.prefetch_wasted - d.shelved_dropped) * stride / 1e6,
+        shelved_mb=d.shelved * stride / 1e6,
         stall_late_s=d.stall_late_seconds, stall_unpredicted_s=d.stall_unpredicted_seconds,
         decode_s=d.t, queue_ms=ms(d.queue_seconds), pread_ms=ms(d.pread_seconds),
         finish_wait_ms=ms(d.finish_wait_seconds), check_ms=ms(d.check_seconds),
