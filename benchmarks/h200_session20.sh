@@ -10,6 +10,8 @@
 # gate: the emulated gate that sees each token (session 20) against session 19's, whose
 #   guesses for a pass's positions were one set: cold calibrated-gate plain and passes with
 #   each code (the old one unpacked from .ptx/s19-code.tgz), then warm-all against resident.
+# shelf: stale predictions shelved against the code before them (.ptx/gate-code.tgz), cold
+#   calibrated-gate plain and passes, then random routing.
 # g120: gpt-oss-120b's first 20 of 36 layers (36.9 GB: the disk holds nothing else).
 # Containers live in $DATA on the device's disk (64 GB: one big container at a time).
 set -uo pipefail
@@ -17,6 +19,12 @@ set -uo pipefail
 step=$1
 ptx_restore
 warm=(--pool-mb 1024 --max-tokens 32)
+old_bench() {  # old_bench ARCHIVE LIMIT NAME ARGS...: `bench` with the code in .ptx/ARCHIVE
+  local code=/tmp/$1; shift
+  mkdir -p "$code" && tar xzf ".ptx/$(basename "$code").tgz" -C "$code"
+  (cd "$code" && PYTHONPATH=/tmp/site:$code OUT=$OUT DATA=$DATA bash -c '. benchmarks/h200_lib.sh
+    bench "$@"' _ "$@")
+}
 {
 case $step in
   spec)
@@ -28,13 +36,21 @@ case $step in
     pack ;;
   gate)
     c35
-    mkdir -p /tmp/s19 && tar xzf .ptx/s19-code.tgz -C /tmp/s19
     cal=("${cold[@]}" --routing calibrated-gate)
-    (cd /tmp/s19 && PYTHONPATH=/tmp/site:/tmp/s19 OUT=$OUT DATA=$DATA bash -c '. benchmarks/h200_lib.sh
-      bench 200 c35-gate-s19 c35 "$@" --cases default,spec-k2-a0.8' _ "${cal[@]}")
+    old_bench s19-code 200 c35-gate-s19 c35 "${cal[@]}" --cases default,spec-k2-a0.8
     bench 300 c35-gate c35 "${cal[@]}" --cases default,spec-k2-a0.8,spec-auto-a0.8
     bench 150 c35-warm c35 "${warm[@]}" --cases warm-all,resident
     same "$OUT"/c35-gate*.json
+    pack ;;
+  shelf)  # stale predictions shelved (session 20) against the code before, same lease
+    c35
+    cal=("${cold[@]}" --routing calibrated-gate)
+    old_bench gate-code 200 c35-cal-before c35 "${cal[@]}" --cases default,spec-k2-a0.8
+    bench 250 c35-cal-shelf c35 "${cal[@]}" --cases default,spec-k2-a0.8,spec-auto-a0.8
+    old_bench gate-code 100 c35-rand-before c35 "${cold[@]}" --cases default
+    bench 150 c35-rand-shelf c35 "${cold[@]}" --cases default,io
+    same "$OUT"/c35-cal-*.json
+    same "$OUT"/c35-rand-*.json
     pack ;;
   long)
     c35
