@@ -12,6 +12,7 @@
 #   each code (the old one unpacked from .ptx/s19-code.tgz), then warm-all against resident.
 # shelf: stale predictions shelved against the code before them (.ptx/gate-code.tgz), cold
 #   calibrated-gate plain and passes, then random routing.
+# again: the shelf step's calibrated passes once more (k=2, 3, auto), then the page cache.
 # g120: gpt-oss-120b's first 20 of 36 layers (36.9 GB: the disk holds nothing else).
 # Containers live in $DATA on the device's disk (64 GB: one big container at a time).
 set -uo pipefail
@@ -51,6 +52,13 @@ case $step in
     bench 150 c35-rand-shelf c35 "${cold[@]}" --cases default,io
     same "$OUT"/c35-cal-*.json
     same "$OUT"/c35-rand-*.json
+    pack ;;
+  again)  # the shelf step's passes once more, then the page cache as a fast disk
+    c35
+    bench 220 c35-cal-again c35 "${cold[@]}" --routing calibrated-gate --cases default,spec-k2-a0.8,spec-k3-a0.8,spec-auto-a0.8
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    bench 90 c35-fast c35 "${warm[@]}" --warm --cases default
+    same "$OUT"/c35-cal-again.json
     pack ;;
   long)
     c35
