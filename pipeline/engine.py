@@ -33,12 +33,11 @@ from pipeline.generation_config import default_params
 from pipeline.memory_breakdown import MemoryBreakdown, breakdown
 from pipeline.memory_facts import MemoryPlan
 from pipeline.prefix_cache import PrefixCache
-from pipeline.speculation import EmulatedDrafts, mtp_snapshot, speculation_snapshot
+from pipeline.speculation import mtp_snapshot, speculation_snapshot
 from qpack.reader import Container, ExpertIO
 
 if TYPE_CHECKING:
     from pipeline.distributed.stage import Stage
-    from pipeline.models.routing_override import RoutingOverride
 
 class Engine:
     """An open engine: generations in, text and stats out.
@@ -48,7 +47,8 @@ class Engine:
     `chat_tokens`, `generate`, `chat`, `start`, `warm`; `counters()` (subtract two for
     what happened between), `pool_snapshot()`, `default_params()`, `watch_tokens()`; the
     queue's state (`busy`, `waiting`, `running`, `generations`). The actors stay inside
-    (`EngineCore`, pipeline/engine_core.py).
+    (`EngineCore`, pipeline/engine_core.py); what only a benchmark does to an engine
+    (routing by a routing model, emulated drafts) is in pipeline/bench/hooks.py.
     """
 
     def __init__(self, core: EngineCore) -> None:
@@ -149,22 +149,6 @@ class Engine:
             yield
         finally:
             hooks.remove(hook)
-
-    def use_routing(self, override: RoutingOverride | None) -> None:
-        """Benchmark only: route every later generation by `override` (calibrated
-        routing, `bench --routing`) instead of the model's routers; None restores them."""
-        self._core.model.routing = override
-
-    def emulate_drafts(self, drafts: EmulatedDrafts | None) -> None:
-        """Benchmark only: every later speculating generation drafts from `drafts` (a
-        reference run's tokens, a seeded fraction corrupted: docs/speculative.md) instead
-        of its drafter; None restores the drafters."""
-        self._core.emulated_drafts = drafts
-
-    def reset_speculation(self) -> None:
-        """Benchmark only: forget what `auto` measured (pass prices, acceptance, back-off),
-        as a freshly opened engine would, e.g. after a warm-up that compiled the passes."""
-        self._core.batch.speculation = self._core.batch.speculation.fresh()
 
     def save_routing(self, path: str | Path) -> bool:
         """Write the recorded routing trace (`open_engine(record_routing=True)`); False

@@ -13,6 +13,7 @@ from helpers_engine import engine_config, generate
 from helpers_forward import tiny_pair
 
 from actors.sampling_params import SamplingParams
+from pipeline.bench.hooks import emulate_drafts
 from pipeline.bench.routing import calibrate
 from pipeline.engine import open_engine
 from pipeline.events import Done
@@ -54,7 +55,7 @@ async def test_prefix_reuse_speculation_and_routing_traces(container) -> None:
         greedy = SamplingParams(temperature=0.0, max_tokens=10)
         plain = (await _done(engine, PROMPT, greedy)).token_ids
         engine._core.batch.speculation.max_draft = 2
-        engine.emulate_drafts(EmulatedDrafts(plain, 0.6, seed=2))
+        emulate_drafts(engine, EmulatedDrafts(plain, 0.6, seed=2))
         engine.prefix_cache.clear()
         spec = await _done(engine, PROMPT, msgspec.structs.replace(greedy, speculative="ngram"))
         assert spec.token_ids == plain

@@ -276,6 +276,7 @@ async def test_a_follow_up_reuses_the_prefix_with_its_rotating_caches(pair, tmp_
     request verifies drafts over the rings (the same tokens: tests/test_verify_sliding.py
     has the bit-for-bit checks); the routing trace holds every layer of every step."""
     from actors.sampling_params import SamplingParams
+    from pipeline.bench.hooks import emulate_drafts
     from pipeline.speculation import EmulatedDrafts
 
     src, qpack, _ = pair("mxfp4")
@@ -287,7 +288,7 @@ async def test_a_follow_up_reuses_the_prefix_with_its_rotating_caches(pair, tmp_
         assert again.stats.cached_tokens >= len(PROMPT)
         assert list(again.token_ids) == greedy_reference(reference(src), longer, 4, eos, chunk=2)
         engine.prefix_cache.clear()
-        engine.emulate_drafts(EmulatedDrafts(first.token_ids, 0.6, seed=2))
+        emulate_drafts(engine, EmulatedDrafts(first.token_ids, 0.6, seed=2))
         greedy = SamplingParams(temperature=0.0, max_tokens=4, speculative="ngram")
         spec = [e async for e in engine.generate(PROMPT, greedy)][-1]
         assert spec.token_ids == first.token_ids and spec.stats.verify_passes > 0

@@ -21,6 +21,7 @@ from actors.sampling_params import SamplingParams
 from actors.speculative.accept import speculative_sample
 from actors.speculative.ngram import NgramDrafter
 from actors.speculative.policy import SpeculationPolicy
+from pipeline.bench.hooks import emulate_drafts
 from pipeline.engine import open_engine
 from pipeline.events import Done, TextDelta
 from pipeline.prefix_cache import _arrays
@@ -93,7 +94,7 @@ async def _same_greedy_tokens(engine: Any, greedy: SamplingParams, lengths: Any)
     assert guard == min(3, engine.facts.slots // engine.facts.top_k - 1)
     for k, acceptance in lengths:
         engine._core.batch.speculation.max_draft = k
-        engine.emulate_drafts(EmulatedDrafts(plain, acceptance, seed=k))
+        emulate_drafts(engine, EmulatedDrafts(plain, acceptance, seed=k))
         params = msgspec.structs.replace(greedy, speculative="ngram")
         done = _done(await _run(engine, params))
         assert done.token_ids == plain, f"k={k}"
@@ -128,17 +129,17 @@ async def test_greedy_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_
         assert done.stats.speculative == "mtp" and done.stats.drafts_proposed > 0
         engine._core.batch.speculation.max_draft = 3
         for name, params in cases.items():
-            engine.emulate_drafts(None)
+            emulate_drafts(engine, None)
             plain = await _run(engine, params)
             tokens = _done(plain).token_ids
-            engine.emulate_drafts(EmulatedDrafts(tokens, 0.8, seed=3))
+            emulate_drafts(engine, EmulatedDrafts(tokens, 0.8, seed=3))
             spec = msgspec.structs.replace(params, speculative="ngram")
             got = await _run(engine, spec)
             assert _deltas(got) == _deltas(plain), name
             assert _done(got).stats.drafts_accepted > 0, name
             if name != "logprobs+penalties":
                 continue
-            engine.emulate_drafts(None)
+            emulate_drafts(engine, None)
             # A stop string inside the text: generation ends in the middle of a pass.
             text = _done(plain).text
             stop = text[len(text) // 2 : len(text) // 2 + 3]
@@ -150,7 +151,7 @@ async def test_greedy_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_
             want_state, n = await engine._core.worker.run(engine.prefix_cache.take, [*kept, 0])
             assert n == len(kept)
             engine.prefix_cache.clear()
-            engine.emulate_drafts(EmulatedDrafts(tokens, 0.8, seed=3))
+            emulate_drafts(engine, EmulatedDrafts(tokens, 0.8, seed=3))
             got_stop = await _run(engine, msgspec.structs.replace(stopped, speculative="ngram"))
             assert _deltas(got_stop) == _deltas(plain_stop), name
             # The state kept for a follow-up is plain decode's, bit for bit.
@@ -170,7 +171,7 @@ async def test_auto_prices_plain_decode_by_its_pipelined_steps_not_the_restart_a
         greedy = SamplingParams(temperature=0.0, max_tokens=24, speculative="off")
         tokens = _done(await _run(engine, greedy)).token_ids
         policy = engine._core.batch.speculation
-        engine.emulate_drafts(EmulatedDrafts(tokens, 0.0, seed=1))  # every draft rejected
+        emulate_drafts(engine, EmulatedDrafts(tokens, 0.0, seed=1))  # every draft rejected
         done = _done(await _run(engine, msgspec.structs.replace(greedy, speculative="auto")))
     assert done.token_ids == tokens and done.stats.verify_passes >= 1
     # One plain step restarted the pipeline after each pass that plain steps followed.

@@ -15,6 +15,7 @@ from helpers_engine import engine_config
 from helpers_forward import DirectForward, tiny_pair
 
 from actors.sampling_params import SamplingParams
+from pipeline.bench.hooks import emulate_drafts
 from pipeline.engine import open_engine
 from pipeline.events import Done, TextDelta
 from pipeline.models.streamed import ForwardStep
@@ -143,7 +144,7 @@ async def test_speculating_gives_plain_tokens_logprobs_and_stored_state(
 
         engine.prefix_cache.clear()
         engine._core.batch.speculation.max_draft = draft
-        engine.emulate_drafts(EmulatedDrafts(plain.token_ids, 0.6, seed=5))
+        emulate_drafts(engine, EmulatedDrafts(plain.token_ids, 0.6, seed=5))
         got, got_lp = await _run_engine(engine, PROMPT, spec)
         assert (got.token_ids, got_lp) == (plain.token_ids, plain_lp) and len(got_lp) == 12
         s = got.stats
@@ -151,7 +152,7 @@ async def test_speculating_gives_plain_tokens_logprobs_and_stored_state(
         assert (engine._core.compute.stats.run_ahead_misses > 0) == (run_ahead == "on")
         for a, b in zip(_arrays(await _stored(engine, kept)), _arrays(want_state), strict=True):
             assert mx.array_equal(a, b).item()
-        engine.emulate_drafts(EmulatedDrafts(plain_next.token_ids, 0.6, seed=6))
+        emulate_drafts(engine, EmulatedDrafts(plain_next.token_ids, 0.6, seed=6))
         again, again_lp = await _run_engine(engine, follow_up, spec)
         assert again.stats.cached_tokens == len(kept) and again.stats.verify_passes > 0
         assert (again.token_ids, again_lp) == (plain_next.token_ids, next_lp)

@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from pipeline.bench import hooks
 from pipeline.bench.spec import Case, Result, backend, engine_dict, prompt_ids
 from pipeline.bench.speculative import spec_derived, spec_result_fields
 
@@ -166,10 +167,10 @@ async def _warm_passes(engine: Any, case: Case, prompt: list[int], params: Any,
     longest = engine.config.compute.draft_tokens
     drafting = msgspec.structs.replace(params, speculative="ngram")
     for n in range(1, longest + 1):
-        engine.emulate_drafts(EmulatedDrafts(reference, case.emulate, case.seed, longest=n))
+        hooks.emulate_drafts(engine, EmulatedDrafts(reference, case.emulate, case.seed, longest=n))
         await _tokens(engine, prompt, drafting)
     if not case.warm_all:
-        engine.reset_speculation()
+        hooks.reset_speculation(engine)
 
 
 def _emulate(engine: Any, case: Case) -> None:
@@ -177,7 +178,7 @@ def _emulate(engine: Any, case: Case) -> None:
     from pipeline.speculation import EmulatedDrafts
 
     assert case.emulate is not None
-    engine.emulate_drafts(EmulatedDrafts(case.draft_reference, case.emulate, case.seed))
+    hooks.emulate_drafts(engine, EmulatedDrafts(case.draft_reference, case.emulate, case.seed))
 
 
 def _probed(cfg: Any, engine: Any) -> dict[int, float]:

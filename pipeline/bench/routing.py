@@ -18,6 +18,8 @@ from typing import Any
 
 import structlog
 
+from pipeline.bench import hooks
+
 log = structlog.get_logger()
 
 ROUTINGS = ("router", "calibrated", "calibrated-gate")
@@ -47,6 +49,6 @@ def calibrate(engine: Any, routing: str, seed: int) -> Any:
     if borrowed is not None:
         log.warning("bench.routing_borrowed", model_type=borrowed, parameters=source.family)
     override = RoutingOverride(source, facts.moe_layers, emulate_gate=routing == "calibrated-gate")
-    engine.use_routing(override)
+    hooks.use_routing(engine, override)
     override.begin_request(0)
     return override
