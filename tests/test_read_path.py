@@ -319,3 +319,38 @@ async def test_a_layer_routed_without_its_queued_predictions_shelves_them_until_
             assert all(router.table.state((0, e)) == "ready" for e in range(6))
             nursery.cancel_scope.cancel()
     assert reader.stats.reads == 6 and reader.stats.shelved == 4
+
+
+async def test_a_shelved_prediction_evicted_before_it_is_wanted_is_never_read(container):
+    """The pool needs the slots of shelved keys for another layer: they go with the
+    eviction, unread, counted as dropped (the bench's "in vain" counts only reads)."""
+    from actors.pool.eviction import LRU
+    from actors.pool.slots import SlotTable
+    from actors.router import ExpertRouter
+
+    async def install(items):
+        pass
+
+    io = GatedIO()
+    with Container.open(container, io=io) as c:
+        stride = c.layer(0).stride
+        reader = ExpertReader(c, concurrency=1)
+        router = ExpertRouter(SlotTable(4, LRU()), reader, c.manifest.num_experts, install)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.run)
+            nursery.start_soon(router.run)
+            with trio.fail_after(10):
+                await router.prefetch([(0, [0, 1, 2, 3])], tick=1)
+                while not (router.loads and router.loads[(0, 0)].started):
+                    await trio.sleep(0.001)
+                nursery.start_soon(router.demand, 0, [0], 2)
+                while reader.stats.shelved < 3:
+                    await trio.sleep(0.001)
+                io.release.set()
+                await router.demand(1, [0, 1, 2], 3)  # three slots: the shelved keys' own
+                await router.settle()
+            nursery.cancel_scope.cancel()
+    read = [offset // stride for offset in io.order]
+    assert read[0] == 0 and len(read) == 4  # (0, 0), then layer 1's three
+    assert router.stats.shelved_dropped == 3 and not router.loads and router.shelved_count == 0
+    assert sorted(router.table.resident()) == [(0, 0), (1, 0), (1, 1), (1, 2)]
