@@ -77,6 +77,8 @@ def test_bench_end_to_end_writes_json_and_trace(tiny_bench: Path, tmp_path: Path
     assert 0 <= path["disk_busy_fraction"] <= 1 and path["mean_in_flight"] >= 0
     assert path["decode_s"] > 0 and path["pread_ms"] >= 0
     assert path["stall_late_s"] + path["stall_unpredicted_s"] <= path["decode_s"] + 1e-6
+    # Compute's time in MLX calls is reported beside the stall (its other wait).
+    assert path["mlx_s"] > 0 and path["shelved_mb"] >= 0
     assert by_name["io"]["read_gb_s"] > 0 and report["derived"]["io_ceiling_tok_s"] > 0
     # Memory while decoding is measured on its own: never above the process peaks, and
     # the CPU's MLX memory holds at least the pool.

@@ -28,6 +28,9 @@ class ReadPath(msgspec.Struct, kw_only=True):
     stall_late_s: float = 0.0
     stall_unpredicted_s: float = 0.0
     decode_s: float = 0.0
+    # Compute's calls on the MLX thread (graph building, kernels, the syncs): with the
+    # stall, what a decode's time is besides the host's own work between them.
+    mlx_s: float = 0.0
     # Per read, mean milliseconds.
     queue_ms: float = 0.0
     pread_ms: float = 0.0
@@ -53,7 +56,7 @@ def between(start: Counters | None, end: Counters, stride: int) -> ReadPath:
         wasted_mb=(d.prefetch_wasted - d.shelved_dropped) * stride / 1e6,
         shelved_mb=d.shelved * stride / 1e6,
         stall_late_s=d.stall_late_seconds, stall_unpredicted_s=d.stall_unpredicted_seconds,
-        decode_s=d.t, queue_ms=ms(d.queue_seconds), pread_ms=ms(d.pread_seconds),
+        decode_s=d.t, mlx_s=d.mlx_seconds, queue_ms=ms(d.queue_seconds), pread_ms=ms(d.pread_seconds),
         finish_wait_ms=ms(d.finish_wait_seconds), check_ms=ms(d.check_seconds),
         stage_ms=ms(d.stage_seconds), landed_fraction=d.landings / reads,
     )

@@ -86,7 +86,7 @@ def read_path_table(report: dict[str, Any]):  # -> rich.table.Table | None
     if not rows:
         return None
     table = Table(title="read path while decoding (per read: ms)")
-    cols = ("case", "disk busy", "in flight", "disk GB/s", "stall late s", "stall unpredicted s",
+    cols = ("case", "disk busy", "in flight", "disk GB/s", "MLX s", "stall late s", "stall unpredicted s",
             "in vain MB", "shelved MB", "queue", "pread", "stager wait", "crc32", "to device", "copy")
     for col in cols:
         table.add_column(col, justify="left" if col == "case" else "right")
@@ -94,7 +94,7 @@ def read_path_table(report: dict[str, Any]):  # -> rich.table.Table | None
         p = r["read_path"]
         table.add_row(
             r["name"], f"{p['disk_busy_fraction']:.0%}", f"{p['mean_in_flight']:.2f}",
-            f"{p['disk_gb_s']:.2f}", f"{p['stall_late_s']:.2f}", f"{p['stall_unpredicted_s']:.2f}",
+            f"{p['disk_gb_s']:.2f}", f"{p.get('mlx_s', 0.0):.2f}", f"{p['stall_late_s']:.2f}", f"{p['stall_unpredicted_s']:.2f}",
             f"{p['wasted_mb']:.0f}", f"{p.get('shelved_mb', 0.0):.0f}", *(f"{p[k]:.2f}" for k in
                                        ("queue_ms", "pread_ms", "finish_wait_ms", "check_ms", "stage_ms")),
             # "direct" copies inside the install (no staging thread): its "to device" is 0.
