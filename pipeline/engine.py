@@ -48,7 +48,7 @@ class Engine:
     what happened between), `pool_snapshot()`, `default_params()`, `watch_tokens()`; the
     queue's state (`busy`, `waiting`, `running`, `generations`). The actors stay inside
     (`EngineCore`, pipeline/engine_core.py); what only a benchmark does to an engine
-    (routing by a routing model, emulated drafts) is in pipeline/bench/hooks.py.
+    (routing by a routing model, emulated drafts) is in pipeline/engine_hooks.py.
     """
 
     def __init__(self, core: EngineCore) -> None:

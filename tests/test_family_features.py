@@ -13,9 +13,9 @@ from helpers_engine import engine_config, generate
 from helpers_forward import tiny_pair
 
 from actors.sampling_params import SamplingParams
-from pipeline.bench.hooks import emulate_drafts
 from pipeline.bench.routing import calibrate
 from pipeline.engine import open_engine
+from pipeline.engine_hooks import emulate_drafts
 from pipeline.events import Done
 from pipeline.speculation import EmulatedDrafts
 

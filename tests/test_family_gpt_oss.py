@@ -276,7 +276,7 @@ async def test_a_follow_up_reuses_the_prefix_with_its_rotating_caches(pair, tmp_
     request verifies drafts over the rings (the same tokens: tests/test_verify_sliding.py
     has the bit-for-bit checks); the routing trace holds every layer of every step."""
     from actors.sampling_params import SamplingParams
-    from pipeline.bench.hooks import emulate_drafts
+    from pipeline.engine_hooks import emulate_drafts
     from pipeline.speculation import EmulatedDrafts
 
     src, qpack, _ = pair("mxfp4")

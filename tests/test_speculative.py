@@ -21,8 +21,8 @@ from actors.sampling_params import SamplingParams
 from actors.speculative.accept import speculative_sample
 from actors.speculative.ngram import NgramDrafter
 from actors.speculative.policy import SpeculationPolicy
-from pipeline.bench.hooks import emulate_drafts
 from pipeline.engine import open_engine
+from pipeline.engine_hooks import emulate_drafts
 from pipeline.events import Done, TextDelta
 from pipeline.prefix_cache import _arrays
 from pipeline.speculation import EmulatedDrafts

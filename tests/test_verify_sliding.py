@@ -15,8 +15,8 @@ from helpers_engine import engine_config
 from helpers_forward import DirectForward, tiny_pair
 
 from actors.sampling_params import SamplingParams
-from pipeline.bench.hooks import emulate_drafts
 from pipeline.engine import open_engine
+from pipeline.engine_hooks import emulate_drafts
 from pipeline.events import Done, TextDelta
 from pipeline.models.streamed import ForwardStep
 from pipeline.models.verify_step import VerifyStep, can_verify

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from pipeline.bench import hooks
+from pipeline import engine_hooks as hooks
 from pipeline.bench.spec import Case, Result, backend, engine_dict, prompt_ids
 from pipeline.bench.speculative import spec_derived, spec_result_fields
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from pipeline.bench import hooks
+from pipeline import engine_hooks as hooks
 
 log = structlog.get_logger()
 

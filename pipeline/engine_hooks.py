@@ -3,8 +3,9 @@
 Route by a routing model instead of the model's routers, draft from a reference run's
 own tokens, forget what `auto` speculation measured. None of it belongs on `Engine`, the
 user's API (a server or a program has no use for them and must not reach them by
-accident), so, like `trio.testing` beside trio, these functions reach the engine's
-private core from inside the package.
+accident): like `trio.testing` beside trio, they are engine modules' functions that
+reach its private core, and the bench (a face, which may not: tests/test_layers.py)
+calls them.
 """
 
 from __future__ import annotations
