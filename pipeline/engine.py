@@ -278,6 +278,7 @@ class Engine:
             "expert_read_bytes": counters.bytes_read,
             "stall_seconds": counters.stall_seconds,
             "prefetch_hits_waited": counters.prefetch_hits_waited,
+            "prefetch_shelved": counters.shelved,
             "mlx_seconds": counters.mlx_seconds,
             "run_ahead_tokens": counters.run_ahead_tokens,
             "run_ahead_misses": counters.run_ahead_misses,

@@ -118,6 +118,7 @@ async def test_chat_completions_models_and_metrics(container: Path) -> None:
         assert 0 < int(values["moestream_decode_resident_memory_bytes"]) < 2 * rss
         assert int(values["moestream_decode_device_memory_bytes"]) >= engine.pool_bytes
         assert int(values["moestream_heap_trimmed_bytes_total"]) >= 0
+        assert int(values["moestream_prefetch_shelved_total"]) >= 0
         assert int(values["moestream_drafts_accepted_total"]) == 0  # speculation is off
 
         # Speculative decoding per request: the same text; a bad mode is one clear 400.

@@ -90,6 +90,9 @@ class Metrics:
                [("", pool["stall_seconds"])])
         metric("prefetch_hits_waited_total", "counter",
                "Demanded experts whose prefetch was still loading.", [("", pool["prefetch_hits_waited"])])
+        metric("prefetch_shelved_total", "counter",
+               "Predicted reads taken off the queue unread: their layer was routed without them.",
+               [("", pool["prefetch_shelved"])])
         metric("mlx_seconds_total", "counter", "Time spent in MLX calls (forward, sampling).",
                [("", pool["mlx_seconds"])])
         for name, help_ in _SPECULATION:
