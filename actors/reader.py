@@ -19,18 +19,16 @@ promoted, one already running is simply waited on (never issued twice).
 What a blob needs after the read (its crc32 on first use, its copy into device memory,
 or its landing) runs on the staging threads (actors/read_finish.py), never on a disk
 thread: the next read starts at once. Per read, the event loop does a queue operation to
-submit and a callback to complete; the rest happens in threads.
+submit and a callback to complete; the rest happens in threads. With a `lander` (the
+pool's memory written from any thread), a read the router marked `land` is installed
+into its slot by a staging thread as soon as it ends, its buffer free again at once (on
+the H200 the installs had been 64 of a fast disk's 167 ms a token: session 16); when a
+read may land, and how a late one never writes a slot's next owner: actors/router.py and
+actors/read_finish.py.
 
-Landing. With a `lander` (the pool's memory written from any thread: a memcpy on the
-CPU, a DMA from the pinned staging buffer on CUDA), a read the router marked `land` is
-installed into its slot by a staging thread as soon as it ends, and its buffer is free
-again at once: no install batch at the next demand, no trip through the MLX thread, no
-buffer held until then (on the H200 the installs were 64 of a fast disk's 167 ms per
-token, on the critical path: session 16's trace). The router marks a read `land` only
-when the slot it took was free of every queued MLX kernel at that moment
-(actors/router.py says when); a key that loses its slot before its read lands is
-`abandoned` under its slot's `landing_lock`, and a landing checks that flag under the
-same lock, so a late landing never writes a slot's next owner.
+A prediction still queued when its layer is routed without it is `shelve`d (taken off
+the queue, unread) and `requeue`d or `promote`d when wanted again (actors/router.py,
+"stale predictions").
 
 A read that fails is retried a bounded number of times, then reported on its `Load`.
 A blob that fails its checksum is re-read (the same bounded retries) on its staging
