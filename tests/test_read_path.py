@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -276,11 +279,12 @@ def test_landing_follows_the_setting_and_auto_lands(container):
     assert wanted(land="auto", concurrency=2) and wanted(land="auto", concurrency="auto")
 
 
-async def test_a_layer_routed_without_its_queued_predictions_shelves_them_until_wanted(container):
-    """Stale predictions (actors/router.py): once layer 0 is routed to experts 0 and 1,
-    the queued reads predicted for 2-5 leave the queue unread, keeping their slots (the
-    table, and so `replay`, as without shelving); a shelved key read again when it is
-    demanded or predicted again, and the rest when the engine settles."""
+@asynccontextmanager
+async def _shelving(container: Path, slots: int, predicted: list[int]) -> AsyncIterator[Any]:
+    """A router and one reader over a gated disk, `predicted` experts of layer 0 ordered
+    and the first of them held in its pread; then layer 0 is routed to `predicted[0]`
+    (and `predicted[1]` with more than 4 slots) and the stale rest are shelved. Yields
+    (router, reader, io, stride, nursery); the disk is released by the test."""
     from actors.pool.eviction import LRU
     from actors.pool.slots import SlotTable
     from actors.router import ExpertRouter
@@ -290,66 +294,53 @@ async def test_a_layer_routed_without_its_queued_predictions_shelves_them_until_
 
     io = GatedIO()
     with Container.open(container, io=io) as c:
-        stride = c.layer(0).stride
         reader = ExpertReader(c, concurrency=1)
-        router = ExpertRouter(SlotTable(16, LRU()), reader, c.manifest.num_experts, install)
+        router = ExpertRouter(SlotTable(slots, LRU()), reader, c.manifest.num_experts, install)
+        chosen = predicted[:2] if slots > 4 else predicted[:1]
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reader.run)
             nursery.start_soon(router.run)
-            await router.prefetch([(0, [0, 1, 2, 3, 4, 5])], tick=1)
             with trio.fail_after(10):
-                while not (router.loads and router.loads[(0, 0)].started):  # held in its pread
+                await router.prefetch([(0, predicted)], tick=1)
+                while not (router.loads and router.loads[(0, predicted[0])].started):
+                    await trio.sleep(0.001)  # held in its pread
+                nursery.start_soon(router.demand, 0, chosen, 2)
+                while reader.stats.shelved < len(predicted) - len(chosen):
                     await trio.sleep(0.001)
-                nursery.start_soon(router.demand, 0, [0, 1], 2)
-                while reader.stats.shelved < 4:
-                    await trio.sleep(0.001)
-                assert sorted(k for k, load in router.loads.items() if load.shelved) == [
-                    (0, 2), (0, 3), (0, 4), (0, 5)]
-                io.release.set()
-                while reader.stats.reads < 2:
-                    await trio.sleep(0.001)
-                assert [offset // stride for offset in io.order] == [0, 1]
-                assert all(router.table.state((0, e)) == "loading" for e in (2, 3, 4, 5))
-                await router.prefetch([(0, [3])], tick=3)  # predicted again: queued again
-                await router.demand(0, [2, 3], 4)  # 2 demanded from the shelf
-                assert sorted(offset // stride for offset in io.order) == [0, 1, 2, 3]
-                await router.settle()  # the rest are read: an idle engine holds no shelf
-            assert sorted(offset // stride for offset in io.order) == [0, 1, 2, 3, 4, 5]
-            assert not router.loads and router.shelved_count == 0
-            assert all(router.table.state((0, e)) == "ready" for e in range(6))
+                yield router, reader, io, c.layer(0).stride, nursery
             nursery.cancel_scope.cancel()
+
+
+async def test_a_layer_routed_without_its_queued_predictions_shelves_them_until_wanted(container):
+    """Stale predictions (actors/router.py): once layer 0 is routed to experts 0 and 1,
+    the queued reads predicted for 2-5 leave the queue unread, keeping their slots (the
+    table, and so `replay`, as without shelving); a shelved key read again when it is
+    demanded or predicted again, and the rest when the engine settles."""
+    async with _shelving(container, 16, [0, 1, 2, 3, 4, 5]) as (router, reader, io, stride, _):
+        assert sorted(k for k, load in router.loads.items() if load.shelved) == [
+            (0, 2), (0, 3), (0, 4), (0, 5)]
+        io.release.set()
+        while reader.stats.reads < 2:
+            await trio.sleep(0.001)
+        assert [offset // stride for offset in io.order] == [0, 1]
+        assert all(router.table.state((0, e)) == "loading" for e in (2, 3, 4, 5))
+        await router.prefetch([(0, [3])], tick=3)  # predicted again: queued again
+        await router.demand(0, [2, 3], 4)  # 2 demanded from the shelf
+        assert sorted(offset // stride for offset in io.order) == [0, 1, 2, 3]
+        await router.settle()  # the rest are read: an idle engine holds no shelf
+        assert sorted(offset // stride for offset in io.order) == [0, 1, 2, 3, 4, 5]
+        assert not router.loads and router.shelved_count == 0
+        assert all(router.table.state((0, e)) == "ready" for e in range(6))
     assert reader.stats.reads == 6 and reader.stats.shelved == 4
 
 
 async def test_a_shelved_prediction_evicted_before_it_is_wanted_is_never_read(container):
     """The pool needs the slots of shelved keys for another layer: they go with the
     eviction, unread, counted as dropped (the bench's "in vain" counts only reads)."""
-    from actors.pool.eviction import LRU
-    from actors.pool.slots import SlotTable
-    from actors.router import ExpertRouter
-
-    async def install(items):
-        pass
-
-    io = GatedIO()
-    with Container.open(container, io=io) as c:
-        stride = c.layer(0).stride
-        reader = ExpertReader(c, concurrency=1)
-        router = ExpertRouter(SlotTable(4, LRU()), reader, c.manifest.num_experts, install)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(reader.run)
-            nursery.start_soon(router.run)
-            with trio.fail_after(10):
-                await router.prefetch([(0, [0, 1, 2, 3])], tick=1)
-                while not (router.loads and router.loads[(0, 0)].started):
-                    await trio.sleep(0.001)
-                nursery.start_soon(router.demand, 0, [0], 2)
-                while reader.stats.shelved < 3:
-                    await trio.sleep(0.001)
-                io.release.set()
-                await router.demand(1, [0, 1, 2], 3)  # three slots: the shelved keys' own
-                await router.settle()
-            nursery.cancel_scope.cancel()
+    async with _shelving(container, 4, [0, 1, 2, 3]) as (router, reader, io, stride, _):
+        io.release.set()
+        await router.demand(1, [0, 1, 2], 3)  # three slots: the shelved keys' own
+        await router.settle()
     read = [offset // stride for offset in io.order]
     assert read[0] == 0 and len(read) == 4  # (0, 0), then layer 1's three
     assert router.stats.shelved_dropped == 3 and not router.loads and router.shelved_count == 0
