@@ -271,14 +271,13 @@ class ExpertRouter:
     def _shelve_stale(self, layer: int, ids: Sequence[int]) -> None:
         """Stale predictions: `layer` is routed now, so a read queued for one of its
         experts it did not choose is shelved (taken off the queue) unless a disk thread
-        has started it. With
-        realistic routing ~40 % of the predictions are wrong; on a disk that cannot read
-        them all in time they queued behind each other (session 20: 48-217 ms a read)
-        and the next layer's predictions waited behind the last one's mistakes. The slot
-        table is left as it is (the key keeps its slot, "loading"), so the pool's
-        decisions, and `replay`, do not depend on timing; the read goes back on the
-        queue when the key is demanded, predicted again, or the engine drains or
-        settles."""
+        has started it. With realistic routing ~40 % of the predictions are wrong; on a
+        disk that cannot read them all in time they queued behind each other (session
+        20: 48-217 ms a read) and the next layer's predictions waited behind the last
+        one's mistakes. The slot table is left as it is (the key keeps its slot,
+        "loading"), so the pool's decisions, and `replay`, do not depend on timing; the
+        read goes back on the queue when the key is demanded, predicted again, or the
+        engine drains or settles."""
         if not self.loads:
             return
         chosen = {int(e) for e in ids}
