@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# For the next lease (written in session 20, 2026-12-04): what session 20 changed and could
+# not measure, one step per device call (a call runs 600 s at most). On the GPU host, after
+# the bundle:
+#   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session21.sh STEP
+# cold: the 35B with stale predictions shelved: random routing with io and serial, then
+#   calibrated-gate plain and passes (k=2, auto: the 1.4x target, met once in two runs).
+# long: the 1024-token prefill with shelving (session 20's two runs predate it).
+# uring: io_uring against the reader's threads on this host's disk and page cache
+#   (benchmarks/uring_vs_threads.py; session 20 measured it on the VM only).
+# fast: the page cache as a fast disk, with the bench's `MLX s` beside the stall, and the
+#   same invocation's warm-all and io (the target: 0.85 of min(io ceiling, warm-all)).
+# c80: the 80B (44.85 GB: the disk holds nothing else), default and io.
+set -uo pipefail
+. "$(dirname "$0")/h200_lib.sh"
+step=$1
+ptx_restore
+warm=(--pool-mb 1024 --max-tokens 32)
+{
+case $step in
+  cold)
+    c35
+    bench 200 c35-random c35 "${cold[@]}" --cases default,serial,io
+    bench 300 c35-cal c35 "${cold[@]}" --routing calibrated-gate --cases default,spec-k2-a0.8,spec-auto-a0.8
+    same "$OUT"/c35-cal.json
+    pack ;;
+  long)
+    c35
+    bench 300 c35-long c35 "${cold[@]}" --cases long-prompt,io
+    pack ;;
+  uring)
+    c35
+    timeout 200 python3 benchmarks/uring_vs_threads.py "$DATA/c35.qpack" --reads 600 --rounds 3
+    timeout 200 python3 benchmarks/uring_vs_threads.py "$DATA/c35.qpack" --reads 600 --rounds 3 --cached ;;
+  fast)
+    c35
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    bench 180 c35-fast c35 "${warm[@]}" --warm --cases default,warm-all,io
+    pack ;;
+  c80)
+    only c80
+    [ -f "$DATA/c80.qpack/manifest.json" ] || $B bench-container --preset qwen3-next-80b-a3b -o "$DATA/c80.qpack" 2>&1 | tail -1
+    bench 300 c80 c80 "${cold[@]}" --max-tokens 16 --cases default,io
+    pack ;;
+esac
+} 2>&1 | tee -a "$OUT/$step.log"
