@@ -5,6 +5,7 @@ mkdir -p "$DATA" "$OUT"
 export PYTHONUNBUFFERED=1 MLX_PTX_CACHE_DIR=$DATA/ptx-cache
 B="python3 benchmarks/moestream_bench.py"
 cold=(--pool-mb 1024 --o-direct --max-tokens 24)
+warm=(--pool-mb 1024 --max-tokens 32)  # the page cache or every expert pooled
 bench() {  # bench LIMIT_S NAME CONTAINER ARGS...
   local limit=$1 name=$2 c=$3; shift 3
   echo "== $(date -u +%T) $name: $*"
@@ -40,3 +41,9 @@ only() {  # only CONTAINER: remove the other bench containers (the disk holds on
   for d in "$DATA"/*.qpack; do [ "$(basename "$d" .qpack)" = "$1" ] || rm -rf "$d"; done
 }
 pack() { tar czf "$OUT/$step-json.tgz" -C "$OUT" $(cd "$OUT" && ls *.json) && rm -f "$OUT"/*.json; }
+old_bench() {  # old_bench ARCHIVE LIMIT NAME ARGS...: `bench` with the code in .ptx/ARCHIVE.tgz
+  local code=/tmp/$1; shift  # (a `git archive` of an earlier commit: before/after in one lease)
+  mkdir -p "$code" && tar xzf ".ptx/$(basename "$code").tgz" -C "$code"
+  (cd "$code" && PYTHONPATH=/tmp/site:$code OUT=$OUT DATA=$DATA bash -c '. benchmarks/h200_lib.sh
+    bench "$@"' _ "$@")
+}

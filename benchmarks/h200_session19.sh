@@ -15,7 +15,6 @@ set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
 ptx_restore
-warm=(--pool-mb 1024 --max-tokens 32)
 {
 case $step in
   spec)

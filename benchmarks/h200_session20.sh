@@ -19,13 +19,6 @@ set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
 ptx_restore
-warm=(--pool-mb 1024 --max-tokens 32)
-old_bench() {  # old_bench ARCHIVE LIMIT NAME ARGS...: `bench` with the code in .ptx/ARCHIVE
-  local code=/tmp/$1; shift
-  mkdir -p "$code" && tar xzf ".ptx/$(basename "$code").tgz" -C "$code"
-  (cd "$code" && PYTHONPATH=/tmp/site:$code OUT=$OUT DATA=$DATA bash -c '. benchmarks/h200_lib.sh
-    bench "$@"' _ "$@")
-}
 {
 case $step in
   spec)
