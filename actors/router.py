@@ -171,6 +171,7 @@ class ExpertRouter:
     async def _demand(self, layer: int, ids: Sequence[int], tick: int,
                       then_prefetch: Sequence[tuple[int, Sequence[int]]] | None = None) -> np.ndarray:
         """Make `ids` of `layer` resident and installed; returns slot_of (expert -> slot)."""
+        self._shelve_stale(layer, ids)  # before the placement, as `_demand_all` does
         return await self._complete(layer, ids, tick, self.driver.demand(layer, ids, tick),
                                     then_prefetch)
 
@@ -179,7 +180,6 @@ class ExpertRouter:
                         then_prefetch: Sequence[tuple[int, Sequence[int]]] | None = None) -> np.ndarray:
         """A placed demand (`driver.demand`'s answer): its reads issued and waited for."""
         self.failures.clear()  # only this demand's failures are reported
-        self._shelve_stale(layer, ids)
         waits: list[Load] = []
         for expert, (taken, was_resident) in zip(ids, placed, strict=True):
             key = (layer, int(expert))
