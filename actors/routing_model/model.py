@@ -147,7 +147,8 @@ class RoutingModel:
             ids = top[rows, order]
             out[t] = ids
             if gates is not None:
-                guess = logits + p.gate_share * token_noise + p.gate_noise * gate_rng.gumbel(size=(L, E))
+                guess = (logits + p.gate_share * token_noise
+                         + p.gate_noise * gate_rng.gumbel(size=(L, E)))
                 gtop = np.argpartition(-guess, g - 1, axis=1)[:, :g]
                 gates[t] = gtop[rows, np.argsort(-guess[rows, gtop], axis=1, kind="stable")]
             trace *= p.reuse_decay

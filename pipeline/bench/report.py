@@ -94,9 +94,9 @@ def read_path_table(report: dict[str, Any]):  # -> rich.table.Table | None
         p = r["read_path"]
         table.add_row(
             r["name"], f"{p['disk_busy_fraction']:.0%}", f"{p['mean_in_flight']:.2f}",
-            f"{p['disk_gb_s']:.2f}", f"{p.get('mlx_s', 0.0):.2f}", f"{p['stall_late_s']:.2f}", f"{p['stall_unpredicted_s']:.2f}",
-            f"{p['wasted_mb']:.0f}", f"{p.get('shelved_mb', 0.0):.0f}", *(f"{p[k]:.2f}" for k in
-                                       ("queue_ms", "pread_ms", "finish_wait_ms", "check_ms", "stage_ms")),
+            f"{p['disk_gb_s']:.2f}", f"{p['mlx_s']:.2f}", f"{p['stall_late_s']:.2f}",
+            f"{p['stall_unpredicted_s']:.2f}", f"{p['wasted_mb']:.0f}", f"{p['shelved_mb']:.0f}",
+            *(f"{p[k]:.2f}" for k in ("queue_ms", "pread_ms", "finish_wait_ms", "check_ms", "stage_ms")),
             # "direct" copies inside the install (no staging thread): its "to device" is 0.
             r.get("device_copy") or "-",
         )
