@@ -168,7 +168,7 @@ def stats_fields(spec: RowSpeculation | None) -> dict[str, Any]:
 
 class EmulatedDrafts:
     """Benchmark-only: every generation drafts from `reference` (`EmulatedDrafter`),
-    whatever the mode says, once `engine.emulated_drafts` is set to one of these."""
+    whatever the mode says, once `pipeline.engine_hooks.emulate_drafts` sets one on the core."""
 
     def __init__(self, reference: Sequence[int], acceptance: float, seed: int = 0,
                  longest: int | None = None) -> None:
