@@ -23,7 +23,8 @@ from typing import Any, Literal
 import mlx.core as mx
 import numpy as np
 
-from actors import timeline
+from actors import awaited, timeline
+from actors.device_wait import DeviceWait
 from actors.forward import ForwardStepper, Presync, Routing, SteppedModel
 from actors.mlx_worker import MlxWorker
 from actors.pair_step import PairStep
@@ -66,6 +67,8 @@ class ComputeStats:
     run_ahead_tokens: int = 0  # decode tokens that tried the one-sync path
     run_ahead_misses: int = 0  # ... and fell back at their first missing layer
     paired_prompts: int = 0  # prompts whose last chunk and last token stepped together
+    awaited_tokens: int = 0  # decode tokens queued whole, waiting on the GPU for reads
+    awaited_given_up: int = 0  # ... redone per layer from a layer the wait gave up
 
 
 def unique_in_order(ids: np.ndarray) -> list[int]:
@@ -99,6 +102,9 @@ class Compute:
         # decode there); the engine adds and removes them (`Engine.watch_tokens`).
         self.token_hooks: list[Callable[[Phase], None]] = []
         self._row_of = {layer: i for i, layer in enumerate(moe_layers)}
+        # Decode tokens queued whole, the GPU waiting for their reads (actors/awaited.py):
+        # set by the engine where the probe passed (CUDA, direct installs, landing).
+        self.device_wait: DeviceWait | None = None
         self._map: mx.array | None = None
         self._map_version = -1
         # Strategies that read the model (next-gate, lookahead, a combination holding one)
@@ -106,6 +112,11 @@ class Compute:
         # prefetch task.
         self._gate = bool(getattr(strategy, "needs_model", False))
         self.prefetcher = Prefetcher(strategy, scorer, router, recorder, gate=self._gate)
+
+    @property
+    def layer_rows(self) -> dict[int, int]:
+        """MoE layer -> its row (0, 1, ...): the slot map's and the device wait's."""
+        return self._row_of
 
     def _learn(self, routing: Routing | None, phase: Phase) -> Predictions | None:
         """Gate strategies, on the MLX thread right after a routing sync: observe, predict.
@@ -195,6 +206,9 @@ class Compute:
             if miss is None:
                 return result.logits
             return await self.finish_from(step, miss, phase)
+        if (self.device_wait is not None and phase == "decode" and not all_positions
+                and awaited.one_row(tokens)):
+            return await awaited.forward(self, self.device_wait, tokens, cache)
         # A prompt's chunk wants the disk's bandwidth: the reader's bulk lane reads too.
         with self.router.reader.bulk(phase == "prefill" and _count(tokens) > 1):
             step, routing, preds = await self.on_mlx(self._start, tokens, cache, phase)

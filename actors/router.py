@@ -92,6 +92,11 @@ class ExpertRouter:
         self.settle_timeout_s = 2.0
         # Reads may be installed where they land (compute sets it; see the module docstring).
         self.landing_safe = False
+        # The MLX thread is running a token that waits on the GPU for this router's answers
+        # (actors/awaited.py): installs must not queue behind it, so `install_off_mlx`
+        # (a DMA on a staging thread, no wait for MLX's stream) does them meanwhile.
+        self.mlx_busy = False
+        self.install_off_mlx: Callable[[list[Install]], Awaitable[None]] | None = None
         # Landing reads whose key was evicted first: kept until they end (their buffers).
         self.orphans: list[Load] = []
         self.shelved_count = 0  # loads shelved as stale, still in `loads` (their keys' slots)
@@ -244,7 +249,11 @@ class ExpertRouter:
             return len(landed)
         try:
             with timeline.span("router", "install", experts=len(installs)):
-                await self.install(installs)
+                if self.mlx_busy:
+                    assert self.install_off_mlx is not None, "a token waits on the GPU without an off-MLX install"
+                    await self.install_off_mlx(installs)
+                else:
+                    await self.install(installs)
         except BaseException:
             for key in keys:
                 if key in self.table and self.table.pin_count(key) == 0:

@@ -10,6 +10,8 @@
 #   (benchmarks/uring_vs_threads.py; session 20 measured it on the VM only).
 # fast: the page cache as a fast disk, with the bench's `MLX s` beside the stall, and the
 #   same invocation's warm-all and io (the target: 0.85 of min(io ceiling, warm-all)).
+# check: benchmarks/device_wait_check.py (session 21: decode tokens queued whole, the GPU
+#   waiting for their reads); coldwait: that against --device-wait off, cold.
 # c80: the 80B (44.85 GB: the disk holds nothing else), default and io.
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
@@ -31,10 +33,23 @@ case $step in
     c35
     timeout 200 python3 benchmarks/uring_vs_threads.py "$DATA/c35.qpack" --reads 600 --rounds 3
     timeout 200 python3 benchmarks/uring_vs_threads.py "$DATA/c35.qpack" --reads 600 --rounds 3 --cached ;;
-  fast)
+  check)  # exactness of the device wait on tiny models (tokens and logprobs, bit for bit)
+    timeout 400 python3 benchmarks/device_wait_check.py --dir "$DATA/wait" 2>&1 | grep '^{' | head -2 | cut -c1-400 ;;
+  fast)  # the page cache as a fast disk: the device wait (default) against one sync per layer
     c35
     cat "$DATA"/c35.qpack/experts/* > /dev/null
-    bench 180 c35-fast c35 "${warm[@]}" --warm --cases default,warm-all,io
+    bench 240 c35-fast c35 "${warm[@]}" --warm --cases default,warm-all,io
+    bench 120 c35-fast-off c35 "${warm[@]}" --warm --cases default --device-wait off
+    same "$OUT"/c35-fast.json "$OUT"/c35-fast-off.json
+    ptx_save
+    pack ;;
+  coldwait)  # cold O_DIRECT: the device wait against one sync per layer, random and calibrated
+    c35
+    bench 200 c35-random c35 "${cold[@]}" --cases default,io
+    bench 120 c35-random-off c35 "${cold[@]}" --cases default --device-wait off
+    bench 150 c35-cal c35 "${cold[@]}" --routing calibrated-gate --cases default
+    bench 150 c35-cal-off c35 "${cold[@]}" --routing calibrated-gate --cases default --device-wait off
+    same "$OUT"/c35-random.json "$OUT"/c35-random-off.json
     pack ;;
   c80)
     only c80

@@ -51,6 +51,7 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     mlx_seconds: float
     run_ahead_tokens: int
     run_ahead_misses: int
+    awaited_tokens: int  # decode tokens queued whole, the GPU waiting for their reads
     batch_steps: int
     batch_rows_stepped: int
 

@@ -105,7 +105,8 @@ class EngineCore:
             prefetch_hits_waited=rs.prefetch_hits_waited,
             predicted=scores.predicted, correct=scores.correct, actual=scores.actual,
             mlx_seconds=c.mlx_seconds, run_ahead_tokens=c.run_ahead_tokens,
-            run_ahead_misses=c.run_ahead_misses, batch_steps=self.batch.stats.steps,
+            run_ahead_misses=c.run_ahead_misses, awaited_tokens=c.awaited_tokens,
+            batch_steps=self.batch.stats.steps,
             batch_rows_stepped=self.batch.stats.rows_stepped,
         )
 

@@ -43,6 +43,7 @@ from pipeline.engine_core import EngineCore, ModelFacts
 from pipeline.engine_parts import (
     cached_tokenizer,
     device_copy_name,
+    device_wait_for,
     direct_probe,
     guarded,
     installer,
@@ -170,7 +171,8 @@ async def open_core(
                 config, container, worker, nursery, model, storage, tokenizer, slots,
                 record_routing, started, stage_in_threads, readers, dense_bytes, stride,
             )
-            if stage is None:
+            if stage is None:  # a pipeline rank's forward crosses the boundary per layer
+                core.compute.device_wait = await device_wait_for(config, core.compute, storage, worker)
                 core.mtp = await worker.run(guarded, container.root / MTP_FILE, open_mtp, config,
                                             container, model, _head_experts(core, mtp_storage))
                 if isinstance(model.hidden_sink, HiddenSinks):  # batched steps feed the drafters

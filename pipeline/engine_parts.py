@@ -13,6 +13,8 @@ from actors.pool.storage import PoolStorage
 from qpack.spec import QpackError
 
 if TYPE_CHECKING:
+    from actors.compute import Compute
+    from actors.device_wait import DeviceWait
     from pipeline.config.schema import PipelineConfig
     from qpack.reader import Container
 
@@ -52,6 +54,39 @@ def installer(worker: MlxWorker, storage: PoolStorage) -> Callable[[list[Any]], 
         await worker.run(storage.install, items)
 
     return install
+
+
+def off_mlx_installer(storage: PoolStorage) -> Callable[[list[Any]], Awaitable[None]] | None:
+    """Installs while the MLX thread runs a token that waits on the GPU for them
+    (actors/device_wait.py): DMAs on a staging thread, no wait for MLX's stream. None
+    without the direct path."""
+    if storage.direct is None:
+        return None
+    writer, stager = storage.direct, MlxWorker.staging(0)
+
+    async def dma(items: list[Any]) -> None:
+        await stager.run(writer.write_now, storage.direct_copies(items))
+
+    return dma
+
+
+async def device_wait_for(config: PipelineConfig, compute: Compute, storage: PoolStorage,
+                          worker: MlxWorker) -> DeviceWait | None:
+    """`compute.device_wait`: a probed `DeviceWait` where decode tokens may be queued whole
+    and wait on the GPU for their reads (actors/device_wait.py), with the router's installs
+    set to go off the MLX thread meanwhile; None where they step layer by layer."""
+    from actors import awaited
+    from actors.device_wait import probe
+
+    router = compute.router
+    if (config.compute.device_wait == "off" or not config.compute.overlap or storage.direct is None
+            or router.reader.lander is None or not awaited.usable(compute.strategy)):
+        return None
+    wait = await worker.run(probe, len(compute.layer_rows))
+    if wait is not None:
+        router.install_off_mlx = off_mlx_installer(storage)
+    log.info("engine.device_wait", on=wait is not None)
+    return wait
 
 
 async def direct_probe(setting: str, worker: MlxWorker, *storages: PoolStorage | None) -> bool:

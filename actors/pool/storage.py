@@ -208,6 +208,12 @@ class PoolStorage:
         assert self.direct is not None, "install_direct needs a probed DirectWriter"
         self.direct.write(direct_copies(self.layout, self.direct.base, items, self._layer_format))
 
+    def direct_copies(self, items: Sequence[tuple[int, np.ndarray]]) -> list[tuple[int, int, int]]:
+        """The DMAs (device address, host address, bytes) that install `items` (where
+        the slot table is read: the router's thread)."""
+        assert self.direct is not None, "direct copies need a probed DirectWriter"
+        return direct_copies(self.layout, self.direct.base, items, self._layer_format)
+
     def install(self, items: Sequence[tuple[int, np.ndarray | mx.array]]) -> None:
         """Copy expert blobs (uint8, at least fmt.nbytes; numpy or staged) into their slots.
 

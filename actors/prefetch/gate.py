@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from actors.mx_typed import int_rows
 from actors.prefetch.strategies import LayerOrder, Prediction
@@ -74,6 +75,21 @@ class NextGate:
         ranked, union = self._rank(targets, self._logits(targets, hidden))
         self._staged = (layer, hidden, ranked, union)
         return [ranked]
+
+    def ranking(self, layer: int, hidden: mx.array) -> mx.array | None:
+        """One decode token's ranking for the layers after `layer`, lazily and without
+        staging it (a token queued whole publishes it from the GPU: actors/device_wait.py);
+        `predict_ranked` reads it back. None where no layer follows."""
+        targets = self.order.after(layer, self.depth)
+        return self._ranked(self._logits(targets, hidden)) if targets else None
+
+    def predict_ranked(self, layer: int, ranked: np.ndarray) -> Prediction:
+        """`predict` from `ranking`'s values, read back (flattened: [targets * n])."""
+        targets = self.order.after(layer, self.depth)
+        if not targets or ranked.size == 0:
+            return []
+        rows = ranked.reshape(len(targets), -1).tolist()
+        return [(t, ids) for t, ids in zip(targets, rows, strict=True) if ids]
 
     def predict(self, layer: int, chosen: Sequence[int], hidden: mx.array | None) -> Prediction:
         targets = self.order.after(layer, self.depth)

@@ -81,6 +81,7 @@ class Result(msgspec.Struct, kw_only=True):
     prefill_bytes: int = 0  # expert bytes read before the first decode step
     run_ahead_tokens: int = 0  # decode tokens that tried one sync per token ...
     run_ahead_misses: int = 0  # ... and fell back to one per layer
+    awaited_tokens: int = 0  # decode tokens queued whole, waiting on the GPU (device_wait)
     resident_decode_tok_s: float = 0.0  # warm-all: mlx-lm resident, same process
     memory: dict[str, float | None] = {}  # the peak's split (pipeline/memory_breakdown.py)
     # Batch cases: decode_tok_s is the aggregate over the rows.

@@ -46,7 +46,7 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
                    "prefetch_yields": args.prefetch_yields == "on", "device_copy": args.device_copy,
                    "land": args.land},
         "prefetch": {"strategy": args.strategy, "depth": args.depth, "extra": args.prefetch_extra},
-        "compute": {"prefill_chunk": args.prefill_chunk},
+        "compute": {"prefill_chunk": args.prefill_chunk, "device_wait": args.device_wait},
     }
     common = dict(model=str(args.model), prompt_tokens=args.prompt_tokens,
                   max_tokens=args.max_tokens, cold=not args.warm, seed=args.seed)
@@ -214,6 +214,10 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--land", choices=("auto", "on", "off"), default="auto",
                    help="install reads where they land, on a staging thread, between layers "
                         "(off: at the next demand, on the MLX thread; auto, the default: on)")
+    p.add_argument("--device-wait", choices=("auto", "off"), default="auto",
+                   help="decode tokens that read experts queued whole, the GPU waiting for the "
+                        "reads (auto, the default: where MLX's CUDA backend allows it; off: one "
+                        "host sync per MoE layer)")
     p.add_argument("--strategy", default="next-gate",
                    help=f"prefetch strategy of the default case ({strategies_help()})")
     p.add_argument("--prefetch-extra", type=int, default=0,

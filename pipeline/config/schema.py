@@ -186,6 +186,11 @@ class ComputeConfig(_Section, frozen=True):
     # One host sync per decode token when the experts are expected to be resident:
     # "auto" (after a token that read nothing), "on" (always try first), "off".
     run_ahead: Literal["auto", "on", "off"] = "auto"
+    # A decode token that reads experts is queued whole, each MoE layer waiting on the GPU
+    # for the host to answer with its slots (actors/device_wait.py): one host sync per token
+    # instead of one per MoE layer. "auto": where its probe passes (MLX's CUDA backend with
+    # direct installs and landing); elsewhere, and "off", one sync per MoE layer.
+    device_wait: Literal["auto", "off"] = "auto"
     overlap: bool = True  # false = the serial streamer baseline (no read/compute overlap)
     # Activation dtype. "auto": float32 on MLX's CPU backend (its bfloat16 kernels are ~10x
     # slower than float32 there), the model's own dtype on GPUs; "model": always the model's.

@@ -27,6 +27,9 @@ from pipeline.models.text_parts import TextParts, moe_layers, text_parts
 from pipeline.prefill_slices import mix, moe, moe_token_bytes
 from qpack.spec import ExpertFormat
 
+# (layer, ids, hidden) -> the ids' pool slots, lazily (`ForwardStep.launch_with`).
+Lookup = Callable[[int, mx.array, mx.array], mx.array]
+
 
 @dataclass
 class RunAhead:
@@ -319,6 +322,12 @@ class ForwardStep:
         together: the token's one host sync. The caches are snapshotted first, so
         `resume(layer)` can restart exactly at the first layer that missed.
         """
+        return self.launch_with(lambda layer, inds, _hidden: slot_map[row_of[layer]][inds])
+
+    def launch_with(self, lookup: Lookup) -> LazyRunAhead:
+        """`launch` with each MoE layer's slots from `lookup(layer, ids, hidden)` (lazy;
+        -1 = absent; `hidden`: the residual stream after its attention, [rows * tokens, H]):
+        the device-side map, or a wait for the host (actors/device_wait.py)."""
         self._snapshot = [_snapshot(c) for c in self.cache]
         ids: list[mx.array] = []
         found_all: list[mx.array] = []
@@ -326,7 +335,7 @@ class ForwardStep:
         while (block := self._to_next_moe()) is not None:
             self._h_in[self.layer] = self.h
             h_mid, x, inds, scores = self._mix_and_route(block)
-            found = slot_map[row_of[self.layer]][inds]
+            found = lookup(self.layer, inds, h_mid.reshape(-1, h_mid.shape[-1]))
             arrays, fmt = self.m.views(self.layer) if self.m.views else (self.m.slot_arrays, self.m.fmt)
             routed = routed_experts(arrays, fmt, x, mx.maximum(found, 0), self.m.family.activation)
             self.h = h_mid + self.m.family.moe_output(block.mlp, x, routed, scores)

@@ -1,0 +1,197 @@
+"""The GPU waits for the host inside a queued graph: a decode token queued whole while its
+experts are still being read (issue 31, the fast disk).
+
+Stepping a token layer by layer costs a host sync, a graph build and an MLX call per MoE
+layer: ~3-4 ms a layer on the H200 with the container in the page cache (a fast disk's
+stand-in), against ~0.6 ms of GPU work, so decode ran at 0.13-0.28 of what that disk and
+the GPU could do (docs/results.md). Here the whole token is built and queued at once, and
+each MoE layer's experts come from a custom kernel (`mx.fast.cuda_kernel`) between its
+router and its expert matmuls that
+
+1. writes the layer's chosen ids (and the gate strategy's ranking for the next layers)
+   into page-locked host memory, the layer's mailbox, and marks it published;
+2. spins (on the GPU) until the host answers with each id's pool slot, then outputs them.
+
+The host side (`actors/awaited.py`) polls the mailboxes from the compute task, demands
+each layer's experts from the router as the per-layer path does (the same requests in the
+same order), and answers once they are resident; the reads of the next layers overlap the
+GPU's work in between. One host sync per token, however many reads it waits for.
+
+Safety. The answer for layer l is written after its experts are installed and pinned;
+they stay pinned until layer l+1 is demanded, which the host does only after the GPU has
+published l+1's routing, i.e. after every kernel reading layer l's experts has run (they
+all feed the residual stream l+1 routes from). So a slot taken for a read during the
+token is read by no queued kernel: reads land where they end (actors/router.py) and an
+install needs no wait for MLX's stream (which would wait for the host: a deadlock).
+
+A kernel that waits more than `TIMEOUT_S` (or whose token the host aborts: an error,
+a cancellation) outputs slot -1 for its layer and every later one, as a run-ahead's
+missing expert does: the compute redoes the token from there, layer by layer.
+Measured (benchmarks/await_probe.py, H200, 2026-12-04): a host answer per layer costs
+~47 us of GPU time, 40 layers 1.9 ms a token, against 13.7 ms stepped per layer.
+
+CUDA only (`probe` says where it works); page-locked through the CUDA driver
+(actors/cuda_driver.py), addressed by the GPU at the same address (unified addressing).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import cast
+
+import mlx.core as mx
+import numpy as np
+
+from actors.cuda_driver import CudaDriverError, check, current, on_cuda
+
+TIMEOUT_S = 60.0
+# A layer's mailbox, in int32 words: [published seq, answered seq, ids, extra], its ids,
+# the strategy's ranking (extra), the answered slots. Word 0 of the first block is the
+# aborted token's seq.
+_WORDS = 1024
+IDS_AT, MAX_IDS = 8, 128
+EXTRA_AT, MAX_EXTRA = IDS_AT + MAX_IDS, 640
+SLOTS_AT = EXTRA_AT + MAX_EXTRA  # MAX_IDS of them: 776 + 128 <= 1024
+
+_SOURCE = """
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    volatile int* box = reinterpret_cast<volatile int*>(static_cast<uintptr_t>(mbox[0]));
+    const int row = meta[0], seq = meta[1], n = meta[2], m = meta[3];
+    volatile int* r = box + (row + 1) * WORDS;
+    for (int i = 0; i < n; ++i) slots[i] = -1;
+    if (box[0] == seq) return;  // the host gave this token up
+    for (int i = 0; i < n; ++i) r[IDS_AT + i] = ids[i];
+    for (int i = 0; i < m; ++i) r[EXTRA_AT + i] = extra[i];
+    r[2] = n; r[3] = m;
+    __threadfence_system();
+    r[0] = seq;
+    __threadfence_system();
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    while (r[1] != seq) {
+        if (box[0] == seq) return;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (t - t0 > TIMEOUT_NS) { box[0] = seq; box[1] += 1; return; }
+        __nanosleep(256);
+    }
+    __threadfence_system();
+    for (int i = 0; i < n; ++i) slots[i] = r[SLOTS_AT + i];
+"""
+
+_HEADER = f"""
+#define WORDS {_WORDS}
+#define IDS_AT {IDS_AT}
+#define EXTRA_AT {EXTRA_AT}
+#define SLOTS_AT {SLOTS_AT}
+#define TIMEOUT_NS {int(TIMEOUT_S * 1e9)}ull
+"""
+
+
+def _host_alloc(nbytes: int) -> np.ndarray:
+    """Page-locked, device-mapped host memory as int32 words, freed with the array."""
+    cu = current()
+    cu.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
+    cu.cuMemFreeHost.argtypes = [ctypes.c_void_p]
+    ptr = ctypes.c_void_p()
+    check(cu.cuMemHostAlloc(ctypes.byref(ptr), nbytes, 1 | 2), "cuMemHostAlloc")  # PORTABLE | DEVICEMAP
+    words = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_int32)), shape=(nbytes // 4,))
+    words[:] = 0
+    owner = np.asarray(words)  # the view numpy hands out; freed when it goes
+    weakref.finalize(owner, cu.cuMemFreeHost, ptr.value)
+    return owner
+
+
+class DeviceWait:
+    """The mailboxes of `rows` MoE layers (in their order) and the kernel that uses them."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.box = _host_alloc((rows + 1) * _WORDS * 4)
+        self._mbox = mx.array([self.box.ctypes.data], dtype=mx.int64)
+        self._none = mx.zeros((1,), dtype=mx.int32)
+        self._seq = 0
+        self.timeouts_seen = 0
+        self._kernel = cast(Callable[..., list[mx.array]], mx.fast.cuda_kernel(
+            name="moestream_wait_slots", input_names=["ids", "extra", "mbox", "meta"],
+            output_names=["slots"], source=_SOURCE, header=_HEADER))
+
+    def next_seq(self) -> int:
+        self._seq = self._seq % (1 << 30) + 1
+        return self._seq
+
+    # -- on the MLX thread: the graph ---------------------------------------------------
+
+    def wait_slots(self, row: int, seq: int, ids: mx.array, extra: mx.array | None = None) -> mx.array:
+        """Lazily: the slots of `ids` (any shape) once the host answers layer `row` of
+        token `seq`; -1 everywhere if it gives up. `extra`: more ids to publish with them."""
+        flat = ids.reshape(-1).astype(mx.int32)
+        more = self._none if extra is None else extra.reshape(-1).astype(mx.int32)
+        n, m = flat.size, 0 if extra is None else more.size
+        if n > MAX_IDS or m > MAX_EXTRA:
+            raise ValueError(f"device wait: {n} ids / {m} extra exceed the mailbox ({MAX_IDS} / {MAX_EXTRA})")
+        meta = mx.array([row, seq, n, m], dtype=mx.int32)
+        out = self._kernel(inputs=[flat, more, self._mbox, meta], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                           output_shapes=[(n,)], output_dtypes=[mx.int32])[0]
+        return out.reshape(ids.shape)
+
+    # -- on the host: the mailboxes -------------------------------------------------------
+
+    def _at(self, row: int) -> int:
+        return (row + 1) * _WORDS
+
+    def published(self, row: int, seq: int) -> bool:
+        return int(self.box[self._at(row)]) == seq
+
+    def routed(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """A published layer's ids and extra, copied out."""
+        r = self._at(row)
+        n, m = int(self.box[r + 2]), int(self.box[r + 3])
+        return (self.box[r + IDS_AT : r + IDS_AT + n].copy(),
+                self.box[r + EXTRA_AT : r + EXTRA_AT + m].copy())
+
+    def answer(self, row: int, seq: int, slots: np.ndarray) -> None:
+        """The slots of the published ids, in their order; the GPU goes on."""
+        r = self._at(row)
+        self.box[r + SLOTS_AT : r + SLOTS_AT + slots.size] = slots
+        self.box[r + 1] = seq  # after the slots: x86 stores reach the device in order
+
+    def abort(self, seq: int) -> None:
+        """Every wait of token `seq`, now or later, gives up (outputs -1)."""
+        self.box[0] = seq
+
+    def aborted(self, seq: int) -> bool:
+        return int(self.box[0]) == seq
+
+
+def probe(rows: int) -> DeviceWait | None:
+    """A `DeviceWait` for `rows` layers where a queued wait sees a host thread's answer
+    (on the MLX thread; compiles the kernel once); None elsewhere (not CUDA, a failure)."""
+    if not on_cuda():
+        return None
+    try:
+        wait = DeviceWait(rows)
+        seq = wait.next_seq()
+        ids = mx.array([[3, 1, 2]], dtype=mx.int32)
+        slots = wait.wait_slots(rows - 1, seq, ids, mx.array([7], dtype=mx.int32)) + 0
+
+        def host() -> None:  # the kernel compiles first (seconds without a PTX cache)
+            deadline = time.monotonic() + 300.0
+            while time.monotonic() < deadline:
+                if wait.published(rows - 1, seq):
+                    got, extra = wait.routed(rows - 1)
+                    wait.answer(rows - 1, seq, got * 10 + int(extra[0]))
+                    return
+                time.sleep(1e-4)
+            wait.abort(seq)
+
+        helper = threading.Thread(target=host, name="moestream-wait-probe", daemon=True)
+        helper.start()
+        mx.eval(slots)
+        helper.join()
+        return wait if slots.tolist() == [[37, 17, 27]] else None
+    except (CudaDriverError, AttributeError, ValueError, TypeError, RuntimeError):
+        return None
