@@ -38,7 +38,7 @@ case $step in
   fast)  # the page cache as a fast disk: the device wait (default) against one sync per layer
     c35
     cat "$DATA"/c35.qpack/experts/* > /dev/null
-    bench 240 c35-fast c35 "${warm[@]}" --warm --cases default,warm-all,io
+    bench 330 c35-fast c35 "${warm[@]}" --warm --cases default,warm-all,io
     bench 120 c35-fast-off c35 "${warm[@]}" --warm --cases default --device-wait off
     same "$OUT"/c35-fast.json "$OUT"/c35-fast-off.json
     ptx_save
