@@ -22,7 +22,7 @@ import numpy as np
 import trio
 
 from actors import timeline
-from actors.device_wait import DeviceWait
+from actors.device_wait import Mailboxes
 from actors.prefetch.actor import Routed
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def one_row(tokens: Tokens) -> bool:
     return len(tokens) == 1 and (isinstance(tokens[0], int) or len(tokens[0]) == 1)
 
 
-def _launch(c: Compute, wait: DeviceWait, seq: int, tokens: Tokens, cache: list[Any]) -> tuple[Any, Any]:
+def _launch(c: Compute, wait: Mailboxes, seq: int, tokens: Tokens, cache: list[Any]) -> tuple[Any, Any]:
     """On the MLX thread: build the token, evaluate it (returns once every layer ran)."""
     from actors.compute import _ids
 
@@ -58,7 +58,7 @@ def _launch(c: Compute, wait: DeviceWait, seq: int, tokens: Tokens, cache: list[
     return step, lazy.result()
 
 
-async def _serve(c: Compute, wait: DeviceWait, seq: int, layers: list[int]) -> None:
+async def _serve(c: Compute, wait: Mailboxes, seq: int, layers: list[int]) -> None:
     """Answer each MoE layer as the GPU publishes it; return early if the GPU gave up."""
     for row, layer in enumerate(layers):
         while not wait.published(row, seq):
@@ -79,7 +79,7 @@ async def _serve(c: Compute, wait: DeviceWait, seq: int, layers: list[int]) -> N
         wait.answer(row, seq, slot_of[ids].astype(np.int32))
 
 
-async def forward(c: Compute, wait: DeviceWait, tokens: Tokens, cache: list[Any]) -> mx.array:
+async def forward(c: Compute, wait: Mailboxes, tokens: Tokens, cache: list[Any]) -> mx.array:
     """One decode token queued whole; its logits (redone per layer from a layer given up)."""
     seq = wait.next_seq()
     layers = list(c.layer_rows)

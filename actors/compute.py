@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from actors import awaited, timeline
-from actors.device_wait import DeviceWait
+from actors.device_wait import Mailboxes
 from actors.forward import ForwardStepper, Presync, Routing, SteppedModel
 from actors.mlx_worker import MlxWorker
 from actors.pair_step import PairStep
@@ -104,7 +104,7 @@ class Compute:
         self._row_of = {layer: i for i, layer in enumerate(moe_layers)}
         # Decode tokens queued whole, the GPU waiting for their reads (actors/awaited.py):
         # set by the engine where the probe passed (CUDA, direct installs, landing).
-        self.device_wait: DeviceWait | None = None
+        self.device_wait: Mailboxes | None = None
         self._map: mx.array | None = None
         self._map_version = -1
         # Strategies that read the model (next-gate, lookahead, a combination holding one)

@@ -62,10 +62,10 @@ _SOURCE = """
     volatile int* box = reinterpret_cast<volatile int*>(static_cast<uintptr_t>(mbox[0]));
     const int row = meta[0], seq = meta[1], n = meta[2], m = meta[3];
     volatile int* r = box + (row + 1) * WORDS;
+    for (int i = 0; i < n; ++i) r[IDS_AT + i] = ids[i];  // before any write to `slots`
+    for (int i = 0; i < m; ++i) r[EXTRA_AT + i] = extra[i];
     for (int i = 0; i < n; ++i) slots[i] = -1;
     if (box[0] == seq) return;  // the host gave this token up
-    for (int i = 0; i < n; ++i) r[IDS_AT + i] = ids[i];
-    for (int i = 0; i < m; ++i) r[EXTRA_AT + i] = extra[i];
     r[2] = n; r[3] = m;
     __threadfence_system();
     r[0] = seq;
@@ -105,40 +105,17 @@ def _host_alloc(nbytes: int) -> np.ndarray:
     return owner
 
 
-class DeviceWait:
-    """The mailboxes of `rows` MoE layers (in their order) and the kernel that uses them."""
+class Mailboxes:
+    """The mailboxes of `rows` MoE layers (in their order), the host's side of them."""
 
-    def __init__(self, rows: int) -> None:
+    def __init__(self, box: np.ndarray, rows: int) -> None:
+        self.box = box  # int32 words, (rows + 1) * _WORDS of them, zeroed
         self.rows = rows
-        self.box = _host_alloc((rows + 1) * _WORDS * 4)
-        self._mbox = mx.array([self.box.ctypes.data], dtype=mx.int64)
-        self._none = mx.zeros((1,), dtype=mx.int32)
         self._seq = 0
-        self.timeouts_seen = 0
-        self._kernel = cast(Callable[..., list[mx.array]], mx.fast.cuda_kernel(
-            name="moestream_wait_slots", input_names=["ids", "extra", "mbox", "meta"],
-            output_names=["slots"], source=_SOURCE, header=_HEADER))
 
     def next_seq(self) -> int:
         self._seq = self._seq % (1 << 30) + 1
         return self._seq
-
-    # -- on the MLX thread: the graph ---------------------------------------------------
-
-    def wait_slots(self, row: int, seq: int, ids: mx.array, extra: mx.array | None = None) -> mx.array:
-        """Lazily: the slots of `ids` (any shape) once the host answers layer `row` of
-        token `seq`; -1 everywhere if it gives up. `extra`: more ids to publish with them."""
-        flat = ids.reshape(-1).astype(mx.int32)
-        more = self._none if extra is None else extra.reshape(-1).astype(mx.int32)
-        n, m = flat.size, 0 if extra is None else more.size
-        if n > MAX_IDS or m > MAX_EXTRA:
-            raise ValueError(f"device wait: {n} ids / {m} extra exceed the mailbox ({MAX_IDS} / {MAX_EXTRA})")
-        meta = mx.array([row, seq, n, m], dtype=mx.int32)
-        out = self._kernel(inputs=[flat, more, self._mbox, meta], grid=(32, 1, 1), threadgroup=(32, 1, 1),
-                           output_shapes=[(n,)], output_dtypes=[mx.int32])[0]
-        return out.reshape(ids.shape)
-
-    # -- on the host: the mailboxes -------------------------------------------------------
 
     def _at(self, row: int) -> int:
         return (row + 1) * _WORDS
@@ -165,6 +142,74 @@ class DeviceWait:
 
     def aborted(self, seq: int) -> bool:
         return int(self.box[0]) == seq
+
+    @staticmethod
+    def _check(n: int, m: int) -> None:
+        if n > MAX_IDS or m > MAX_EXTRA:
+            raise ValueError(f"device wait: {n} ids / {m} extra exceed the mailbox ({MAX_IDS} / {MAX_EXTRA})")
+
+    def wait_slots(self, row: int, seq: int, ids: mx.array, extra: mx.array | None = None) -> mx.array:
+        """On the MLX thread, in the token's graph: the slots of `ids` (any shape) once the
+        host answers layer `row` of token `seq`; -1 everywhere if it gives up. `extra`: more
+        ids to publish with them (a gate's ranking of the next layers)."""
+        raise NotImplementedError
+
+
+class DeviceWait(Mailboxes):
+    """The mailboxes in page-locked memory, waited on by a kernel on the GPU."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__(_host_alloc((rows + 1) * _WORDS * 4), rows)
+        self._mbox = mx.array([self.box.ctypes.data], dtype=mx.int64)
+        self._none = mx.zeros((1,), dtype=mx.int32)
+        self._kernel = cast(Callable[..., list[mx.array]], mx.fast.cuda_kernel(
+            name="moestream_wait_slots", input_names=["ids", "extra", "mbox", "meta"],
+            output_names=["slots"], source=_SOURCE, header=_HEADER))
+
+    def wait_slots(self, row: int, seq: int, ids: mx.array, extra: mx.array | None = None) -> mx.array:
+        flat = ids.reshape(-1).astype(mx.int32)
+        more = self._none if extra is None else extra.reshape(-1).astype(mx.int32)
+        n, m = flat.size, 0 if extra is None else more.size
+        self._check(n, m)
+        meta = mx.array([row, seq, n, m], dtype=mx.int32)
+        out = self._kernel(inputs=[flat, more, self._mbox, meta], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                           output_shapes=[(n,)], output_dtypes=[mx.int32])[0]
+        return out.reshape(ids.shape)
+
+
+class HostWait(Mailboxes):
+    """The same protocol with the wait on the MLX thread (`compute.device_wait =
+    "emulate"`): each layer's routing is evaluated where its wait is built, published, and
+    the thread waits for the answer. One sync per MoE layer, as stepping has, so nothing is
+    gained; it runs the host's side (actors/awaited.py) on any backend, for tests."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__(np.zeros((rows + 1) * _WORDS, dtype=np.int32), rows)
+
+    def wait_slots(self, row: int, seq: int, ids: mx.array, extra: mx.array | None = None) -> mx.array:
+        mx.eval(ids, *([] if extra is None else [extra]))
+        flat = np.asarray(ids).reshape(-1).astype(np.int32)
+        more = np.zeros(0, dtype=np.int32) if extra is None else np.asarray(extra).reshape(-1).astype(np.int32)
+        self._check(flat.size, more.size)
+        r = self._at(row)
+        box = self.box
+        if self.aborted(seq):
+            return mx.full(ids.shape, -1, dtype=mx.int32)
+        box[r + IDS_AT : r + IDS_AT + flat.size] = flat
+        box[r + EXTRA_AT : r + EXTRA_AT + more.size] = more
+        box[r + 2], box[r + 3] = flat.size, more.size
+        box[r] = seq
+        deadline = time.monotonic() + TIMEOUT_S
+        while int(box[r + 1]) != seq:
+            if self.aborted(seq):
+                return mx.full(ids.shape, -1, dtype=mx.int32)
+            if time.monotonic() > deadline:
+                self.abort(seq)
+                box[1] += 1
+                return mx.full(ids.shape, -1, dtype=mx.int32)
+            time.sleep(2e-5)
+        slots = box[r + SLOTS_AT : r + SLOTS_AT + flat.size].copy()
+        return mx.array(slots).reshape(ids.shape)
 
 
 def probe(rows: int) -> DeviceWait | None:

@@ -19,7 +19,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from actors.cuda_driver import check, current
+from actors.cuda_driver import check, current, stream
 
 SOURCE = """
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
@@ -90,12 +90,29 @@ def main() -> None:
         return time.perf_counter() - t0
 
     waits: list[float] = []
+    dmas: list[float] = []
+    # A DMA into MLX's (managed) memory while the wait kernel spins: does it complete?
+    target = mx.zeros((1 << 21,), dtype=mx.uint8)
+    mx.eval(target)
+    src = pinned(1 << 21)
+    cu = current()
+    cu.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    dst = int(np.frombuffer(memoryview(target), dtype=np.uint8).ctypes.data)  # type: ignore[arg-type]
+    s = stream()
+    attr = ctypes.c_int()
+    cu.cuDeviceGetAttribute(ctypes.byref(attr), 89, 0)  # CONCURRENT_MANAGED_ACCESS
+    print("concurrentManagedAccess", attr.value, flush=True)
 
-    def watcher(seq: int) -> None:
+    def watcher(seq: int, dma: bool = False) -> None:
         for l_ in range(args.layers):
             r = 64 + l_ * 128
             while box[r] != seq:
                 time.sleep(0)  # lets the graph-building thread have the GIL
+            if dma and l_ == 3:
+                t = time.perf_counter()
+                check(cu.cuMemcpyHtoDAsync_v2(dst, src.ctypes.data, 1 << 21, s), "copy")
+                check(cu.cuStreamSynchronize(s), "sync")
+                dmas.append(time.perf_counter() - t)
             t = time.perf_counter()
             ids = box[r + 4: r + 4 + k].copy()
             box[r + 64: r + 64 + k] = ids + 1000
@@ -121,7 +138,15 @@ def main() -> None:
                 th.join()
         print(f"{mode:6s} ms/token median {1e3 * float(np.median(times)):.2f} min {1e3 * min(times):.2f}"
               f" ({args.layers} layers)", flush=True)
-    print("abort", box[0], "timeout", box[1], "host turn us", 1e6 * float(np.median(waits)))
+    print("abort", box[0], "timeout", box[1], "host turn us", 1e6 * float(np.median(waits)), flush=True)
+    seq += 1
+    th = threading.Thread(target=watcher, args=(seq, True))
+    th.start()
+    t0 = time.perf_counter()
+    token(seq, "await")
+    th.join()
+    print(f"with a DMA into managed memory mid-token: token {1e3 * (time.perf_counter() - t0):.1f} ms, "
+          f"the DMA {[round(1e3 * d, 2) for d in dmas]} ms, timeout word {box[1]}", flush=True)
     # correctness: the slots the GPU read are the host's
     x = mx.ones((1, args.dim))
     h, ids = layer(x)

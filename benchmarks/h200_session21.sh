@@ -35,6 +35,9 @@ case $step in
     timeout 200 python3 benchmarks/uring_vs_threads.py "$DATA/c35.qpack" --reads 600 --rounds 3 --cached ;;
   check)  # exactness of the device wait on tiny models (tokens and logprobs, bit for bit)
     timeout 400 python3 benchmarks/device_wait_check.py --dir "$DATA/wait" 2>&1 | grep '^{' | head -2 | cut -c1-400 ;;
+  debug)  # a 4-layer cut at 35B dims, the device wait watched (benchmarks/device_wait_debug.py)
+    [ -f "$DATA/c35x4.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b --max-layers 4 -o "$DATA/c35x4.qpack" 2>&1 | tail -1
+    timeout 100 python3 benchmarks/device_wait_debug.py "$DATA/c35x4.qpack" --dump 70 2>&1 | grep -v '^\s*$' | grep -v '\[info' | tail -60 ;;
   fast)  # the page cache as a fast disk: the device wait (default) against one sync per layer
     c35
     cat "$DATA"/c35.qpack/experts/* > /dev/null

@@ -14,7 +14,7 @@ from qpack.spec import QpackError
 
 if TYPE_CHECKING:
     from actors.compute import Compute
-    from actors.device_wait import DeviceWait
+    from actors.device_wait import Mailboxes
     from pipeline.config.schema import PipelineConfig
     from qpack.reader import Container
 
@@ -57,9 +57,15 @@ def installer(worker: MlxWorker, storage: PoolStorage) -> Callable[[list[Any]], 
 
 
 def off_mlx_installer(storage: PoolStorage) -> Callable[[list[Any]], Awaitable[None]] | None:
-    """Installs while the MLX thread runs a token that waits on the GPU for them
-    (actors/device_wait.py): DMAs on a staging thread, no wait for MLX's stream. None
-    without the direct path."""
+    """Installs while the MLX thread runs a token that waits for them (actors/device_wait.py):
+    a memcpy into a host pool, DMAs on a staging thread with no wait for MLX's stream; None
+    where an install needs MLX (the "load" path)."""
+    if storage.host_bytes is not None:
+
+        async def write(items: list[Any]) -> None:
+            storage.write(items)
+
+        return write
     if storage.direct is None:
         return None
     writer, stager = storage.direct, MlxWorker.staging(0)
@@ -71,21 +77,27 @@ def off_mlx_installer(storage: PoolStorage) -> Callable[[list[Any]], Awaitable[N
 
 
 async def device_wait_for(config: PipelineConfig, compute: Compute, storage: PoolStorage,
-                          worker: MlxWorker) -> DeviceWait | None:
-    """`compute.device_wait`: a probed `DeviceWait` where decode tokens may be queued whole
-    and wait on the GPU for their reads (actors/device_wait.py), with the router's installs
-    set to go off the MLX thread meanwhile; None where they step layer by layer."""
+                          worker: MlxWorker) -> Mailboxes | None:
+    """`compute.device_wait`: where decode tokens may be queued whole and wait on the GPU
+    for their reads (actors/device_wait.py), the probed mailboxes, with the router's
+    installs set to go off the MLX thread meanwhile; None where they step layer by layer.
+    "emulate" waits on the MLX thread instead (any backend whose installs need no MLX)."""
     from actors import awaited
-    from actors.device_wait import probe
+    from actors.device_wait import HostWait, probe
 
-    router = compute.router
-    if (config.compute.device_wait == "off" or not config.compute.overlap or storage.direct is None
-            or router.reader.lander is None or not awaited.usable(compute.strategy)):
+    router, setting = compute.router, config.compute.device_wait
+    off_mlx = off_mlx_installer(storage)
+    if setting == "off" or not config.compute.overlap or off_mlx is None or not awaited.usable(compute.strategy):
         return None
-    wait = await worker.run(probe, len(compute.layer_rows))
+    if setting == "emulate":
+        wait: Mailboxes | None = HostWait(len(compute.layer_rows))
+    elif router.reader.lander is None:
+        return None
+    else:
+        wait = await worker.run(probe, len(compute.layer_rows))
     if wait is not None:
-        router.install_off_mlx = off_mlx_installer(storage)
-    log.info("engine.device_wait", on=wait is not None)
+        router.install_off_mlx = off_mlx
+    log.info("engine.device_wait", on=wait is not None, mode=setting)
     return wait
 
 

@@ -214,7 +214,7 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--land", choices=("auto", "on", "off"), default="auto",
                    help="install reads where they land, on a staging thread, between layers "
                         "(off: at the next demand, on the MLX thread; auto, the default: on)")
-    p.add_argument("--device-wait", choices=("auto", "off"), default="auto",
+    p.add_argument("--device-wait", choices=("auto", "off", "emulate"), default="auto",
                    help="decode tokens that read experts queued whole, the GPU waiting for the "
                         "reads (auto, the default: where MLX's CUDA backend allows it; off: one "
                         "host sync per MoE layer)")

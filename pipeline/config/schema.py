@@ -190,7 +190,8 @@ class ComputeConfig(_Section, frozen=True):
     # for the host to answer with its slots (actors/device_wait.py): one host sync per token
     # instead of one per MoE layer. "auto": where its probe passes (MLX's CUDA backend with
     # direct installs and landing); elsewhere, and "off", one sync per MoE layer.
-    device_wait: Literal["auto", "off"] = "auto"
+    # "emulate": the same protocol with the wait on the MLX thread (any backend; for tests).
+    device_wait: Literal["auto", "off", "emulate"] = "auto"
     overlap: bool = True  # false = the serial streamer baseline (no read/compute overlap)
     # Activation dtype. "auto": float32 on MLX's CPU backend (its bfloat16 kernels are ~10x
     # slower than float32 there), the model's own dtype on GPUs; "model": always the model's.
