@@ -37,7 +37,12 @@ case $step in
     timeout 400 python3 benchmarks/device_wait_check.py --dir "$DATA/wait" 2>&1 | grep '^{' | head -2 | cut -c1-400 ;;
   debug)  # a 4-layer cut at 35B dims, the device wait watched (benchmarks/device_wait_debug.py)
     [ -f "$DATA/c35x4.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b --max-layers 4 -o "$DATA/c35x4.qpack" 2>&1 | tail -1
-    timeout 100 python3 benchmarks/device_wait_debug.py "$DATA/c35x4.qpack" --dump 70 2>&1 | grep -v '^\s*$' | grep -v '\[info' | tail -60 ;;
+    timeout 80 python3 benchmarks/device_wait_debug.py "$DATA/c35x4.qpack" --dump 60 --tokens 16 2>&1 | grep -v '^\s*$' | grep -v '\[info' | grep -v 'reader.py\|threading.py' | tail -40
+    cat "$DATA"/c35x4.qpack/experts/* > /dev/null
+    bench 150 x4-wait c35x4 --pool-mb 128 --max-tokens 32 --warm --cases default,io
+    bench 60 x4-off c35x4 --pool-mb 128 --max-tokens 32 --warm --cases default --device-wait off
+    same "$OUT"/x4-wait.json "$OUT"/x4-off.json
+    pack ;;
   fast)  # the page cache as a fast disk: the device wait (default) against one sync per layer
     c35
     cat "$DATA"/c35.qpack/experts/* > /dev/null
