@@ -61,6 +61,7 @@ _SOURCE = """
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     volatile int* box = reinterpret_cast<volatile int*>(static_cast<uintptr_t>(mbox[0]));
     const int row = meta[0], seq = meta[1], n = meta[2], m = meta[3];
+    const unsigned long long timeout_ns = 1000000ull * (unsigned long long)meta[4];
     volatile int* r = box + (row + 1) * WORDS;
     for (int i = 0; i < n; ++i) r[IDS_AT + i] = ids[i];  // before any write to `slots`
     for (int i = 0; i < m; ++i) r[EXTRA_AT + i] = extra[i];
@@ -75,7 +76,7 @@ _SOURCE = """
     while (r[1] != seq) {
         if (box[0] == seq) return;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        if (t - t0 > TIMEOUT_NS) { box[0] = seq; box[1] += 1; return; }
+        if (t - t0 > timeout_ns) { box[0] = seq; box[1] += 1; return; }
         __nanosleep(256);
     }
     __threadfence_system();
@@ -87,7 +88,6 @@ _HEADER = f"""
 #define IDS_AT {IDS_AT}
 #define EXTRA_AT {EXTRA_AT}
 #define SLOTS_AT {SLOTS_AT}
-#define TIMEOUT_NS {int(TIMEOUT_S * 1e9)}ull
 """
 
 
@@ -167,11 +167,15 @@ class DeviceWait(Mailboxes):
             output_names=["slots"], source=_SOURCE, header=_HEADER))
 
     def wait_slots(self, row: int, seq: int, ids: mx.array, extra: mx.array | None = None) -> mx.array:
+        return self.wait_within(row, seq, ids, extra, TIMEOUT_S)
+
+    def wait_within(self, row: int, seq: int, ids: mx.array, extra: mx.array | None, timeout_s: float) -> mx.array:
+        """`wait_slots`, giving up after `timeout_s`."""
         flat = ids.reshape(-1).astype(mx.int32)
         more = self._none if extra is None else extra.reshape(-1).astype(mx.int32)
         n, m = flat.size, 0 if extra is None else more.size
         self._check(n, m)
-        meta = mx.array([row, seq, n, m], dtype=mx.int32)
+        meta = mx.array([row, seq, n, m, int(timeout_s * 1000)], dtype=mx.int32)
         out = self._kernel(inputs=[flat, more, self._mbox, meta], grid=(32, 1, 1), threadgroup=(32, 1, 1),
                            output_shapes=[(n,)], output_dtypes=[mx.int32])[0]
         return out.reshape(ids.shape)
@@ -212,21 +216,33 @@ class HostWait(Mailboxes):
         return mx.array(slots).reshape(ids.shape)
 
 
-def probe(rows: int) -> DeviceWait | None:
-    """A `DeviceWait` for `rows` layers where a queued wait sees a host thread's answer
-    (on the MLX thread; compiles the kernel once); None elsewhere (not CUDA, a failure)."""
+def probe(rows: int, dma: Callable[[], None] | None = None, reads: mx.array | None = None) -> DeviceWait | None:
+    """A `DeviceWait` for `rows` layers where a queued wait sees a host thread's answer and
+    `dma()` (an install's copy, run on a staging thread as installs are) completes while
+    the wait spins with `reads` (the pool's array) read by a kernel queued behind it; None
+    elsewhere (not CUDA, a failure, or that copy held up behind the wait: session 21 on the
+    H200, a landing's copy into the pool did not end until the wait gave up). On the MLX
+    thread; compiles the kernel once."""
     if not on_cuda():
         return None
+    from actors.mlx_worker import MlxWorker
+
     try:
         wait = DeviceWait(rows)
         seq = wait.next_seq()
         ids = mx.array([[3, 1, 2]], dtype=mx.int32)
-        slots = wait.wait_slots(rows - 1, seq, ids, mx.array([7], dtype=mx.int32)) + 0
+        # Compiled first, outside the timed wait (seconds without a PTX cache).
+        mx.eval(wait.wait_within(rows - 1, 0, ids, None, 0.0))
+        slots = wait.wait_within(rows - 1, seq, ids, mx.array([7], dtype=mx.int32), 3.0)
+        after = slots + (0 if reads is None else mx.take(reads, mx.array([reads.shape[0] - 1]), axis=0)
+                         .reshape(-1)[:1].astype(mx.int32) * 0)
 
-        def host() -> None:  # the kernel compiles first (seconds without a PTX cache)
-            deadline = time.monotonic() + 300.0
+        def host() -> None:
+            deadline = time.monotonic() + 30.0
             while time.monotonic() < deadline:
                 if wait.published(rows - 1, seq):
+                    if dma is not None:
+                        MlxWorker.staging(0).call(dma)
                     got, extra = wait.routed(rows - 1)
                     wait.answer(rows - 1, seq, got * 10 + int(extra[0]))
                     return
@@ -235,8 +251,8 @@ def probe(rows: int) -> DeviceWait | None:
 
         helper = threading.Thread(target=host, name="moestream-wait-probe", daemon=True)
         helper.start()
-        mx.eval(slots)
+        mx.eval(after)
         helper.join()
-        return wait if slots.tolist() == [[37, 17, 27]] else None
+        return wait if after.tolist() == [[37, 17, 27]] and int(wait.box[1]) == 0 else None
     except (CudaDriverError, AttributeError, ValueError, TypeError, RuntimeError):
         return None

@@ -93,8 +93,22 @@ async def device_wait_for(config: PipelineConfig, compute: Compute, storage: Poo
         wait: Mailboxes | None = HostWait(len(compute.layer_rows))
     elif router.reader.lander is None:
         return None
-    else:
-        wait = await worker.run(probe, len(compute.layer_rows))
+    else:  # the probe copies a zero row into the pool's last slot while a wait spins
+        import numpy as np
+
+        from actors.cuda_direct import pin
+
+        writer, (name, array) = storage.direct, next(iter(storage.arrays.items()))
+        assert writer is not None  # `off_mlx` is not None without a host pool
+        row = array.nbytes // array.shape[0]
+        zeros = np.zeros(row, dtype=np.uint8)
+        pin(zeros)
+        last = writer.base[name] + (array.shape[0] - 1) * row
+
+        def dma() -> None:
+            writer.write_now([(last, zeros.ctypes.data, row)])
+
+        wait = await worker.run(probe, len(compute.layer_rows), dma, array)
     if wait is not None:
         router.install_off_mlx = off_mlx
     log.info("engine.device_wait", on=wait is not None, mode=setting)

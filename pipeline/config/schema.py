@@ -186,12 +186,14 @@ class ComputeConfig(_Section, frozen=True):
     # One host sync per decode token when the experts are expected to be resident:
     # "auto" (after a token that read nothing), "on" (always try first), "off".
     run_ahead: Literal["auto", "on", "off"] = "auto"
-    # A decode token that reads experts is queued whole, each MoE layer waiting on the GPU
-    # for the host to answer with its slots (actors/device_wait.py): one host sync per token
-    # instead of one per MoE layer. "auto": where its probe passes (MLX's CUDA backend with
-    # direct installs and landing); elsewhere, and "off", one sync per MoE layer.
-    # "emulate": the same protocol with the wait on the MLX thread (any backend; for tests).
-    device_wait: Literal["auto", "off", "emulate"] = "auto"
+    # A decode token that reads experts queued whole, each MoE layer waiting on the GPU for
+    # the host to answer with its slots (actors/device_wait.py): one host sync per token
+    # instead of one per MoE layer. Experimental, so "off" by default: on the H200 an
+    # install's copy into the pool did not end while a wait spun (session 21), and the
+    # probe of "auto" then declines. "auto": where that probe passes (MLX's CUDA backend,
+    # direct installs, landing). "emulate": the same protocol with the wait on the MLX
+    # thread (any backend; no gain: for tests).
+    device_wait: Literal["auto", "off", "emulate"] = "off"
     overlap: bool = True  # false = the serial streamer baseline (no read/compute overlap)
     # Activation dtype. "auto": float32 on MLX's CPU backend (its bfloat16 kernels are ~10x
     # slower than float32 there), the model's own dtype on GPUs; "model": always the model's.
