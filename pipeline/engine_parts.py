@@ -91,7 +91,7 @@ async def device_wait_for(config: PipelineConfig, compute: Compute, storage: Poo
         return None
     if setting == "emulate":
         wait: Mailboxes | None = HostWait(len(compute.layer_rows))
-    elif router.reader.lander is None:
+    elif router.reader.lander is None or storage.direct is None:  # auto: the GPU's direct path only
         return None
     else:  # the probe copies a zero row into the pool's last slot while a wait spins
         import numpy as np
@@ -99,7 +99,6 @@ async def device_wait_for(config: PipelineConfig, compute: Compute, storage: Poo
         from actors.cuda_direct import pin
 
         writer, (name, array) = storage.direct, next(iter(storage.arrays.items()))
-        assert writer is not None  # `off_mlx` is not None without a host pool
         row = array.nbytes // array.shape[0]
         zeros = np.zeros(row, dtype=np.uint8)
         pin(zeros)

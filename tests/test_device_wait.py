@@ -1,0 +1,138 @@
+"""Decode tokens queued whole, each MoE layer waiting for the host's slots (actors/awaited.py,
+actors/device_wait.py), with the wait emulated on the MLX thread (`compute.device_wait =
+"emulate"`: the same mailboxes and host protocol as the GPU kernel's, on MLX's CPU backend).
+The tokens and log-probabilities equal stepping layer by layer; a read that fails mid-token
+fails the request in one error and the engine serves the next; a request cancelled while a
+token waits on a slow disk leaves the pool clean; off CUDA, "auto" declines. (The GPU's
+kernel itself is checked on the device: benchmarks/device_wait_check.py.)"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from actors.awaited import one_row, usable
+from actors.device_wait import HostWait
+from actors.prefetch.strategies import NoPrefetch
+from actors.reader import ExpertReadError
+from actors.sampling_params import SamplingParams
+from pipeline.config.loading import config_from_dict
+from pipeline.engine import Engine, open_engine
+from pipeline.events import Done, TextDelta
+from tests.faultio import FaultIO
+from tests.test_faults_disk import assert_pool_clean
+
+PROMPT = "Streams of experts"
+
+
+@pytest.fixture(scope="module")
+def tiny(synth_checkpoint, packed) -> Path:
+    return packed(synth_checkpoint("qwen3_next", dtype="float32"), bits=None)
+
+
+def _config(path: Path, wait: str, strategy: str = "next-gate", run_ahead: str = "auto") -> Any:
+    # The smallest workable pool (16 of 64 experts a layer): most decode tokens read.
+    return config_from_dict({
+        "model": {"path": str(path)}, "pool": {"slots": 16},
+        "compute": {"prefill_chunk": 4, "device_wait": wait, "run_ahead": run_ahead},
+        "prefetch": {"strategy": strategy, "depth": 2 if strategy == "lookahead" else 1},
+        "reader": {"retries": 1, "retry_backoff_ms": 1.0},
+    })
+
+
+async def _run(engine: Engine, logprobs: bool, after_first: Any = None) -> tuple[tuple[int, ...], list[float]]:
+    values: list[float] = []
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3 if logprobs else None)
+    async with aclosing(engine.generate(PROMPT, params)) as events:
+        async for event in events:
+            if isinstance(event, TextDelta):
+                if after_first is not None:
+                    after_first()
+                    after_first = None
+                for lp in event.logprobs or ():
+                    values += [lp.logprob, *(p for _, p in lp.top)]
+            if isinstance(event, Done):
+                return event.token_ids, values
+    raise AssertionError("no Done event")
+
+
+@pytest.mark.parametrize("strategy", ["next-gate", "lookahead", "none"])
+async def test_waited_tokens_equal_stepped_ones_bit_for_bit(tiny, strategy) -> None:
+    runs = {}
+    for wait in ("off", "emulate"):
+        async with open_engine(_config(tiny, wait, strategy)) as engine:
+            before = engine.counters()
+            # With log-probabilities every decode token goes through `Compute.forward`;
+            # without, the pipelined decoder runs ahead after hits and waits after misses.
+            runs[wait] = (await _run(engine, True), (await _run(engine, False))[0])
+            spent = engine.counters() - before
+            assert (spent.awaited_tokens > 0) == (wait == "emulate"), spent
+            assert_pool_clean(engine)
+    assert runs["emulate"] == runs["off"]
+    assert len(runs["off"][0][1]) == 8 * 4  # a logprob and its top 3 per token: compared
+
+
+async def test_a_read_failing_mid_token_fails_its_request_and_the_engine_serves_on(tiny) -> None:
+    async with open_engine(_config(tiny, "off")) as engine:
+        reference = await _run(engine, True)
+    io = FaultIO(tiny)
+    # No run-ahead: every decode token waits (a run-ahead that misses steps per layer).
+    async with open_engine(_config(tiny, "emulate", run_ahead="off"), io=io) as engine:
+        wait = engine._core.compute.device_wait
+        assert isinstance(wait, HostWait)
+        with pytest.raises(ExpertReadError, match="of layer 2"):
+            await _run(engine, True, after_first=lambda: io.inject("eio", layer=2))
+        assert wait.aborted(wait._seq)  # the token was given up, its waits released
+        assert_pool_clean(engine)
+        io.clear()
+        engine.prefix_cache.clear()
+        assert await _run(engine, True) == reference
+
+
+async def test_a_request_cancelled_while_a_token_waits_on_a_slow_disk(tiny) -> None:
+    io = FaultIO(tiny)
+    async with open_engine(_config(tiny, "emulate", run_ahead="off"), io=io) as engine:
+        reference = await _run(engine, True)
+        engine.prefix_cache.clear()
+        waited = engine.counters().awaited_tokens
+        # A decode step is not interrupted (the batch task runs it; a row leaves between
+        # steps): the token waiting on the slow reads ends, then the request goes.
+        with trio.move_on_after(0.3) as scope:
+            await _run(engine, True, after_first=lambda: io.inject("slow", delay_s=0.1))
+        assert scope.cancelled_caught
+        assert engine.counters().awaited_tokens > waited
+        assert_pool_clean(engine)
+        io.clear()
+        engine.prefix_cache.clear()
+        assert await _run(engine, True) == reference
+
+
+async def test_auto_declines_off_cuda(tiny) -> None:
+    async with open_engine(_config(tiny, "auto")) as engine:
+        assert engine._core.compute.device_wait is None
+        assert engine._core.router.install_off_mlx is None
+
+
+def test_what_can_be_queued_whole() -> None:
+    import mlx.core as mx
+
+    assert one_row([[5]]) and one_row([5]) and one_row(mx.array([[5]]))
+    assert not one_row([[5], [6]]) and not one_row(mx.array([[5], [6]]))
+    assert usable(NoPrefetch())  # predicts in the prefetch task
+
+
+def test_the_mailbox_protocol() -> None:
+    box = HostWait(3)
+    seq = box.next_seq()
+    assert not box.published(1, seq) and not box.aborted(seq)
+    box.box[(1 + 1) * 1024 : (1 + 1) * 1024 + 4] = [seq, 0, 2, 1]  # as a wait publishes
+    assert box.published(1, seq)
+    box.box[2 * 1024 + 8 : 2 * 1024 + 10] = [7, 9]
+    ids, _ = box.routed(1)
+    assert ids.tolist() == [7, 9]
+    box.abort(seq)
+    assert box.aborted(seq) and not box.aborted(box.next_seq())
