@@ -1,32 +1,36 @@
 """A decode token queued whole, its MoE layers waiting on the GPU for the host's answers.
 
 The host side of `actors/device_wait.py`. The MLX thread builds and evaluates the token
-(`ForwardStep.launch_with`, each layer's slots from a wait kernel) while the compute
-task, here, serves the layers as the GPU publishes them: for each MoE layer in order it
-reads the chosen ids (and a gate strategy's ranking of the next layers), makes the same
-demand the per-layer path makes (`Compute._demand`: the pool, the prefetch orders and
-`replay` see the same requests in the same order), and answers with the slots. Nothing
-here touches MLX: the MLX thread is busy with the token until the last layer is
-answered, so installs go by DMA off its thread (`ExpertRouter.mlx_busy`).
-
-The token's result is a run-ahead's: logits, ids, and a layer whose slots came back -1
-(the host gave the token up, or a wait timed out) is redone from there, layer by layer.
+(`launch`: `ForwardStep.launch_with`, each layer's slots from a wait) while the compute
+task (`Compute._queued_whole`) serves the layers as they are published: for each MoE layer
+in order it reads the chosen ids and a gate strategy's ranking of the next layers
+(`routed`), makes the demand the per-layer path makes (the pool, the prefetch orders and
+`replay` see the same requests in the same order), and answers with the slots. Nothing on
+that side touches MLX: the MLX thread is busy with the token until the last layer is
+answered, so installs go off its thread meanwhile (`ExpertRouter.mlx_busy`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
 import trio
 
-from actors import timeline
 from actors.device_wait import Mailboxes
-from actors.prefetch.actor import Routed
+from actors.prefetch.strategies import Prediction
 
-if TYPE_CHECKING:
-    from actors.compute import Compute, Tokens
+
+class GateRanking(Protocol):
+    """A gate strategy that can publish its ranking from the GPU (actors/prefetch/gate.py)."""
+
+    def ranking(self, layer: int, hidden: mx.array) -> mx.array | None: ...
+
+    def predict_ranked(self, layer: int, ranked: np.ndarray) -> Prediction: ...
+
+    def observe(self, layer: int, chosen: Sequence[int]) -> None: ...
 
 
 def usable(strategy: Any) -> bool:
@@ -35,76 +39,44 @@ def usable(strategy: Any) -> bool:
     return not getattr(strategy, "needs_model", False) or hasattr(strategy, "predict_ranked")
 
 
-def one_row(tokens: Tokens) -> bool:
+def one_row(tokens: Any) -> bool:
     """A lone sequence's decode token (a batch's rows keep the per-layer path)."""
     if isinstance(tokens, mx.array):
         return tokens.size == 1
     return len(tokens) == 1 and (isinstance(tokens[0], int) or len(tokens[0]) == 1)
 
 
-def _launch(c: Compute, wait: Mailboxes, seq: int, tokens: Tokens, cache: list[Any]) -> tuple[Any, Any]:
-    """On the MLX thread: build the token, evaluate it (returns once every layer ran)."""
-    from actors.compute import _ids
-
-    step = c.model.step(_ids(tokens), cache)
-    gate = c.strategy if c._gate else None
+def launch(wait: Mailboxes, seq: int, make_step: Callable[[], Any], rows: dict[int, int],
+           gate: GateRanking | None) -> tuple[Any, Any]:
+    """On the MLX thread: build the token (`make_step()`), each MoE layer's slots from its
+    wait, and evaluate it: returns once every layer ran (step, run-ahead result)."""
+    step = make_step()
 
     def lookup(layer: int, ids: mx.array, hidden: mx.array) -> mx.array:
-        extra = gate.ranking(layer, hidden) if gate is not None else None  # type: ignore[attr-defined]
-        return wait.wait_slots(c.layer_rows[layer], seq, ids, extra)
+        extra = gate.ranking(layer, hidden) if gate is not None else None
+        return wait.wait_slots(rows[layer], seq, ids, extra)
 
-    lazy = step.launch_with(lookup)  # type: ignore[attr-defined]
+    lazy = step.launch_with(lookup)
     mx.eval(lazy.arrays())
     return step, lazy.result()
 
 
-async def _serve(c: Compute, wait: Mailboxes, seq: int, layers: list[int]) -> None:
-    """Answer each MoE layer as the GPU publishes it; return early if the GPU gave up."""
-    for row, layer in enumerate(layers):
-        while not wait.published(row, seq):
-            if wait.aborted(seq):
-                return
-            await trio.sleep(0)  # a checkpoint: the router, prefetch and readers run
-        ids, ranked = wait.routed(row)
-        rows = ids.reshape(1, -1)  # one token of one sequence (`one_row`)
-        preds = None
-        if c._gate:
-            for chosen in rows:
-                c.strategy.observe(layer, [int(e) for e in chosen])
-            preds = c.strategy.predict_ranked(layer, ranked)  # type: ignore[attr-defined]
-        c.tick += 1
-        with timeline.span("compute", "answer", layer=layer):
-            slot_of = await c._demand(Routed(layer, rows, list(dict.fromkeys(int(e) for e in ids)),
-                                             c.tick, "decode", predicted=preds))
-        wait.answer(row, seq, slot_of[ids].astype(np.int32))
+async def published(wait: Mailboxes, row: int, seq: int) -> bool:
+    """Wait for layer `row` of token `seq` to be published; False if the token was given up."""
+    while not wait.published(row, seq):
+        if wait.aborted(seq):
+            return False
+        await trio.sleep(0)  # a checkpoint: the router, prefetch and readers run
+    return True
 
 
-async def forward(c: Compute, wait: Mailboxes, tokens: Tokens, cache: list[Any]) -> mx.array:
-    """One decode token queued whole; its logits (redone per layer from a layer given up)."""
-    seq = wait.next_seq()
-    layers = list(c.layer_rows)
-    misses0 = c.router.table.misses
-    done: list[tuple[Any, Any]] = []
-
-    async def run_token() -> None:
-        done.append(await c.on_mlx(_launch, c, wait, seq, tokens, cache))
-
-    c.stats.awaited_tokens += 1
-    c.router.landing_safe = c.router.mlx_busy = True
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_token)
-            try:
-                await _serve(c, wait, seq, layers)
-            except BaseException:
-                wait.abort(seq)  # the GPU stops waiting; the MLX call then returns
-                raise
-    finally:
-        c.router.landing_safe = c.router.mlx_busy = False
-    step, result = done[0]
-    miss = result.first_miss()
-    if miss is None:
-        c.run_ahead.after_layered(hit=c.router.table.misses == misses0)
-        return result.logits
-    c.stats.awaited_given_up += 1
-    return await c.finish_from(step, miss, "decode")
+def routed(wait: Mailboxes, row: int, layer: int,
+           gate: GateRanking | None) -> tuple[np.ndarray, list[int], Prediction | None]:
+    """A published layer: its ids as rows (one token), each expert once in order, and the
+    gate's prediction for the next layers (None: the prefetch task predicts)."""
+    ids, ranked = wait.routed(row)
+    rows = ids.reshape(1, -1)  # one token of one sequence (`one_row`)
+    if gate is None:
+        return rows, list(dict.fromkeys(int(e) for e in ids)), None
+    gate.observe(layer, [int(e) for e in ids])
+    return rows, list(dict.fromkeys(int(e) for e in ids)), gate.predict_ranked(layer, ranked)

@@ -18,10 +18,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import mlx.core as mx
 import numpy as np
+import trio
 
 from actors import awaited, timeline
 from actors.device_wait import Mailboxes
@@ -208,7 +209,7 @@ class Compute:
             return await self.finish_from(step, miss, phase)
         if (self.device_wait is not None and phase == "decode" and not all_positions
                 and awaited.one_row(tokens)):
-            return await awaited.forward(self, self.device_wait, tokens, cache)
+            return await self._queued_whole(self.device_wait, tokens, cache)
         # A prompt's chunk wants the disk's bandwidth: the reader's bulk lane reads too.
         with self.router.reader.bulk(phase == "prefill" and _count(tokens) > 1):
             step, routing, preds = await self.on_mlx(self._start, tokens, cache, phase)
@@ -220,6 +221,47 @@ class Compute:
         if phase == "decode" or last_prompt_token:
             self.run_ahead.after_layered(hit=self.router.table.misses == misses0)
         return logits
+
+    async def _queued_whole(self, wait: Mailboxes, tokens: Tokens, cache: list[Any]) -> mx.array:
+        """One decode token queued whole, each MoE layer waiting for the host's slots
+        (actors/awaited.py): this task answers the layers as they are published, with the
+        demands the per-layer path makes, while the MLX thread runs the token. A layer
+        given up (an error, a timeout) is redone per layer from there."""
+        seq, misses0 = wait.next_seq(), self.router.table.misses
+        gate = cast(awaited.GateRanking, self.strategy) if self._gate else None
+        done: list[tuple[Any, Any]] = []
+
+        async def run_token() -> None:
+            done.append(await self.on_mlx(awaited.launch, wait, seq, lambda: self.model.step(
+                _ids(tokens), cache), self._row_of, gate))
+
+        self.stats.awaited_tokens += 1
+        self.router.landing_safe = self.router.mlx_busy = True  # actors/device_wait.py: why
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_token)
+                try:
+                    for row, layer in enumerate(self._row_of):
+                        if not await awaited.published(wait, row, seq):
+                            break
+                        rows, ids, preds = awaited.routed(wait, row, layer, gate)
+                        self.tick += 1
+                        with timeline.span("compute", "answer", layer=layer):
+                            slot_of = await self._demand(Routed(layer, rows, ids, self.tick, "decode",
+                                                                predicted=preds))
+                        wait.answer(row, seq, slot_of[rows[0]].astype(np.int32))
+                except BaseException:
+                    wait.abort(seq)  # every wait of the token gives up; the MLX call returns
+                    raise
+        finally:
+            self.router.landing_safe = self.router.mlx_busy = False
+        step, result = done[0]
+        miss = result.first_miss()
+        if miss is None:
+            self.run_ahead.after_layered(hit=self.router.table.misses == misses0)
+            return cast(mx.array, result.logits)
+        self.stats.awaited_given_up += 1
+        return await self.finish_from(step, miss, "decode")
 
     async def forward_pair(self, tokens: list[int], last: int, cache: list[Any],
                            between: Callable[[int | None], None]) -> mx.array | None:
