@@ -313,21 +313,18 @@ class ForwardStep:
         return lazy.result()
 
     def launch(self, slot_map: mx.array, row_of: dict[int, int]) -> LazyRunAhead:
-        """The whole token in one evaluation, experts looked up on the device.
-
-        `slot_map[row_of[layer], e]` is expert e's pool slot, or -1 when it is not ready.
-        Every layer runs lazily with those slots (a missing expert reads slot 0: its
-        output is wrong and is thrown away); the logits, every MoE layer's ids and
-        "all present" flag, and the residual stream entering each MoE layer are evaluated
-        together: the token's one host sync. The caches are snapshotted first, so
-        `resume(layer)` can restart exactly at the first layer that missed.
-        """
+        """`launch_with` the device-side map: `slot_map[row_of[layer], e]` is expert e's
+        pool slot, or -1 when it is not ready."""
         return self.launch_with(lambda layer, inds, _hidden: slot_map[row_of[layer]][inds])
 
     def launch_with(self, lookup: Lookup) -> LazyRunAhead:
-        """`launch` with each MoE layer's slots from `lookup(layer, ids, hidden)` (lazy;
-        -1 = absent; `hidden`: the residual stream after its attention, [rows * tokens, H]):
-        the device-side map, or a wait for the host (actors/device_wait.py)."""
+        """The whole token in one evaluation, each MoE layer's slots from `lookup(layer,
+        ids, hidden)` (lazy; -1 = absent; `hidden`: the residual stream after its attention,
+        [rows * tokens, H]): the device-side map, or a wait for the host (actors/device_wait.py).
+        A missing expert reads slot 0: its output is wrong and is thrown away. The logits,
+        every MoE layer's ids and "all present" flag, and the residual stream entering each
+        MoE layer are evaluated together: the token's one host sync. The caches are
+        snapshotted first, so `resume(layer)` can restart exactly at the first layer that missed."""
         self._snapshot = [_snapshot(c) for c in self.cache]
         ids: list[mx.array] = []
         found_all: list[mx.array] = []
