@@ -32,7 +32,7 @@ from actors.pair_step import PairStep
 from actors.prefetch import PrefetchScorer, PrefetchStrategy
 from actors.prefetch.actor import Prefetcher, Routed, TokenStart
 from actors.prefetch.strategies import as_prediction
-from actors.router import ExpertRouter
+from actors.router import ExpertRouter, PullStarved
 from actors.routing_trace import TraceRecorder
 from actors.run_ahead import RunAheadPolicy
 
@@ -225,18 +225,22 @@ class Compute:
     async def _queued_whole(self, wait: Mailboxes, tokens: Tokens, cache: list[Any]) -> mx.array:
         """One decode token queued whole, each MoE layer waiting for the host's slots
         (actors/awaited.py): this task answers the layers as they are published, with the
-        demands the per-layer path makes, while the MLX thread runs the token. A layer
-        given up (an error, a timeout) is redone per layer from there."""
-        seq, misses0 = wait.next_seq(), self.router.table.misses
+        demands the per-layer path makes, while the MLX thread runs the token. Installs
+        meanwhile are copies the GPU pulls after each answer (`ExpertRouter.mlx_busy`); a
+        buffer goes back once the next layer is published (its copies made). A layer given
+        up (an error, a timeout, `PullStarved`) is redone per layer from there."""
+        seq, misses0, router = wait.next_seq(), self.router.table.misses, self.router
         gate = cast(awaited.GateRanking, self.strategy) if self._gate else None
         done: list[tuple[Any, Any]] = []
+        sent: list[tuple[int, int, int]] = []  # the last answer's copies, and their buffers
+        held: list[np.ndarray] = []
 
         async def run_token() -> None:
             done.append(await self.on_mlx(awaited.launch, wait, seq, lambda: self.model.step(
                 _ids(tokens), cache), self._row_of, gate))
 
         self.stats.awaited_tokens += 1
-        self.router.landing_safe = self.router.mlx_busy = True  # actors/device_wait.py: why
+        router.mlx_busy = router.reader.finisher.hold = True
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(run_token)
@@ -244,17 +248,30 @@ class Compute:
                     for row, layer in enumerate(self._row_of):
                         if not await awaited.published(wait, row, seq):
                             break
+                        for buffer in held:  # published: the last answer's copies are made
+                            router.reader.give_back(buffer)
+                        sent, held = [], []
                         rows, ids, preds = awaited.routed(wait, row, layer, gate)
                         self.tick += 1
                         with timeline.span("compute", "answer", layer=layer):
                             slot_of = await self._demand(Routed(layer, rows, ids, self.tick, "decode",
                                                                 predicted=preds))
-                        wait.answer(row, seq, slot_of[rows[0]].astype(np.int32))
+                        sent, held = router.take_pulled()
+                        wait.answer(row, seq, slot_of[rows[0]].astype(np.int32), sent)
+                except PullStarved:
+                    wait.abort(seq)  # redone per layer below, once the MLX call returns
                 except BaseException:
                     wait.abort(seq)  # every wait of the token gives up; the MLX call returns
                     raise
         finally:
-            self.router.landing_safe = self.router.mlx_busy = False
+            router.mlx_busy = router.reader.finisher.hold = False
+            pending, buffers = router.take_pulled()
+            if wait.aborted(seq) or pending:  # copies the GPU may not have made: made now
+                assert router.copy_now is not None
+                with trio.CancelScope(shield=True):
+                    await router.copy_now(sent + pending)
+            for buffer in held + buffers:
+                router.reader.give_back(buffer)
         step, result = done[0]
         miss = result.first_miss()
         if miss is None:

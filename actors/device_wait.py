@@ -47,15 +47,19 @@ import mlx.core as mx
 import numpy as np
 
 from actors.cuda_driver import CudaDriverError, check, current, on_cuda
+from actors.mx_typed import to_int
 
 TIMEOUT_S = 60.0
-# A layer's mailbox, in int32 words: [published seq, answered seq, ids, extra], its ids,
-# the strategy's ranking (extra), the answered slots. Word 0 of the first block is the
-# aborted token's seq.
-_WORDS = 1024
+# A layer's mailbox, in int32 words: [published seq, answered seq, ids, extra, copies],
+# its ids, the strategy's ranking (extra), the answered slots, then the copies the answer
+# asks for (int64 triples: device address, host address, bytes). Word 0 of the first block
+# is the aborted token's seq, word 1 the waits that timed out.
+_WORDS = 8192
 IDS_AT, MAX_IDS = 8, 128
 EXTRA_AT, MAX_EXTRA = IDS_AT + MAX_IDS, 640
 SLOTS_AT = EXTRA_AT + MAX_EXTRA  # MAX_IDS of them: 776 + 128 <= 1024
+COPIES_AT, MAX_COPIES = 1024, 1024  # 6 words each: 1024 + 6144 <= 8192
+Copy = tuple[int, int, int]  # (device address, host address, bytes), as actors/cuda_direct.py
 
 _SOURCE = """
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
@@ -83,11 +87,40 @@ _SOURCE = """
     for (int i = 0; i < n; ++i) slots[i] = r[SLOTS_AT + i];
 """
 
+# The answer's copies, by every thread of a grid, after the wait and before any kernel
+# that reads the slots (they take this kernel's output): the GPU pulls the blobs from the
+# page-locked staging buffers, so the host's answer needs no CUDA call (a DMA of its own
+# waited behind the token: a module load or an allocation of MLX's synchronizes the
+# context while the wait spins; session 21).
+_PULL = """
+    const int row = meta[0], n = meta[2];
+    const unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    const unsigned long long step = gridDim.x * (unsigned long long)blockDim.x;
+    if (tid < (unsigned long long)n) slots[tid] = waited[tid];
+    if (n == 0 || waited[0] < 0) return;  // given up: nothing was answered
+    volatile int* box = reinterpret_cast<volatile int*>(static_cast<uintptr_t>(mbox[0])) + (row + 1) * WORDS;
+    volatile const long long* copies = reinterpret_cast<volatile const long long*>(box + COPIES_AT);
+    const int count = box[4];
+    for (int e = 0; e < count; ++e) {
+        char* dst = reinterpret_cast<char*>(static_cast<uintptr_t>(copies[3 * e]));
+        const char* src = reinterpret_cast<const char*>(static_cast<uintptr_t>(copies[3 * e + 1]));
+        const unsigned long long bytes = copies[3 * e + 2];
+        if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) & 15) == 0) {
+            for (unsigned long long i = tid; i < bytes / 16; i += step)
+                reinterpret_cast<uint4*>(dst)[i] = __ldcv(reinterpret_cast<const uint4*>(src) + i);
+        } else {
+            for (unsigned long long i = tid; i < bytes; i += step)
+                dst[i] = reinterpret_cast<volatile const char*>(src)[i];
+        }
+    }
+"""
+
 _HEADER = f"""
 #define WORDS {_WORDS}
 #define IDS_AT {IDS_AT}
 #define EXTRA_AT {EXTRA_AT}
 #define SLOTS_AT {SLOTS_AT}
+#define COPIES_AT {COPIES_AT}
 """
 
 
@@ -130,11 +163,26 @@ class Mailboxes:
         return (self.box[r + IDS_AT : r + IDS_AT + n].copy(),
                 self.box[r + EXTRA_AT : r + EXTRA_AT + m].copy())
 
-    def answer(self, row: int, seq: int, slots: np.ndarray) -> None:
-        """The slots of the published ids, in their order; the GPU goes on."""
+    def answer(self, row: int, seq: int, slots: np.ndarray, copies: list[Copy] | None = None) -> None:
+        """The slots of the published ids, in their order, and the copies the GPU makes
+        before any kernel reads them; the GPU goes on."""
         r = self._at(row)
+        copies = copies or []
+        if len(copies) > MAX_COPIES:
+            raise ValueError(f"device wait: {len(copies)} copies exceed the mailbox ({MAX_COPIES})")
+        if copies:
+            at = (r + COPIES_AT) // 2
+            self.box.view(np.int64)[at : at + 3 * len(copies)] = np.asarray(copies, dtype=np.int64).reshape(-1)
+        self.box[r + 4] = len(copies)
         self.box[r + SLOTS_AT : r + SLOTS_AT + slots.size] = slots
-        self.box[r + 1] = seq  # after the slots: x86 stores reach the device in order
+        self.box[r + 1] = seq  # after the rest: x86 stores reach the device in order
+
+    def copies(self, row: int) -> list[Copy]:
+        """The copies of layer `row`'s last answer."""
+        r = self._at(row)
+        at, n = (r + COPIES_AT) // 2, int(self.box[r + 4])
+        flat = self.box.view(np.int64)[at : at + 3 * n].tolist()
+        return [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
 
     def abort(self, seq: int) -> None:
         """Every wait of token `seq`, now or later, gives up (outputs -1)."""
@@ -165,6 +213,9 @@ class DeviceWait(Mailboxes):
         self._kernel = cast(Callable[..., list[mx.array]], mx.fast.cuda_kernel(
             name="moestream_wait_slots", input_names=["ids", "extra", "mbox", "meta"],
             output_names=["slots"], source=_SOURCE, header=_HEADER))
+        self._pull = cast(Callable[..., list[mx.array]], mx.fast.cuda_kernel(
+            name="moestream_pull_copies", input_names=["waited", "mbox", "meta"],
+            output_names=["slots"], source=_PULL, header=_HEADER))
 
     def wait_slots(self, row: int, seq: int, ids: mx.array, extra: mx.array | None = None) -> mx.array:
         return self.wait_within(row, seq, ids, extra, TIMEOUT_S)
@@ -176,8 +227,10 @@ class DeviceWait(Mailboxes):
         n, m = flat.size, 0 if extra is None else more.size
         self._check(n, m)
         meta = mx.array([row, seq, n, m, int(timeout_s * 1000)], dtype=mx.int32)
-        out = self._kernel(inputs=[flat, more, self._mbox, meta], grid=(32, 1, 1), threadgroup=(32, 1, 1),
-                           output_shapes=[(n,)], output_dtypes=[mx.int32])[0]
+        waited = self._kernel(inputs=[flat, more, self._mbox, meta], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                              output_shapes=[(n,)], output_dtypes=[mx.int32])[0]
+        out = self._pull(inputs=[waited, self._mbox, meta], grid=(256 * 128, 1, 1), threadgroup=(256, 1, 1),
+                         output_shapes=[(n,)], output_dtypes=[mx.int32])[0]
         return out.reshape(ids.shape)
 
 
@@ -212,39 +265,41 @@ class HostWait(Mailboxes):
                 box[1] += 1
                 return mx.full(ids.shape, -1, dtype=mx.int32)
             time.sleep(2e-5)
+        for dst, src, nbytes in self.copies(row):  # the GPU's pull, as a host pool takes it
+            ctypes.memmove(dst, src, nbytes)
         slots = box[r + SLOTS_AT : r + SLOTS_AT + flat.size].copy()
         return mx.array(slots).reshape(ids.shape)
 
 
-def probe(rows: int, dma: Callable[[], None] | None = None, reads: mx.array | None = None) -> DeviceWait | None:
+def probe(rows: int, pool: mx.array | None = None, row_address: int = 0) -> DeviceWait | None:
     """A `DeviceWait` for `rows` layers where a queued wait sees a host thread's answer and
-    `dma()` (an install's copy, run on a staging thread as installs are) completes while
-    the wait spins with `reads` (the pool's array) read by a kernel queued behind it; None
-    elsewhere (not CUDA, a failure, or that copy held up behind the wait: session 21 on the
-    H200, a landing's copy into the pool did not end until the wait gave up). On the MLX
-    thread; compiles the kernel once."""
+    the copy it asks for (a pattern into `pool`'s last row, at `row_address`: the caller
+    zeroes it after) is what a kernel queued behind it reads; None elsewhere (not CUDA, a
+    failure). On the MLX thread; compiles the kernels once."""
     if not on_cuda():
         return None
-    from actors.mlx_worker import MlxWorker
+    from actors.cuda_direct import pin
 
     try:
         wait = DeviceWait(rows)
-        seq = wait.next_seq()
         ids = mx.array([[3, 1, 2]], dtype=mx.int32)
-        # Compiled first, outside the timed wait (seconds without a PTX cache).
-        mx.eval(wait.wait_within(rows - 1, 0, ids, None, 0.0))
-        slots = wait.wait_within(rows - 1, seq, ids, mx.array([7], dtype=mx.int32), 3.0)
-        after = slots + (0 if reads is None else mx.take(reads, mx.array([reads.shape[0] - 1]), axis=0)
-                         .reshape(-1)[:1].astype(mx.int32) * 0)
+        mx.eval(wait.wait_within(rows - 1, 0, ids, None, 0.0))  # compiled outside the timed wait
+        seq = wait.next_seq()
+        nbytes = 0 if pool is None else pool.nbytes // pool.shape[0]
+        pattern = np.random.default_rng(nbytes).integers(0, 256, max(nbytes, 1), dtype=np.uint8)
+        pin(pattern)
+        copies = [(row_address, pattern.ctypes.data, nbytes)] if pool is not None else []
+        slots = wait.wait_within(rows - 1, seq, ids, mx.array([7], dtype=mx.int32), 10.0)
+        seen = mx.zeros((1,), dtype=mx.int64) if pool is None else mx.take(
+            pool, mx.array([pool.shape[0] - 1]), axis=0).reshape(-1).view(mx.uint8).astype(mx.int64).sum()
+        after = [slots, seen + 0 * slots.sum()]  # the row read only after the wait and its copy
 
         def host() -> None:
             deadline = time.monotonic() + 30.0
             while time.monotonic() < deadline:
                 if wait.published(rows - 1, seq):
-                    if dma is not None:
-                        MlxWorker.staging(0).call(dma)
                     got, extra = wait.routed(rows - 1)
-                    wait.answer(rows - 1, seq, got * 10 + int(extra[0]))
+                    wait.answer(rows - 1, seq, got * 10 + int(extra[0]), copies)
                     return
                 time.sleep(1e-4)
             wait.abort(seq)
@@ -253,6 +308,8 @@ def probe(rows: int, dma: Callable[[], None] | None = None, reads: mx.array | No
         helper.start()
         mx.eval(after)
         helper.join()
-        return wait if after.tolist() == [[37, 17, 27]] and int(wait.box[1]) == 0 else None
+        want = int(pattern[:nbytes].astype(np.int64).sum())
+        ok = after[0].tolist() == [[37, 17, 27]] and to_int(after[1]) == want and int(wait.box[1]) == 0
+        return wait if ok else None
     except (CudaDriverError, AttributeError, ValueError, TypeError, RuntimeError):
         return None

@@ -73,6 +73,9 @@ class Finisher:
         self._queue: list[deque[tuple[Load, np.ndarray]]] = [deque() for _ in range(stagers)]
         self._queued = [False] * stagers
         self._landing_locks = [threading.Lock() for _ in range(LANDING_STRIPES)]
+        # Set while a token waits on the GPU (actors/device_wait.py): nothing lands (a
+        # landing is a DMA of this thread's, which the token's context syncs can hold up).
+        self.hold = False
 
     def landing_lock(self, slot: int) -> threading.Lock:
         """The lock a landing into `slot` holds while it checks and copies."""
@@ -118,8 +121,9 @@ class Finisher:
                 load.check_s = time.perf_counter() - started
                 good.append((load, buffer))
             # A read is marked `land` only where there is a lander (ExpertReader.submit).
-            landing = [(load, buffer) for load, buffer in good if load.land]
-            rest = [(load, buffer) for load, buffer in good if not load.land]
+            hold = self.hold  # read once: a token waiting on the GPU pulls them instead
+            landing = [(load, buffer) for load, buffer in good if load.land and not hold]
+            rest = [(load, buffer) for load, buffer in good if not load.land or hold]
             if landing:
                 done.extend(self._land(landing))
             done.extend(self._stage(rest))

@@ -50,6 +50,11 @@ log = structlog.get_logger("moestream.router")
 Install = tuple[int, Any]  # (slot, blob: a staging buffer or the MLX array staged from it)
 
 
+class PullStarved(RuntimeError):
+    """A demand of a token waiting on the GPU found every staging buffer held by installs
+    the GPU has not pulled yet (actors/device_wait.py): that token is redone per layer."""
+
+
 @dataclass
 class RouterStats:
     stall_seconds: float = 0.0
@@ -62,6 +67,8 @@ class RouterStats:
     landings_abandoned: int = 0
     # Shelved predictions (`_shelve_stale`) whose key was evicted before any read.
     shelved_dropped: int = 0
+    # Installs a token waiting on the GPU made as copies the GPU pulled (actors/device_wait.py).
+    pulled: int = 0
 
 
 @dataclass
@@ -93,10 +100,14 @@ class ExpertRouter:
         # Reads may be installed where they land (compute sets it; see the module docstring).
         self.landing_safe = False
         # The MLX thread is running a token that waits on the GPU for this router's answers
-        # (actors/awaited.py): installs must not queue behind it, so `install_off_mlx`
-        # (a DMA on a staging thread, no wait for MLX's stream) does them meanwhile.
+        # (actors/device_wait.py): an install then only becomes copies (`pull`: (device
+        # address, host address, bytes) per tensor) that the GPU makes after the next
+        # answer, before any kernel reads the slots; the staging buffers are kept until
+        # then (`take_pulled`), and nothing here makes a CUDA call the token could block.
         self.mlx_busy = False
-        self.install_off_mlx: Callable[[list[Install]], Awaitable[None]] | None = None
+        self.pull: Callable[[list[Install]], list[tuple[int, int, int]]] | None = None
+        self.copy_now: Callable[[list[tuple[int, int, int]]], Awaitable[None]] | None = None  # MLX idle
+        self._pulled: tuple[list[tuple[int, int, int]], list[np.ndarray]] = ([], [])
         # Landing reads whose key was evicted first: kept until they end (their buffers).
         self.orphans: list[Load] = []
         self.shelved_count = 0  # loads shelved as stale, still in `loads` (their keys' slots)
@@ -211,6 +222,10 @@ class ExpertRouter:
                 all_done = all(load.done.is_set() for load in waits)
                 if all_done or self.reader.starved:
                     installed = await self.install_finished()
+                    if self.mlx_busy and self.reader.starved and any(not load.started for load in waits):
+                        # Pulled installs keep their buffers until the next answer, which
+                        # this demand cannot give: the token waiting on the GPU gives up.
+                        raise PullStarved(f"layer {layer}: every staging buffer is held by a pulled install")
                     if all_done:
                         break
                     if installed:
@@ -247,13 +262,17 @@ class ExpertRouter:
             self.table.mark_ready(key)
         if not installs:
             return len(landed)
+        if self.mlx_busy:  # ready now: the bytes arrive before any kernel can read them
+            assert self.pull is not None, "a token waits on the GPU without pulled installs"
+            self._pulled[0].extend(self.pull(installs))
+            self._pulled[1].extend(buffers)
+            self.stats.pulled += len(installs)
+            for key in keys:
+                self.table.mark_ready(key)
+            return len(installs) + len(landed)
         try:
             with timeline.span("router", "install", experts=len(installs)):
-                if self.mlx_busy:
-                    assert self.install_off_mlx is not None, "a token waits on the GPU without an off-MLX install"
-                    await self.install_off_mlx(installs)
-                else:
-                    await self.install(installs)
+                await self.install(installs)
         except BaseException:
             for key in keys:
                 if key in self.table and self.table.pin_count(key) == 0:
@@ -266,6 +285,12 @@ class ExpertRouter:
             if key in self.table:
                 self.table.mark_ready(key)
         return len(installs) + len(landed)
+
+    def take_pulled(self) -> tuple[list[tuple[int, int, int]], list[np.ndarray]]:
+        """The copies installs asked for since the last call, and the staging buffers they
+        read (to be given back once the GPU has made them)."""
+        pulled, self._pulled = self._pulled, ([], [])
+        return pulled
 
     async def _prefetch(self, predictions: Sequence[tuple[int, Sequence[int]]], tick: int) -> None:
         if self.shelved_count:  # predicted again: back on the queue (the table kept them)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,7 +15,7 @@ from qpack.spec import QpackError
 
 if TYPE_CHECKING:
     from actors.compute import Compute
-    from actors.device_wait import Mailboxes
+    from actors.device_wait import Copy, Mailboxes
     from pipeline.config.schema import PipelineConfig
     from qpack.reader import Container
 
@@ -56,22 +57,23 @@ def installer(worker: MlxWorker, storage: PoolStorage) -> Callable[[list[Any]], 
     return install
 
 
-def off_mlx_installer(storage: PoolStorage) -> Callable[[list[Any]], Awaitable[None]] | None:
-    """Installs while the MLX thread runs a token that waits for them (actors/device_wait.py):
-    a memcpy into a host pool, DMAs on a staging thread with no wait for MLX's stream; None
-    where an install needs MLX (the "load" path)."""
+def copier(worker: MlxWorker, storage: PoolStorage) -> Callable[[list[Copy]], Awaitable[None]] | None:
+    """Copies into the pool made at once while MLX is idle (a token waiting on the GPU
+    that gave up: the copies it may not have pulled): memmoves into a host pool, DMAs
+    after MLX's stream on the direct path; None where installs go through MLX."""
     if storage.host_bytes is not None:
 
-        async def write(items: list[Any]) -> None:
-            storage.write(items)
+        async def memmove(copies: list[Copy]) -> None:
+            for dst, src, n in copies:
+                ctypes.memmove(dst, src, n)
 
-        return write
-    if storage.direct is None:
+        return memmove
+    writer = storage.direct
+    if writer is None:
         return None
-    writer, stager = storage.direct, MlxWorker.staging(0)
 
-    async def dma(items: list[Any]) -> None:
-        await stager.run(writer.write_now, storage.direct_copies(items))
+    async def dma(copies: list[Copy]) -> None:
+        await worker.run(writer.write, copies)
 
     return dma
 
@@ -84,32 +86,32 @@ async def device_wait_for(config: PipelineConfig, compute: Compute, storage: Poo
     "emulate" waits on the MLX thread instead (any backend whose installs need no MLX)."""
     from actors import awaited
     from actors.device_wait import HostWait, probe
+    from actors.pool.direct_install import direct_ok
 
     router, setting = compute.router, config.compute.device_wait
-    off_mlx = off_mlx_installer(storage)
-    if setting == "off" or not config.compute.overlap or off_mlx is None or not awaited.usable(compute.strategy):
+    copy_now = copier(worker, storage)
+    # Pulled installs copy blobs as they are: not into a pool that widens their scales.
+    if (setting == "off" or not config.compute.overlap or copy_now is None or not direct_ok(storage.layout)
+            or not awaited.usable(compute.strategy)):
         return None
     if setting == "emulate":
         wait: Mailboxes | None = HostWait(len(compute.layer_rows))
-    elif router.reader.lander is None or storage.direct is None:  # auto: the GPU's direct path only
+    elif storage.direct is None:  # auto: MLX's CUDA backend with the direct path only
         return None
-    else:  # the probe copies a zero row into the pool's last slot while a wait spins
+    else:  # the probe pulls a pattern into the pool's last slot; zeroed again after
         import numpy as np
 
         from actors.cuda_direct import pin
 
         writer, (name, array) = storage.direct, next(iter(storage.arrays.items()))
         row = array.nbytes // array.shape[0]
+        last = writer.base[name] + (array.shape[0] - 1) * row
+        wait = await worker.run(probe, len(compute.layer_rows), array, last)
         zeros = np.zeros(row, dtype=np.uint8)
         pin(zeros)
-        last = writer.base[name] + (array.shape[0] - 1) * row
-
-        def dma() -> None:
-            writer.write_now([(last, zeros.ctypes.data, row)])
-
-        wait = await worker.run(probe, len(compute.layer_rows), dma, array)
+        await worker.run(writer.write, [(last, zeros.ctypes.data, row)])
     if wait is not None:
-        router.install_off_mlx = off_mlx
+        router.pull, router.copy_now = storage.copy_ranges, copy_now
     log.info("engine.device_wait", on=wait is not None, mode=setting)
     return wait
 

@@ -12,11 +12,12 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import trio
 
 from actors.awaited import one_row, usable
-from actors.device_wait import HostWait
+from actors.device_wait import EXTRA_AT, IDS_AT, HostWait
 from actors.prefetch.strategies import NoPrefetch
 from actors.reader import ExpertReadError
 from actors.sampling_params import SamplingParams
@@ -71,6 +72,8 @@ async def test_waited_tokens_equal_stepped_ones_bit_for_bit(tiny, strategy) -> N
             runs[wait] = (await _run(engine, True), (await _run(engine, False))[0])
             spent = engine.counters() - before
             assert (spent.awaited_tokens > 0) == (wait == "emulate"), spent
+            # The reads a waiting token installs are copies made after its answers.
+            assert (engine._core.router.stats.pulled > 0) == (wait == "emulate")
             assert_pool_clean(engine)
     assert runs["emulate"] == runs["off"]
     assert len(runs["off"][0][1]) == 8 * 4  # a logprob and its top 3 per token: compared
@@ -111,10 +114,27 @@ async def test_a_request_cancelled_while_a_token_waits_on_a_slow_disk(tiny) -> N
         assert await _run(engine, True) == reference
 
 
+async def test_a_token_short_of_staging_buffers_is_redone_per_layer(tiny) -> None:
+    """Pulled installs keep their staging buffers until the GPU has made the copies (the
+    next answer): a demand that finds none free gives the token up (`PullStarved`), and
+    the token is stepped per layer instead, with the same tokens."""
+    async with open_engine(_config(tiny, "off")) as engine:
+        reference = await _run(engine, True)
+    async with open_engine(_config(tiny, "emulate", run_ahead="off")) as engine:
+        reader = engine._core.router.reader
+        spare, reader._free[:] = reader._free[2:], reader._free[:2]  # two buffers: a starved disk
+        try:
+            assert await _run(engine, True) == reference
+        finally:
+            reader._free.extend(spare)
+        assert engine._core.compute.stats.awaited_given_up > 0
+        assert_pool_clean(engine)
+
+
 async def test_auto_declines_off_cuda(tiny) -> None:
     async with open_engine(_config(tiny, "auto")) as engine:
         assert engine._core.compute.device_wait is None
-        assert engine._core.router.install_off_mlx is None
+        assert engine._core.router.pull is None
 
 
 def test_what_can_be_queued_whole() -> None:
@@ -128,11 +148,18 @@ def test_what_can_be_queued_whole() -> None:
 def test_the_mailbox_protocol() -> None:
     box = HostWait(3)
     seq = box.next_seq()
+    r = box._at(1)
     assert not box.published(1, seq) and not box.aborted(seq)
-    box.box[(1 + 1) * 1024 : (1 + 1) * 1024 + 4] = [seq, 0, 2, 1]  # as a wait publishes
-    assert box.published(1, seq)
-    box.box[2 * 1024 + 8 : 2 * 1024 + 10] = [7, 9]
-    ids, _ = box.routed(1)
-    assert ids.tolist() == [7, 9]
+    box.box[r : r + 4] = [seq, 0, 2, 1]  # as a wait publishes: seq, answered, ids, extra
+    box.box[r + IDS_AT : r + IDS_AT + 2] = [7, 9]
+    box.box[r + EXTRA_AT] = 5
+    assert box.published(1, seq) and not box.published(0, seq)
+    ids, extra = box.routed(1)
+    assert ids.tolist() == [7, 9] and extra.tolist() == [5]
+    copies = [(1 << 40, 1 << 33, 4096), (123, 456, 7)]
+    box.answer(1, seq, np.array([3, 4], dtype=np.int32), copies)
+    assert box.copies(1) == copies and box.box[r + 1] == seq
+    with pytest.raises(ValueError, match="exceed the mailbox"):
+        box.answer(1, seq, np.array([3], dtype=np.int32), [(0, 0, 1)] * 5000)
     box.abort(seq)
     assert box.aborted(seq) and not box.aborted(box.next_seq())

@@ -208,11 +208,16 @@ class PoolStorage:
         assert self.direct is not None, "install_direct needs a probed DirectWriter"
         self.direct.write(direct_copies(self.layout, self.direct.base, items, self._layer_format))
 
-    def direct_copies(self, items: Sequence[tuple[int, np.ndarray]]) -> list[tuple[int, int, int]]:
-        """The DMAs (device address, host address, bytes) that install `items` (where
-        the slot table is read: the router's thread)."""
-        assert self.direct is not None, "direct copies need a probed DirectWriter"
-        return direct_copies(self.layout, self.direct.base, items, self._layer_format)
+    def copy_ranges(self, items: Sequence[tuple[int, np.ndarray]]) -> list[tuple[int, int, int]]:
+        """The copies (pool address, blob address, bytes) that install `items`: DMAs on the
+        direct path, memmoves into a host pool (read where the slot table is: the router's
+        thread)."""
+        if self.host_bytes is not None:
+            base = {name: int(rows.ctypes.data) for name, rows in self.host_bytes.items()}
+        else:
+            assert self.direct is not None, "copies need host memory or a probed DirectWriter"
+            base = self.direct.base
+        return direct_copies(self.layout, base, items, self._layer_format)
 
     def install(self, items: Sequence[tuple[int, np.ndarray | mx.array]]) -> None:
         """Copy expert blobs (uint8, at least fmt.nbytes; numpy or staged) into their slots.
