@@ -10,23 +10,33 @@ router and its expert matmuls that
 
 1. writes the layer's chosen ids (and the gate strategy's ranking for the next layers)
    into page-locked host memory, the layer's mailbox, and marks it published;
-2. spins (on the GPU) until the host answers with each id's pool slot, then outputs them.
+2. spins (on the GPU) until the host answers with each id's pool slot and the copies
+   that install the reads finished since the last answer (pool address, staging buffer
+   address, bytes), then a second kernel makes those copies, pulling the blobs from the
+   page-locked staging buffers, and outputs the slots.
 
-The host side (`actors/awaited.py`) polls the mailboxes from the compute task, demands
-each layer's experts from the router as the per-layer path does (the same requests in the
-same order), and answers once they are resident; the reads of the next layers overlap the
-GPU's work in between. One host sync per token, however many reads it waits for.
+The host side (`actors/awaited.py`, `Compute._queued_whole`) polls the mailboxes from the
+compute task, demands each layer's experts from the router as the per-layer path does
+(the same requests in the same order), and answers once they are read; the reads of the
+next layers overlap the GPU's work in between. One host sync per token, however many
+reads it waits for. The answer is plain stores into page-locked memory: no CUDA call.
+That matters: a DMA of the host's own (the first version) waited behind the token on the
+H200 (session 21), as any driver call may while something synchronizes the context (a
+module MLX loads on first use, an allocation or a free of its: CUDA's lazy-loading
+hazard) and the GPU spins waiting for the host.
 
-Safety. The answer for layer l is written after its experts are installed and pinned;
-they stay pinned until layer l+1 is demanded, which the host does only after the GPU has
-published l+1's routing, i.e. after every kernel reading layer l's experts has run (they
-all feed the residual stream l+1 routes from). So a slot taken for a read during the
-token is read by no queued kernel: reads land where they end (actors/router.py) and an
-install needs no wait for MLX's stream (which would wait for the host: a deadlock).
+Safety. The answer for layer l is written after its experts are read and pinned; they
+stay pinned until layer l+1 is demanded, which the host does only after the GPU has
+published l+1's routing, i.e. after every kernel reading layer l's experts (and the copies
+of l's answer) has run: they all feed the residual stream l+1 routes from. So a slot
+taken for a read during the token is read by no queued kernel, a copy into it is made
+before any kernel that reads it, and its staging buffer goes back to the reader once the
+next layer is published. Nothing lands meanwhile (a landing is a DMA).
 
 A kernel that waits more than `TIMEOUT_S` (or whose token the host aborts: an error,
-a cancellation) outputs slot -1 for its layer and every later one, as a run-ahead's
-missing expert does: the compute redoes the token from there, layer by layer.
+a cancellation, no staging buffer left for a read) outputs slot -1 for its layer and
+every later one, as a run-ahead's missing expert does: the copies it may not have made
+are made once the MLX call returns, and the token is redone from there, layer by layer.
 Measured (benchmarks/await_probe.py, H200, 2026-12-04): a host answer per layer costs
 ~47 us of GPU time, 40 layers 1.9 ms a token, against 13.7 ms stepped per layer.
 
