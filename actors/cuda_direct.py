@@ -38,7 +38,9 @@ import numpy as np
 from actors.cuda_driver import CudaDriverError, address, check, current, driver, on_cuda, stream
 from actors.mx_typed import to_int
 
-_CU_MEMHOSTREGISTER_PORTABLE = 1
+# Portable, and mapped into the device's address space: a kernel may read it at its host
+# address (a token waiting on the GPU pulls its installs from it: actors/device_wait.py).
+_CU_MEMHOSTREGISTER_PORTABLE_DEVICEMAP = 1 | 2
 
 Copy = tuple[int, int, int]  # (device address, host address, bytes)
 
@@ -59,7 +61,7 @@ def pin(buffer: np.ndarray) -> bool:
     cu = _typed()
     current()  # registration needs a context, not a stream
     ptr = buffer.ctypes.data
-    if cu.cuMemHostRegister_v2(ptr, buffer.nbytes, _CU_MEMHOSTREGISTER_PORTABLE):
+    if cu.cuMemHostRegister_v2(ptr, buffer.nbytes, _CU_MEMHOSTREGISTER_PORTABLE_DEVICEMAP):
         return False
     # Unregistered when the array goes, before numpy frees the memory under it.
     weakref.finalize(buffer, cu.cuMemHostUnregister, ptr)
