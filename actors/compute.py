@@ -253,11 +253,15 @@ class Compute:
                         sent, held = [], []
                         rows, ids, preds = awaited.routed(wait, row, layer, gate)
                         self.tick += 1
+
+                        def answer(slot_of: np.ndarray, row: int = row, rows: np.ndarray = rows) -> None:
+                            nonlocal sent, held
+                            sent, held = router.take_pulled()
+                            wait.answer(row, seq, slot_of[rows[0]].astype(np.int32), sent)
+
                         with timeline.span("compute", "answer", layer=layer):
-                            slot_of = await self._demand(Routed(layer, rows, ids, self.tick, "decode",
-                                                                predicted=preds))
-                        sent, held = router.take_pulled()
-                        wait.answer(row, seq, slot_of[rows[0]].astype(np.int32), sent)
+                            await self._demand(Routed(layer, rows, ids, self.tick, "decode", predicted=preds),
+                                               then=answer)
                 except PullStarved:
                     wait.abort(seq)  # redone per layer below, once the MLX call returns
                 except BaseException:
@@ -338,11 +342,12 @@ class Compute:
             await self._demand(Routed(layer, rows, ids, tick, phase))
         return miss
 
-    async def _demand(self, routed: Routed) -> np.ndarray:
+    async def _demand(self, routed: Routed, then: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """One MoE layer's demand, then its routing to the prefetch task.
 
         The prefetch orders of the layer before go first: a fixed order of requests at
-        the router, the one `replay` reproduces.
+        the router, the one `replay` reproduces. `then(slot_of)` runs as soon as the slots
+        are known, before the prefetch task hears of the layer (a waiting GPU's answer).
         """
         await self.prefetcher.caught_up()
         if routed.predicted is not None:
@@ -350,6 +355,8 @@ class Compute:
             routed.ordered = True
         slot_of = await self.router.demand(routed.layer, routed.ids, routed.tick,
                                            routed.predicted if routed.ordered else None)
+        if then is not None:
+            then(slot_of)
         await self.prefetcher.send(routed)
         return slot_of
 
