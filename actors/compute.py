@@ -70,6 +70,8 @@ class ComputeStats:
     paired_prompts: int = 0  # prompts whose last chunk and last token stepped together
     awaited_tokens: int = 0  # decode tokens queued whole, waiting on the GPU for reads
     awaited_given_up: int = 0  # ... redone per layer from a layer the wait gave up
+    awaited_layers: int = 0  # ... their MoE layers answered, and the host's time for them
+    awaited_host_seconds: float = 0.0  # (from seeing a layer published to its answer)
 
 
 def unique_in_order(ids: np.ndarray) -> list[int]:
@@ -251,13 +253,17 @@ class Compute:
                         for buffer in held:  # published: the last answer's copies are made
                             router.reader.give_back(buffer)
                         sent, held = [], []
+                        seen = time.perf_counter()
                         rows, ids, preds = awaited.routed(wait, row, layer, gate)
                         self.tick += 1
 
-                        def answer(slot_of: np.ndarray, row: int = row, rows: np.ndarray = rows) -> None:
+                        def answer(slot_of: np.ndarray, row: int = row, rows: np.ndarray = rows,
+                                   seen: float = seen) -> None:
                             nonlocal sent, held
                             sent, held = router.take_pulled()
                             wait.answer(row, seq, slot_of[rows[0]].astype(np.int32), sent)
+                            self.stats.awaited_layers += 1
+                            self.stats.awaited_host_seconds += time.perf_counter() - seen
 
                         with timeline.span("compute", "answer", layer=layer):
                             await self._demand(Routed(layer, rows, ids, self.tick, "decode", predicted=preds),

@@ -52,6 +52,8 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     run_ahead_tokens: int
     run_ahead_misses: int
     awaited_tokens: int  # decode tokens queued whole, the GPU waiting for their reads
+    awaited_layers: int  # ... their MoE layers answered
+    awaited_host_seconds: float  # ... the host's time from a layer's publication to its answer
     batch_steps: int
     batch_rows_stepped: int
 

@@ -74,6 +74,7 @@ async def test_waited_tokens_equal_stepped_ones_bit_for_bit(tiny, strategy) -> N
             assert (spent.awaited_tokens > 0) == (wait == "emulate"), spent
             # The reads a waiting token installs are copies made after its answers.
             assert (engine._core.router.stats.pulled > 0) == (wait == "emulate")
+            assert (spent.awaited_host_seconds > 0) == (spent.awaited_layers > 0) == (wait == "emulate")
             assert_pool_clean(engine)
     assert runs["emulate"] == runs["off"]
     assert len(runs["off"][0][1]) == 8 * 4  # a logprob and its top 3 per token: compared

@@ -38,6 +38,10 @@ class ReadPath(msgspec.Struct, kw_only=True):
     check_ms: float = 0.0
     stage_ms: float = 0.0
     landed_fraction: float = 0.0  # of the reads, installed where they landed (reader.land)
+    # Decode tokens queued whole, the GPU waiting for their reads (compute.device_wait),
+    # and the host's mean time from a layer's publication to its answer (the GPU waits it).
+    waited_tokens: int = 0
+    answer_ms: float = 0.0
 
 
 def between(start: Counters | None, end: Counters, stride: int) -> ReadPath:
@@ -59,4 +63,6 @@ def between(start: Counters | None, end: Counters, stride: int) -> ReadPath:
         decode_s=d.t, mlx_s=d.mlx_seconds, queue_ms=ms(d.queue_seconds), pread_ms=ms(d.pread_seconds),
         finish_wait_ms=ms(d.finish_wait_seconds), check_ms=ms(d.check_seconds),
         stage_ms=ms(d.stage_seconds), landed_fraction=d.landings / reads,
+        waited_tokens=d.awaited_tokens,
+        answer_ms=1000.0 * d.awaited_host_seconds / max(d.awaited_layers, 1),
     )

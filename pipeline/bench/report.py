@@ -87,7 +87,8 @@ def read_path_table(report: dict[str, Any]):  # -> rich.table.Table | None
         return None
     table = Table(title="read path while decoding (per read: ms)")
     cols = ("case", "disk busy", "in flight", "disk GB/s", "MLX s", "stall late s", "stall unpredicted s",
-            "in vain MB", "shelved MB", "queue", "pread", "stager wait", "crc32", "to device", "copy")
+            "in vain MB", "shelved MB", "queue", "pread", "stager wait", "crc32", "to device", "copy",
+            "waited / answer ms")
     for col in cols:
         table.add_column(col, justify="left" if col == "case" else "right")
     for r in rows:
@@ -99,6 +100,8 @@ def read_path_table(report: dict[str, Any]):  # -> rich.table.Table | None
             *(f"{p[k]:.2f}" for k in ("queue_ms", "pread_ms", "finish_wait_ms", "check_ms", "stage_ms")),
             # "direct" copies inside the install (no staging thread): its "to device" is 0.
             r.get("device_copy") or "-",
+            # Tokens queued whole (compute.device_wait) / the host's ms per layer answered.
+            f"{p['waited_tokens']} / {p['answer_ms']:.2f}" if p["waited_tokens"] else "-",
         )
     return table
 
