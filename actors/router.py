@@ -111,6 +111,8 @@ class ExpertRouter:
         # Landing reads whose key was evicted first: kept until they end (their buffers).
         self.orphans: list[Load] = []
         self.shelved_count = 0  # loads shelved as stale, still in `loads` (their keys' slots)
+        # A demand's predictions, placed once its reply is sent (`_complete`: no wait).
+        self._after_reply: tuple[Sequence[tuple[int, Sequence[int]]], int] | None = None
         table.on_evict = self._evicted
         # Bounded: a sender waits while the router is busy (compute waits anyway).
         self._requests, self._inbox = trio.open_memory_channel[_Request](16)
@@ -126,6 +128,10 @@ class ExpertRouter:
                     # The asker may have been cancelled meanwhile: the reply then waits in
                     # the buffer of a channel nobody reads, and is collected with it.
                     request.reply.send_nowait(result)
+                if self._after_reply is not None:  # a prefetch no wait needed first
+                    predictions, tick = self._after_reply
+                    self._after_reply = None
+                    await outcome.acapture(self._prefetch, predictions, tick)  # as `prefetch`'s: dropped
 
     async def _ask(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         reply, answer = trio.open_memory_channel[outcome.Outcome[Any]](1)
@@ -212,7 +218,10 @@ class ExpertRouter:
             if load is not None:
                 waits.append(load)
         if then_prefetch:
-            await self._prefetch(then_prefetch, tick)
+            if waits:  # placed before the wait: the disk starts on the next layers meanwhile
+                await self._prefetch(then_prefetch, tick)
+            else:  # nothing to wait for: placed right after the reply (the same calls in the
+                self._after_reply = (then_prefetch, tick)  # same order; the asker goes on)
         start = time.perf_counter()
         # Install in batches (each install is one MLX call with a fixed cost): once
         # every demanded load has landed, or earlier when the readers run out of
