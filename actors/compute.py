@@ -244,6 +244,12 @@ class Compute:
         self.stats.awaited_tokens += 1
         router.mlx_busy = router.reader.finisher.hold = True
         try:
+            # A landing already under way is a staging thread's DMA, which a context sync
+            # could hold up while the GPU waits on this task (and `_evicted` takes its lock):
+            # it ends first. No other starts while `hold` is set.
+            for load in [*router.loads.values(), *router.orphans]:
+                if load.land and load.started:
+                    await load.done.wait()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(run_token)
                 try:

@@ -59,7 +59,9 @@ import numpy as np
 from actors.cuda_driver import CudaDriverError, check, current, on_cuda
 from actors.mx_typed import to_int
 
-TIMEOUT_S = 60.0
+# Longer than a layer's reads take even on a slow disk; a wait that gives up only costs a
+# redo of the token per layer (a disk that hangs is the reader's retries' business).
+TIMEOUT_S = 10.0
 # A layer's mailbox, in int32 words: [published seq, answered seq, ids, extra, copies],
 # its ids, the strategy's ranking (extra), the answered slots, then the copies the answer
 # asks for (int64 triples: device address, host address, bytes). Word 0 of the first block
