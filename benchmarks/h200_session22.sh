@@ -3,7 +3,8 @@
 # installs (compute.device_wait, actors/device_wait.py), not measured on a GPU yet. One step
 # per device call (600 s at most). On the GPU host, after the bundle:
 #   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session22.sh STEP
-# x4: the 4-layer cut at 35B dims (20 s to write): the mailbox watched for a stall, then
+# x4: benchmarks/pull_probe.py (a wait with pulled copies against a DMA of the same bytes),
+#   then the 4-layer cut at 35B dims (20 s to write): the mailbox watched for a stall, then
 #   the page cache with a 128 MiB pool, --device-wait auto against off (session 21: the
 #   first version 0.51 against 47.61 tok/s, one token stalled for the 60 s timeout).
 # fast: the full 35B in the page cache (the fast-disk target: 0.85 of min(io, warm-all)),
@@ -17,6 +18,7 @@ ptx_restore
 {
 case $step in
   x4)
+    timeout 90 python3 benchmarks/pull_probe.py 2>&1 | tail -3  # the pulled copies alone, seconds
     [ -f "$DATA/c35x4.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b --max-layers 4 -o "$DATA/c35x4.qpack" 2>&1 | tail -1
     timeout 90 python3 benchmarks/device_wait_debug.py "$DATA/c35x4.qpack" --dump 60 --tokens 16 2>&1 | grep -v '^\s*$' | grep -v '\[info' | grep -v 'reader.py\|threading.py' | tail -30
     cat "$DATA"/c35x4.qpack/experts/* > /dev/null
