@@ -132,6 +132,37 @@ async def test_a_token_short_of_staging_buffers_is_redone_per_layer(tiny) -> Non
         assert_pool_clean(engine)
 
 
+async def test_an_engine_closed_while_a_token_waits_closes_at_once(tiny) -> None:
+    """Closing the engine cancels the compute task mid-token: the token's waits give up
+    (the MLX call returns), the copies it owed are made, and the close does not hang."""
+    io = FaultIO(tiny)
+    started = trio.Event()
+
+    async def generate(engine: Engine) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=64)
+        async with aclosing(engine.generate(PROMPT, params)) as events:
+            async for _ in events:
+                io.inject("slow", delay_s=0.05)
+                started.set()
+
+    with trio.fail_after(20), trio.CancelScope() as everything:
+        async with open_engine(_config(tiny, "emulate", run_ahead="off"), io=io) as engine:
+            wait = engine._core.compute.device_wait
+            assert isinstance(wait, HostWait)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(generate, engine)
+                await started.wait()
+                while True:  # a layer published and not answered: its token waits on a read
+                    seq = wait._seq
+                    if any(wait.published(row, seq) and wait.box[wait._at(row) + 1] != seq
+                           for row in range(wait.rows)):
+                        break
+                    await trio.sleep(0.0005)
+                everything.cancel()
+    assert everything.cancelled_caught
+    assert wait.aborted(seq)  # its waits were given up, so the MLX call could return
+
+
 async def test_auto_declines_off_cuda(tiny) -> None:
     async with open_engine(_config(tiny, "auto")) as engine:
         assert engine._core.compute.device_wait is None
