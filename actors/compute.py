@@ -228,21 +228,31 @@ class Compute:
         """One decode token queued whole, each MoE layer waiting for the host's slots
         (actors/awaited.py): this task answers the layers as they are published, with the
         demands the per-layer path makes, while the MLX thread runs the token. Installs
-        meanwhile are copies the GPU pulls after each answer (`ExpertRouter.mlx_busy`); a
-        buffer goes back once the next layer is published (its copies made). A layer given
-        up (an error, a timeout, `PullStarved`) is redone per layer from there."""
-        seq, misses0, router = wait.next_seq(), self.router.table.misses, self.router
+        meanwhile are copies the GPU makes (`ExpertRouter.mlx_busy`), listed for the layer
+        that waits next: while it waits, or right after its answer. A staging buffer goes
+        back once the layer after its list's is published (the list's wait has ended). A
+        layer given up (an error, a timeout, `PullStarved`) is redone per layer from there."""
+        seq, misses0, router, rows = wait.next_seq(), self.router.table.misses, self.router, len(self._row_of)
         gate = cast(awaited.GateRanking, self.strategy) if self._gate else None
         done: list[tuple[Any, Any]] = []
-        sent: list[tuple[int, int, int]] = []  # the last answer's copies, and their buffers
-        held: list[np.ndarray] = []
+        listed: dict[int, tuple[list[tuple[int, int, int]], list[np.ndarray]]] = {}  # by row
+        waiting = 0  # the row whose list installs go to (`rows`: none left, made after the token)
+
+        def pulled(copies: list[tuple[int, int, int]], buffers: list[np.ndarray]) -> None:
+            if waiting < rows:
+                wait.append(waiting, copies)
+            mine = listed.setdefault(waiting, ([], []))
+            mine[0].extend(copies)
+            mine[1].extend(buffers)
 
         async def run_token() -> None:
             done.append(await self.on_mlx(awaited.launch, wait, seq, lambda: self.model.step(
                 _ids(tokens), cache), self._row_of, gate))
 
         self.stats.awaited_tokens += 1
+        wait.begin()
         router.mlx_busy = router.reader.finisher.hold = True
+        router.pulled = pulled
         try:
             # A landing already under way is a staging thread's DMA, which a context sync
             # could hold up while the GPU waits on this task (and `_evicted` takes its lock):
@@ -256,23 +266,23 @@ class Compute:
                     for row, layer in enumerate(self._row_of):
                         if not await awaited.published(wait, row, seq):
                             break
-                        for buffer in held:  # published: the last answer's copies are made
-                            router.reader.give_back(buffer)
-                        sent, held = [], []
+                        for earlier in [r for r in listed if r < row]:  # their waits have ended
+                            for buffer in listed.pop(earlier)[1]:
+                                router.reader.give_back(buffer)
                         seen = time.perf_counter()
-                        rows, ids, preds = awaited.routed(wait, row, layer, gate)
+                        ids_rows, ids, preds = awaited.routed(wait, row, layer, gate)
                         self.tick += 1
 
-                        def answer(slot_of: np.ndarray, row: int = row, rows: np.ndarray = rows,
+                        def answer(slot_of: np.ndarray, row: int = row, ids_rows: np.ndarray = ids_rows,
                                    seen: float = seen) -> None:
-                            nonlocal sent, held
-                            sent, held = router.take_pulled()
-                            wait.answer(row, seq, slot_of[rows[0]].astype(np.int32), sent)
+                            nonlocal waiting
+                            wait.answer(row, seq, slot_of[ids_rows[0]].astype(np.int32))
+                            waiting = row + 1
                             self.stats.awaited_layers += 1
                             self.stats.awaited_host_seconds += time.perf_counter() - seen
 
                         with timeline.span("compute", "answer", layer=layer):
-                            await self._demand(Routed(layer, rows, ids, self.tick, "decode", predicted=preds),
+                            await self._demand(Routed(layer, ids_rows, ids, self.tick, "decode", predicted=preds),
                                                then=answer)
                 except PullStarved:
                     wait.abort(seq)  # redone per layer below, once the MLX call returns
@@ -281,13 +291,17 @@ class Compute:
                     raise
         finally:
             router.mlx_busy = router.reader.finisher.hold = False
-            pending, buffers = router.take_pulled()
-            if wait.aborted(seq) or pending:  # copies the GPU may not have made: made now
+            router.pulled = None
+            # Lists a wait may not have made (given up), or that no wait had (after the
+            # last answer): made now, in order, the MLX thread idle.
+            owed = [c for r in sorted(listed) if wait.aborted(seq) or r >= rows for c in listed[r][0]]
+            if owed:
                 assert router.copy_now is not None
                 with trio.CancelScope(shield=True):
-                    await router.copy_now(sent + pending)
-            for buffer in held + buffers:
-                router.reader.give_back(buffer)
+                    await router.copy_now(owed)
+            for _, buffers in listed.values():
+                for buffer in buffers:
+                    router.reader.give_back(buffer)
         step, result = done[0]
         miss = result.first_miss()
         if miss is None:

@@ -55,9 +55,12 @@ from typing import cast
 
 import mlx.core as mx
 import numpy as np
+import structlog
 
 from actors.cuda_driver import CudaDriverError, check, current, on_cuda
 from actors.mx_typed import to_int
+
+log = structlog.get_logger("moestream.device_wait")
 
 # Longer than a layer's reads take even on a slow disk; a wait that gives up only costs a
 # redo of the token per layer (a disk that hangs is the reader's retries' business).
@@ -73,58 +76,71 @@ SLOTS_AT = EXTRA_AT + MAX_EXTRA  # MAX_IDS of them: 776 + 128 <= 1024
 COPIES_AT, MAX_COPIES = 1024, 1024  # 6 words each: 1024 + 6144 <= 8192
 Copy = tuple[int, int, int]  # (device address, host address, bytes), as actors/cuda_direct.py
 
+# One block: thread 0 publishes and watches the mailbox; while the host has not answered,
+# the block's threads make the copies already listed (the reads that finished meanwhile:
+# the GPU waits anyway). Its output is the slots, then how many copies it made.
 _SOURCE = """
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
     volatile int* box = reinterpret_cast<volatile int*>(static_cast<uintptr_t>(mbox[0]));
     const int row = meta[0], seq = meta[1], n = meta[2], m = meta[3];
     const unsigned long long timeout_ns = 1000000ull * (unsigned long long)meta[4];
     volatile int* r = box + (row + 1) * WORDS;
-    for (int i = 0; i < n; ++i) r[IDS_AT + i] = ids[i];  // before any write to `slots`
-    for (int i = 0; i < m; ++i) r[EXTRA_AT + i] = extra[i];
-    for (int i = 0; i < n; ++i) slots[i] = -1;
-    if (box[0] == seq) return;  // the host gave this token up
-    r[2] = n; r[3] = m;
-    __threadfence_system();
-    r[0] = seq;
-    __threadfence_system();
+    __shared__ int state, count;  // state: 0 waiting, 1 answered, 2 given up
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < n; ++i) r[IDS_AT + i] = ids[i];  // before any write to `slots`
+        for (int i = 0; i < m; ++i) r[EXTRA_AT + i] = extra[i];
+        state = 0;
+        if (box[0] == seq) {
+            state = 2;  // the host gave this token up
+        } else {
+            r[2] = n; r[3] = m;
+            __threadfence_system();
+            r[0] = seq;
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+    int done = 0;
     unsigned long long t0, t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    while (r[1] != seq) {
-        if (box[0] == seq) return;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        if (t - t0 > timeout_ns) { box[0] = seq; box[1] += 1; return; }
-        __nanosleep(256);
+    while (state == 0) {
+        if (threadIdx.x == 0) {
+            if (r[1] == seq) state = 1;  // answered: the count read after it is final
+            else if (box[0] == seq) state = 2;
+            else {
+                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+                if (t - t0 > timeout_ns) { box[0] = seq; box[1] += 1; state = 2; }
+            }
+            __threadfence_system();
+            count = r[4];
+        }
+        __syncthreads();
+        if (state == 2) break;
+        const int upto = count;
+        for (; done < upto; ++done) copy_entry(r, done, threadIdx.x, blockDim.x);
+        __syncthreads();
+        if (state == 0 && threadIdx.x == 0) __nanosleep(512);
+        __syncthreads();
     }
-    __threadfence_system();
-    for (int i = 0; i < n; ++i) slots[i] = r[SLOTS_AT + i];
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < n; ++i) slots[i] = state == 1 ? r[SLOTS_AT + i] : -1;
+        slots[n] = done;
+    }
 """
 
-# The answer's copies, by every thread of a grid, after the wait and before any kernel
-# that reads the slots (they take this kernel's output): the GPU pulls the blobs from the
-# page-locked staging buffers, so the host's answer needs no CUDA call (a DMA of its own
-# waited behind the token: a module load or an allocation of MLX's synchronizes the
-# context while the wait spins; session 21).
+# The rest of the answer's copies, by every thread of a grid, after the wait and before
+# any kernel that reads the slots (they take this kernel's output): the GPU pulls the blobs
+# from the page-locked staging buffers, so the host's answer needs no CUDA call (a DMA of
+# its own waited behind the token: a module load or an allocation of MLX's synchronizes
+# the context while the wait spins; session 21).
 _PULL = """
     const int row = meta[0], n = meta[2];
     const unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
     const unsigned long long step = gridDim.x * (unsigned long long)blockDim.x;
     if (tid < (unsigned long long)n) slots[tid] = waited[tid];
     if (n == 0 || waited[0] < 0) return;  // given up: nothing was answered
-    volatile int* box = reinterpret_cast<volatile int*>(static_cast<uintptr_t>(mbox[0])) + (row + 1) * WORDS;
-    volatile const long long* copies = reinterpret_cast<volatile const long long*>(box + COPIES_AT);
-    const int count = box[4];
-    for (int e = 0; e < count; ++e) {
-        char* dst = reinterpret_cast<char*>(static_cast<uintptr_t>(copies[3 * e]));
-        const char* src = reinterpret_cast<const char*>(static_cast<uintptr_t>(copies[3 * e + 1]));
-        const unsigned long long bytes = copies[3 * e + 2];
-        if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) & 15) == 0) {
-            for (unsigned long long i = tid; i < bytes / 16; i += step)
-                reinterpret_cast<uint4*>(dst)[i] = __ldcv(reinterpret_cast<const uint4*>(src) + i);
-        } else {
-            for (unsigned long long i = tid; i < bytes; i += step)
-                dst[i] = reinterpret_cast<volatile const char*>(src)[i];
-        }
-    }
+    volatile int* r = reinterpret_cast<volatile int*>(static_cast<uintptr_t>(mbox[0])) + (row + 1) * WORDS;
+    const int count = r[4];
+    for (int e = waited[n]; e < count; ++e) copy_entry(r, e, tid, step);
 """
 
 _HEADER = f"""
@@ -133,6 +149,22 @@ _HEADER = f"""
 #define EXTRA_AT {EXTRA_AT}
 #define SLOTS_AT {SLOTS_AT}
 #define COPIES_AT {COPIES_AT}
+
+// Copy entry `e` of a mailbox's list (device address, host address, bytes), thread `tid`
+// of `step`: 16 bytes a load where all is aligned, the host's bytes read past the caches.
+__device__ inline void copy_entry(volatile int* r, int e, unsigned long long tid, unsigned long long step) {{
+    volatile const long long* copies = reinterpret_cast<volatile const long long*>(r + COPIES_AT);
+    char* dst = reinterpret_cast<char*>(static_cast<uintptr_t>(copies[3 * e]));
+    const char* src = reinterpret_cast<const char*>(static_cast<uintptr_t>(copies[3 * e + 1]));
+    const unsigned long long bytes = copies[3 * e + 2];
+    if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) & 15) == 0) {{
+        for (unsigned long long i = tid; i < bytes / 16; i += step)
+            reinterpret_cast<uint4*>(dst)[i] = __ldcv(reinterpret_cast<const uint4*>(src) + i);
+    }} else {{
+        for (unsigned long long i = tid; i < bytes; i += step)
+            dst[i] = reinterpret_cast<volatile const char*>(src)[i];
+    }}
+}}
 """
 
 
@@ -175,22 +207,32 @@ class Mailboxes:
         return (self.box[r + IDS_AT : r + IDS_AT + n].copy(),
                 self.box[r + EXTRA_AT : r + EXTRA_AT + m].copy())
 
-    def answer(self, row: int, seq: int, slots: np.ndarray, copies: list[Copy] | None = None) -> None:
-        """The slots of the published ids, in their order, and the copies the GPU makes
-        before any kernel reads them; the GPU goes on."""
+    def begin(self) -> None:
+        """A token starts: every layer's list of copies is empty."""
+        for row in range(self.rows):
+            self.box[self._at(row) + 4] = 0
+
+    def append(self, row: int, copies: list[Copy]) -> None:
+        """Copies for layer `row`'s wait to make (while it waits, or right after its
+        answer), before any kernel reads their slots."""
         r = self._at(row)
-        copies = copies or []
-        if len(copies) > MAX_COPIES:
-            raise ValueError(f"device wait: {len(copies)} copies exceed the mailbox ({MAX_COPIES})")
+        have = int(self.box[r + 4])
+        if have + len(copies) > MAX_COPIES:
+            raise ValueError(f"device wait: {have + len(copies)} copies exceed the mailbox ({MAX_COPIES})")
         if copies:
-            at = (r + COPIES_AT) // 2
+            at = (r + COPIES_AT) // 2 + 3 * have
             self.box.view(np.int64)[at : at + 3 * len(copies)] = np.asarray(copies, dtype=np.int64).reshape(-1)
-        self.box[r + 4] = len(copies)
+            self.box[r + 4] = have + len(copies)  # after the entries: stores reach the device in order
+
+    def answer(self, row: int, seq: int, slots: np.ndarray) -> None:
+        """The slots of the published ids, in their order (after the layer's last copies
+        were appended); the GPU goes on."""
+        r = self._at(row)
         self.box[r + SLOTS_AT : r + SLOTS_AT + slots.size] = slots
         self.box[r + 1] = seq  # after the rest: x86 stores reach the device in order
 
     def copies(self, row: int) -> list[Copy]:
-        """The copies of layer `row`'s last answer."""
+        """The copies listed for layer `row` (this token's)."""
         r = self._at(row)
         at, n = (r + COPIES_AT) // 2, int(self.box[r + 4])
         flat = self.box.view(np.int64)[at : at + 3 * n].tolist()
@@ -239,8 +281,8 @@ class DeviceWait(Mailboxes):
         n, m = flat.size, 0 if extra is None else more.size
         self._check(n, m)
         meta = mx.array([row, seq, n, m, int(timeout_s * 1000)], dtype=mx.int32)
-        waited = self._kernel(inputs=[flat, more, self._mbox, meta], grid=(32, 1, 1), threadgroup=(32, 1, 1),
-                              output_shapes=[(n,)], output_dtypes=[mx.int32])[0]
+        waited = self._kernel(inputs=[flat, more, self._mbox, meta], grid=(512, 1, 1), threadgroup=(512, 1, 1),
+                              output_shapes=[(n + 1,)], output_dtypes=[mx.int32])[0]
         out = self._pull(inputs=[waited, self._mbox, meta], grid=(256 * 128, 1, 1), threadgroup=(256, 1, 1),
                          output_shapes=[(n,)], output_dtypes=[mx.int32])[0]
         return out.reshape(ids.shape)
@@ -254,6 +296,7 @@ class HostWait(Mailboxes):
 
     def __init__(self, rows: int) -> None:
         super().__init__(np.zeros((rows + 1) * _WORDS, dtype=np.int32), rows)
+        self.copied_waiting = 0  # copies made before their layer's answer (the reads streamed)
 
     def wait_slots(self, row: int, seq: int, ids: mx.array, extra: mx.array | None = None) -> mx.array:
         mx.eval(ids, *([] if extra is None else [extra]))
@@ -268,8 +311,15 @@ class HostWait(Mailboxes):
         box[r + EXTRA_AT : r + EXTRA_AT + more.size] = more
         box[r + 2], box[r + 3] = flat.size, more.size
         box[r] = seq
-        deadline = time.monotonic() + TIMEOUT_S
-        while int(box[r + 1]) != seq:
+        deadline, done = time.monotonic() + TIMEOUT_S, 0
+        while True:  # the copies listed so far made while waiting, as the GPU's wait does
+            answered = int(box[r + 1]) == seq
+            for dst, src, nbytes in self.copies(row)[done:]:
+                ctypes.memmove(dst, src, nbytes)
+                done += 1
+                self.copied_waiting += not answered
+            if answered:
+                break
             if self.aborted(seq):
                 return mx.full(ids.shape, -1, dtype=mx.int32)
             if time.monotonic() > deadline:
@@ -277,8 +327,6 @@ class HostWait(Mailboxes):
                 box[1] += 1
                 return mx.full(ids.shape, -1, dtype=mx.int32)
             time.sleep(2e-5)
-        for dst, src, nbytes in self.copies(row):  # the GPU's pull, as a host pool takes it
-            ctypes.memmove(dst, src, nbytes)
         slots = box[r + SLOTS_AT : r + SLOTS_AT + flat.size].copy()
         return mx.array(slots).reshape(ids.shape)
 
@@ -311,7 +359,8 @@ def probe(rows: int, pool: mx.array | None = None, row_address: int = 0) -> Devi
             while time.monotonic() < deadline:
                 if wait.published(rows - 1, seq):
                     got, extra = wait.routed(rows - 1)
-                    wait.answer(rows - 1, seq, got * 10 + int(extra[0]), copies)
+                    wait.append(rows - 1, copies)
+                    wait.answer(rows - 1, seq, got * 10 + int(extra[0]))
                     return
                 time.sleep(1e-4)
             wait.abort(seq)
@@ -323,5 +372,7 @@ def probe(rows: int, pool: mx.array | None = None, row_address: int = 0) -> Devi
         want = int(pattern[:nbytes].astype(np.int64).sum())
         ok = after[0].tolist() == [[37, 17, 27]] and to_int(after[1]) == want and int(wait.box[1]) == 0
         return wait if ok else None
-    except (CudaDriverError, AttributeError, ValueError, TypeError, RuntimeError):
+    except (CudaDriverError, AttributeError, ValueError, TypeError, RuntimeError) as exc:
+        # A kernel that does not compile says why here (the engine steps per layer).
+        log.warning("device_wait.probe_failed", error=str(exc)[:2000])
         return None

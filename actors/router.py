@@ -101,13 +101,14 @@ class ExpertRouter:
         self.landing_safe = False
         # The MLX thread is running a token that waits on the GPU for this router's answers
         # (actors/device_wait.py): an install then only becomes copies (`pull`: (device
-        # address, host address, bytes) per tensor) that the GPU makes after the next
-        # answer, before any kernel reads the slots; the staging buffers are kept until
-        # then (`take_pulled`), and nothing here makes a CUDA call the token could block.
+        # address, host address, bytes) per tensor) handed with their staging buffers to
+        # `pulled` (the compute lists them for the GPU, which makes them before any kernel
+        # reads the slots, and gives the buffers back after); nothing here makes a CUDA
+        # call the token could block. Installs then go as each read ends (they stream).
         self.mlx_busy = False
         self.pull: Callable[[list[Install]], list[tuple[int, int, int]]] | None = None
+        self.pulled: Callable[[list[tuple[int, int, int]], list[np.ndarray]], None] | None = None
         self.copy_now: Callable[[list[tuple[int, int, int]]], Awaitable[None]] | None = None  # MLX idle
-        self._pulled: tuple[list[tuple[int, int, int]], list[np.ndarray]] = ([], [])
         # Landing reads whose key was evicted first: kept until they end (their buffers).
         self.orphans: list[Load] = []
         self.shelved_count = 0  # loads shelved as stale, still in `loads` (their keys' slots)
@@ -229,7 +230,7 @@ class ExpertRouter:
         with timeline.span("router", "stall", layer=layer, misses=len(waits)):
             while True:
                 all_done = all(load.done.is_set() for load in waits)
-                if all_done or self.reader.starved:
+                if all_done or self.reader.starved or self.mlx_busy:
                     installed = await self.install_finished()
                     if self.mlx_busy and self.reader.starved and any(not load.started for load in waits):
                         # Pulled installs keep their buffers until the next answer, which
@@ -272,9 +273,8 @@ class ExpertRouter:
         if not installs:
             return len(landed)
         if self.mlx_busy:  # ready now: the bytes arrive before any kernel can read them
-            assert self.pull is not None, "a token waits on the GPU without pulled installs"
-            self._pulled[0].extend(self.pull(installs))
-            self._pulled[1].extend(buffers)
+            assert self.pull is not None and self.pulled is not None, "a token waits without pulled installs"
+            self.pulled(self.pull(installs), buffers)
             self.stats.pulled += len(installs)
             for key in keys:
                 self.table.mark_ready(key)
@@ -294,12 +294,6 @@ class ExpertRouter:
             if key in self.table:
                 self.table.mark_ready(key)
         return len(installs) + len(landed)
-
-    def take_pulled(self) -> tuple[list[tuple[int, int, int]], list[np.ndarray]]:
-        """The copies installs asked for since the last call, and the staging buffers they
-        read (to be given back once the GPU has made them)."""
-        pulled, self._pulled = self._pulled, ([], [])
-        return pulled
 
     async def _prefetch(self, predictions: Sequence[tuple[int, Sequence[int]]], tick: int) -> None:
         if self.shelved_count:  # predicted again: back on the queue (the table kept them)

@@ -27,12 +27,14 @@ from actors.device_wait import Copy, DeviceWait  # noqa: E402
 def waited(wait: DeviceWait, copies: list[Copy]) -> float:
     """One wait answered by a host thread with `copies`; seconds until MLX returns."""
     seq = wait.next_seq()
+    wait.begin()
     slots = wait.wait_slots(0, seq, mx.array([[1, 2, 3]], dtype=mx.int32))
 
     def host() -> None:
         while not wait.published(0, seq):
             time.sleep(1e-5)
-        wait.answer(0, seq, np.array([5, 6, 7], dtype=np.int32), copies)
+        wait.append(0, copies)
+        wait.answer(0, seq, np.array([5, 6, 7], dtype=np.int32))
 
     helper = threading.Thread(target=host)
     helper.start()

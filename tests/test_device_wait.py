@@ -74,6 +74,9 @@ async def test_waited_tokens_equal_stepped_ones_bit_for_bit(tiny, strategy) -> N
             assert (spent.awaited_tokens > 0) == (wait == "emulate"), spent
             # The reads a waiting token installs are copies made after its answers.
             assert (engine._core.router.stats.pulled > 0) == (wait == "emulate")
+            waiter = engine._core.compute.device_wait
+            # ... some of them while their layer still waited (listed as each read ended).
+            assert wait == "off" or (isinstance(waiter, HostWait) and waiter.copied_waiting > 0)
             assert (spent.awaited_host_seconds > 0) == (spent.awaited_layers > 0) == (wait == "emulate")
             assert_pool_clean(engine)
     assert runs["emulate"] == runs["off"]
@@ -189,9 +192,13 @@ def test_the_mailbox_protocol() -> None:
     ids, extra = box.routed(1)
     assert ids.tolist() == [7, 9] and extra.tolist() == [5]
     copies = [(1 << 40, 1 << 33, 4096), (123, 456, 7)]
-    box.answer(1, seq, np.array([3, 4], dtype=np.int32), copies)
+    box.append(1, copies[:1])
+    box.append(1, copies[1:])  # listed as reads end: in order
+    box.answer(1, seq, np.array([3, 4], dtype=np.int32))
     assert box.copies(1) == copies and box.box[r + 1] == seq
     with pytest.raises(ValueError, match="exceed the mailbox"):
-        box.answer(1, seq, np.array([3], dtype=np.int32), [(0, 0, 1)] * 5000)
+        box.append(1, [(0, 0, 1)] * 5000)
+    box.begin()  # the next token's lists start empty
+    assert box.copies(1) == []
     box.abort(seq)
     assert box.aborted(seq) and not box.aborted(box.next_seq())
