@@ -10,10 +10,11 @@ router and its expert matmuls that
 
 1. writes the layer's chosen ids (and the gate strategy's ranking for the next layers)
    into page-locked host memory, the layer's mailbox, and marks it published;
-2. spins (on the GPU) until the host answers with each id's pool slot and the copies
-   that install the reads finished since the last answer (pool address, staging buffer
-   address, bytes), then a second kernel makes those copies, pulling the blobs from the
-   page-locked staging buffers, and outputs the slots.
+2. spins (on the GPU) until the host answers with each id's pool slot; meanwhile its
+   threads make the copies the host lists for that layer as reads end (pool address,
+   staging buffer address, bytes: the installs), pulling the blobs from the page-locked
+   staging buffers, so the copies fill the time the GPU waits anyway; a second kernel, on
+   the whole grid, makes the ones listed last, and outputs the slots.
 
 The host side (`actors/awaited.py`, `Compute._queued_whole`) polls the mailboxes from the
 compute task, demands each layer's experts from the router as the per-layer path does
