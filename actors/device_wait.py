@@ -100,10 +100,10 @@ _SOURCE = """
         }
     }
     __syncthreads();
-    int done = 0;
+    int done = 0, s = state;
     unsigned long long t0, t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    while (state == 0) {
+    while (s == 0) {
         if (threadIdx.x == 0) {
             if (r[1] == seq) state = 1;  // answered: the count read after it is final
             else if (box[0] == seq) state = 2;
@@ -115,15 +115,15 @@ _SOURCE = """
             count = r[4];
         }
         __syncthreads();
-        if (state == 2) break;
+        s = state;
         const int upto = count;
+        __syncthreads();  // every thread has read them before thread 0 may change them
+        if (s == 2) break;
         for (; done < upto; ++done) copy_entry(r, done, threadIdx.x, blockDim.x);
-        __syncthreads();
-        if (state == 0 && threadIdx.x == 0) __nanosleep(512);
-        __syncthreads();
+        if (s == 0 && threadIdx.x == 0) __nanosleep(512);
     }
     if (threadIdx.x == 0) {
-        for (int i = 0; i < n; ++i) slots[i] = state == 1 ? r[SLOTS_AT + i] : -1;
+        for (int i = 0; i < n; ++i) slots[i] = s == 1 ? r[SLOTS_AT + i] : -1;
         slots[n] = done;
     }
 """
