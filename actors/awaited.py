@@ -75,8 +75,8 @@ def routed(wait: Mailboxes, row: int, layer: int,
     """A published layer: its ids as rows (one token), each expert once in order, and the
     gate's prediction for the next layers (None: the prefetch task predicts)."""
     ids, ranked = wait.routed(row)
-    rows = ids.reshape(1, -1)  # one token of one sequence (`one_row`)
+    chosen = [int(e) for e in ids]  # one token of one sequence (`one_row`)
     if gate is None:
-        return rows, list(dict.fromkeys(int(e) for e in ids)), None
-    gate.observe(layer, [int(e) for e in ids])
-    return rows, list(dict.fromkeys(int(e) for e in ids)), gate.predict_ranked(layer, ranked)
+        return ids.reshape(1, -1), list(dict.fromkeys(chosen)), None
+    gate.observe(layer, chosen)
+    return ids.reshape(1, -1), list(dict.fromkeys(chosen)), gate.predict_ranked(layer, ranked)

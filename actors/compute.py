@@ -106,7 +106,7 @@ class Compute:
         self.token_hooks: list[Callable[[Phase], None]] = []
         self._row_of = {layer: i for i, layer in enumerate(moe_layers)}
         # Decode tokens queued whole, the GPU waiting for their reads (actors/awaited.py):
-        # set by the engine where the probe passed (CUDA, direct installs, landing).
+        # set by the engine where the probe passed (CUDA's direct path) or emulated.
         self.device_wait: Mailboxes | None = None
         self._map: mx.array | None = None
         self._map_version = -1

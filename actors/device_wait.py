@@ -315,10 +315,11 @@ class HostWait(Mailboxes):
         deadline, done = time.monotonic() + TIMEOUT_S, 0
         while True:  # the copies listed so far made while waiting, as the GPU's wait does
             answered = int(box[r + 1]) == seq
-            for dst, src, nbytes in self.copies(row)[done:]:
-                ctypes.memmove(dst, src, nbytes)
-                done += 1
-                self.copied_waiting += not answered
+            if int(box[r + 4]) > done:  # listed since the last look
+                for dst, src, nbytes in self.copies(row)[done:]:
+                    ctypes.memmove(dst, src, nbytes)
+                    done += 1
+                    self.copied_waiting += not answered
             if answered:
                 break
             if self.aborted(seq):

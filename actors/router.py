@@ -233,8 +233,8 @@ class ExpertRouter:
                 if all_done or self.reader.starved or self.mlx_busy:
                     installed = await self.install_finished()
                     if self.mlx_busy and self.reader.starved and any(not load.started for load in waits):
-                        # Pulled installs keep their buffers until the next answer, which
-                        # this demand cannot give: the token waiting on the GPU gives up.
+                        # Pulled installs keep their buffers until the GPU's wait that lists
+                        # them has ended, which needs this demand's answer: the token gives up.
                         raise PullStarved(f"layer {layer}: every staging buffer is held by a pulled install")
                     if all_done:
                         break

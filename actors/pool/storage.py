@@ -206,7 +206,7 @@ class PoolStorage:
         """GPU installs by DMA from the (pinned) staging buffers, on the MLX thread
         (actors/cuda_direct.py says why that is safe)."""
         assert self.direct is not None, "install_direct needs a probed DirectWriter"
-        self.direct.write(direct_copies(self.layout, self.direct.base, items, self._layer_format))
+        self.direct.write(self.copy_ranges(items))
 
     def copy_ranges(self, items: Sequence[tuple[int, np.ndarray]]) -> list[tuple[int, int, int]]:
         """The copies (pool address, blob address, bytes) that install `items`: DMAs on the
