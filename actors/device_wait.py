@@ -11,10 +11,10 @@ router and its expert matmuls that
 1. writes the layer's chosen ids (and the gate strategy's ranking for the next layers)
    into page-locked host memory, the layer's mailbox, and marks it published;
 2. spins (on the GPU) until the host answers with each id's pool slot; meanwhile its
-   threads make the copies the host lists for that layer as reads end (pool address,
+   grid makes the copies the host lists for that layer as reads end (pool address,
    staging buffer address, bytes: the installs), pulling the blobs from the page-locked
-   staging buffers, so the copies fill the time the GPU waits anyway; a second kernel, on
-   the whole grid, makes the ones listed last, and outputs the slots.
+   staging buffers, so the copies fill the time the GPU waits anyway; it makes the ones
+   listed last, and outputs the slots, before it ends.
 
 The host side (`actors/awaited.py`, `Compute._queued_whole`) polls the mailboxes from the
 compute task, demands each layer's experts from the router as the per-layer path does
@@ -76,72 +76,84 @@ EXTRA_AT, MAX_EXTRA = IDS_AT + MAX_IDS, 640
 SLOTS_AT = EXTRA_AT + MAX_EXTRA  # MAX_IDS of them: 776 + 128 <= 1024
 COPIES_AT, MAX_COPIES = 1024, 1024  # 6 words each: 1024 + 6144 <= 8192
 Copy = tuple[int, int, int]  # (device address, host address, bytes), as actors/cuda_direct.py
+# The wait's grid: every block resident at once on any GPU this runs on (an H200 has 132
+# SMs), so none waits for a slot while the lead block it follows waits for it.
+_BLOCKS, _THREADS = 128, 256
 
-# One block: thread 0 publishes and watches the mailbox; while the host has not answered,
-# the block's threads make the copies already listed (the reads that finished meanwhile:
-# the GPU waits anyway). Its output is the slots, then how many copies it made.
+# A grid: block 0's thread 0 publishes and watches the mailbox and decides (answered,
+# given up), the other blocks follow its decision through `ctl` (device memory, not the
+# host's: one poller crosses PCIe); while the host has not answered, every thread makes the
+# copies already listed (the reads that finished meanwhile: the GPU waits anyway), then the
+# rest once it has. One block alone pulled 5.7 GB/s (session 22: a block's 512 loads in
+# flight are latency-bound); the grid's are not. The copies are made before the kernel
+# ends, so before any kernel that reads the slots.
 _SOURCE = """
     volatile int* box = reinterpret_cast<volatile int*>(static_cast<uintptr_t>(mbox[0]));
+    volatile int* c = ctl;  // [decision, copies listed], zeroed by the launch
     const int row = meta[0], seq = meta[1], n = meta[2], m = meta[3];
     const unsigned long long timeout_ns = 1000000ull * (unsigned long long)meta[4];
+    const bool lead = blockIdx.x == 0;
     volatile int* r = box + (row + 1) * WORDS;
     __shared__ int state, count;  // state: 0 waiting, 1 answered, 2 given up
+    __shared__ long long entries[3 * MAX_COPIES];  // 24 KiB: the copies' list
     if (threadIdx.x == 0) {
-        for (int i = 0; i < n; ++i) r[IDS_AT + i] = ids[i];  // before any write to `slots`
-        for (int i = 0; i < m; ++i) r[EXTRA_AT + i] = extra[i];
         state = 0;
-        if (box[0] == seq) {
-            state = 2;  // the host gave this token up
-        } else {
-            r[2] = n; r[3] = m;
-            __threadfence_system();
-            r[0] = seq;
-            __threadfence_system();
+        if (lead) {
+            for (int i = 0; i < n; ++i) r[IDS_AT + i] = ids[i];
+            for (int i = 0; i < m; ++i) r[EXTRA_AT + i] = extra[i];
+            if (box[0] != seq) {  // else the host gave this token up already
+                r[2] = n; r[3] = m;
+                __threadfence_system();
+                r[0] = seq;
+                __threadfence_system();
+            }
         }
     }
     __syncthreads();
-    int done = 0, s = state;
+    const unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    const unsigned long long step = gridDim.x * (unsigned long long)blockDim.x;
+    int done = 0, s = 0;
     unsigned long long t0, t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    while (s == 0) {
+    while (true) {
         if (threadIdx.x == 0) {
-            if (r[1] == seq) state = 1;  // answered: the count read after it is final
-            else if (box[0] == seq) state = 2;
-            else {
-                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-                if (t - t0 > timeout_ns) { box[0] = seq; box[1] += 1; state = 2; }
+            if (lead) {
+                int d = 0;
+                // An abort seen after the answer is still an answer (the host answers first).
+                if (box[0] == seq) d = r[1] == seq ? 1 : 2;
+                else if (r[1] == seq) d = 1;  // the count read after it is final
+                else {
+                    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+                    if (t - t0 > timeout_ns) { box[0] = seq; box[1] += 1; d = 2; }
+                }
+                __threadfence_system();
+                const int listed = r[4];
+                c[1] = listed;
+                __threadfence();
+                if (d) c[0] = d;  // after the count: a follower that sees it reads the final count
+                state = d; count = listed;
+            } else {
+                const int d = c[0];
+                __threadfence();
+                state = d; count = c[1];
             }
-            __threadfence_system();
-            count = r[4];
         }
         __syncthreads();
         s = state;
         const int upto = count;
         __syncthreads();  // every thread has read them before thread 0 may change them
         if (s == 2) break;
-        for (; done < upto; ++done) copy_entry(r, done, threadIdx.x, blockDim.x);
-        if (s == 0 && threadIdx.x == 0) __nanosleep(512);
+        if (upto > done) {  // the entries listed since the last look, read from the host once
+            volatile const long long* listed = reinterpret_cast<volatile const long long*>(r + COPIES_AT);
+            for (int i = 3 * done + threadIdx.x; i < 3 * upto; i += blockDim.x) entries[i] = listed[i];
+            __syncthreads();
+            for (; done < upto; ++done) copy_entry(entries, done, tid, step);
+        }
+        if (s == 1) break;
+        if (threadIdx.x == 0) __nanosleep(lead ? 256 : 1024);
     }
-    if (threadIdx.x == 0) {
+    if (lead && threadIdx.x == 0)
         for (int i = 0; i < n; ++i) slots[i] = s == 1 ? r[SLOTS_AT + i] : -1;
-        slots[n] = done;
-    }
-"""
-
-# The rest of the answer's copies, by every thread of a grid, after the wait and before
-# any kernel that reads the slots (they take this kernel's output): the GPU pulls the blobs
-# from the page-locked staging buffers, so the host's answer needs no CUDA call (a DMA of
-# its own waited behind the token: a module load or an allocation of MLX's synchronizes
-# the context while the wait spins; session 21).
-_PULL = """
-    const int row = meta[0], n = meta[2];
-    const unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-    const unsigned long long step = gridDim.x * (unsigned long long)blockDim.x;
-    if (tid < (unsigned long long)n) slots[tid] = waited[tid];
-    if (n == 0 || waited[0] < 0) return;  // given up: nothing was answered
-    volatile int* r = reinterpret_cast<volatile int*>(static_cast<uintptr_t>(mbox[0])) + (row + 1) * WORDS;
-    const int count = r[4];
-    for (int e = waited[n]; e < count; ++e) copy_entry(r, e, tid, step);
 """
 
 _HEADER = f"""
@@ -150,11 +162,13 @@ _HEADER = f"""
 #define EXTRA_AT {EXTRA_AT}
 #define SLOTS_AT {SLOTS_AT}
 #define COPIES_AT {COPIES_AT}
+#define MAX_COPIES {MAX_COPIES}
 
-// Copy entry `e` of a mailbox's list (device address, host address, bytes), thread `tid`
-// of `step`: 16 bytes a load where all is aligned, the host's bytes read past the caches.
-__device__ inline void copy_entry(volatile int* r, int e, unsigned long long tid, unsigned long long step) {{
-    volatile const long long* copies = reinterpret_cast<volatile const long long*>(r + COPIES_AT);
+// Copy entry `e` of a list (device address, host address, bytes) held in the block's shared
+// memory, thread `tid` of `step`: 16 bytes a load where all is aligned, the host's bytes
+// read past the caches. (Every thread reading the list from the host's memory itself cost
+// a PCIe round trip per thread per entry: 1.0 GB/s for a grid's copies, session 22.)
+__device__ inline void copy_entry(const long long* copies, int e, unsigned long long tid, unsigned long long step) {{
     char* dst = reinterpret_cast<char*>(static_cast<uintptr_t>(copies[3 * e]));
     const char* src = reinterpret_cast<const char*>(static_cast<uintptr_t>(copies[3 * e + 1]));
     const unsigned long long bytes = copies[3 * e + 2];
@@ -266,11 +280,8 @@ class DeviceWait(Mailboxes):
         self._mbox = mx.array([self.box.ctypes.data], dtype=mx.int64)
         self._none = mx.zeros((1,), dtype=mx.int32)
         self._kernel = cast(Callable[..., list[mx.array]], mx.fast.cuda_kernel(
-            name="moestream_wait_slots", input_names=["ids", "extra", "mbox", "meta"],
-            output_names=["slots"], source=_SOURCE, header=_HEADER))
-        self._pull = cast(Callable[..., list[mx.array]], mx.fast.cuda_kernel(
-            name="moestream_pull_copies", input_names=["waited", "mbox", "meta"],
-            output_names=["slots"], source=_PULL, header=_HEADER))
+            name="moestream_wait_grid", input_names=["ids", "extra", "mbox", "meta"],
+            output_names=["slots", "ctl"], source=_SOURCE, header=_HEADER))
 
     def wait_slots(self, row: int, seq: int, ids: mx.array, extra: mx.array | None = None) -> mx.array:
         return self.wait_within(row, seq, ids, extra, TIMEOUT_S)
@@ -282,10 +293,9 @@ class DeviceWait(Mailboxes):
         n, m = flat.size, 0 if extra is None else more.size
         self._check(n, m)
         meta = mx.array([row, seq, n, m, int(timeout_s * 1000)], dtype=mx.int32)
-        waited = self._kernel(inputs=[flat, more, self._mbox, meta], grid=(512, 1, 1), threadgroup=(512, 1, 1),
-                              output_shapes=[(n + 1,)], output_dtypes=[mx.int32])[0]
-        out = self._pull(inputs=[waited, self._mbox, meta], grid=(256 * 128, 1, 1), threadgroup=(256, 1, 1),
-                         output_shapes=[(n,)], output_dtypes=[mx.int32])[0]
+        out = self._kernel(inputs=[flat, more, self._mbox, meta], grid=(_THREADS * _BLOCKS, 1, 1),
+                           threadgroup=(_THREADS, 1, 1), output_shapes=[(n,), (2,)],
+                           output_dtypes=[mx.int32, mx.int32], init_value=0)[0]
         return out.reshape(ids.shape)
 
 
@@ -352,9 +362,12 @@ def probe(rows: int, pool: mx.array | None = None, row_address: int = 0) -> Devi
         pin(pattern)
         copies = [(row_address, pattern.ctypes.data, nbytes)] if pool is not None else []
         slots = wait.wait_within(rows - 1, seq, ids, mx.array([7], dtype=mx.int32), 10.0)
+        # The row's index comes out of the wait's slots: read only after the wait and its copy
+        # (an index of its own lets MLX schedule the read first).
+        last = slots.reshape(-1)[:1] * 0 + (0 if pool is None else pool.shape[0] - 1)
         seen = mx.zeros((1,), dtype=mx.int64) if pool is None else mx.take(
-            pool, mx.array([pool.shape[0] - 1]), axis=0).reshape(-1).view(mx.uint8).astype(mx.int64).sum()
-        after = [slots, seen + 0 * slots.sum()]  # the row read only after the wait and its copy
+            pool, last, axis=0).reshape(-1).view(mx.uint8).astype(mx.int64).sum()
+        after = [slots, seen]
 
         def host() -> None:
             deadline = time.monotonic() + 30.0
@@ -372,8 +385,12 @@ def probe(rows: int, pool: mx.array | None = None, row_address: int = 0) -> Devi
         mx.eval(after)
         helper.join()
         want = int(pattern[:nbytes].astype(np.int64).sum())
-        ok = after[0].tolist() == [[37, 17, 27]] and to_int(after[1]) == want and int(wait.box[1]) == 0
-        return wait if ok else None
+        got_slots, seen_sum, timeouts = after[0].tolist(), to_int(after[1]), int(wait.box[1])
+        if got_slots == [[37, 17, 27]] and seen_sum == want and timeouts == 0:
+            return wait
+        log.warning("device_wait.probe_mismatch", slots=got_slots, row_sum=seen_sum, want=want,
+                    timeouts=timeouts, row_bytes=nbytes)
+        return None
     except (CudaDriverError, AttributeError, ValueError, TypeError, RuntimeError) as exc:
         # A kernel that does not compile says why here (the engine steps per layer).
         log.warning("device_wait.probe_failed", error=str(exc)[:2000])

@@ -407,7 +407,10 @@ class ExpertRouter:
                 await self.install_finished()
                 if not self.loads and not self.orphans:
                     break
-                await self.reader.wait_any()
+                # One that finished during the install's await would wake no `wait_any`: it
+                # waited out the timeout (2 s at the end of a generation; session 22).
+                if not any(load.done.is_set() for load in [*self.loads.values(), *self.orphans]):
+                    await self.reader.wait_any()
         if waited.cancelled_caught:
             log.warning("router.settle_timed_out", in_flight=len(self.loads),
                         seconds=self.settle_timeout_s)

@@ -42,6 +42,17 @@ case $step in
     bench 150 c35-cal-off c35 "${cold[@]}" --routing calibrated-gate --cases default
     same "$OUT"/c35-random.json "$OUT"/c35-random-off.json
     pack ;;
+  debug)  # a stalled decode: the probe then per-layer steps, the emulated wait, the real one
+    [ -f "$DATA/c35x4.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b --max-layers 4 -o "$DATA/c35x4.qpack" 2>&1 | tail -1
+    for a in "--drop" "--mode emulate" "--mode auto"; do
+      echo "=== $a"
+      timeout 60 python3 benchmarks/device_wait_debug.py "$DATA/c35x4.qpack" --dump 25 --tokens 8 $a 2>&1 | grep -v '^\s*$' |
+        grep -v 'reader.py\|threading.py\|engine.open\|^Thread\|mlx_worker.py", line 64' | cut -c1-300 | tail -14
+    done ;;
+  stuck)  # a settle that timed out: the load it waited for, and every thread's stack
+    [ -f "$DATA/c35x4.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b --max-layers 4 -o "$DATA/c35x4.qpack" 2>&1 | tail -1
+    timeout 60 python3 benchmarks/device_wait_debug.py "$DATA/c35x4.qpack" --dump 40 --tokens 16 2>&1 | grep -v '^\s*$' |
+      grep -v 'engine.open\|queue_depth\|line 64 in _loop\|^Thread 0x' | cut -c1-400 | head -60 ;;
   check)
     timeout 550 python3 benchmarks/device_wait_check.py --dir "$DATA/wait" --families qwen3_5_moe 2>&1 | grep '^{' | head -1 | cut -c1-400 ;;
 esac
