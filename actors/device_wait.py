@@ -39,7 +39,9 @@ a cancellation, no staging buffer left for a read) outputs slot -1 for its layer
 every later one, as a run-ahead's missing expert does: the copies it may not have made
 are made once the MLX call returns, and the token is redone from there, layer by layer.
 Measured (benchmarks/await_probe.py, H200, 2026-12-04): a host answer per layer costs
-~47 us of GPU time, 40 layers 1.9 ms a token, against 13.7 ms stepped per layer.
+~47 us of GPU time, 40 layers 1.9 ms a token, against 13.7 ms stepped per layer. In the
+engine (session 22, docs/results.md): tokens equal to stepping's, 1.13x on a 4-layer cut
+and 0.90-0.95x on the full 35B, where the host's answer (~1.4 ms a layer) is the cost.
 
 CUDA only (`probe` says where it works); page-locked through the CUDA driver
 (actors/cuda_driver.py), addressed by the GPU at the same address (unified addressing).

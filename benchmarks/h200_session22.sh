@@ -39,7 +39,7 @@ case $step in
     bench 200 c35-random c35 "${cold[@]}" --cases default,io --device-wait auto
     bench 120 c35-random-off c35 "${cold[@]}" --cases default
     bench 150 c35-cal c35 "${cold[@]}" --routing calibrated-gate --cases default --device-wait auto
-    bench 150 c35-cal-off c35 "${cold[@]}" --routing calibrated-gate --cases default
+    bench 150 c35-cal-off c35 "${cold[@]}" --routing calibrated-gate --cases default,io
     same "$OUT"/c35-random.json "$OUT"/c35-random-off.json
     pack ;;
   debug)  # a stalled decode: the probe then per-layer steps, the emulated wait, the real one
