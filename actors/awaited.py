@@ -2,7 +2,7 @@
 
 The host side of `actors/device_wait.py`. The MLX thread builds and evaluates the token
 (`launch`: `ForwardStep.launch_with`, each layer's slots from a wait) while the compute
-task (`Compute._queued_whole`) serves the layers as they are published: for each MoE layer
+task (`queued_whole`) serves the layers as they are published: for each MoE layer
 in order it reads the chosen ids and a gate strategy's ranking of the next layers
 (`routed`), makes the demand the per-layer path makes (the pool, the prefetch orders and
 `replay` see the same requests in the same order), and answers with the slots. Nothing on
@@ -12,15 +12,20 @@ answered, so installs go off its thread meanwhile (`ExpertRouter.mlx_busy`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 import numpy as np
 import trio
 
+from actors import timeline
 from actors.device_wait import Mailboxes
+from actors.prefetch.actor import Routed
 from actors.prefetch.strategies import Prediction
+from actors.router import ExpertRouter, PullStarved
+from actors.run_ahead import RunAheadPolicy
 
 
 class GateRanking(Protocol):
@@ -80,3 +85,120 @@ def routed(wait: Mailboxes, row: int, layer: int,
         return ids.reshape(1, -1), list(dict.fromkeys(chosen)), None
     gate.observe(layer, chosen)
     return ids.reshape(1, -1), list(dict.fromkeys(chosen)), gate.predict_ranked(layer, ranked)
+
+
+class AwaitStats(Protocol):
+    awaited_tokens: int
+    awaited_given_up: int
+    awaited_layers: int
+    awaited_host_seconds: float
+
+
+class Host(Protocol):
+    """What `queued_whole` needs of the compute actor (actors/compute.py)."""
+
+    router: ExpertRouter
+    tick: int
+    run_ahead: RunAheadPolicy
+
+    @property
+    def stats(self) -> AwaitStats: ...
+
+    @property
+    def layer_rows(self) -> dict[int, int]: ...
+
+    @property
+    def gate_ranking(self) -> GateRanking | None: ...
+
+    async def on_mlx(self, fn: Any, *args: Any) -> Any: ...
+
+    async def demand_layer(self, routed: Routed, then: Callable[[np.ndarray], None] | None = None) -> np.ndarray: ...
+
+    async def finish_from(self, step: Any, miss: int, phase: Any) -> mx.array: ...
+
+
+async def queued_whole(compute: Host, wait: Mailboxes, make_step: Callable[[], Any]) -> mx.array:
+    """One decode token (`make_step()`, on the MLX thread) queued whole, each MoE layer
+    waiting for the host's slots: the compute task answers the layers as they are
+    published, with the demands the per-layer path makes, while the MLX thread runs the
+    token. Installs
+    meanwhile are copies the GPU makes (`ExpertRouter.mlx_busy`), listed for the layer
+    that waits next: while it waits, or right after its answer. A staging buffer goes
+    back once the layer after its list's is published (the list's wait has ended). A
+    layer given up (an error, a timeout, `PullStarved`) is redone per layer from there."""
+    router, row_of = compute.router, compute.layer_rows
+    seq, misses0, rows, gate = wait.next_seq(), router.table.misses, len(row_of), compute.gate_ranking
+    done: list[tuple[Any, Any]] = []
+    listed: dict[int, tuple[list[tuple[int, int, int]], list[np.ndarray]]] = {}  # by row
+    waiting = 0  # the row whose list installs go to (`rows`: none left, made after the token)
+
+    def pulled(copies: list[tuple[int, int, int]], buffers: list[np.ndarray]) -> None:
+        if waiting < rows:
+            wait.append(waiting, copies)
+        mine = listed.setdefault(waiting, ([], []))
+        mine[0].extend(copies)
+        mine[1].extend(buffers)
+
+    async def run_token() -> None:
+        done.append(await compute.on_mlx(launch, wait, seq, make_step, row_of, gate))
+
+    compute.stats.awaited_tokens += 1
+    wait.begin()
+    router.mlx_busy = router.reader.finisher.hold = True
+    router.pulled = pulled
+    try:
+        # A landing already under way is a staging thread's DMA, which a context sync
+        # could hold up while the GPU waits on this task (and `_evicted` takes its lock):
+        # it ends first. No other starts while `hold` is set.
+        for load in [*router.loads.values(), *router.orphans]:
+            if load.land and load.started:
+                await load.done.wait()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_token)
+            try:
+                for row, layer in enumerate(row_of):
+                    if not await published(wait, row, seq):
+                        break
+                    for earlier in [r for r in listed if r < row]:  # their waits have ended
+                        for buffer in listed.pop(earlier)[1]:
+                            router.reader.give_back(buffer)
+                    seen = time.perf_counter()
+                    ids_rows, ids, preds = routed(wait, row, layer, gate)
+                    compute.tick += 1
+
+                    def answer(slot_of: np.ndarray, row: int = row, ids_rows: np.ndarray = ids_rows,
+                               seen: float = seen) -> None:
+                        nonlocal waiting
+                        wait.answer(row, seq, slot_of[ids_rows[0]].astype(np.int32))
+                        waiting = row + 1
+                        compute.stats.awaited_layers += 1
+                        compute.stats.awaited_host_seconds += time.perf_counter() - seen
+
+                    with timeline.span("compute", "answer", layer=layer):
+                        routed_layer = Routed(layer, ids_rows, ids, compute.tick, "decode", predicted=preds)
+                        await compute.demand_layer(routed_layer, then=answer)
+            except PullStarved:
+                wait.abort(seq)  # redone per layer below, once the MLX call returns
+            except BaseException:
+                wait.abort(seq)  # every wait of the token gives up; the MLX call returns
+                raise
+    finally:
+        router.mlx_busy = router.reader.finisher.hold = False
+        router.pulled = None
+        # Lists a wait may not have made (given up), or that no wait had (after the
+        # last answer): made now, in order, the MLX thread idle.
+        owed = [c for r in sorted(listed) if wait.aborted(seq) or r >= rows for c in listed[r][0]]
+        if owed:
+            assert router.copy_now is not None
+            with trio.CancelScope(shield=True):
+                await router.copy_now(owed)
+        for _, buffers in listed.values():
+            for buffer in buffers:
+                router.reader.give_back(buffer)
+    step, result = done[0]
+    miss = result.first_miss()
+    if miss is None:
+        compute.run_ahead.after_layered(hit=router.table.misses == misses0)
+        return cast(mx.array, result.logits)
+    compute.stats.awaited_given_up += 1
+    return await compute.finish_from(step, miss, "decode")

@@ -22,7 +22,6 @@ from typing import Any, Literal, cast
 
 import mlx.core as mx
 import numpy as np
-import trio
 
 from actors import awaited, timeline
 from actors.device_wait import Mailboxes
@@ -32,7 +31,7 @@ from actors.pair_step import PairStep
 from actors.prefetch import PrefetchScorer, PrefetchStrategy
 from actors.prefetch.actor import Prefetcher, Routed, TokenStart
 from actors.prefetch.strategies import as_prediction
-from actors.router import ExpertRouter, PullStarved
+from actors.router import ExpertRouter
 from actors.routing_trace import TraceRecorder
 from actors.run_ahead import RunAheadPolicy
 
@@ -115,6 +114,11 @@ class Compute:
         # prefetch task.
         self._gate = bool(getattr(strategy, "needs_model", False))
         self.prefetcher = Prefetcher(strategy, scorer, router, recorder, gate=self._gate)
+
+    @property
+    def gate_ranking(self) -> awaited.GateRanking | None:
+        """The strategy, where it predicts on the MLX thread from the model's gates."""
+        return cast(awaited.GateRanking, self.strategy) if self._gate else None
 
     @property
     def layer_rows(self) -> dict[int, int]:
@@ -211,7 +215,8 @@ class Compute:
             return await self.finish_from(step, miss, phase)
         if (self.device_wait is not None and phase == "decode" and not all_positions
                 and awaited.one_row(tokens)):
-            return await self._queued_whole(self.device_wait, tokens, cache)
+            return await awaited.queued_whole(
+                self, self.device_wait, lambda: self.model.step(_ids(tokens), cache))
         # A prompt's chunk wants the disk's bandwidth: the reader's bulk lane reads too.
         with self.router.reader.bulk(phase == "prefill" and _count(tokens) > 1):
             step, routing, preds = await self.on_mlx(self._start, tokens, cache, phase)
@@ -223,92 +228,6 @@ class Compute:
         if phase == "decode" or last_prompt_token:
             self.run_ahead.after_layered(hit=self.router.table.misses == misses0)
         return logits
-
-    async def _queued_whole(self, wait: Mailboxes, tokens: Tokens, cache: list[Any]) -> mx.array:
-        """One decode token queued whole, each MoE layer waiting for the host's slots
-        (actors/awaited.py): this task answers the layers as they are published, with the
-        demands the per-layer path makes, while the MLX thread runs the token. Installs
-        meanwhile are copies the GPU makes (`ExpertRouter.mlx_busy`), listed for the layer
-        that waits next: while it waits, or right after its answer. A staging buffer goes
-        back once the layer after its list's is published (the list's wait has ended). A
-        layer given up (an error, a timeout, `PullStarved`) is redone per layer from there."""
-        seq, misses0, router, rows = wait.next_seq(), self.router.table.misses, self.router, len(self._row_of)
-        gate = cast(awaited.GateRanking, self.strategy) if self._gate else None
-        done: list[tuple[Any, Any]] = []
-        listed: dict[int, tuple[list[tuple[int, int, int]], list[np.ndarray]]] = {}  # by row
-        waiting = 0  # the row whose list installs go to (`rows`: none left, made after the token)
-
-        def pulled(copies: list[tuple[int, int, int]], buffers: list[np.ndarray]) -> None:
-            if waiting < rows:
-                wait.append(waiting, copies)
-            mine = listed.setdefault(waiting, ([], []))
-            mine[0].extend(copies)
-            mine[1].extend(buffers)
-
-        async def run_token() -> None:
-            done.append(await self.on_mlx(awaited.launch, wait, seq, lambda: self.model.step(
-                _ids(tokens), cache), self._row_of, gate))
-
-        self.stats.awaited_tokens += 1
-        wait.begin()
-        router.mlx_busy = router.reader.finisher.hold = True
-        router.pulled = pulled
-        try:
-            # A landing already under way is a staging thread's DMA, which a context sync
-            # could hold up while the GPU waits on this task (and `_evicted` takes its lock):
-            # it ends first. No other starts while `hold` is set.
-            for load in [*router.loads.values(), *router.orphans]:
-                if load.land and load.started:
-                    await load.done.wait()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(run_token)
-                try:
-                    for row, layer in enumerate(self._row_of):
-                        if not await awaited.published(wait, row, seq):
-                            break
-                        for earlier in [r for r in listed if r < row]:  # their waits have ended
-                            for buffer in listed.pop(earlier)[1]:
-                                router.reader.give_back(buffer)
-                        seen = time.perf_counter()
-                        ids_rows, ids, preds = awaited.routed(wait, row, layer, gate)
-                        self.tick += 1
-
-                        def answer(slot_of: np.ndarray, row: int = row, ids_rows: np.ndarray = ids_rows,
-                                   seen: float = seen) -> None:
-                            nonlocal waiting
-                            wait.answer(row, seq, slot_of[ids_rows[0]].astype(np.int32))
-                            waiting = row + 1
-                            self.stats.awaited_layers += 1
-                            self.stats.awaited_host_seconds += time.perf_counter() - seen
-
-                        with timeline.span("compute", "answer", layer=layer):
-                            await self._demand(Routed(layer, ids_rows, ids, self.tick, "decode", predicted=preds),
-                                               then=answer)
-                except PullStarved:
-                    wait.abort(seq)  # redone per layer below, once the MLX call returns
-                except BaseException:
-                    wait.abort(seq)  # every wait of the token gives up; the MLX call returns
-                    raise
-        finally:
-            router.mlx_busy = router.reader.finisher.hold = False
-            router.pulled = None
-            # Lists a wait may not have made (given up), or that no wait had (after the
-            # last answer): made now, in order, the MLX thread idle.
-            owed = [c for r in sorted(listed) if wait.aborted(seq) or r >= rows for c in listed[r][0]]
-            if owed:
-                assert router.copy_now is not None
-                with trio.CancelScope(shield=True):
-                    await router.copy_now(owed)
-            for _, buffers in listed.values():
-                for buffer in buffers:
-                    router.reader.give_back(buffer)
-        step, result = done[0]
-        miss = result.first_miss()
-        if miss is None:
-            self.run_ahead.after_layered(hit=self.router.table.misses == misses0)
-            return cast(mx.array, result.logits)
-        self.stats.awaited_given_up += 1
-        return await self.finish_from(step, miss, "decode")
 
     async def forward_pair(self, tokens: list[int], last: int, cache: list[Any],
                            between: Callable[[int | None], None]) -> mx.array | None:
@@ -365,10 +284,10 @@ class Compute:
                                         for layer, ids, tick, rows in done])
             return miss
         for layer, ids, tick, rows in done:
-            await self._demand(Routed(layer, rows, ids, tick, phase))
+            await self.demand_layer(Routed(layer, rows, ids, tick, phase))
         return miss
 
-    async def _demand(self, routed: Routed, then: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+    async def demand_layer(self, routed: Routed, then: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """One MoE layer's demand, then its routing to the prefetch task.
 
         The prefetch orders of the layer before go first: a fixed order of requests at
@@ -406,7 +325,7 @@ class Compute:
             while routing is not None:
                 self.tick += 1
                 ids = unique_in_order(routing.ids)
-                slot_of = await self._demand(
+                slot_of = await self.demand_layer(
                     Routed(routing.layer, routing.ids, ids, self.tick, phase, predicted=preds)
                 )
                 routing, preds = await self.on_mlx(self._advance, step, slot_of, phase)

@@ -16,7 +16,7 @@ router and its expert matmuls that
    staging buffers, so the copies fill the time the GPU waits anyway; it makes the ones
    listed last, and outputs the slots, before it ends.
 
-The host side (`actors/awaited.py`, `Compute._queued_whole`) polls the mailboxes from the
+The host side (`actors/awaited.py`, `queued_whole`) polls the mailboxes from the
 compute task, demands each layer's experts from the router as the per-layer path does
 (the same requests in the same order), and answers once they are read; the reads of the
 next layers overlap the GPU's work in between. One host sync per token, however many
