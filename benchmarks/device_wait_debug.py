@@ -42,12 +42,12 @@ def watch(core: Any, every: float) -> None:
 def stuck(core: Any, after: float) -> None:
     """A load in the router's table for more than `after` seconds: its state and every
     thread's stack, once (a settle that times out)."""
-    seen: dict[int, float] = {}
+    seen: dict[tuple[int, Any, float], float] = {}
     while True:
         time.sleep(0.05)
         now = time.perf_counter()
         for load in [*list(core.router.loads.values()), *list(core.router.orphans)]:
-            first = seen.setdefault(id(load), now)
+            first = seen.setdefault((id(load), load.key, load.t_submit), now)
             if now - first > after:
                 fields = ("key", "demand", "started", "predicted", "land", "landed", "abandoned",
                           "shelved", "t_submit", "t_start", "t_read", "t_done")

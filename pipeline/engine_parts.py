@@ -89,21 +89,30 @@ async def device_wait_for(config: PipelineConfig, compute: Compute, storage: Poo
     from actors.pool.direct_install import direct_ok
 
     router, setting = compute.router, config.compute.device_wait
+    if setting == "off":
+        return None
     copy_now = copier(worker, storage)
-    # Pulled installs copy blobs as they are: not into a pool that widens their scales.
-    if (setting == "off" or not config.compute.overlap or copy_now is None or not direct_ok(storage.layout)
-            or not awaited.usable(compute.strategy)):
+    # The first reason found, in a fixed order: a setting that does not apply says why.
+    declined = next((why for why, applies in (
+        ("serial (compute.overlap = false)", not config.compute.overlap),
+        ("installs go through MLX here", copy_now is None),
+        # Pulled installs copy blobs as they are: not into a pool that widens their scales.
+        ("the pool widens the blobs' scales", not direct_ok(storage.layout)),
+        ("the strategy predicts on the MLX thread without a ranking", not awaited.usable(compute.strategy)),
+        ("no CUDA direct path", setting == "auto" and storage.direct is None),
+    ) if applies), None)
+    if declined is not None:
+        log.info("engine.device_wait", on=False, mode=setting, declined=declined)
         return None
     if setting == "emulate":
         wait: Mailboxes | None = HostWait(len(compute.layer_rows))
-    elif storage.direct is None:  # auto: MLX's CUDA backend with the direct path only
-        return None
     else:  # the probe pulls a pattern into the pool's last slot; zeroed again after
         import numpy as np
 
         from actors.cuda_direct import pin
 
         writer, (name, array) = storage.direct, next(iter(storage.arrays.items()))
+        assert writer is not None  # declined above without one
         row = array.nbytes // array.shape[0]
         last = writer.base[name] + (array.shape[0] - 1) * row
         wait = await worker.run(probe, len(compute.layer_rows), array, last)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from structlog.testing import capture_logs
 
 from actors.awaited import one_row, usable
 from actors.device_wait import EXTRA_AT, IDS_AT, HostWait
@@ -166,10 +167,21 @@ async def test_an_engine_closed_while_a_token_waits_closes_at_once(tiny) -> None
     assert wait.aborted(seq)  # its waits were given up, so the MLX call could return
 
 
-async def test_auto_declines_off_cuda(tiny) -> None:
-    async with open_engine(_config(tiny, "auto")) as engine:
-        assert engine._core.compute.device_wait is None
-        assert engine._core.router.pull is None
+async def test_auto_declines_off_cuda_and_says_why(tiny, synth_checkpoint, packed) -> None:
+    with capture_logs() as logs:
+        async with open_engine(_config(tiny, "auto")) as engine:
+            assert engine._core.compute.device_wait is None
+            assert engine._core.router.pull is None
+    said = [e for e in logs if e["event"] == "engine.device_wait"]
+    assert said and not said[0]["on"] and said[0]["declined"] == "no CUDA direct path", said
+    # A 4-bit container's pool widens its scales on the CPU: "emulate" cannot copy its
+    # blobs as they are, and says so rather than stepping silently.
+    quantized = packed(synth_checkpoint("qwen3_next", dtype="bfloat16", bits=4))
+    with capture_logs() as logs:
+        async with open_engine(_config(quantized, "emulate")) as engine:
+            assert engine._core.compute.device_wait is None
+    said = [e for e in logs if e["event"] == "engine.device_wait"]
+    assert said and said[0]["declined"] == "the pool widens the blobs' scales", said
 
 
 def test_what_can_be_queued_whole() -> None:
