@@ -11,6 +11,9 @@
 #   auto against off, with warm-all and io in the same invocation.
 # cold: cold O_DIRECT, random and calibrated-gate routing, auto against off.
 # check: tokens and logprobs of tiny models, auto against off (minutes of kernel compiles).
+# debug: the probe then per-layer steps, the emulated wait, the real one (16 tokens each).
+# stuck: a load left in the router's table over a second: its state and every thread's stack.
+# (Run in session 22: docs/results.md, twelfth pass; benchmarks/results/h200/session22/.)
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1

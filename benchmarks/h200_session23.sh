@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# For the next lease (written in session 22, 2026-12-04): what session 22 had no device time
+# for, with its code (the device wait's grid, the settle's lost wakeup fixed). One step per
+# device call (600 s at most). On the GPU host, after the bundle:
+#   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session23.sh STEP
+# cold: the 35B cold, random routing, default against serial and io in ONE invocation (the
+#   ">= 2.5x serial" target, unmeasured since the settle fix), then calibrated with io.
+# fast: the 35B on the page cache, --device-wait auto against off twice each, alternating
+#   (session 22: 5.70 against 6.31, one pair), with warm-all and io.
+# c80: the 80B, cold, 8 readers, default and io (last run in session 18: 0.963 of the ceiling).
+set -uo pipefail
+. "$(dirname "$0")/h200_lib.sh"
+step=$1
+ptx_restore
+{
+case $step in
+  cold)
+    c35
+    bench 300 c35-serial c35 "${cold[@]}" --cases default,serial,io
+    bench 150 c35-cal c35 "${cold[@]}" --routing calibrated-gate --cases default,io
+    pack ;;
+  fast)
+    c35
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    for round in 1 2; do
+      bench 120 c35-fast-off-$round c35 "${warm[@]}" --warm --cases default
+      bench 120 c35-fast-wait-$round c35 "${warm[@]}" --warm --cases default --device-wait auto
+    done
+    bench 200 c35-fast-refs c35 "${warm[@]}" --warm --cases warm-all,io
+    same "$OUT"/c35-fast-*.json
+    pack ;;
+  c80)
+    only c80
+    [ -f "$DATA/c80.qpack/manifest.json" ] || $B bench-container --preset qwen3-next-80b-a3b -o "$DATA/c80.qpack" 2>&1 | tail -1
+    bench 400 c80 c80 "${cold[@]}" --readers 8 --max-tokens 16 --cases default,io
+    pack ;;
+esac
+} 2>&1 | tee -a "$OUT/$step.log"
