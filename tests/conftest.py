@@ -12,7 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 from pathlib import Path
@@ -77,6 +77,20 @@ def synth_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., 
         return made[key]
 
     return make
+
+
+@pytest.fixture
+def info_logs() -> Iterator[None]:
+    """structlog passing info events for the test: a CLI run in-process earlier in this
+    worker may have left it filtering at warning, which drops them before any capture."""
+    import logging
+
+    import structlog
+
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    yield
+    structlog.configure(**saved)
 
 
 @pytest.fixture(scope="session")

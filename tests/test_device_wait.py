@@ -167,6 +167,7 @@ async def test_an_engine_closed_while_a_token_waits_closes_at_once(tiny) -> None
     assert wait.aborted(seq)  # its waits were given up, so the MLX call could return
 
 
+@pytest.mark.usefixtures("info_logs")
 async def test_auto_declines_off_cuda_and_says_why(tiny, synth_checkpoint, packed) -> None:
     with capture_logs() as logs:
         async with open_engine(_config(tiny, "auto")) as engine:

@@ -4,15 +4,12 @@ files are ignored with a log line and never loaded; the directory stays in its b
 
 from __future__ import annotations
 
-import logging
 import struct
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
-import structlog
 from helpers_engine import engine_config, generate
 from structlog.testing import capture_logs
 
@@ -23,14 +20,8 @@ from pipeline.prefix_disk import SUFFIX, DiskPrefixCache, Header, encode_state, 
 PROMPT = list(range(300, 340))  # 40 tokens
 
 
-@pytest.fixture(autouse=True)
-def info_logs() -> Iterator[None]:
-    """The events checked here are info: a CLI run in-process earlier in this worker may
-    have left structlog filtering at warning, which drops them before any capture."""
-    saved = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
-    yield
-    structlog.configure(**saved)
+# The events checked here are info (tests/conftest.py: `info_logs`).
+pytestmark = pytest.mark.usefixtures("info_logs")
 
 
 @pytest.fixture(scope="module")
