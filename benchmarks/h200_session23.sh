@@ -8,6 +8,9 @@
 # fast: the 35B on the page cache, --device-wait auto against off twice each, alternating
 #   (session 22: 5.70 against 6.31, one pair), with warm-all and io.
 # c80: the 80B, cold, 8 readers, default and io (last run in session 18: 0.963 of the ceiling).
+# exact: greedy tokens and log-probabilities, streamed (1 GiB pool) against every expert
+#   pooled, at the 35B's dimensions (benchmarks/pool_exact_check.py; session 22 saw bench's
+#   sampled warm-all tokens part from the streamed run's: docs/results.md, twelfth pass).
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
@@ -29,6 +32,11 @@ case $step in
     bench 200 c35-fast-refs c35 "${warm[@]}" --warm --cases warm-all,io
     same "$OUT"/c35-fast-*.json
     pack ;;
+  exact)
+    [ -f "$DATA/c35x4.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b --max-layers 4 -o "$DATA/c35x4.qpack" 2>&1 | tail -1
+    timeout 150 python3 benchmarks/pool_exact_check.py "$DATA/c35x4.qpack" --pool-mb 128 2>&1 | grep '^{' | tee "$OUT/exact-x4.json"
+    c35
+    timeout 300 python3 benchmarks/pool_exact_check.py "$DATA/c35.qpack" --pool-mb 1024 2>&1 | grep '^{' | tee "$OUT/exact-c35.json" ;;
   c80)
     only c80
     [ -f "$DATA/c80.qpack/manifest.json" ] || $B bench-container --preset qwen3-next-80b-a3b -o "$DATA/c80.qpack" 2>&1 | tail -1

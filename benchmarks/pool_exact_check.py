@@ -1,0 +1,64 @@
+"""Whether the streamed forward and the one with every expert pooled give the same numbers
+on this machine's backend, at a container's own dimensions.
+
+    python benchmarks/pool_exact_check.py MODEL [--pool-mb 1024] [--tokens 16] [--prompts 2]
+
+Greedy generations of random prompts with the top-5 log-probabilities of every token, in
+one engine per setting: the pool at `--pool-mb` (most layers read: the stepped path) and
+every expert pooled after `engine.warm()` (the whole token in one evaluation). Reported per
+prompt as `batch_logits_check.py` reports a batched row: identical tokens, the first
+position they part at, the largest |difference| of the log-probabilities before it, and
+the top-two margin there. On MLX's CPU backend the two are bit for bit equal (tests); on a
+GPU `bench`'s sampled `warm-all` tokens parted from the streamed run's (docs/results.md,
+twelfth pass), and this says whether greedy ones do and by how much. One JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from batch_logits_check import Run, _one, compare  # noqa: E402
+
+from pipeline.bench.spec import prompt_ids  # noqa: E402
+from pipeline.config.loading import config_from_dict  # noqa: E402
+
+
+async def _runs(args: argparse.Namespace, pooled: bool) -> list[Run]:
+    from pipeline.engine import open_engine
+
+    raw: dict[str, Any] = {"model": {"path": str(args.model)}}
+    if not pooled:
+        raw["pool"] = {"budget_mb": args.pool_mb}
+    async with open_engine(config_from_dict(raw, source="<pool_exact_check>")) as engine:
+        if pooled:
+            await engine.warm()
+        vocab = engine.facts.vocab_size
+        prompts = [prompt_ids(args.prompt_tokens, vocab, args.seed + i) for i in range(args.prompts)]
+        return [await _one(engine, p, args.tokens) for p in prompts]
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    streamed = await _runs(args, pooled=False)
+    pooled = await _runs(args, pooled=True)
+    rows = [compare(s, p) for s, p in zip(streamed, pooled, strict=True)]
+    return {"model": str(args.model), "pool_mb": args.pool_mb, "tokens": args.tokens,
+            "identical": all(r["identical"] for r in rows), "prompts": rows}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--pool-mb", type=int, default=1024)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    print(json.dumps(trio.run(main, ap.parse_args())), flush=True)
