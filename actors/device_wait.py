@@ -78,8 +78,9 @@ EXTRA_AT, MAX_EXTRA = IDS_AT + MAX_IDS, 640
 SLOTS_AT = EXTRA_AT + MAX_EXTRA  # MAX_IDS of them: 776 + 128 <= 1024
 COPIES_AT, MAX_COPIES = 1024, 1024  # 6 words each: 1024 + 6144 <= 8192
 Copy = tuple[int, int, int]  # (device address, host address, bytes), as actors/cuda_direct.py
-# The wait's grid: every block resident at once on any GPU this runs on (an H200 has 132
-# SMs), so none waits for a slot while the lead block it follows waits for it.
+# The wait's grid: 128 blocks are resident at once on an H200 (132 SMs). Block 0 leads and
+# waits on no other block, so where fewer fit, the rest start later and still make their
+# share of the copies before the kernel ends (slower, never stuck).
 _BLOCKS, _THREADS = 128, 256
 
 # A grid: block 0's thread 0 publishes and watches the mailbox and decides (answered,
