@@ -95,11 +95,11 @@ async def device_wait_for(config: PipelineConfig, compute: Compute, storage: Poo
     # The first reason found, in a fixed order: a setting that does not apply says why.
     declined = next((why for why, applies in (
         ("serial (compute.overlap = false)", not config.compute.overlap),
+        ("no CUDA direct path", setting == "auto" and storage.direct is None),
         ("installs go through MLX here", copy_now is None),
         # Pulled installs copy blobs as they are: not into a pool that widens their scales.
         ("the pool widens the blobs' scales", not direct_ok(storage.layout)),
         ("the strategy predicts on the MLX thread without a ranking", not awaited.usable(compute.strategy)),
-        ("no CUDA direct path", setting == "auto" and storage.direct is None),
     ) if applies), None)
     if declined is not None:
         log.info("engine.device_wait", on=False, mode=setting, declined=declined)
