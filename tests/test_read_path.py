@@ -267,6 +267,55 @@ async def test_more_queued_predictions_than_staging_buffers_still_drain_and_sett
     assert len(installed) == (8 if end == "settle" else 0)
 
 
+class SecondHeld(PosixIO):
+    """Real preads; the second one waits for `release`."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def pread_into(self, fd: int, buf: memoryview, offset: int) -> int:
+        with self._lock:
+            self._count += 1
+            second = self._count == 2
+        if second:
+            self.release.wait(10)
+        return super().pread_into(fd, buf, offset)
+
+
+async def test_settle_collects_a_read_that_ends_during_an_install(container):
+    """A read that ends while the router awaits an install (on a GPU the direct path's
+    install awaits the MLX thread) is collected at once: the settle does not sleep until
+    its timeout waiting for a read that has already ended (session 22: 2 s at the end of
+    every generation)."""
+    from actors.pool.eviction import LRU
+    from actors.pool.slots import SlotTable
+    from actors.router import ExpertRouter
+
+    io, installs = SecondHeld(), []
+
+    async def install(items):
+        installs.append(len(items))
+        if len(installs) == 1:  # the second read ends while this install is under way
+            io.release.set()
+            while not all(load.done.is_set() for load in router.loads.values()):
+                await trio.sleep(0.001)
+
+    with Container.open(container, io=io) as c:
+        reader = ExpertReader(c, concurrency=1)
+        router = ExpertRouter(SlotTable(16, LRU()), reader, c.manifest.num_experts, install)
+        router.settle_timeout_s = 30.0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.run)
+            nursery.start_soon(router.run)
+            await router.prefetch([(0, [0, 1])], tick=1)
+            with trio.fail_after(5):
+                await router.settle()
+            assert not router.loads and installs == [1, 1]
+            nursery.cancel_scope.cancel()
+
+
 def test_landing_follows_the_setting_and_auto_lands(container):
     """`reader.land`: on and off as set; auto lands, whatever the disk and reader count."""
     from pipeline.config.loading import config_from_dict
