@@ -22,6 +22,7 @@ import trio
 
 from actors import timeline
 from actors.device_wait import Mailboxes
+from actors.forward import unique_in_order
 from actors.prefetch.actor import Routed
 from actors.prefetch.strategies import Prediction
 from actors.router import ExpertRouter, PullStarved
@@ -80,11 +81,11 @@ def routed(wait: Mailboxes, row: int, layer: int,
     """A published layer: its ids as rows (one token), each expert once in order, and the
     gate's prediction for the next layers (None: the prefetch task predicts)."""
     ids, ranked = wait.routed(row)
-    chosen = [int(e) for e in ids]  # one token of one sequence (`one_row`)
+    rows, needed = ids.reshape(1, -1), unique_in_order(ids)  # one token of one sequence (`one_row`)
     if gate is None:
-        return ids.reshape(1, -1), list(dict.fromkeys(chosen)), None
-    gate.observe(layer, chosen)
-    return ids.reshape(1, -1), list(dict.fromkeys(chosen)), gate.predict_ranked(layer, ranked)
+        return rows, needed, None
+    gate.observe(layer, [int(e) for e in ids])
+    return rows, needed, gate.predict_ranked(layer, ranked)
 
 
 class AwaitStats(Protocol):

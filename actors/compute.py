@@ -25,7 +25,7 @@ import numpy as np
 
 from actors import awaited, timeline
 from actors.device_wait import Mailboxes
-from actors.forward import ForwardStepper, Presync, Routing, SteppedModel
+from actors.forward import ForwardStepper, Presync, Routing, SteppedModel, unique_in_order
 from actors.mlx_worker import MlxWorker
 from actors.pair_step import PairStep
 from actors.prefetch import PrefetchScorer, PrefetchStrategy
@@ -71,11 +71,6 @@ class ComputeStats:
     awaited_given_up: int = 0  # ... redone per layer from a layer the wait gave up
     awaited_layers: int = 0  # ... their MoE layers answered, and the host's time for them
     awaited_host_seconds: float = 0.0  # (from seeing a layer published to its answer)
-
-
-def unique_in_order(ids: np.ndarray) -> list[int]:
-    """Experts a layer needs, each once, in the order the router first chose them."""
-    return list(dict.fromkeys(int(e) for e in ids.reshape(-1)))
 
 
 class Compute:

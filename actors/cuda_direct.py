@@ -74,7 +74,7 @@ class DirectWriter:
 
     def __init__(self, arrays: Mapping[str, mx.array]) -> None:
         self.base = {name: address(array) for name, array in arrays.items()}
-        self._keep = dict(arrays)  # the memory must outlive every address taken from it
+        self.arrays = dict(arrays)  # the memory must outlive every address taken from it
         self._cu = _typed()
 
     def write(self, copies: Sequence[Copy]) -> None:

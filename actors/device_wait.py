@@ -54,7 +54,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 import numpy as np
@@ -62,6 +62,9 @@ import structlog
 
 from actors.cuda_driver import CudaDriverError, check, current, on_cuda
 from actors.mx_typed import to_int
+
+if TYPE_CHECKING:
+    from actors.cuda_direct import DirectWriter
 
 log = structlog.get_logger("moestream.device_wait")
 
@@ -186,7 +189,7 @@ __device__ inline void copy_entry(const long long* copies, int e, unsigned long 
 """
 
 
-def _host_alloc(nbytes: int) -> np.ndarray:
+def host_alloc(nbytes: int) -> np.ndarray:
     """Page-locked, device-mapped host memory as int32 words, freed with the array."""
     cu = current()
     cu.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
@@ -279,7 +282,7 @@ class DeviceWait(Mailboxes):
     """The mailboxes in page-locked memory, waited on by a kernel on the GPU."""
 
     def __init__(self, rows: int) -> None:
-        super().__init__(_host_alloc((rows + 1) * _WORDS * 4), rows)
+        super().__init__(host_alloc((rows + 1) * _WORDS * 4), rows)
         self._mbox = mx.array([self.box.ctypes.data], dtype=mx.int64)
         self._none = mx.zeros((1,), dtype=mx.int32)
         self._kernel = cast(Callable[..., list[mx.array]], mx.fast.cuda_kernel(
@@ -346,30 +349,32 @@ class HostWait(Mailboxes):
         return mx.array(slots).reshape(ids.shape)
 
 
-def probe(rows: int, pool: mx.array | None = None, row_address: int = 0) -> DeviceWait | None:
+def probe(rows: int, writer: DirectWriter, name: str) -> DeviceWait | None:
     """A `DeviceWait` for `rows` layers where a queued wait sees a host thread's answer and
-    the copy it asks for (a pattern into `pool`'s last row, at `row_address`: the caller
-    zeroes it after) is what a kernel queued behind it reads; None elsewhere (not CUDA, a
-    failure). On the MLX thread; compiles the kernels once."""
+    the copy it asks for (a pattern into the last row of the pool array `name`, which
+    `writer` writes) is what a kernel queued behind it reads; None elsewhere (not CUDA, a
+    failure). The row is zeroed again, as `cuda_direct.probe` leaves its own. On the MLX
+    thread; compiles the kernels once."""
     if not on_cuda():
         return None
     from actors.cuda_direct import pin
 
+    pool = writer.arrays[name]
+    nbytes = pool.nbytes // pool.shape[0]
+    row_address = writer.base[name] + (pool.shape[0] - 1) * nbytes
     try:
         wait = DeviceWait(rows)
         ids = mx.array([[3, 1, 2]], dtype=mx.int32)
         mx.eval(wait.wait_within(rows - 1, 0, ids, None, 0.0))  # compiled outside the timed wait
         seq = wait.next_seq()
-        nbytes = 0 if pool is None else pool.nbytes // pool.shape[0]
-        pattern = np.random.default_rng(nbytes).integers(0, 256, max(nbytes, 1), dtype=np.uint8)
+        pattern = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
         pin(pattern)
-        copies = [(row_address, pattern.ctypes.data, nbytes)] if pool is not None else []
+        copies = [(row_address, pattern.ctypes.data, nbytes)]
         slots = wait.wait_within(rows - 1, seq, ids, mx.array([7], dtype=mx.int32), 10.0)
         # The row's index comes out of the wait's slots: read only after the wait and its copy
         # (an index of its own lets MLX schedule the read first).
-        last = slots.reshape(-1)[:1] * 0 + (0 if pool is None else pool.shape[0] - 1)
-        seen = mx.zeros((1,), dtype=mx.int64) if pool is None else mx.take(
-            pool, last, axis=0).reshape(-1).view(mx.uint8).astype(mx.int64).sum()
+        last = slots.reshape(-1)[:1] * 0 + (pool.shape[0] - 1)
+        seen = mx.take(pool, last, axis=0).reshape(-1).view(mx.uint8).astype(mx.int64).sum()
         after = [slots, seen]
 
         def host() -> None:
@@ -387,7 +392,7 @@ def probe(rows: int, pool: mx.array | None = None, row_address: int = 0) -> Devi
         helper.start()
         mx.eval(after)
         helper.join()
-        want = int(pattern[:nbytes].astype(np.int64).sum())
+        want = int(pattern.astype(np.int64).sum())
         got_slots, seen_sum, timeouts = after[0].tolist(), to_int(after[1]), int(wait.box[1])
         if got_slots == [[37, 17, 27]] and seen_sum == want and timeouts == 0:
             return wait
@@ -398,3 +403,7 @@ def probe(rows: int, pool: mx.array | None = None, row_address: int = 0) -> Devi
         # A kernel that does not compile says why here (the engine steps per layer).
         log.warning("device_wait.probe_failed", error=str(exc)[:2000])
         return None
+    finally:  # whatever the wait did with the row
+        zeros = np.zeros(nbytes, dtype=np.uint8)  # held: the copy reads it before the return
+        pin(zeros)
+        writer.write([(row_address, zeros.ctypes.data, nbytes)])

@@ -26,6 +26,11 @@ class Routing:
     hidden: mx.array  # residual stream after this layer's attention block, [tokens, H]
 
 
+def unique_in_order(ids: np.ndarray) -> list[int]:
+    """Experts a layer needs, each once, in the order the router first chose them."""
+    return list(dict.fromkeys(int(e) for e in ids.reshape(-1)))
+
+
 class RunAheadResult(Protocol):
     """An evaluated run-ahead: the logits, valid when no MoE layer missed."""
 

@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from actors.cuda_driver import check, current, stream
+from actors.device_wait import host_alloc
 
 SOURCE = """
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
@@ -43,23 +44,13 @@ SOURCE = """
 """
 
 
-def pinned(nbytes: int) -> np.ndarray:
-    cu = current()
-    cu.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
-    p = ctypes.c_void_p()
-    check(cu.cuMemHostAlloc(ctypes.byref(p), nbytes, 1 | 2), "cuMemHostAlloc")  # PORTABLE|DEVICEMAP
-    assert p.value is not None
-    return np.ctypeslib.as_array(ctypes.cast(p, ctypes.POINTER(ctypes.c_int32)), shape=(nbytes // 4,))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--tokens", type=int, default=20)
     ap.add_argument("--dim", type=int, default=2048)
     args = ap.parse_args()
-    box = pinned(64 * 4 + args.layers * 128 * 4)
-    box[:] = 0
+    box = host_alloc(64 * 4 + args.layers * 128 * 4)
     mbox = mx.array([box.ctypes.data], dtype=mx.int64)
     kernel = mx.fast.cuda_kernel(name="await_slots", input_names=["ids", "mbox", "meta"],
                                  output_names=["slots"], source=SOURCE)
@@ -94,7 +85,7 @@ def main() -> None:
     # A DMA into MLX's (managed) memory while the wait kernel spins: does it complete?
     target = mx.zeros((1 << 21,), dtype=mx.uint8)
     mx.eval(target)
-    src = pinned(1 << 21)
+    src = host_alloc(1 << 21)
     cu = current()
     cu.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     dst = int(np.frombuffer(memoryview(target), dtype=np.uint8).ctypes.data)  # type: ignore[arg-type]

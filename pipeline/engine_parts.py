@@ -106,19 +106,9 @@ async def device_wait_for(config: PipelineConfig, compute: Compute, storage: Poo
         return None
     if setting == "emulate":
         wait: Mailboxes | None = HostWait(len(compute.layer_rows))
-    else:  # the probe pulls a pattern into the pool's last slot; zeroed again after
-        import numpy as np
-
-        from actors.cuda_direct import pin
-
-        writer, (name, array) = storage.direct, next(iter(storage.arrays.items()))
-        assert writer is not None  # declined above without one
-        row = array.nbytes // array.shape[0]
-        last = writer.base[name] + (array.shape[0] - 1) * row
-        wait = await worker.run(probe, len(compute.layer_rows), array, last)
-        zeros = np.zeros(row, dtype=np.uint8)
-        pin(zeros)
-        await worker.run(writer.write, [(last, zeros.ctypes.data, row)])
+    else:  # the probe pulls a pattern into the pool's last slot (zeroed again after)
+        assert storage.direct is not None  # declined above without one
+        wait = await worker.run(probe, len(compute.layer_rows), storage.direct, next(iter(storage.arrays)))
     if wait is not None:
         router.pull, router.copy_now = storage.copy_ranges, copy_now
     log.info("engine.device_wait", on=wait is not None, mode=setting)

@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_attention_mask
 
-from actors.compute import unique_in_order
+from actors.forward import unique_in_order
 from actors.pool.head_pool import HeadPool
 from actors.pool.storage import PoolStorage
 from pipeline.models.families.base import ForwardFamily
