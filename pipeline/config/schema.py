@@ -188,11 +188,11 @@ class ComputeConfig(_Section, frozen=True):
     run_ahead: Literal["auto", "on", "off"] = "auto"
     # A decode token that reads experts queued whole, each MoE layer waiting on the GPU for
     # the host to answer with its slots (actors/device_wait.py): one host sync per token
-    # instead of one per MoE layer. Experimental, so "off" by default: its first version
-    # stalled on the H200 (session 21), the installs it pulls onto the GPU since are not
-    # measured there yet. "auto": where its probe passes (MLX's CUDA backend with direct
-    # installs). "emulate": the same protocol with the wait on the MLX thread (any
-    # backend; no gain: for tests).
+    # instead of one per MoE layer. Experimental, so "off" by default: measured on the H200
+    # (session 22, docs/results.md), 1.13x on a 4-layer cut but 0.90-0.95x on the full 35B,
+    # where the host's answer per layer costs more. "auto": where its probe passes (MLX's
+    # CUDA backend with direct installs). "emulate": the same protocol with the wait on the
+    # MLX thread (any backend; no gain: for tests).
     device_wait: Literal["auto", "off", "emulate"] = "off"
     overlap: bool = True  # false = the serial streamer baseline (no read/compute overlap)
     # Activation dtype. "auto": float32 on MLX's CPU backend (its bfloat16 kernels are ~10x
