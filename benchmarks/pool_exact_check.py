@@ -2,6 +2,7 @@
 on this machine's backend, at a container's own dimensions.
 
     python benchmarks/pool_exact_check.py MODEL [--pool-mb 1024] [--tokens 16] [--prompts 2]
+        [--variants pooled,pooled-stepped,streamed-f32,pooled-f32]
 
 Greedy generations of random prompts with the top-5 log-probabilities of every token, in
 one engine per setting: the pool at `--pool-mb` (most layers read: the stepped path) and
@@ -30,11 +31,22 @@ from batch_logits_check import Run, _one, compare  # noqa: E402
 from pipeline.bench.spec import prompt_ids  # noqa: E402
 from pipeline.config.loading import config_from_dict  # noqa: E402
 
+# Each variant's config beside the streamed one; `pooled`: every expert pooled by warm().
+# "pooled-stepped" keeps every expert pooled but turns the run-ahead off (one evaluation
+# per MoE layer, as a read-missing token runs), so a difference between "pooled" and
+# "streamed" is put down to the evaluation's granularity or to the pool's contents.
+VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
+    "pooled": (True, {}),
+    "pooled-stepped": (True, {"compute": {"run_ahead": "off"}}),
+    "streamed-f32": (False, {"compute": {"dtype": "float32"}}),
+    "pooled-f32": (True, {"compute": {"dtype": "float32"}}),
+}
 
-async def _runs(args: argparse.Namespace, pooled: bool) -> list[Run]:
+
+async def _runs(args: argparse.Namespace, pooled: bool, extra: dict[str, Any] | None = None) -> list[Run]:
     from pipeline.engine import open_engine
 
-    raw: dict[str, Any] = {"model": {"path": str(args.model)}}
+    raw: dict[str, Any] = {"model": {"path": str(args.model)}, **(extra or {})}
     if not pooled:
         raw["pool"] = {"budget_mb": args.pool_mb}
     async with open_engine(config_from_dict(raw, source="<pool_exact_check>")) as engine:
@@ -47,10 +59,17 @@ async def _runs(args: argparse.Namespace, pooled: bool) -> list[Run]:
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     streamed = await _runs(args, pooled=False)
-    pooled = await _runs(args, pooled=True)
-    rows = [compare(s, p) for s, p in zip(streamed, pooled, strict=True)]
-    return {"model": str(args.model), "pool_mb": args.pool_mb, "tokens": args.tokens,
-            "identical": all(r["identical"] for r in rows), "prompts": rows}
+    out: dict[str, Any] = {"model": str(args.model), "pool_mb": args.pool_mb, "tokens": args.tokens}
+    runs: dict[str, list[Run]] = {}
+    for name in args.variants.split(","):
+        pooled, extra = VARIANTS[name]
+        runs[name] = await _runs(args, pooled, extra)
+        rows = [compare(s, p) for s, p in zip(streamed, runs[name], strict=True)]
+        out[name] = {"identical": all(r["identical"] for r in rows), "prompts": rows}
+    if {"streamed-f32", "pooled-f32"} <= runs.keys():  # float32 activations, both paths
+        rows = [compare(s, p) for s, p in zip(runs["streamed-f32"], runs["pooled-f32"], strict=True)]
+        out["f32 streamed vs pooled"] = {"identical": all(r["identical"] for r in rows), "prompts": rows}
+    return out
 
 
 if __name__ == "__main__":
@@ -61,4 +80,5 @@ if __name__ == "__main__":
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", default="pooled", help=f"against the streamed run: {','.join(VARIANTS)}")
     print(json.dumps(trio.run(main, ap.parse_args())), flush=True)

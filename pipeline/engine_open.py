@@ -27,6 +27,7 @@ from actors.cuda_direct import pin
 from actors.cuda_prefetch import usable as prefetch_usable
 from actors.decode_batch import DecodeBatch
 from actors.mlx_worker import MlxWorker
+from actors.pool.banks import Banks, plan_banks, slot_limit
 from actors.pool.eviction import make_policy
 from actors.pool.head_pool import HeadPool
 from actors.pool.layout import PoolLayout, widen_for
@@ -158,6 +159,7 @@ async def open_core(
             container.config, container.dense_path,
         )
         storage = await worker.run(PoolStorage, layout, slots)
+        storage.banks = _banks(config, layout, slots, container.moe_layers, need)
         mtp_storage = await worker.run(PoolStorage, mtp_layout, mtp_slots) if mtp_layout else None
         stage_in_threads = await staging_probe(config.reader.stage_in_threads, worker)
         if await direct_probe(config.reader.device_copy, worker, storage, mtp_storage):
@@ -184,6 +186,20 @@ async def open_core(
             nursery.cancel_scope.cancel()
     finally:
         container.close()
+
+
+def _banks(config: PipelineConfig, layout: PoolLayout, slots: int, layers: list[int],
+           need: int) -> Banks | None:
+    """The pool's banks (actors/pool/banks.py), each able to pin what one layer needs."""
+    safe = slot_limit(layout)
+    banks = plan_banks(slots, layers, min(config.pool.bank_slots or safe, safe))
+    if banks is not None:
+        if banks.smallest < need:
+            raise PoolTooSmall(f"pool.bank_slots: a bank of {banks.smallest} slots cannot hold "
+                               f"the {need} one layer needs; raise it or leave it 0")
+        log.info("engine.pool_banks", banks=len(banks), slots=[len(r) for r in banks.ranges],
+                 safe_slots=safe)
+    return banks
 
 
 def _head_experts(core: EngineCore, storage: PoolStorage | None) -> StreamedExperts | None:
@@ -222,7 +238,8 @@ def _start_actors(
     overlap = config.compute.overlap
     policy_params = {"decay": config.pool.lfu_decay, "period": config.pool.lfu_period}
     policy = make_policy(config.pool.eviction, **(policy_params if config.pool.eviction == "lfu" else {}))
-    table = SlotTable(slots, policy, keys=sum(layer.num_experts for layer in manifest.layers))
+    table = SlotTable(slots, policy, keys=sum(layer.num_experts for layer in manifest.layers),
+                      banks=storage.banks)
     storage.layer_of = lambda slot: (table.key_at(slot) or (None,))[0]  # mixed-format installs
     reader = ExpertReader(
         container,
@@ -338,7 +355,7 @@ def _core(config: PipelineConfig, container: Container, worker: MlxWorker,
         pool_bytes=storage.nbytes,
         prefill_chunk=prefill_chunk_for(
             config.compute.prefill_chunk, config.compute.prefill_max_tokens,
-            router.table.num_slots, manifest.num_experts, manifest.top_k),
+            router.table.layer_slots, manifest.num_experts, manifest.top_k),
         readers=router.reader.concurrency,
         readers_prefill=router.reader.prefill_readers,
         o_direct=container.o_direct,
@@ -347,7 +364,7 @@ def _core(config: PipelineConfig, container: Container, worker: MlxWorker,
     )
     batch = DecodeBatch(compute, model.batch_caches(), lock)
     # Speculation's guard: a pass's experts within what the pool can pin.
-    batch.speculation = policy_for(router.table.num_slots, manifest.top_k,
+    batch.speculation = policy_for(router.table.layer_slots, manifest.top_k,
                                    config.compute.draft_tokens)
     return EngineCore(
         config=config, container=container, worker=worker, model=model, storage=storage,

@@ -3,7 +3,9 @@
 The table holds no weights; the pool that owns the buffers asks it where an expert goes
 and what to evict. It never maps more than `num_slots` keys, never evicts a pinned key,
 and keeps the key -> slot map a bijection onto the used slots. Free slots are handed out
-lowest index first so that a replay assigns the same slots as the live run.
+lowest index first so that a replay assigns the same slots as the live run. With banks
+(actors/pool/banks.py) a key takes a slot only in its layer's bank: free there, else the
+policy's victim among that bank's keys.
 
 States: a key acquired on a miss is "loading" until the reader calls `mark_ready`; a load
 that failed gives its slot back with `release`. A resident key counts as a hit whether it
@@ -18,6 +20,7 @@ from typing import Literal
 
 import msgspec
 
+from actors.pool.banks import Banks
 from actors.pool.eviction import EvictionPolicy, ExpertKey
 
 SlotState = Literal["loading", "ready"]
@@ -46,7 +49,8 @@ class SlotCounters(msgspec.Struct, frozen=True):
 
 
 class SlotTable:
-    def __init__(self, num_slots: int, policy: EvictionPolicy, keys: int | None = None) -> None:
+    def __init__(self, num_slots: int, policy: EvictionPolicy, keys: int | None = None,
+                 banks: Banks | None = None) -> None:
         """`keys`: how many distinct keys exist (the model's routed experts), when known.
         While every one of them fits the usable slots nothing is ever evicted, so a hit
         does not teach the policy (its bookkeeping was most of a token's host work with
@@ -59,7 +63,9 @@ class SlotTable:
         policy.set_capacity(num_slots)
         self._slot_of: dict[ExpertKey, int] = {}
         self._key_at: list[ExpertKey | None] = [None] * num_slots
-        self._free: list[int] = list(range(num_slots))  # already a valid min-heap
+        self.banks = banks
+        ranges = banks.ranges if banks is not None else [range(num_slots)]
+        self._free: list[list[int]] = [list(r) for r in ranges]  # per bank, valid min-heaps
         self._pins: dict[ExpertKey, int] = {}
         self._state: dict[ExpertKey, SlotState] = {}
         self._prefetched: set[ExpertKey] = set()  # installed by prefetch, not yet demanded
@@ -102,6 +108,11 @@ class SlotTable:
         return self._key_at[slot]
 
     @property
+    def layer_slots(self) -> int:
+        """The slots one layer's experts may take at most: its bank's (the smallest)."""
+        return self.num_slots if self.banks is None else self.banks.smallest
+
+    @property
     def pinned(self) -> int:
         return len(self._pins)
 
@@ -135,7 +146,7 @@ class SlotTable:
             if pin:
                 self._pins[key] = self._pins.get(key, 0) + 1
             return slot, True
-        slot = self._take_slot(protect)
+        slot = self._take_slot(protect, self._bank(key))
         self.version += 1
         self._slot_of[key] = slot
         self._key_at[slot] = key
@@ -166,12 +177,20 @@ class SlotTable:
             return None
         return slot
 
-    def _take_slot(self, protect: Container[ExpertKey]) -> int:
-        if self._free:
-            return heapq.heappop(self._free)
+    def _bank(self, key: ExpertKey) -> int:
+        return 0 if self.banks is None else self.banks.home[key[0]]
+
+    def _bank_of_slot(self, slot: int) -> int:
+        return 0 if self.banks is None else self.banks.of_slot(slot)
+
+    def _take_slot(self, protect: Container[ExpertKey], bank: int) -> int:
+        if self._free[bank]:
+            return heapq.heappop(self._free[bank])
+        banks = self.banks
 
         def evictable(k: ExpertKey) -> bool:
-            return k not in self._pins and k not in protect
+            return (k not in self._pins and k not in protect
+                    and (banks is None or banks.home[k[0]] == bank))
 
         victim = self.policy.victim(evictable)
         if victim is None:
@@ -203,11 +222,12 @@ class SlotTable:
         return self.num_slots - len(self._withdrawn)
 
     def withdraw(self, count: int) -> list[int]:
-        """Take up to `count` slots out of use, highest first: free ones, then ones whose
-        key is ready and unpinned (evicted). Slots in use by a pinned or loading key stay
-        (a later call may take them). Returns the slots withdrawn, for their memory."""
+        """Take up to `count` slots out of use, highest first (each bank's in turn): free
+        ones, then ones whose key is ready and unpinned (evicted). Slots in use by a pinned
+        or loading key stay (a later call may take them). Returns the slots withdrawn, for
+        their memory."""
         taken: list[int] = []
-        for slot in range(self.num_slots - 1, -1, -1):
+        for slot in self._top_down():
             if len(taken) == count:
                 break
             if slot in self._withdrawn:
@@ -221,16 +241,24 @@ class SlotTable:
             taken.append(slot)
         if taken:
             self._withdrawn.update(taken)
-            self._free = [s for s in self._free if s not in self._withdrawn]
-            heapq.heapify(self._free)
+            for free in self._free:
+                free[:] = [s for s in free if s not in self._withdrawn]
+                heapq.heapify(free)
         return taken
+
+    def _top_down(self) -> list[int]:
+        """Slots from the highest, one bank's then the next's in turn (so every bank keeps
+        its share when slots are withdrawn)."""
+        ranges = self.banks.ranges if self.banks is not None else [range(self.num_slots)]
+        tops = [list(reversed(r)) for r in ranges]
+        return [t[i] for i in range(max(map(len, tops))) for t in tops if i < len(t)]
 
     def restore(self, count: int) -> list[int]:
         """Give up to `count` withdrawn slots back (lowest first); returns them."""
         back = sorted(self._withdrawn)[:count]
         for slot in back:
             self._withdrawn.discard(slot)
-            heapq.heappush(self._free, slot)
+            heapq.heappush(self._free[self._bank_of_slot(slot)], slot)
         return back
 
     def mark_ready(self, key: ExpertKey) -> None:
@@ -252,7 +280,7 @@ class SlotTable:
         self._pins.pop(key, None)
         self._prefetched.discard(key)
         self.policy.remove(key)
-        heapq.heappush(self._free, slot)
+        heapq.heappush(self._free[self._bank_of_slot(slot)], slot)
 
     def pin(self, key: ExpertKey) -> None:
         self._require(key)

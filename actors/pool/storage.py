@@ -22,6 +22,7 @@ import numpy as np
 from actors.cuda_driver import on_cuda
 from actors.device_staging import to_device_many, to_device_prefetched
 from actors.libc import glibc
+from actors.pool.banks import Banks
 from actors.pool.direct_install import direct_copies
 from actors.pool.layout import PoolLayout
 from qpack.spec import ExpertFormat, QpackError, TensorSpec
@@ -90,6 +91,9 @@ class PoolStorage:
         self.fmt = self.layout.formats[next(iter(self.layout.formats))]  # the uniform case's format
         self.num_slots = num_slots
         self.layer_of: Callable[[int], int | None] | None = None
+        # Set by the engine before any compute when the pool is larger than the expert
+        # kernels index safely (actors/pool/banks.py).
+        self.banks: Banks | None = None
         # How a reader's staging thread moves blobs to the GPU (`reader.device_copy`), or
         # (`direct`) how installs write the staging buffers into the slots by DMA.
         self.prefetch_copy = False
@@ -115,10 +119,15 @@ class PoolStorage:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
-    def view(self, layer: int) -> tuple[dict[str, mx.array], ExpertFormat]:
-        """`layer`'s experts: tensor name -> slot array, and their format (for compute)."""
+    def view(self, layer: int) -> tuple[dict[str, mx.array], ExpertFormat, int]:
+        """`layer`'s experts for compute: tensor name -> slot array, their format, and the
+        slot the arrays start at. With banks, the arrays are the layer's bank's slice of
+        the pool's (an offset, not a copy) and a slot s is row s - start of them."""
         fmt, names = self.layout.layer(layer)
-        return {t: self.arrays[a] for t, a in names.items()}, fmt
+        if self.banks is None:
+            return {t: self.arrays[a] for t, a in names.items()}, fmt, 0
+        bank = self.banks.of_layer(layer)
+        return {t: self.arrays[a][bank.start:bank.stop] for t, a in names.items()}, fmt, bank.start
 
     def _layer_format(self, slot: int) -> tuple[ExpertFormat, dict[str, str]]:
         if not self.layout.mixed:

@@ -82,6 +82,10 @@ class PoolConfig(_Section, frozen=True):
     # The MTP head's experts have a pool of their own (docs/speculative.md); unset: the
     # same share of its experts as the pool holds of the model's, taken from its bytes.
     mtp_slots: Annotated[int, within(1, 1 << 24)] | None = None
+    # At most this many slots in one bank (actors/pool/banks.py: a pool larger than the
+    # expert kernels index right is cut into banks, each layer's experts in one). 0: the
+    # most they index right for this model; a larger value is lowered to that.
+    bank_slots: Annotated[int, within(0, 1 << 24)] = 0
 
     def __post_init__(self) -> None:
         if self.budget_mb is not None and self.slots is not None:

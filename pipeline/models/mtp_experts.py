@@ -80,7 +80,7 @@ class StreamedExperts:
                       on_mlx: OnMlx) -> mx.array:
         """What `head(embeds, hidden, cache)` computes, its experts read as needed."""
         step: HeadStep = await on_mlx(HeadStep, head, self.family, embeds, hidden, cache)
-        arrays, fmt = self.storage.view(self.pool.layer)
+        arrays, fmt, _ = self.storage.view(self.pool.layer)  # one bank: its own small pool
         n = self.pool.num_slots
         async with self.pool.lock:
             try:

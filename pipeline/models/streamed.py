@@ -119,7 +119,7 @@ class StreamedModel:
         fmt: ExpertFormat,
         slot_arrays: dict[str, mx.array],
         activation_dtype: mx.Dtype | None = None,
-        views: Callable[[int], tuple[dict[str, mx.array], ExpertFormat]] | None = None,
+        views: Callable[[int], tuple[dict[str, mx.array], ExpertFormat, int]] | None = None,
         layers: range | None = None,
     ):
         self.model = model
@@ -128,7 +128,8 @@ class StreamedModel:
         self.family = self.parts.family
         self.fmt = fmt
         self.slot_arrays = slot_arrays  # owned by the pool, updated in place on install
-        self.views = views  # layer -> (its slot arrays, its format) when layers differ
+        # layer -> (its slot arrays, its format, their first slot): the pool's `view`.
+        self.views = views
         self.num_layers = len(self.parts.layers)
         # The layers this process runs (pipeline-parallel ranks run a slice: pipeline/distributed).
         self.layers = layers if layers is not None else range(self.num_layers)
@@ -178,6 +179,10 @@ class StreamedModel:
         """A forward over `self.layers` that starts from the residual stream `hidden`
         [rows, tokens, H] (another rank's output) instead of embedding tokens."""
         return ForwardStep(self, [], cache, hidden=hidden)
+
+    def experts(self, layer: int) -> tuple[dict[str, mx.array], ExpertFormat, int]:
+        """`layer`'s slot arrays, format and first slot (a bank's: actors/pool/banks.py)."""
+        return self.views(layer) if self.views else (self.slot_arrays, self.fmt, 0)
 
     def make_cache(self) -> list[Any]:
         cache = self.parts.make_cache()
@@ -294,9 +299,9 @@ class ForwardStep:
         assert self._pending is not None, "advance() without a pending routing"
         h_mid, x, inds, scores = self._pending
         self._pending = None
-        slots = mx.array(slot_of.astype(np.int32))[inds]
         block = self.m.parts.layers[self.layer]
-        arrays, fmt = self.m.views(self.layer) if self.m.views else (self.m.slot_arrays, self.m.fmt)
+        arrays, fmt, first = self.m.experts(self.layer)
+        slots = mx.array((slot_of - first).astype(np.int32))[inds]
 
         def part(x: mx.array, slots: mx.array, scores: mx.array) -> mx.array:
             routed = routed_experts(arrays, fmt, x, slots, self.m.family.activation)
@@ -333,8 +338,8 @@ class ForwardStep:
             self._h_in[self.layer] = self.h
             h_mid, x, inds, scores = self._mix_and_route(block)
             found = lookup(self.layer, inds, h_mid.reshape(-1, h_mid.shape[-1]))
-            arrays, fmt = self.m.views(self.layer) if self.m.views else (self.m.slot_arrays, self.m.fmt)
-            routed = routed_experts(arrays, fmt, x, mx.maximum(found, 0), self.m.family.activation)
+            arrays, fmt, first = self.m.experts(self.layer)
+            routed = routed_experts(arrays, fmt, x, mx.maximum(found - first, 0), self.m.family.activation)
             self.h = h_mid + self.m.family.moe_output(block.mlp, x, routed, scores)
             ids.append(inds.reshape(-1, inds.shape[-1]))
             found_all.append(found)
