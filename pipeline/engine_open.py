@@ -159,7 +159,8 @@ async def open_core(
             container.config, container.dense_path,
         )
         storage = await worker.run(PoolStorage, layout, slots)
-        storage.banks = _banks(config, layout, slots, container.moe_layers, need)
+        own = [i for i in container.moe_layers if stage is None or i in stage.plan.layers]
+        storage.banks = _banks(config, layout, slots, own, need)
         mtp_storage = await worker.run(PoolStorage, mtp_layout, mtp_slots) if mtp_layout else None
         stage_in_threads = await staging_probe(config.reader.stage_in_threads, worker)
         if await direct_probe(config.reader.device_copy, worker, storage, mtp_storage):
