@@ -25,7 +25,8 @@ from actors.device_wait import Mailboxes
 from actors.forward import unique_in_order
 from actors.prefetch.actor import Routed
 from actors.prefetch.strategies import Prediction
-from actors.router import ExpertRouter, PullStarved
+from actors.router import ExpertRouter
+from actors.router_types import PullStarved
 from actors.run_ahead import RunAheadPolicy
 
 
