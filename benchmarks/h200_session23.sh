@@ -50,6 +50,9 @@ case $step in
     only c35; c35
     timeout 300 python3 benchmarks/pool_exact_check.py "$DATA/c35.qpack" --pool-mb 1024 --tokens 16 --variants pooled 2>&1 | grep '^{' | tee "$OUT/exact-banks.json"
     bench 200 c35-warm c35 "${warm[@]}" --warm --cases warm-all ;;
+  spec)  # speculation's warm target with the pooled forward now right (banks), one run
+    c35
+    bench 150 c35-warm-spec c35 --pool-mb 1024 --max-tokens 24 --warm --cases warm-all,warm-spec-k2-a0.8 ;;
   c80)
     only c80
     [ -f "$DATA/c80.qpack/manifest.json" ] || $B bench-container --preset qwen3-next-80b-a3b -o "$DATA/c80.qpack" 2>&1 | tail -1
