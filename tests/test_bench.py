@@ -55,14 +55,16 @@ def test_bench_end_to_end_writes_json_and_trace(tiny_bench: Path, tmp_path: Path
     # Each engine case is a fresh process of its own (seconds each): one runs here; what
     # "serial" changes is checked on the plan, and its ratio below.
     code = moestream_bench.main([
-        "bench", str(tiny_bench), "--cases", "default,io", "--slots", "8",
+        "bench", str(tiny_bench), "--cases", "default,warm-all,io", "--slots", "8",
         "--prefill-chunk", "2", "--prompt-tokens", "6", "--max-tokens", "4",
         "--json", str(out), "--trace", str(trace), "--o-direct",
     ])
     assert code == 0
     report = json.loads(out.read_text())
     by_name = {r["name"]: r for r in report["results"]}
-    assert set(by_name) == {"default", "io"}
+    assert set(by_name) == {"default", "warm-all", "io"}
+    # The streamed forward is exact: every expert pooled decodes the default's tokens.
+    assert report["derived"]["tokens_as_default"] == {"warm-all": True}
     assert all(r["error"] is None for r in by_name.values())
     default = by_name["default"]
     assert default["completion_tokens"] == 4 and default["decode_tok_s"] > 0
@@ -117,6 +119,24 @@ async def test_serial_reads_one_expert_at_a_time_and_prefetches_nothing(tiny_ben
     results = [Result(name="default", kind="moestream", decode_tok_s=6.0),
                Result(name="serial", kind="moestream", decode_tok_s=4.0)]
     assert Report({}, {"dense_mb": 1.0}, "", results).derived()["default_over_serial"] == 1.5
+
+
+def test_tokens_are_compared_with_the_defaults_only_where_they_must_agree() -> None:
+    from pipeline.bench.cases import Report
+    from pipeline.bench.spec import Result
+
+    def run(name: str, tokens: list[int], **kw: Any) -> Result:
+        return Result(name=name, kind="moestream", token_ids=tokens,
+                      **{"prompt_tokens": 16, "max_tokens": 4, **kw})
+
+    results = [run("default", [1, 2, 3, 4]), run("serial", [1, 2, 3, 4]),
+               run("warm-all", [1, 2, 9, 9]),
+               run("long-prompt", [5, 6, 7, 8], prompt_tokens=1024),  # another prompt
+               run("warm-spec-k2-a0.8", [1, 2, 8, 8], speculative="ngram"),  # drafts
+               run("batch-2", [3, 3, 3, 3], concurrency=2),  # rows of their own
+               run("default@calibrated", [4, 4, 4, 4], routing="calibrated")]
+    derived = Report({}, {"dense_mb": 1.0}, "", results).derived()
+    assert derived["tokens_as_default"] == {"serial": True, "warm-all": False}
 
 
 def test_timeline_format_and_noop(tmp_path: Path) -> None:

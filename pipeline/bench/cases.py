@@ -318,10 +318,14 @@ class Report:
                 key = name.replace("-", "_")
                 out[f"{key}_prefill_ceiling_tok_s"] = ceiling
                 out[f"{key}_prefill_over_ceiling"] = long.prefill_tok_s / ceiling
+        from pipeline.bench.agreement import tokens_as_default
         from pipeline.bench.batch import batch_derived
 
         out.update(batch_derived({r.name: r for r in self.results if r.error is None}))
         out.update(spec_derived({r.name: r for r in self.results if r.error is None}))
+        agree = tokens_as_default({r.name: r for r in self.results if r.error is None})
+        if agree:
+            out["tokens_as_default"] = agree
         if default is not None:
             budget = self.container["dense_mb"] + default.pool_mb + 256
             gpu = "gpu" in default.backend
