@@ -61,11 +61,10 @@ def slot_limit(layout: PoolLayout) -> int:
     worst = 1
     for fmt in layout.formats.values():
         for t in fmt.tensors:
-            elements = math.prod(t.shape)
             proj, _, kind = t.name.rpartition(".")
             bits = fmt.quant(proj)[0] if kind == "weight" else None
-            if bits is not None and t.dtype == "uint32":
-                elements = elements * 32 // bits
+            # A packed weight holds 8 / bits elements a byte, whatever its words' dtype.
+            elements = t.nbytes * 8 // bits if bits else math.prod(t.shape)
             worst = max(worst, elements)
     return max(1, INDEX_LIMIT // worst)
 
