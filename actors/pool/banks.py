@@ -6,7 +6,8 @@ offset passes 2^32 elements (2^31 where signed) reads another slot's bytes: with
 expert of the 35B pooled (10,240 slots; 2^20 elements a projection) slots from ~4,096 on
 gave wrong outputs (session 23, benchmarks/_big_gqmm_probe.py: |diff| up to 6.9; the
 single-row qmv kernel was right). mlx-lm never meets it: its arrays hold one layer's
-experts.
+experts. Metal's kernels offset by 64-bit strides (mlx/backend/metal/kernels/quantized.h);
+the banks apply on every backend all the same, as a slice costs nothing.
 
 So a pool larger than the limit is cut into banks, each a range of slots within it; each
 MoE layer has a home bank, its experts only ever take slots there (actors/pool/slots.py),
