@@ -10,7 +10,6 @@ next routing. Everything else stays lazy, so MLX fuses it into that single sync.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -23,82 +22,19 @@ from pipeline.models.batch_caches import BatchCaches
 from pipeline.models.file_embedding import FileEmbedding, embedding_dtype
 from pipeline.models.moe import routed_experts
 from pipeline.models.routing_override import RoutingOverride
+from pipeline.models.run_ahead import (
+    LazyRunAhead,
+    RunAhead,
+    restore_cache,
+    snapshot_cache,
+    state_arrays,
+)
 from pipeline.models.text_parts import TextParts, moe_layers, text_parts
 from pipeline.prefill_slices import mix, moe, moe_token_bytes
 from qpack.spec import ExpertFormat
 
 # (layer, ids, hidden) -> the ids' pool slots, lazily (`ForwardStep.launch_with`).
 Lookup = Callable[[int, mx.array, mx.array], mx.array]
-
-
-@dataclass
-class RunAhead:
-    """What one run-ahead evaluation tells the host."""
-
-    layers: list[int]  # MoE layers in order
-    ids: np.ndarray  # [moe layers, tokens, top_k]
-    present: np.ndarray  # [moe layers] bool: every chosen expert was in the pool
-    logits: mx.array  # [vocab], valid only if present.all()
-
-    def first_miss(self) -> int | None:
-        missing = np.flatnonzero(~self.present)
-        return self.layers[int(missing[0])] if missing.size else None
-
-
-@dataclass
-class LazyRunAhead:
-    """A launched run-ahead: still lazy, so the host can queue the next step first."""
-
-    layers: list[int]
-    ids: mx.array
-    present: mx.array
-    logits: mx.array
-    keep: list[mx.array]  # evaluated with it: residual streams for `resume`, cache states
-
-    def arrays(self) -> list[mx.array]:
-        return [self.logits, self.ids, self.present, *self.keep]
-
-    def result(self) -> RunAhead:
-        return RunAhead(self.layers, np.asarray(self.ids), np.asarray(self.present), self.logits)
-
-
-def _arrays(state: Any) -> list[mx.array]:
-    """The arrays in a cache's `state` (a batched cache's state nests lists and ints)."""
-    if isinstance(state, mx.array):
-        return [state]
-    if isinstance(state, (list, tuple)):
-        return [a for part in state for a in _arrays(part)]
-    return []
-
-
-def _snapshot(cache: Any) -> dict[str, Any]:
-    # mlx-lm's caches: KVCache (keys/values buffers written at `offset`, so restoring the
-    # offset is enough) and ArraysCache (a list whose entries are replaced, never written
-    # into). A shallow copy of the attributes, lists copied, restores either exactly. But an
-    # MLX array updated in place (`a[i] = x`) changes every reference to that object, and a
-    # ring (RotatingKVCache, BatchRotatingKVCache: gpt-oss's sliding layers) writes over
-    # live entries: after a miss, the step queued behind had overwritten the oldest key in
-    # the window. So a ring's buffers, and any small array attribute (batched per-row
-    # offsets), are held as distinct objects (a view: the cache's next write then copies
-    # the window rather than writing through); plain KV buffers stay shared (no copy).
-    return _owned(cache, vars(cache))
-
-
-def _restore(cache: Any, snapshot: dict[str, Any]) -> None:
-    vars(cache).clear()
-    vars(cache).update(_owned(cache, snapshot))
-
-
-def _owned(cache: Any, attrs: dict[str, Any]) -> dict[str, Any]:
-    ring = hasattr(cache, "max_size")
-    out = {}
-    for k, v in attrs.items():
-        if isinstance(v, list):
-            v = list(v)
-        elif isinstance(v, mx.array) and (ring or k not in ("keys", "values")):
-            v = v[...]
-        out[k] = v
-    return out
 
 
 class StreamedModel:
@@ -330,7 +266,7 @@ class ForwardStep:
         every MoE layer's ids and "all present" flag, and the residual stream entering each
         MoE layer are evaluated together: the token's one host sync. The caches are
         snapshotted first, so `resume(layer)` can restart exactly at the first layer that missed."""
-        self._snapshot = [_snapshot(c) for c in self.cache]
+        self._snapshot = [snapshot_cache(c) for c in self.cache]
         ids: list[mx.array] = []
         found_all: list[mx.array] = []
         layers: list[int] = []
@@ -345,7 +281,7 @@ class ForwardStep:
             found_all.append(found)
             layers.append(self.layer)
             self.layer += 1
-        states = [a for c in self.cache for a in _arrays(c.state)]
+        states = [a for c in self.cache for a in state_arrays(c.state)]
         self._to_sink()
         # "All present" per layer from one stack of the layers' slots: three kernels a
         # token, not two a layer (a decode step is kernel-launch bound on a GPU).
@@ -366,7 +302,7 @@ class ForwardStep:
     def restore(self, snapshot: list[dict[str, Any]], layers: range) -> None:
         """Put `layers`' caches back as `snapshot` (a `snapshot()`) had them."""
         for i in layers:
-            _restore(self.cache[i], snapshot[i])
+            restore_cache(self.cache[i], snapshot[i])
 
     def snapshot(self) -> list[dict[str, Any]]:
         """The caches as they are before this step (taken by `launch`)."""
@@ -383,7 +319,7 @@ class ForwardStep:
         """
         assert self._snapshot is not None, "resume() without run_ahead()"
         for i in range(layer, self.m.layers.stop):
-            _restore(self.cache[i], self._snapshot[i])
+            restore_cache(self.cache[i], self._snapshot[i])
         self.h = self._h_in[layer]
         self.layer = layer
         self._snapshot = None
@@ -393,7 +329,7 @@ class ForwardStep:
     def end(self) -> None:
         """The forward's end without logits (a step paired before another): its final
         residual stream and the caches evaluated; the hidden sink is fed by `sink`."""
-        mx.eval(self.h, [a for c in self.cache for a in _arrays(c.state)])
+        mx.eval(self.h, [a for c in self.cache for a in state_arrays(c.state)])
 
     def sink(self, behind: int) -> None:
         """Feed the hidden sink (`end`'s step), once the caches hold `behind` more tokens."""
@@ -406,5 +342,5 @@ class ForwardStep:
         else:
             out = self._last_logits()
         self._to_sink()
-        mx.eval(out, [a for c in self.cache for a in _arrays(c.state)])
+        mx.eval(out, [a for c in self.cache for a in state_arrays(c.state)])
         return out

@@ -21,7 +21,7 @@ other bits once it has wrapped). So the pass runs such a layer's attention one p
 at a time, each with the mask and the in-place ring write plain decode's step makes
 (attention only: its MoE half still runs once over all T positions), and holds the ring
 as it stands after each position (a reference is a snapshot: MLX arrays are values, and
-`_snapshot` takes a ring's buffers as distinct objects, so later writes leave them be).
+`snapshot_cache` takes a ring's buffers as distinct objects, so later writes leave them be).
 `keep(n)` puts that layer's cache back to the ring after position n: plain decode's.
 """
 
@@ -33,7 +33,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_ssm_mask
 
-from pipeline.models.streamed import ForwardStep, StreamedModel, _restore, _snapshot
+from pipeline.models.run_ahead import restore_cache, snapshot_cache
+from pipeline.models.streamed import ForwardStep, StreamedModel
 
 
 def can_verify(model: StreamedModel) -> bool:
@@ -63,7 +64,7 @@ class VerifyStep(ForwardStep):
     """A `ForwardStep` over one sequence's T tokens whose logits are all T positions'."""
 
     def __init__(self, model: StreamedModel, tokens: list[int], cache: list[Any]) -> None:
-        self._before = [_snapshot(c) for c in cache]
+        self._before = [snapshot_cache(c) for c in cache]
         self._linear_in: dict[int, mx.array] = {}
         self._rings: dict[int, list[dict[str, Any]]] = {}  # sliding layer -> ring after each position
         self.positions = len(tokens)
@@ -87,7 +88,7 @@ class VerifyStep(ForwardStep):
         for j in range(x.shape[1]):
             xj = x[:, j : j + 1]
             outs.append(mixer(xj, self.m.family.sliding_mask(xj, cache), cache))
-            rings.append(_snapshot(cache))
+            rings.append(snapshot_cache(cache))
         self._rings[self.layer] = rings  # a resumed layer steps again from the snapshot
         return mx.concatenate(outs, axis=1)
 
@@ -110,14 +111,14 @@ class VerifyStep(ForwardStep):
             block = self.m.parts.layers[i]
             cache, before = self.cache[i], self._before[i]
             if i in self._rings:
-                _restore(cache, self._rings[i][n - 1])
+                restore_cache(cache, self._rings[i][n - 1])
                 continue
             if not self.m.family.is_linear(block):
                 cache.offset = before["offset"] + n
                 continue
             if n == self._kept == self.positions:
                 continue  # still the state after the whole pass
-            _restore(cache, before)
+            restore_cache(cache, before)
             h = self._linear_in[i][:, :n]
             block.linear_attn(block.input_layernorm(h), create_ssm_mask(h, cache), cache)
         self._kept = n
