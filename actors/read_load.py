@@ -72,3 +72,24 @@ class ReaderStats:
     finish_wait_seconds: float = 0.0
     check_seconds: float = 0.0
     stage_seconds: float = 0.0
+
+    def record(self, load: Load, stride: int, begun: float | None) -> None:
+        """A load that ended (its `error` set if it failed; `stride`: its layer's bytes a
+        read; `begun`: when a staging thread took it up, if one did)."""
+        if load.error is not None:
+            self.failures += 1
+        else:
+            self.reads += 1
+            self.landings += load.landed
+            self.bytes_read += stride
+            if load.demand:
+                self.demand_reads += 1
+            else:
+                self.prefetch_reads += 1
+        self.queue_seconds += load.t_start - load.t_submit
+        self.pread_seconds += load.t_read - load.t_start
+        if begun is not None:
+            self.finish_wait_seconds += begun - load.t_read
+        self.check_seconds += load.check_s
+        self.stage_seconds += load.stage_s
+        self.read_seconds += load.seconds

@@ -382,29 +382,14 @@ class ExpertReader:
 
     def _complete(self, load: Load, buffer: np.ndarray | None, error: BaseException | None,
                   begun: float | None) -> None:
-        stats = self.stats
         if error is not None:
             if buffer is not None:
                 self.give_back(buffer)
             load.error = error
-            stats.failures += 1
             log.warning("reader.failed", layer=load.key[0], expert=load.key[1], error=str(error))
         else:
             load.buffer = buffer
-            stats.reads += 1
-            stats.landings += load.landed
-            stats.bytes_read += self.container.manifest.layer(load.key[0]).stride
-            if load.demand:
-                stats.demand_reads += 1
-            else:
-                stats.prefetch_reads += 1
-        stats.queue_seconds += load.t_start - load.t_submit
-        stats.pread_seconds += load.t_read - load.t_start
-        if begun is not None:
-            stats.finish_wait_seconds += begun - load.t_read
-        stats.check_seconds += load.check_s
-        stats.stage_seconds += load.stage_s
-        stats.read_seconds += load.seconds
+        self.stats.record(load, self.container.manifest.layer(load.key[0]).stride, begun)
         load.done.set()
         self._any_done.set()
         self._any_done = trio.Event()
