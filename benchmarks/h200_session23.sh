@@ -11,6 +11,10 @@
 # exact: greedy tokens and log-probabilities, streamed (1 GiB pool) against every expert
 #   pooled, at the 35B's dimensions (benchmarks/pool_exact_check.py; session 22 saw bench's
 #   sampled warm-all tokens part from the streamed run's: docs/results.md, twelfth pass).
+# Added while session 23 ran them (docs/results.md, thirteenth pass): diag (exact's variants:
+# run-ahead off, float32), contents (every slot's bytes against the file), banks (the
+# gather_qmm index probe, exact and warm-all with the pool in banks), spec (warm-all against
+# speculation k=2 at a=0.8).
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1

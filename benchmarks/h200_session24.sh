@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# For the next lease (written in session 23, 2026-12-04): what session 23 had no device time
+# for, with its code (pool banks; bench's tokens_as_default). One step per device call (600 s
+# at most). On the GPU host, after the bundle:
+#   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session24.sh STEP
+# exact80: the 80B streamed (1 GiB pool) against every expert pooled (24,576 slots: 12 banks
+#   of 2,048), greedy tokens and log-probabilities (session 23 checked the 35B: identical).
+# prefill: the 35B's 1024-token prompt, cold, with io (session 22: 0.79 of one pass; 20: 1.05).
+# fast: the 35B on the page cache, default and warm-all and io in one invocation, twice
+#   (session 23: 4.07 tok/s, 0.31 of the io ceiling; readers auto = 2 beat 4 and 8).
+set -uo pipefail
+. "$(dirname "$0")/h200_lib.sh"
+step=$1
+ptx_restore
+{
+case $step in
+  exact80)
+    only c80
+    [ -f "$DATA/c80.qpack/manifest.json" ] || $B bench-container --preset qwen3-next-80b-a3b -o "$DATA/c80.qpack" 2>&1 | tail -1
+    timeout 400 python3 benchmarks/pool_exact_check.py "$DATA/c80.qpack" --pool-mb 1024 --tokens 12 --variants pooled 2>&1 | grep '^{' | tee "$OUT/exact-c80.json" ;;
+  prefill)
+    only c35; c35
+    bench 400 c35-long c35 "${cold[@]}" --cases long-prompt,io
+    pack ;;
+  fast)
+    only c35; c35
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    for round in 1 2; do
+      bench 200 c35-fast-$round c35 "${warm[@]}" --warm --cases default,warm-all,io
+    done
+    pack ;;
+esac
+} 2>&1 | tee -a "$OUT/$step.log"
