@@ -265,6 +265,8 @@ class Engine:
         counters = core.counters()
         return {
             "slots": table.num_slots,
+            # Slot ranges the pool is cut into (actors/pool/banks.py); 1: one array each.
+            "pool_banks": len(core.router.table.banks or [range(table.num_slots)]),
             "resident": table.resident,
             "pinned": table.pinned,
             "hit_rate": table.hit_rate,

@@ -82,6 +82,7 @@ async def _greedy(qpack, **pool) -> tuple[list[int], list[dict[int, float]]]:
         banks = table.banks
         if pool.get("bank_slots"):
             assert banks is not None and len(banks) > 1
+            assert engine.pool_snapshot()["pool_banks"] == len(banks)
             storage = engine._core.storage
             for layer, expert in table.resident():
                 slot = table.lookup((layer, expert))
@@ -93,7 +94,7 @@ async def _greedy(qpack, **pool) -> tuple[list[int], list[dict[int, float]]]:
                     whole = storage.arrays[storage.layout.layer(layer)[1][name]]
                     assert mx.array_equal(rows[slot - first], whole[slot]).item()
         else:
-            assert banks is None
+            assert banks is None and engine.pool_snapshot()["pool_banks"] == 1
         return ids, probs
 
 
