@@ -137,6 +137,11 @@ def test_tokens_are_compared_with_the_defaults_only_where_they_must_agree() -> N
                run("default@calibrated", [4, 4, 4, 4], routing="calibrated")]
     derived = Report({}, {"dense_mb": 1.0}, "", results).derived()
     assert derived["tokens_as_default"] == {"serial": True, "warm-all": False}
+    from pipeline.bench.agreement import disagreement
+
+    line = disagreement({"derived": derived})
+    assert line is not None and "warm-all" in line and "serial" not in line
+    assert disagreement({"derived": {"tokens_as_default": {"serial": True}}}) is None
 
 
 def test_timeline_format_and_noop(tmp_path: Path) -> None:

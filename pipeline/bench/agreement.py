@@ -24,3 +24,14 @@ def tokens_as_default(results: dict[str, Any]) -> dict[str, bool]:
     return {name: r.token_ids == default.token_ids for name, r in results.items()
             if name != "default" and r.kind == "moestream" and r.token_ids
             and _how(r) == _how(default)}
+
+
+def disagreement(report: dict[str, Any]) -> str | None:
+    """One line naming the cases whose tokens part from the default's (None: none do)."""
+    differ = [name for name, same in report.get("derived", {}).get("tokens_as_default", {}).items()
+              if not same]
+    if not differ:
+        return None
+    return ("bench: tokens differ from the default case's in " + ", ".join(differ)
+            + " (the streamed forward is exact: a kernel or an engine bug; "
+              "benchmarks/pool_exact_check.py compares greedy log-probabilities)")

@@ -163,6 +163,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         console.print(memory)
     if (spec := speculation_table(report)) is not None:
         console.print(spec)
+    from pipeline.bench.agreement import disagreement
+
+    if (differ := disagreement(report)) is not None:
+        print(differ, file=sys.stderr)
     if args.json:
         write_json(report, args.json)
     if args.trace and args.plots:
