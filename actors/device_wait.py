@@ -61,6 +61,21 @@ import numpy as np
 import structlog
 
 from actors.cuda_driver import CudaDriverError, check, current, on_cuda
+from actors.device_wait_kernel import (
+    BLOCKS,
+    COPIES_AT,
+    EXTRA_AT,
+    HEADER,
+    IDS_AT,
+    MAX_COPIES,
+    MAX_EXTRA,
+    MAX_IDS,
+    SLOTS_AT,
+    SOURCE,
+    THREADS,
+    WORDS,
+    Copy,
+)
 from actors.mx_typed import to_int
 
 if TYPE_CHECKING:
@@ -71,124 +86,6 @@ log = structlog.get_logger("moestream.device_wait")
 # Longer than a layer's reads take even on a slow disk; a wait that gives up only costs a
 # redo of the token per layer (a disk that hangs is the reader's retries' business).
 TIMEOUT_S = 10.0
-# A layer's mailbox, in int32 words: [published seq, answered seq, ids, extra, copies],
-# its ids, the strategy's ranking (extra), the answered slots, then the copies the answer
-# asks for (int64 triples: device address, host address, bytes). Word 0 of the first block
-# is the aborted token's seq, word 1 the waits that timed out.
-_WORDS = 8192
-IDS_AT, MAX_IDS = 8, 128
-EXTRA_AT, MAX_EXTRA = IDS_AT + MAX_IDS, 640
-SLOTS_AT = EXTRA_AT + MAX_EXTRA  # MAX_IDS of them: 776 + 128 <= 1024
-COPIES_AT, MAX_COPIES = 1024, 1024  # 6 words each: 1024 + 6144 <= 8192
-Copy = tuple[int, int, int]  # (device address, host address, bytes), as actors/cuda_direct.py
-# The wait's grid: 128 blocks are resident at once on an H200 (132 SMs). Block 0 leads and
-# waits on no other block, so where fewer fit, the rest start later and still make their
-# share of the copies before the kernel ends (slower, never stuck).
-_BLOCKS, _THREADS = 128, 256
-
-# A grid: block 0's thread 0 publishes and watches the mailbox and decides (answered,
-# given up), the other blocks follow its decision through `ctl` (device memory, not the
-# host's: one poller crosses PCIe); while the host has not answered, every thread makes the
-# copies already listed (the reads that finished meanwhile: the GPU waits anyway), then the
-# rest once it has. One block alone pulled 5.7 GB/s (session 22: a block's 512 loads in
-# flight are latency-bound); the grid's are not. The copies are made before the kernel
-# ends, so before any kernel that reads the slots.
-_SOURCE = """
-    volatile int* box = reinterpret_cast<volatile int*>(static_cast<uintptr_t>(mbox[0]));
-    volatile int* c = ctl;  // [decision, copies listed], zeroed by the launch
-    const int row = meta[0], seq = meta[1], n = meta[2], m = meta[3];
-    const unsigned long long timeout_ns = 1000000ull * (unsigned long long)meta[4];
-    const bool lead = blockIdx.x == 0;
-    volatile int* r = box + (row + 1) * WORDS;
-    __shared__ int state, count;  // state: 0 waiting, 1 answered, 2 given up
-    __shared__ long long entries[3 * MAX_COPIES];  // 24 KiB: the copies' list
-    if (threadIdx.x == 0) {
-        state = 0;
-        if (lead) {
-            for (int i = 0; i < n; ++i) r[IDS_AT + i] = ids[i];
-            for (int i = 0; i < m; ++i) r[EXTRA_AT + i] = extra[i];
-            if (box[0] != seq) {  // else the host gave this token up already
-                r[2] = n; r[3] = m;
-                __threadfence_system();
-                r[0] = seq;
-                __threadfence_system();
-            }
-        }
-    }
-    __syncthreads();
-    const unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-    const unsigned long long step = gridDim.x * (unsigned long long)blockDim.x;
-    int done = 0, s = 0;
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    while (true) {
-        if (threadIdx.x == 0) {
-            if (lead) {
-                int d = 0;
-                // An abort seen after the answer is still an answer (the host answers first).
-                if (box[0] == seq) d = r[1] == seq ? 1 : 2;
-                else if (r[1] == seq) d = 1;  // the count read after it is final
-                else {
-                    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-                    if (t - t0 > timeout_ns) { box[0] = seq; box[1] += 1; d = 2; }
-                }
-                __threadfence_system();
-                const int listed = r[4];
-                c[1] = listed;
-                __threadfence();
-                if (d) c[0] = d;  // after the count: a follower that sees it reads the final count
-                state = d; count = listed;
-            } else {
-                const int d = c[0];
-                __threadfence();
-                state = d; count = c[1];
-            }
-        }
-        __syncthreads();
-        s = state;
-        const int upto = count;
-        __syncthreads();  // every thread has read them before thread 0 may change them
-        if (s == 2) break;
-        if (upto > done) {  // the entries listed since the last look, read from the host once
-            volatile const long long* listed = reinterpret_cast<volatile const long long*>(r + COPIES_AT);
-            for (int i = 3 * done + threadIdx.x; i < 3 * upto; i += blockDim.x) entries[i] = listed[i];
-            __syncthreads();
-            for (; done < upto; ++done) copy_entry(entries, done, tid, step);
-        }
-        if (s == 1) break;
-        if (threadIdx.x == 0) __nanosleep(lead ? 256 : 1024);
-    }
-    if (lead && threadIdx.x == 0)
-        for (int i = 0; i < n; ++i) slots[i] = s == 1 ? r[SLOTS_AT + i] : -1;
-"""
-
-_HEADER = f"""
-#define WORDS {_WORDS}
-#define IDS_AT {IDS_AT}
-#define EXTRA_AT {EXTRA_AT}
-#define SLOTS_AT {SLOTS_AT}
-#define COPIES_AT {COPIES_AT}
-#define MAX_COPIES {MAX_COPIES}
-
-// Copy entry `e` of a list (device address, host address, bytes) held in the block's shared
-// memory, thread `tid` of `step`: 16 bytes a load where all is aligned, the host's bytes
-// read past the caches. (Every thread reading the list from the host's memory itself cost
-// a PCIe round trip per thread per entry: 1.0 GB/s for a grid's copies, session 22.)
-__device__ inline void copy_entry(const long long* copies, int e, unsigned long long tid, unsigned long long step) {{
-    char* dst = reinterpret_cast<char*>(static_cast<uintptr_t>(copies[3 * e]));
-    const char* src = reinterpret_cast<const char*>(static_cast<uintptr_t>(copies[3 * e + 1]));
-    const unsigned long long bytes = copies[3 * e + 2];
-    if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) & 15) == 0) {{
-        for (unsigned long long i = tid; i < bytes / 16; i += step)
-            reinterpret_cast<uint4*>(dst)[i] = __ldcv(reinterpret_cast<const uint4*>(src) + i);
-    }} else {{
-        for (unsigned long long i = tid; i < bytes; i += step)
-            dst[i] = reinterpret_cast<volatile const char*>(src)[i];
-    }}
-}}
-"""
-
-
 def host_alloc(nbytes: int) -> np.ndarray:
     """Page-locked, device-mapped host memory as int32 words, freed with the array."""
     cu = current()
@@ -207,7 +104,7 @@ class Mailboxes:
     """The mailboxes of `rows` MoE layers (in their order), the host's side of them."""
 
     def __init__(self, box: np.ndarray, rows: int) -> None:
-        self.box = box  # int32 words, (rows + 1) * _WORDS of them, zeroed
+        self.box = box  # int32 words, (rows + 1) * WORDS of them, zeroed
         self.rows = rows
         self._seq = 0
 
@@ -216,7 +113,7 @@ class Mailboxes:
         return self._seq
 
     def _at(self, row: int) -> int:
-        return (row + 1) * _WORDS
+        return (row + 1) * WORDS
 
     def published(self, row: int, seq: int) -> bool:
         return int(self.box[self._at(row)]) == seq
@@ -282,12 +179,12 @@ class DeviceWait(Mailboxes):
     """The mailboxes in page-locked memory, waited on by a kernel on the GPU."""
 
     def __init__(self, rows: int) -> None:
-        super().__init__(host_alloc((rows + 1) * _WORDS * 4), rows)
+        super().__init__(host_alloc((rows + 1) * WORDS * 4), rows)
         self._mbox = mx.array([self.box.ctypes.data], dtype=mx.int64)
         self._none = mx.zeros((1,), dtype=mx.int32)
         self._kernel = cast(Callable[..., list[mx.array]], mx.fast.cuda_kernel(
             name="moestream_wait_grid", input_names=["ids", "extra", "mbox", "meta"],
-            output_names=["slots", "ctl"], source=_SOURCE, header=_HEADER))
+            output_names=["slots", "ctl"], source=SOURCE, header=HEADER))
 
     def wait_slots(self, row: int, seq: int, ids: mx.array, extra: mx.array | None = None) -> mx.array:
         return self.wait_within(row, seq, ids, extra, TIMEOUT_S)
@@ -299,8 +196,8 @@ class DeviceWait(Mailboxes):
         n, m = flat.size, 0 if extra is None else more.size
         self._check(n, m)
         meta = mx.array([row, seq, n, m, int(timeout_s * 1000)], dtype=mx.int32)
-        out = self._kernel(inputs=[flat, more, self._mbox, meta], grid=(_THREADS * _BLOCKS, 1, 1),
-                           threadgroup=(_THREADS, 1, 1), output_shapes=[(n,), (2,)],
+        out = self._kernel(inputs=[flat, more, self._mbox, meta], grid=(THREADS * BLOCKS, 1, 1),
+                           threadgroup=(THREADS, 1, 1), output_shapes=[(n,), (2,)],
                            output_dtypes=[mx.int32, mx.int32], init_value=0)[0]
         return out.reshape(ids.shape)
 
@@ -312,7 +209,7 @@ class HostWait(Mailboxes):
     gained; it runs the host's side (actors/awaited.py) on any backend, for tests."""
 
     def __init__(self, rows: int) -> None:
-        super().__init__(np.zeros((rows + 1) * _WORDS, dtype=np.int32), rows)
+        super().__init__(np.zeros((rows + 1) * WORDS, dtype=np.int32), rows)
         self.copied_waiting = 0  # copies made before their layer's answer (the reads streamed)
 
     def wait_slots(self, row: int, seq: int, ids: mx.array, extra: mx.array | None = None) -> mx.array:
