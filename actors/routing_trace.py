@@ -44,6 +44,9 @@ class TraceModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_experts: int
     top_k: int
     stride: int  # bytes per expert read (the container's largest expert stride)
+    # Most slots one pool array indexes right (actors/pool/banks.py): a replay past it cuts
+    # its pool into banks as the live engine does. 0: one bank at every size.
+    bank_limit: int = 0
 
 
 class TracePool(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -189,11 +189,17 @@ async def open_core(
         container.close()
 
 
+def bank_limit(config: PipelineConfig, layout: PoolLayout) -> int:
+    """Most slots in one bank: the config's, within what the kernels index right."""
+    safe = slot_limit(layout)
+    return min(config.pool.bank_slots or safe, safe)
+
+
 def _banks(config: PipelineConfig, layout: PoolLayout, slots: int, layers: list[int],
            need: int) -> Banks | None:
     """The pool's banks (actors/pool/banks.py), each able to pin what one layer needs."""
     safe = slot_limit(layout)
-    banks = plan_banks(slots, layers, min(config.pool.bank_slots or safe, safe))
+    banks = plan_banks(slots, layers, bank_limit(config, layout))
     if banks is not None:
         if banks.smallest < need:
             raise PoolTooSmall(f"pool.bank_slots: a bank of {banks.smallest} slots cannot hold "
@@ -281,6 +287,7 @@ def _start_actors(
                 num_experts=model.num_experts,
                 top_k=model.top_k,
                 stride=manifest.max_stride,
+                bank_limit=bank_limit(config, storage.layout),
             ),
             TracePool(
                 num_slots=slots,

@@ -34,6 +34,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from actors.pool.banks import plan_banks
 from actors.pool.driver import PoolDriver
 from actors.pool.eviction import make_policy
 from actors.pool.slots import SlotCounters, SlotTable
@@ -96,7 +97,9 @@ def simulate(
     strategy_params: dict[str, Any] | None = None,
 ) -> ReplayResult:
     policy = make_policy(policy_name, **(policy_params or {}))
-    table = SlotTable(num_slots, policy)
+    limit = trace.model.bank_limit
+    banks = plan_banks(num_slots, trace.model.moe_layers, limit) if limit else None
+    table = SlotTable(num_slots, policy, banks=banks)
     driver = PoolDriver(table)
     strategy = _strategy_for(trace, strategy_name, strategy_params or {})
     scorer = PrefetchScorer(trace.model.stride)

@@ -5,6 +5,7 @@ their bank, and the engine's logits bit-identical with and without banks."""
 from __future__ import annotations
 
 import mlx.core as mx
+import msgspec
 import pytest
 from helpers_engine import engine_config
 from helpers_forward import tiny_pair
@@ -113,3 +114,21 @@ async def test_a_bank_too_small_for_a_layer_is_refused_in_one_line(synth_checkpo
         async with open_engine(engine_config(qpack, pool={"slots": 64, "bank_slots": 6},
                                              compute={"prefill_chunk": 2})):
             pass
+
+
+
+async def test_the_trace_records_the_bank_limit_a_replay_cuts_banks_by(synth_checkpoint, packed) -> None:
+    """tests/test_replay_live.py replays a banked live run exactly; here, what it replays from."""
+    from pipeline.replay import simulate
+
+    _src, qpack = tiny_pair(synth_checkpoint, packed, "qwen3_next", 4)
+    config = engine_config(qpack, pool={"slots": 40, "bank_slots": 20})
+    async with open_engine(config, record_routing=True) as engine:
+        async for _ in engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8)):
+            pass
+        trace = engine.routing_trace()
+        live = engine._core.router.table.snapshot()
+    assert trace.model.bank_limit == 20
+    assert simulate(trace, "reuse", {}, "recorded", num_slots=40).pool == live
+    one_bank = msgspec.structs.replace(trace, model=msgspec.structs.replace(trace.model, bank_limit=0))
+    assert simulate(one_bank, "reuse", {}, "recorded", num_slots=40).pool != live

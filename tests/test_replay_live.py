@@ -34,6 +34,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "compute": {"prefill_chunk": 1},
         "prefetch": {"strategy": "transition"},
     }),
+    # a pool cut into banks (actors/pool/banks.py): 2 of 20 slots, 2 layers' 32 experts each
+    "transition-reuse-40-banks": ("qwen3_next", {
+        "pool": {"slots": 40, "eviction": "reuse", "bank_slots": 20},
+        "compute": {"prefill_chunk": 4},
+        "prefetch": {"strategy": "transition"},
+    }),
     "history+transition-reuse-12-chunk3": ("qwen3_5_moe", {
         "pool": {"slots": 12, "eviction": "reuse"},
         "compute": {"prefill_chunk": 3},

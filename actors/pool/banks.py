@@ -14,9 +14,8 @@ MoE layer has a home bank, its experts only ever take slots there (actors/pool/s
 and the forward gathers from its bank's slice of the pool's arrays with slot indices
 relative to the bank's start (`PoolStorage.view`): a slice is an offset pointer, no copy,
 the same kernels. Layers are spread over the fewest banks that fit, in proportion to the
-slots. A pool within the limit is one bank, exactly as before. (`moestream replay`
-simulates one bank: at pool sizes past the limit its hit rates may differ slightly from a
-live run's, whose layers each have only their bank's share.)
+slots. A pool within the limit is one bank, exactly as before. A routing trace records
+the limit (`TraceModel.bank_limit`), so `moestream replay` cuts its pools the same way.
 """
 
 from __future__ import annotations
