@@ -68,6 +68,21 @@ def test_keys_take_slots_and_victims_only_in_their_layers_bank() -> None:
     assert slot == 7  # the freed slot of layer 1's bank, not another bank's
 
 
+def test_a_full_bank_drops_only_its_own_layers_predictions() -> None:
+    """Layer 0's bank is all pinned: its predictions are dropped, layer 1's still go in."""
+    from actors.pool.driver import PoolDriver
+
+    banks = plan_banks(8, [0, 1], 4)
+    assert banks is not None
+    table = SlotTable(8, make_policy("lru"), banks=banks)
+    driver = PoolDriver(table)
+    driver.demand(0, [0, 1, 2, 3], tick=0)  # pins the whole of bank 0
+    installed = driver.prefetch([(0, [4, 5]), (1, [6, 7])], tick=0)
+    assert [key for key, _ in installed] == [(1, 6), (1, 7)]
+    assert all(slot in banks.of_layer(1) for _, slot in installed)
+    assert table.prefetch_dropped == 2
+
+
 async def _greedy(qpack, **pool) -> tuple[list[int], list[dict[int, float]]]:
     config = engine_config(qpack, pool=pool, compute={"prefill_chunk": 16})
     async with open_engine(config) as engine:

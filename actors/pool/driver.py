@@ -52,19 +52,20 @@ class PoolDriver:
         """Install predicted experts; return [(key, slot)] that the reader must load."""
         installed: list[tuple[ExpertKey, int]] = []
         protect: set[ExpertKey] = set()
-        exhausted = False
+        exhausted: set[int] = set()  # banks (actors/pool/banks.py) where a prefetch was dropped
         for layer, ids in predictions:
             for expert in ids:
                 key = (int(layer), int(expert))
                 if key in self.table:
                     continue
-                if exhausted:
-                    # Nothing changed since the last drop, so this one cannot fit either.
+                bank = self.table.bank_of(key)
+                if bank in exhausted:
+                    # Nothing changed in its bank since the last drop there: no fit either.
                     self.table.prefetch_dropped += 1
                     continue
                 slot = self.table.try_prefetch(key, tick, protect=protect)
                 if slot is None:
-                    exhausted = True
+                    exhausted.add(bank)
                     continue
                 protect.add(key)
                 installed.append((key, slot))

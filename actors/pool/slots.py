@@ -146,7 +146,7 @@ class SlotTable:
             if pin:
                 self._pins[key] = self._pins.get(key, 0) + 1
             return slot, True
-        slot = self._take_slot(protect, self._bank(key))
+        slot = self._take_slot(protect, self.bank_of(key))
         self.version += 1
         self._slot_of[key] = slot
         self._key_at[slot] = key
@@ -177,7 +177,8 @@ class SlotTable:
             return None
         return slot
 
-    def _bank(self, key: ExpertKey) -> int:
+    def bank_of(self, key: ExpertKey) -> int:
+        """The bank `key` takes its slot in (0: the pool is one bank)."""
         return 0 if self.banks is None else self.banks.home[key[0]]
 
     def _bank_of_slot(self, slot: int) -> int:
