@@ -5,6 +5,9 @@
 #   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session24.sh STEP
 # exact80: the 80B streamed (1 GiB pool) against every expert pooled (24,576 slots: 12 banks
 #   of 2,048), greedy tokens and log-probabilities (session 23 checked the 35B: identical).
+# contents: the 35B's pool after installs through MLX's scatter (reader.device_copy = load,
+#   the fallback where the direct DMA probe fails): every slot's bytes against the file, as
+#   session 23 checked the direct path (a scatter past 2^31 elements is unchecked on CUDA).
 # prefill: the 35B's 1024-token prompt, cold, with io (session 22: 0.79 of one pass; 20: 1.05).
 # fast: the 35B on the page cache, default and warm-all and io in one invocation, twice
 #   (session 23: 4.07 tok/s, 0.31 of the io ceiling; readers auto = 2 beat 4 and 8).
@@ -18,6 +21,9 @@ case $step in
     only c80
     [ -f "$DATA/c80.qpack/manifest.json" ] || $B bench-container --preset qwen3-next-80b-a3b -o "$DATA/c80.qpack" 2>&1 | tail -1
     timeout 400 python3 benchmarks/pool_exact_check.py "$DATA/c80.qpack" --pool-mb 1024 --tokens 12 --variants pooled 2>&1 | grep '^{' | tee "$OUT/exact-c80.json" ;;
+  contents)
+    only c35; c35
+    timeout 500 python3 benchmarks/pool_contents_check.py "$DATA/c35.qpack" --pool-mb 1024 --device-copy load 2>&1 | grep '^{' | tee "$OUT/contents-load.json" ;;
   prefill)
     only c35; c35
     bench 400 c35-long c35 "${cold[@]}" --cases long-prompt,io

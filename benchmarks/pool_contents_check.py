@@ -1,6 +1,6 @@
 """Whether every ready pool slot holds its expert's bytes, as the container has them.
 
-    python benchmarks/pool_contents_check.py MODEL [--pool-mb 1024] [--tokens 16]
+    python benchmarks/pool_contents_check.py MODEL [--pool-mb 1024] [--tokens 16] [--device-copy load]
 
 Two engines: one streamed (a `--pool-mb` pool, after a greedy generation: prefill and
 decode installs, evictions, landings) and one with every expert pooled (`engine.warm()`).
@@ -67,7 +67,8 @@ async def _one(args: argparse.Namespace, pooled: bool) -> dict[str, Any]:
     from actors.sampling_params import SamplingParams
     from pipeline.engine import open_engine
 
-    raw: dict[str, Any] = {"model": {"path": str(args.model)}}
+    raw: dict[str, Any] = {"model": {"path": str(args.model)},
+                           "reader": {"device_copy": args.device_copy}}
     if not pooled:
         raw["pool"] = {"budget_mb": args.pool_mb}
     async with open_engine(config_from_dict(raw, source="<pool_contents_check>")) as engine:
@@ -90,4 +91,7 @@ if __name__ == "__main__":
     ap.add_argument("model", type=Path)
     ap.add_argument("--pool-mb", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--device-copy", default="auto", choices=["auto", "direct", "load", "prefetch"],
+                    help="how blobs reach the pool (reader.device_copy): 'load' installs through "
+                         "MLX's scatter, whose indexing past 2^31 elements is unchecked on CUDA")
     print(json.dumps(trio.run(main, ap.parse_args())), flush=True)
