@@ -237,3 +237,13 @@ def fork_server() -> BaseContext:
     """The fork server for `packjob.PackJob` and `forked_cli.ForkedCLI`: packer, CLI and
     engine preloaded, so a forked pack or `moestream serve` starts at once."""
     return _start_fork_server()
+
+
+@pytest.fixture(scope="module")
+def tiny_bench(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny qwen3_next container as `moestream bench-container` writes them (per module)."""
+    from qpack.synth.bench_container import write_bench_container
+
+    out = tmp_path_factory.mktemp("bench") / "tiny.qpack"
+    write_bench_container(out, "qwen3_next", "tiny", seed=3)
+    return out

@@ -15,16 +15,8 @@ import pytest
 
 from actors import timeline
 from qpack.reader import Container, aligned_empty, verify_container
-from qpack.synth.bench_container import write_bench_container
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-
-@pytest.fixture(scope="module")
-def tiny_bench(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("bench") / "tiny.qpack"
-    write_bench_container(out, "qwen3_next", "tiny", seed=3)
-    return out
 
 
 def test_bench_container_is_valid_and_realistic(tiny_bench: Path) -> None:

@@ -11,34 +11,23 @@ import argparse
 import sys
 from pathlib import Path
 
-import pytest
-
-from qpack.synth.bench_container import write_bench_container
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("exact") / "tiny.qpack"
-    write_bench_container(out, "qwen3_next", "tiny", seed=5)
-    return out
-
-
-async def test_every_slot_holds_its_experts_bytes(tiny: Path) -> None:
+async def test_every_slot_holds_its_experts_bytes(tiny_bench: Path) -> None:
     import pool_contents_check
 
-    args = argparse.Namespace(model=tiny, pool_mb=1, tokens=8, device_copy="auto")
+    args = argparse.Namespace(model=tiny_bench, pool_mb=1, tokens=8, device_copy="auto")
     report = await pool_contents_check.main(args)
     for engine in ("streamed", "pooled"):
         assert report[engine]["checked"] > 0 and report[engine]["bad"] == 0, report[engine]
     assert report["pooled"]["checked"] == report["pooled"]["slots"]  # every expert
 
 
-async def test_streamed_and_pooled_give_the_same_greedy_log_probabilities(tiny: Path) -> None:
+async def test_streamed_and_pooled_give_the_same_greedy_log_probabilities(tiny_bench: Path) -> None:
     import pool_exact_check
 
-    args = argparse.Namespace(model=tiny, pool_mb=1, tokens=6, prompts=2, prompt_tokens=8,
+    args = argparse.Namespace(model=tiny_bench, pool_mb=1, tokens=6, prompts=2, prompt_tokens=8,
                               seed=0, variants="pooled,pooled-stepped")
     report = await pool_exact_check.main(args)
     for variant in ("pooled", "pooled-stepped"):
