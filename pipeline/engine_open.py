@@ -198,14 +198,14 @@ def bank_limit(config: PipelineConfig, layout: PoolLayout) -> int:
 def _banks(config: PipelineConfig, layout: PoolLayout, slots: int, layers: list[int],
            need: int) -> Banks | None:
     """The pool's banks (actors/pool/banks.py), each able to pin what one layer needs."""
-    safe = slot_limit(layout)
-    banks = plan_banks(slots, layers, bank_limit(config, layout))
+    limit = bank_limit(config, layout)
+    banks = plan_banks(slots, layers, limit)
     if banks is not None:
         if banks.smallest < need:
             raise PoolTooSmall(f"pool.bank_slots: a bank of {banks.smallest} slots cannot hold "
                                f"the {need} one layer needs; raise it or leave it 0")
         log.info("engine.pool_banks", banks=len(banks), slots=[len(r) for r in banks.ranges],
-                 safe_slots=safe)
+                 limit=limit)
     return banks
 
 

@@ -4,7 +4,7 @@ MLX's CUDA `gather_qmm` (qmm_sm80, MLX 0.32.4 and its main branch as of 2026-12)
 an expert's weights at `rhs_index * (n * k)` elements computed in 32 bits, so a slot whose
 offset passes 2^32 elements (2^31 where signed) reads another slot's bytes: with every
 expert of the 35B pooled (10,240 slots; 2^20 elements a projection) slots from ~4,096 on
-gave wrong outputs (session 23, benchmarks/_big_gqmm_probe.py: |diff| up to 6.9; the
+gave wrong outputs (session 23, benchmarks/gather_qmm_index_probe.py: |diff| up to 7.3; the
 single-row qmv kernel was right). mlx-lm never meets it: its arrays hold one layer's
 experts. Metal's kernels offset by 64-bit strides (mlx/backend/metal/kernels/quantized.h);
 the banks apply on every backend all the same, as a slice costs nothing.

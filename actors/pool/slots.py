@@ -64,8 +64,8 @@ class SlotTable:
         self._slot_of: dict[ExpertKey, int] = {}
         self._key_at: list[ExpertKey | None] = [None] * num_slots
         self.banks = banks
-        ranges = banks.ranges if banks is not None else [range(num_slots)]
-        self._free: list[list[int]] = [list(r) for r in ranges]  # per bank, valid min-heaps
+        self._ranges = banks.ranges if banks is not None else [range(num_slots)]
+        self._free: list[list[int]] = [list(r) for r in self._ranges]  # per bank, valid min-heaps
         self._pins: dict[ExpertKey, int] = {}
         self._state: dict[ExpertKey, SlotState] = {}
         self._prefetched: set[ExpertKey] = set()  # installed by prefetch, not yet demanded
@@ -187,11 +187,9 @@ class SlotTable:
     def _take_slot(self, protect: Container[ExpertKey], bank: int) -> int:
         if self._free[bank]:
             return heapq.heappop(self._free[bank])
-        banks = self.banks
 
         def evictable(k: ExpertKey) -> bool:
-            return (k not in self._pins and k not in protect
-                    and (banks is None or banks.home[k[0]] == bank))
+            return k not in self._pins and k not in protect and self.bank_of(k) == bank
 
         victim = self.policy.victim(evictable)
         if victim is None:
@@ -250,8 +248,7 @@ class SlotTable:
     def _top_down(self) -> list[int]:
         """Slots from the highest, one bank's then the next's in turn (so every bank keeps
         its share when slots are withdrawn)."""
-        ranges = self.banks.ranges if self.banks is not None else [range(self.num_slots)]
-        tops = [list(reversed(r)) for r in ranges]
+        tops = [list(reversed(r)) for r in self._ranges]
         return [t[i] for i in range(max(map(len, tops))) for t in tops if i < len(t)]
 
     def restore(self, count: int) -> list[int]:
