@@ -32,11 +32,15 @@ if runs:
 PY
 }
 
-# The full 35B container, written once per lease (~55 s); `pack`: a step's JSON as one
-# archive (at most 8 files come back from a lease).
-c35() {
-  [ -f "$DATA/c35.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b -o "$DATA/c35.qpack" 2>&1 | tail -1
+# The bench containers, each written once per lease (the full 35B ~55 s, its 4-layer cut
+# ~20 s, the 80B ~60 s); `pack`: a step's JSON as one archive (at most 8 files come back).
+container() {  # container NAME PRESET [bench-container ARGS...]: $DATA/NAME.qpack, unless there
+  local name=$1 preset=$2; shift 2
+  [ -f "$DATA/$name.qpack/manifest.json" ] || $B bench-container --preset "$preset" "$@" -o "$DATA/$name.qpack" 2>&1 | tail -1
 }
+c35() { container c35 qwen3.6-35b-a3b; }
+c35x4() { container c35x4 qwen3.6-35b-a3b --max-layers 4; }
+c80() { container c80 qwen3-next-80b-a3b; }
 only() {  # only CONTAINER: remove the other bench containers (the disk holds one big one)
   for d in "$DATA"/*.qpack; do [ "$(basename "$d" .qpack)" = "$1" ] || rm -rf "$d"; done
 }

@@ -36,7 +36,7 @@ case $step in
   check)  # exactness of the device wait on tiny models (tokens and logprobs, bit for bit)
     timeout 400 python3 benchmarks/device_wait_check.py --dir "$DATA/wait" 2>&1 | grep '^{' | head -2 | cut -c1-400 ;;
   debug)  # a 4-layer cut at 35B dims, the device wait watched (benchmarks/device_wait_debug.py)
-    [ -f "$DATA/c35x4.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b --max-layers 4 -o "$DATA/c35x4.qpack" 2>&1 | tail -1
+    c35x4
     timeout 80 python3 benchmarks/device_wait_debug.py "$DATA/c35x4.qpack" --dump 60 --tokens 16 2>&1 | grep -v '^\s*$' | grep -v '\[info' | grep -v 'reader.py\|threading.py' | tail -40
     cat "$DATA"/c35x4.qpack/experts/* > /dev/null
     bench 150 x4-wait c35x4 --pool-mb 128 --max-tokens 32 --warm --cases default,io
@@ -61,7 +61,7 @@ case $step in
     pack ;;
   c80)
     only c80
-    [ -f "$DATA/c80.qpack/manifest.json" ] || $B bench-container --preset qwen3-next-80b-a3b -o "$DATA/c80.qpack" 2>&1 | tail -1
+    c80
     bench 300 c80 c80 "${cold[@]}" --max-tokens 16 --cases default,io
     pack ;;
 esac

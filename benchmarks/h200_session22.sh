@@ -22,7 +22,7 @@ ptx_restore
 case $step in
   x4)
     timeout 90 python3 benchmarks/pull_probe.py 2>&1 | tail -3  # the pulled copies alone, seconds
-    [ -f "$DATA/c35x4.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b --max-layers 4 -o "$DATA/c35x4.qpack" 2>&1 | tail -1
+    c35x4
     timeout 90 python3 benchmarks/device_wait_debug.py "$DATA/c35x4.qpack" --dump 60 --tokens 16 2>&1 | grep -v '^\s*$' | grep -v '\[info' | grep -v 'reader.py\|threading.py' | tail -30
     cat "$DATA"/c35x4.qpack/experts/* > /dev/null
     bench 150 x4-wait c35x4 --pool-mb 128 --max-tokens 32 --warm --cases default,io --device-wait auto
@@ -46,14 +46,14 @@ case $step in
     same "$OUT"/c35-random.json "$OUT"/c35-random-off.json
     pack ;;
   debug)  # a stalled decode: the probe then per-layer steps, the emulated wait, the real one
-    [ -f "$DATA/c35x4.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b --max-layers 4 -o "$DATA/c35x4.qpack" 2>&1 | tail -1
+    c35x4
     for a in "--drop" "--mode emulate" "--mode auto"; do
       echo "=== $a"
       timeout 60 python3 benchmarks/device_wait_debug.py "$DATA/c35x4.qpack" --dump 25 --tokens 8 $a 2>&1 | grep -v '^\s*$' |
         grep -v 'reader.py\|threading.py\|engine.open\|^Thread\|mlx_worker.py", line 64' | cut -c1-300 | tail -14
     done ;;
   stuck)  # a settle that timed out: the load it waited for, and every thread's stack
-    [ -f "$DATA/c35x4.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b --max-layers 4 -o "$DATA/c35x4.qpack" 2>&1 | tail -1
+    c35x4
     timeout 60 python3 benchmarks/device_wait_debug.py "$DATA/c35x4.qpack" --dump 40 --tokens 16 2>&1 | grep -v '^\s*$' |
       grep -v 'engine.open\|queue_depth\|line 64 in _loop\|^Thread 0x' | cut -c1-400 | head -60 ;;
   check)

@@ -37,12 +37,12 @@ case $step in
     same "$OUT"/c35-fast-*.json
     pack ;;
   exact)
-    [ -f "$DATA/c35x4.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b --max-layers 4 -o "$DATA/c35x4.qpack" 2>&1 | tail -1
+    c35x4
     timeout 150 python3 benchmarks/pool_exact_check.py "$DATA/c35x4.qpack" --pool-mb 128 2>&1 | grep '^{' | tee "$OUT/exact-x4.json"
     c35
     timeout 300 python3 benchmarks/pool_exact_check.py "$DATA/c35.qpack" --pool-mb 1024 2>&1 | grep '^{' | tee "$OUT/exact-c35.json" ;;
   diag)  # session 23: exact's x4 parted only with the prompt chunked (pool 128 MB); at 1 GiB?
-    [ -f "$DATA/c35x4.qpack/manifest.json" ] || $B bench-container --preset qwen3.6-35b-a3b --max-layers 4 -o "$DATA/c35x4.qpack" 2>&1 | tail -1
+    c35x4
     timeout 100 python3 benchmarks/pool_exact_check.py "$DATA/c35x4.qpack" --pool-mb 1024 --variants pooled,pooled-stepped 2>&1 | grep '^{' | tee "$OUT/diag-x4.json"
     c35
     timeout 400 python3 benchmarks/pool_exact_check.py "$DATA/c35.qpack" --pool-mb 1024 --tokens 8 --variants pooled-stepped,streamed-f32,pooled-f32 2>&1 | grep '^{' | tee "$OUT/diag-c35.json" ;;
@@ -59,7 +59,7 @@ case $step in
     bench 150 c35-warm-spec c35 --pool-mb 1024 --max-tokens 24 --warm --cases warm-all,warm-spec-k2-a0.8 ;;
   c80)
     only c80
-    [ -f "$DATA/c80.qpack/manifest.json" ] || $B bench-container --preset qwen3-next-80b-a3b -o "$DATA/c80.qpack" 2>&1 | tail -1
+    c80
     bench 400 c80 c80 "${cold[@]}" --readers 8 --max-tokens 16 --cases default,io
     pack ;;
 esac

@@ -25,8 +25,9 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pool_exact_check import engine_for  # noqa: E402
+
 from pipeline.bench.spec import prompt_ids  # noqa: E402
-from pipeline.config.loading import config_from_dict  # noqa: E402
 
 CHUNK = 512  # slots summed per device evaluation (bounded temporaries)
 
@@ -65,16 +66,10 @@ def check(core: Any) -> dict[str, Any]:
 
 async def _one(args: argparse.Namespace, pooled: bool) -> dict[str, Any]:
     from actors.sampling_params import SamplingParams
-    from pipeline.engine import open_engine
 
-    raw: dict[str, Any] = {"model": {"path": str(args.model)},
-                           "reader": {"device_copy": args.device_copy}}
-    if not pooled:
-        raw["pool"] = {"budget_mb": args.pool_mb}
-    async with open_engine(config_from_dict(raw, source="<pool_contents_check>")) as engine:
-        if pooled:
-            await engine.warm()
-        else:
+    extra = {"reader": {"device_copy": args.device_copy}}
+    async with engine_for(args.model, args.pool_mb, pooled, extra) as engine:
+        if not pooled:
             prompt = prompt_ids(16, engine.facts.vocab_size, 0)
             async for _ in engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=args.tokens)):
                 pass

@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,15 +45,24 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
 }
 
 
-async def _runs(args: argparse.Namespace, pooled: bool, extra: dict[str, Any] | None = None) -> list[Run]:
+@asynccontextmanager
+async def engine_for(model: Path, pool_mb: int, pooled: bool,
+                     extra: dict[str, Any] | None = None) -> AsyncIterator[Any]:
+    """An engine on `model`: a `pool_mb` pool, or every expert pooled (`warm()` done);
+    `extra`: config sections over that (pool_contents_check.py opens its engines here too)."""
     from pipeline.engine import open_engine
 
-    raw: dict[str, Any] = {"model": {"path": str(args.model)}, **(extra or {})}
+    raw: dict[str, Any] = {"model": {"path": str(model)}, **(extra or {})}
     if not pooled:
-        raw["pool"] = {"budget_mb": args.pool_mb}
-    async with open_engine(config_from_dict(raw, source="<pool_exact_check>")) as engine:
+        raw["pool"] = {"budget_mb": pool_mb}
+    async with open_engine(config_from_dict(raw, source="<pool check>")) as engine:
         if pooled:
             await engine.warm()
+        yield engine
+
+
+async def _runs(args: argparse.Namespace, pooled: bool, extra: dict[str, Any] | None = None) -> list[Run]:
+    async with engine_for(args.model, args.pool_mb, pooled, extra) as engine:
         vocab = engine.facts.vocab_size
         prompts = [prompt_ids(args.prompt_tokens, vocab, args.seed + i) for i in range(args.prompts)]
         return [await _one(engine, p, args.tokens) for p in prompts]
