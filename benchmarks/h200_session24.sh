@@ -9,8 +9,10 @@
 #   the fallback where the direct DMA probe fails): every slot's bytes against the file, as
 #   session 23 checked the direct path (a scatter past 2^31 elements is unchecked on CUDA).
 # prefill: the 35B's 1024-token prompt, cold, with io (session 22: 0.79 of one pass; 20: 1.05).
-# fast: the 35B on the page cache, default and warm-all and io in one invocation, twice
-#   (session 23: 4.07 tok/s, 0.31 of the io ceiling; readers auto = 2 beat 4 and 8).
+# fast: the 35B on the page cache, default and warm-all and io in one invocation, and
+#   default with --device-wait auto, twice (session 23: 4.07 tok/s, 0.31 of the io
+#   ceiling; readers auto = 2 beat 4 and 8); the read path's thread_cpu_s says which host
+#   thread is busy.
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
@@ -33,6 +35,7 @@ case $step in
     cat "$DATA"/c35.qpack/experts/* > /dev/null
     for round in 1 2; do
       bench 200 c35-fast-$round c35 "${warm[@]}" --warm --cases default,warm-all,io
+      bench 150 c35-fast-wait-$round c35 "${warm[@]}" --warm --cases default --device-wait auto
     done
     pack ;;
 esac

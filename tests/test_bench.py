@@ -263,3 +263,32 @@ def test_a_failing_case_is_one_line_and_finished_cases_are_on_disk(tiny_bench: P
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_thread_cpu_names_the_busy_thread() -> None:
+    """bench's per-thread CPU split (read_path.thread_cpu_s): a thread that spins is
+    counted under its name without the number, one that sleeps is not."""
+    import threading
+    import time
+
+    from pipeline.bench import thread_cpu
+
+    assert thread_cpu.group_of("moestream-read-3") == "moestream-read"
+    assert thread_cpu.group_of("Trio thread 12") == "Trio thread"
+    assert thread_cpu.group_of("MainThread") == "MainThread"
+
+    def spin() -> None:
+        end = time.perf_counter() + 0.6
+        while time.perf_counter() < end:
+            pass
+
+    busy = threading.Thread(target=spin, name="probe-spin-7")
+    idle = threading.Thread(target=time.sleep, args=(0.6,), name="probe-idle-1")
+    start = thread_cpu.sample()
+    busy.start(), idle.start()
+    time.sleep(0.4)
+    later = thread_cpu.sample()  # while both still run: their names are known
+    busy.join(), idle.join()
+    spent = thread_cpu.between(start, later)
+    assert spent.get("probe-spin", 0) >= 0.1 and "probe-idle" not in spent, spent

@@ -42,6 +42,8 @@ async def measure_engine(case: Case) -> Result:
     from pipeline.bench.read_path import between
     from pipeline.bench.refs import drop_page_cache
     from pipeline.bench.routing import calibrate
+    from pipeline.bench.thread_cpu import between as cpu_between
+    from pipeline.bench.thread_cpu import sample as cpu_sample
     from pipeline.config.loading import config_from_dict
     from pipeline.counters import Counters
     from pipeline.engine import open_engine
@@ -82,12 +84,14 @@ async def measure_engine(case: Case) -> Result:
         if case.emulate is not None:
             _emulate(engine, case)
         at_decode: list[Counters] = []
+        cpu_at_decode: list[dict[int, tuple[str, float]]] = []
 
         def first_decode(phase: str) -> None:
             # The first decode token's start splits prefill from decode (pipelined or
             # not, every forward starts here).
             if phase == "decode" and not at_decode:
                 at_decode.append(engine.counters())
+                cpu_at_decode.append(cpu_sample())
 
         before = engine.counters()
         params = SamplingParams(temperature=1.0, seed=case.seed, max_tokens=case.max_tokens)
@@ -98,8 +102,10 @@ async def measure_engine(case: Case) -> Result:
                 async for event in it:
                     if isinstance(event, Done):
                         done = event
-        end = engine.counters()
+        end, cpu_end = engine.counters(), cpu_sample()
         read_path = between(at_decode[0] if at_decode else None, end, facts.expert_stride)
+        if cpu_at_decode:
+            read_path.thread_cpu_s = cpu_between(cpu_at_decode[0], cpu_end)
         assert done is not None
         s = done.stats
         decoded = max(s.completion_tokens - 1, 0)

@@ -42,6 +42,9 @@ class ReadPath(msgspec.Struct, kw_only=True):
     # and the host's mean time from a layer's publication to its answer (the GPU waits it).
     waited_tokens: int = 0
     answer_ms: float = 0.0
+    # CPU seconds per kind of thread over the same window (pipeline/bench/thread_cpu.py):
+    # which of the host's threads is busy when the disk is not.
+    thread_cpu_s: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 def between(start: Counters | None, end: Counters, stride: int) -> ReadPath:
