@@ -94,6 +94,7 @@ class AwaitStats(Protocol):
     awaited_given_up: int
     awaited_layers: int
     awaited_host_seconds: float
+    awaited_gap_seconds: float
 
 
 class Host(Protocol):
@@ -133,6 +134,7 @@ async def queued_whole(compute: Host, wait: Mailboxes, make_step: Callable[[], A
     done: list[tuple[Any, Any]] = []
     listed: dict[int, tuple[list[tuple[int, int, int]], list[np.ndarray]]] = {}  # by row
     waiting = 0  # the row whose list installs go to (`rows`: none left, made after the token)
+    answered = 0.0  # when the last layer was answered (the gap to the next one's publication)
 
     def pulled(copies: list[tuple[int, int, int]], buffers: list[np.ndarray]) -> None:
         if waiting < rows:
@@ -165,16 +167,19 @@ async def queued_whole(compute: Host, wait: Mailboxes, make_step: Callable[[], A
                         for buffer in listed.pop(earlier)[1]:
                             router.reader.give_back(buffer)
                     seen = time.perf_counter()
+                    if row:
+                        compute.stats.awaited_gap_seconds += seen - answered
                     ids_rows, ids, preds = routed(wait, row, layer, gate)
                     compute.tick += 1
 
                     def answer(slot_of: np.ndarray, row: int = row, ids_rows: np.ndarray = ids_rows,
                                seen: float = seen) -> None:
-                        nonlocal waiting
+                        nonlocal waiting, answered
                         wait.answer(row, seq, slot_of[ids_rows[0]].astype(np.int32))
                         waiting = row + 1
+                        answered = time.perf_counter()
                         compute.stats.awaited_layers += 1
-                        compute.stats.awaited_host_seconds += time.perf_counter() - seen
+                        compute.stats.awaited_host_seconds += answered - seen
 
                     with timeline.span("compute", "answer", layer=layer):
                         routed_layer = Routed(layer, ids_rows, ids, compute.tick, "decode", predicted=preds)

@@ -71,6 +71,9 @@ class ComputeStats:
     awaited_given_up: int = 0  # ... redone per layer from a layer the wait gave up
     awaited_layers: int = 0  # ... their MoE layers answered, and the host's time for them
     awaited_host_seconds: float = 0.0  # (from seeing a layer published to its answer)
+    # From a layer's answer to seeing the next layer published: the GPU's work between
+    # (~0.55 ms a layer for the 35B on the H200) and the host's delay in noticing.
+    awaited_gap_seconds: float = 0.0
 
 
 class Compute:

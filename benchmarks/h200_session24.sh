@@ -13,6 +13,8 @@
 #   default with --device-wait auto, twice (session 23: 4.07 tok/s, 0.31 of the io
 #   ceiling; readers auto = 2 beat 4 and 8); the read path's thread_cpu_s says which host
 #   thread is busy.
+# gap: device-wait auto's answer and gap per layer (2, 4 readers) and a 12-token trace.
+# sweep: device-wait auto with 2 / 4 / 8 readers, 8 with lookahead depth 2, stepping with 8.
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
@@ -37,6 +39,27 @@ case $step in
       bench 200 c35-fast-$round c35 "${warm[@]}" --warm --cases default,warm-all,io
       bench 150 c35-fast-wait-$round c35 "${warm[@]}" --warm --cases default --device-wait auto
     done
+    pack ;;
+  sweep)  # the waited token's readers and prediction depth on the page cache
+    only c35; c35
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    for r in 2 4 8; do
+      TAIL=1 bench 120 wait-r$r c35 "${warm[@]}" --warm --cases default --device-wait auto --readers $r
+    done
+    TAIL=1 bench 120 wait-r8-la2 c35 "${warm[@]}" --warm --cases default --device-wait auto --readers 8 --strategy lookahead --depth 2
+    TAIL=1 bench 120 step-r8 c35 "${warm[@]}" --warm --cases default --readers 8
+    python3 benchmarks/read_path_summary.py "$OUT"/*.json
+    pack ;;
+  gap)  # where the waited token's time goes: answer, gap (GPU + polling), with a trace
+    only c35; c35
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    for r in 2 4; do
+      TAIL=1 bench 120 gap-r$r c35 "${warm[@]}" --warm --cases default --device-wait auto --readers $r
+    done
+    TAIL=1 bench 120 gap-trace c35 "${warm[@]}" --warm --cases default --device-wait auto --readers 4 \
+      --max-tokens 12 --trace "$OUT/gap-trace.json"
+    python3 benchmarks/read_path_summary.py "$OUT"/gap-r*.json
+    gzip -f "$OUT/gap-trace.json"
     pack ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"

@@ -54,6 +54,7 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     awaited_tokens: int  # decode tokens queued whole, the GPU waiting for their reads
     awaited_layers: int  # ... their MoE layers answered
     awaited_host_seconds: float  # ... the host's time from a layer's publication to its answer
+    awaited_gap_seconds: float  # ... from an answer to seeing the next layer published
     batch_steps: int
     batch_rows_stepped: int
 

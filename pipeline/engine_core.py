@@ -107,6 +107,7 @@ class EngineCore:
             mlx_seconds=c.mlx_seconds, run_ahead_tokens=c.run_ahead_tokens,
             run_ahead_misses=c.run_ahead_misses, awaited_tokens=c.awaited_tokens,
             awaited_layers=c.awaited_layers, awaited_host_seconds=c.awaited_host_seconds,
+            awaited_gap_seconds=c.awaited_gap_seconds,
             batch_steps=self.batch.stats.steps,
             batch_rows_stepped=self.batch.stats.rows_stepped,
         )

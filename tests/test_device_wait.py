@@ -79,6 +79,7 @@ async def test_waited_tokens_equal_stepped_ones_bit_for_bit(tiny, strategy) -> N
             # ... some of them while their layer still waited (listed as each read ended).
             assert wait == "off" or (isinstance(waiter, HostWait) and waiter.copied_waiting > 0)
             assert (spent.awaited_host_seconds > 0) == (spent.awaited_layers > 0) == (wait == "emulate")
+            assert (spent.awaited_gap_seconds > 0) == (wait == "emulate")
             assert_pool_clean(engine)
     assert runs["emulate"] == runs["off"]
     assert len(runs["off"][0][1]) == 8 * 4  # a logprob and its top 3 per token: compared

@@ -42,6 +42,7 @@ class ReadPath(msgspec.Struct, kw_only=True):
     # and the host's mean time from a layer's publication to its answer (the GPU waits it).
     waited_tokens: int = 0
     answer_ms: float = 0.0
+    gap_ms: float = 0.0  # from an answer to the next layer seen published (GPU work + polling)
     # CPU seconds per kind of thread over the same window (pipeline/bench/thread_cpu.py):
     # which of the host's threads is busy when the disk is not.
     thread_cpu_s: dict[str, float] = msgspec.field(default_factory=dict)
@@ -68,4 +69,5 @@ def between(start: Counters | None, end: Counters, stride: int) -> ReadPath:
         stage_ms=ms(d.stage_seconds), landed_fraction=d.landings / reads,
         waited_tokens=d.awaited_tokens,
         answer_ms=1000.0 * d.awaited_host_seconds / max(d.awaited_layers, 1),
+        gap_ms=1000.0 * d.awaited_gap_seconds / max(d.awaited_layers - d.awaited_tokens, 1),
     )
