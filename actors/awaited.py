@@ -95,6 +95,18 @@ class AwaitStats(Protocol):
     awaited_layers: int
     awaited_host_seconds: float
     awaited_gap_seconds: float
+    awaited_gpu_gap_seconds: float
+    awaited_tail_seconds: float
+
+
+def gpu_clock(stats: AwaitStats, times: np.ndarray) -> None:
+    """A token's waits on the GPU's clock ([rows, 3]: published, answer seen, ended): its
+    work between a layer's end and the next one's publication, and the copies after each
+    answer. Nothing where a kernel did not write them (HostWait)."""
+    if times.size == 0 or not times.all():
+        return
+    stats.awaited_gpu_gap_seconds += float((times[1:, 0] - times[:-1, 2]).sum()) / 1e9
+    stats.awaited_tail_seconds += float((times[:, 2] - times[:, 1]).sum()) / 1e9
 
 
 class Host(Protocol):
@@ -205,6 +217,7 @@ async def queued_whole(compute: Host, wait: Mailboxes, make_step: Callable[[], A
     step, result = done[0]
     miss = result.first_miss()
     if miss is None:
+        gpu_clock(compute.stats, wait.gpu_times())
         compute.run_ahead.after_layered(hit=router.table.misses == misses0)
         return cast(mx.array, result.logits)
     compute.stats.awaited_given_up += 1

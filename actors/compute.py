@@ -74,6 +74,10 @@ class ComputeStats:
     # From a layer's answer to seeing the next layer published: the GPU's work between
     # (~0.55 ms a layer for the 35B on the H200) and the host's delay in noticing.
     awaited_gap_seconds: float = 0.0
+    # ... of which the GPU's own (its clock: a layer's kernel end to the next one's
+    # publication) and its copies after an answer (answer seen to kernel end).
+    awaited_gpu_gap_seconds: float = 0.0
+    awaited_tail_seconds: float = 0.0
 
 
 class Compute:

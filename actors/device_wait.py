@@ -73,6 +73,7 @@ from actors.device_wait_kernel import (
     SLOTS_AT,
     SOURCE,
     THREADS,
+    TIMES_AT,
     WORDS,
     Copy,
 )
@@ -155,6 +156,13 @@ class Mailboxes:
         at, n = (r + COPIES_AT) // 2, int(self.box[r + 4])
         flat = self.box.view(np.int64)[at : at + 3 * n].tolist()
         return [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
+
+    def gpu_times(self) -> np.ndarray:
+        """[rows, 3] GPU clock (ns) of each layer's wait: published, answer seen, ended;
+        zeros where no kernel wrote them (HostWait, a wait given up). Read once the token
+        is done: the kernel writes them as it runs."""
+        at = np.array([(self._at(row) + TIMES_AT) // 2 for row in range(self.rows)])
+        return self.box.view(np.int64)[at[:, None] + np.arange(3)].copy()
 
     def abort(self, seq: int) -> None:
         """Every wait of token `seq`, now or later, gives up (outputs -1)."""

@@ -13,6 +13,10 @@ IDS_AT, MAX_IDS = 8, 128
 EXTRA_AT, MAX_EXTRA = IDS_AT + MAX_IDS, 640
 SLOTS_AT = EXTRA_AT + MAX_EXTRA  # MAX_IDS of them: 776 + 128 <= 1024
 COPIES_AT, MAX_COPIES = 1024, 1024  # 6 words each: 1024 + 6144 <= 8192
+# The GPU's clock (%globaltimer, ns) at three points of a layer's wait, as int64: published,
+# the answer seen, the kernel's end (its last copies made). Where the waited token's time
+# goes on the GPU's side: its work between two layers against the host's delay.
+TIMES_AT = COPIES_AT + 6 * MAX_COPIES  # 3 int64: 7168 + 6 <= 8192
 Copy = tuple[int, int, int]  # (device address, host address, bytes), as actors/cuda_direct.py
 # The wait's grid: 128 blocks are resident at once on an H200 (132 SMs). Block 0 leads and
 # waits on no other block, so where fewer fit, the rest start later and still make their
@@ -33,6 +37,7 @@ SOURCE = """
     const unsigned long long timeout_ns = 1000000ull * (unsigned long long)meta[4];
     const bool lead = blockIdx.x == 0;
     volatile int* r = box + (row + 1) * WORDS;
+    volatile unsigned long long* times = reinterpret_cast<volatile unsigned long long*>(r + TIMES_AT);
     __shared__ int state, count;  // state: 0 waiting, 1 answered, 2 given up
     __shared__ long long entries[3 * MAX_COPIES];  // 24 KiB: the copies' list
     if (threadIdx.x == 0) {
@@ -42,6 +47,9 @@ SOURCE = """
             for (int i = 0; i < m; ++i) r[EXTRA_AT + i] = extra[i];
             if (box[0] != seq) {  // else the host gave this token up already
                 r[2] = n; r[3] = m;
+                unsigned long long now;
+                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+                times[0] = now; times[1] = 0; times[2] = 0;
                 __threadfence_system();
                 r[0] = seq;
                 __threadfence_system();
@@ -70,6 +78,7 @@ SOURCE = """
                 c[1] = listed;
                 __threadfence();
                 if (d) c[0] = d;  // after the count: a follower that sees it reads the final count
+                if (d == 1) { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); times[1] = t; }
                 state = d; count = listed;
             } else {
                 const int d = c[0];
@@ -93,6 +102,12 @@ SOURCE = """
     }
     if (lead && threadIdx.x == 0)
         for (int i = 0; i < n; ++i) slots[i] = s == 1 ? r[SLOTS_AT + i] : -1;
+    // The block's copies are made; the lead's end stands for the kernel's (the others end
+    // within a block's last copy of it).
+    if (lead && threadIdx.x == 0 && s == 1) {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        times[2] = t;
+    }
 """
 
 HEADER = f"""
@@ -102,6 +117,7 @@ HEADER = f"""
 #define SLOTS_AT {SLOTS_AT}
 #define COPIES_AT {COPIES_AT}
 #define MAX_COPIES {MAX_COPIES}
+#define TIMES_AT {TIMES_AT}
 
 // Copy entry `e` of a list (device address, host address, bytes) held in the block's shared
 // memory, thread `tid` of `step`: 16 bytes a load where all is aligned, the host's bytes

@@ -57,9 +57,9 @@ case $step in
       TAIL=1 bench 120 gap-r$r c35 "${warm[@]}" --warm --cases default --device-wait auto --readers $r
     done
     TAIL=1 bench 120 gap-trace c35 "${warm[@]}" --warm --cases default --device-wait auto --readers 4 \
-      --max-tokens 12 --trace "$OUT/gap-trace.json"
+      --max-tokens 12 --trace "$OUT/timeline-gap.json"
     python3 benchmarks/read_path_summary.py "$OUT"/gap-r*.json
-    gzip -f "$OUT/gap-trace.json"
+    gzip -f "$OUT/timeline-gap.json"
     pack ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"

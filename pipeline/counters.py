@@ -55,6 +55,8 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     awaited_layers: int  # ... their MoE layers answered
     awaited_host_seconds: float  # ... the host's time from a layer's publication to its answer
     awaited_gap_seconds: float  # ... from an answer to seeing the next layer published
+    awaited_gpu_gap_seconds: float  # ... the GPU's part of it (its clock)
+    awaited_tail_seconds: float  # ... the GPU's copies after an answer
     batch_steps: int
     batch_rows_stepped: int
 

@@ -108,6 +108,7 @@ class EngineCore:
             run_ahead_misses=c.run_ahead_misses, awaited_tokens=c.awaited_tokens,
             awaited_layers=c.awaited_layers, awaited_host_seconds=c.awaited_host_seconds,
             awaited_gap_seconds=c.awaited_gap_seconds,
+            awaited_gpu_gap_seconds=c.awaited_gpu_gap_seconds, awaited_tail_seconds=c.awaited_tail_seconds,
             batch_steps=self.batch.stats.steps,
             batch_rows_stepped=self.batch.stats.rows_stepped,
         )

@@ -216,3 +216,20 @@ def test_the_mailbox_protocol() -> None:
     assert box.copies(1) == []
     box.abort(seq)
     assert box.aborted(seq) and not box.aborted(box.next_seq())
+
+
+def test_gpu_clock_splits_a_tokens_waits() -> None:
+    """The GPU's clock of a token's waits (published, answer seen, ended, per layer): its
+    own work between layers and its copies after each answer; nothing from a token whose
+    kernels did not write them (the emulated wait)."""
+    from types import SimpleNamespace
+
+    from actors.awaited import gpu_clock
+
+    stats = SimpleNamespace(awaited_gpu_gap_seconds=0.0, awaited_tail_seconds=0.0)
+    ns = np.array([[1_000, 3_000, 3_500], [4_500, 6_000, 6_200], [7_200, 9_000, 9_100]], dtype=np.int64)
+    gpu_clock(stats, ns)  # type: ignore[arg-type]
+    assert stats.awaited_gpu_gap_seconds == pytest.approx((1_000 + 1_000) / 1e9)
+    assert stats.awaited_tail_seconds == pytest.approx((500 + 200 + 100) / 1e9)
+    gpu_clock(stats, np.zeros((3, 3), dtype=np.int64))
+    assert stats.awaited_gpu_gap_seconds == pytest.approx(2_000 / 1e9)

@@ -43,6 +43,8 @@ class ReadPath(msgspec.Struct, kw_only=True):
     waited_tokens: int = 0
     answer_ms: float = 0.0
     gap_ms: float = 0.0  # from an answer to the next layer seen published (GPU work + polling)
+    gpu_gap_ms: float = 0.0  # ... the GPU's own part: a wait's end to the next one's publication
+    tail_ms: float = 0.0  # the GPU's copies after an answer (answer seen to the wait's end)
     # CPU seconds per kind of thread over the same window (pipeline/bench/thread_cpu.py):
     # which of the host's threads is busy when the disk is not.
     thread_cpu_s: dict[str, float] = msgspec.field(default_factory=dict)
@@ -70,4 +72,6 @@ def between(start: Counters | None, end: Counters, stride: int) -> ReadPath:
         waited_tokens=d.awaited_tokens,
         answer_ms=1000.0 * d.awaited_host_seconds / max(d.awaited_layers, 1),
         gap_ms=1000.0 * d.awaited_gap_seconds / max(d.awaited_layers - d.awaited_tokens, 1),
+        gpu_gap_ms=1000.0 * d.awaited_gpu_gap_seconds / max(d.awaited_layers - d.awaited_tokens, 1),
+        tail_ms=1000.0 * d.awaited_tail_seconds / max(d.awaited_layers, 1),
     )
