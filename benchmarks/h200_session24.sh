@@ -14,6 +14,9 @@
 #   ceiling; readers auto = 2 beat 4 and 8); the read path's thread_cpu_s says which host
 #   thread is busy.
 # gap: device-wait auto's answer and gap per layer (2, 4 readers) and a 12-token trace.
+# poll: device-wait auto on the page cache, polling with sleeps (this code) against the
+#   busy checkpoints before (`git archive` of 2f5e3c1 in .ptx/before.tgz), twice; stepped on
+#   the page cache; cold O_DIRECT stepped against waited.
 # sweep: device-wait auto with 2 / 4 / 8 readers, 8 with lookahead depth 2, stepping with 8.
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
@@ -60,6 +63,18 @@ case $step in
       --max-tokens 12 --trace "$OUT/timeline-gap.json"
     python3 benchmarks/read_path_summary.py "$OUT"/gap-r*.json
     gzip -f "$OUT/timeline-gap.json"
+    pack ;;
+  poll)  # the event loop's polling sleeps (this commit) against busy checkpoints (.ptx/before.tgz)
+    only c35; c35
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    for round in 1 2; do
+      TAIL=1 old_bench before 120 poll-before-$round c35 "${warm[@]}" --warm --cases default --device-wait auto
+      TAIL=1 bench 120 poll-after-$round c35 "${warm[@]}" --warm --cases default --device-wait auto
+    done
+    TAIL=1 bench 120 poll-stepped c35 "${warm[@]}" --warm --cases default
+    TAIL=1 bench 200 poll-cold-stepped c35 "${cold[@]}" --cases default
+    TAIL=1 bench 200 poll-cold-wait c35 "${cold[@]}" --cases default --device-wait auto
+    python3 benchmarks/read_path_summary.py "$OUT"/poll-*.json
     pack ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"

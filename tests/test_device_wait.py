@@ -8,6 +8,7 @@ kernel itself is checked on the device: benchmarks/device_wait_check.py.)"""
 
 from __future__ import annotations
 
+import sys
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -233,3 +234,30 @@ def test_gpu_clock_splits_a_tokens_waits() -> None:
     assert stats.awaited_tail_seconds == pytest.approx((500 + 200 + 100) / 1e9)
     gpu_clock(stats, np.zeros((3, 3), dtype=np.int64))
     assert stats.awaited_gpu_gap_seconds == pytest.approx(2_000 / 1e9)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl")
+def test_fine_timer_slack_is_the_calling_threads() -> None:
+    """The event loop's short polling sleeps (actors/awaited.py) sleep what they ask for:
+    the thread that asks gets a 1 us timer slack, the others keep theirs."""
+    import ctypes
+    import ctypes.util
+    import threading
+
+    from actors.timer_slack import SLACK_NS, fine_timer_slack
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    get, put = 30, 29  # PR_GET_TIMERSLACK, PR_SET_TIMERSLACK
+    slack: dict[str, int] = {}
+
+    def fine() -> None:
+        libc.prctl(put, ctypes.c_ulong(50_000), 0, 0, 0)  # Linux's default, whatever it inherited
+        slack["ok"] = fine_timer_slack()
+        slack["after"] = libc.prctl(get, 0, 0, 0, 0)
+
+    mine = libc.prctl(get, 0, 0, 0, 0)
+    thread = threading.Thread(target=fine)
+    thread.start()
+    thread.join()
+    assert slack["ok"] and slack["after"] == SLACK_NS
+    assert libc.prctl(get, 0, 0, 0, 0) == mine  # this thread's own is untouched
