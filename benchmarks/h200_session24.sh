@@ -15,7 +15,7 @@
 #   thread is busy.
 # gap: device-wait auto's answer and gap per layer (2, 4 readers) and a 12-token trace.
 # poll: device-wait auto on the page cache, polling with sleeps (this code) against the
-#   busy checkpoints before (`git archive` of 2f5e3c1 in .ptx/before.tgz), twice; stepped on
+#   busy checkpoints before (`git archive` of 3ee9bf1 in .ptx/before.tgz), twice; stepped on
 #   the page cache; cold O_DIRECT stepped against waited.
 # sweep: device-wait auto with 2 / 4 / 8 readers, 8 with lookahead depth 2, stepping with 8.
 set -uo pipefail
