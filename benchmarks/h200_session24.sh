@@ -17,6 +17,8 @@
 # poll: device-wait auto on the page cache, polling with sleeps (this code) against the
 #   busy checkpoints before (`git archive` of 3ee9bf1 in .ptx/before.tgz), twice; stepped on
 #   the page cache; cold O_DIRECT stepped against waited.
+# confirm: device_wait = auto (the default now) against off on the page cache, twice; cold
+#   with auto (declined there: the disk reads < 4 GB/s).
 # sweep: device-wait auto with 2 / 4 / 8 readers, 8 with lookahead depth 2, stepping with 8.
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
@@ -75,6 +77,17 @@ case $step in
     TAIL=1 bench 200 poll-cold-stepped c35 "${cold[@]}" --cases default
     TAIL=1 bench 200 poll-cold-wait c35 "${cold[@]}" --cases default --device-wait auto
     python3 benchmarks/read_path_summary.py "$OUT"/poll-*.json
+    pack ;;
+  confirm)  # device_wait = auto, the new default: on for the page cache, declined cold
+    only c35; c35
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    for round in 1 2; do
+      TAIL=1 bench 120 confirm-auto-$round c35 "${warm[@]}" --warm --cases default
+      TAIL=1 bench 120 confirm-off-$round c35 "${warm[@]}" --warm --cases default --device-wait off
+    done
+    TAIL=1 bench 200 confirm-cold-auto c35 "${cold[@]}" --cases default,io
+    python3 benchmarks/read_path_summary.py "$OUT"/confirm-*.json
+    python3 -c "import json,glob; [print(p, r['name'], r['awaited_tokens']) for p in sorted(glob.glob('$OUT/confirm-*.json')) for r in json.load(open(p))['results'] if r['kind'] != 'io']"
     pack ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
+import trio
 
 from actors.mlx_worker import MlxWorker
 from actors.pool.storage import PoolStorage
@@ -78,6 +79,21 @@ def copier(worker: MlxWorker, storage: PoolStorage) -> Callable[[list[Copy]], Aw
     return dma
 
 
+# "auto" queues a reading token whole only on a disk this fast (the queue-depth probe's best
+# GB/s): there a layer's reads are short and the host's per-layer stepping is what a token
+# waits for; on a slower disk the reads are, and stepping overlaps them better. H200, session
+# 24 (docs/results.md): the page cache (probe 12-29 GB/s) 1.10-1.18x stepping; the cloud
+# disk (probe ~2-3 GB/s, cold O_DIRECT) 0.88x.
+FAST_DISK_GB_S = 4.0
+
+
+def disk_gb_s(container: Container) -> float:
+    """The best bandwidth the queue-depth probe measured on this container's disk (cached)."""
+    from actors.queue_depth import choose_depth
+
+    return max(choose_depth(container).gb_s.values(), default=0.0)
+
+
 async def device_wait_for(config: PipelineConfig, compute: Compute, storage: PoolStorage,
                           worker: MlxWorker) -> Mailboxes | None:
     """`compute.device_wait`: where decode tokens may be queued whole and wait on the GPU
@@ -101,6 +117,10 @@ async def device_wait_for(config: PipelineConfig, compute: Compute, storage: Poo
         ("the pool widens the blobs' scales", not direct_ok(storage.layout)),
         ("the strategy predicts on the MLX thread without a ranking", not awaited.usable(compute.strategy)),
     ) if applies), None)
+    if declined is None and setting == "auto":  # the probe only where all else allows it
+        gb_s = await trio.to_thread.run_sync(disk_gb_s, router.reader.container)
+        if gb_s < FAST_DISK_GB_S:
+            declined = f"the disk reads {gb_s:.1f} GB/s (< {FAST_DISK_GB_S:g}): stepping overlaps its reads better"
     if declined is not None:
         log.info("engine.device_wait", on=False, mode=setting, declined=declined)
         return None

@@ -218,10 +218,10 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--land", choices=("auto", "on", "off"), default="auto",
                    help="install reads where they land, on a staging thread, between layers "
                         "(off: at the next demand, on the MLX thread; auto, the default: on)")
-    p.add_argument("--device-wait", choices=("auto", "off", "emulate"), default="off",
+    p.add_argument("--device-wait", choices=("auto", "off", "emulate"), default="auto",
                    help="decode tokens that read experts queued whole, the GPU waiting for the "
-                        "reads (experimental; auto: where its probe passes on MLX's CUDA backend; "
-                        "off, the default: one host sync per MoE layer)")
+                        "reads (auto, the default: on MLX's CUDA backend where its probe passes "
+                        "and the disk reads >= 4 GB/s; off: one host sync per MoE layer)")
     p.add_argument("--strategy", default="next-gate",
                    help=f"prefetch strategy of the default case ({strategies_help()})")
     p.add_argument("--prefetch-extra", type=int, default=0,

@@ -192,12 +192,13 @@ class ComputeConfig(_Section, frozen=True):
     run_ahead: Literal["auto", "on", "off"] = "auto"
     # A decode token that reads experts queued whole, each MoE layer waiting on the GPU for
     # the host to answer with its slots (actors/device_wait.py): one host sync per token
-    # instead of one per MoE layer. Experimental, so "off" by default: measured on the H200
-    # (session 22, docs/results.md), 1.13x on a 4-layer cut but 0.90-0.95x on the full 35B,
-    # where the host's answer per layer costs more. "auto": where its probe passes (MLX's
-    # CUDA backend with direct installs). "emulate": the same protocol with the wait on the
-    # MLX thread (any backend; no gain: for tests).
-    device_wait: Literal["auto", "off", "emulate"] = "off"
+    # instead of one per MoE layer. "auto": where its probe passes (MLX's CUDA backend with
+    # direct installs) and the disk is fast (pipeline/engine_parts.py FAST_DISK_GB_S):
+    # measured on the H200 (session 24, docs/results.md), 1.10-1.18x stepping on the page
+    # cache, 0.88x on a 1.7 GB/s disk, where the reads, not the host, are what a layer
+    # waits for. "emulate": the same protocol with the wait on the MLX thread (any backend;
+    # no gain: for tests).
+    device_wait: Literal["auto", "off", "emulate"] = "auto"
     overlap: bool = True  # false = the serial streamer baseline (no read/compute overlap)
     # Activation dtype. "auto": float32 on MLX's CPU backend (its bfloat16 kernels are ~10x
     # slower than float32 there), the model's own dtype on GPUs; "model": always the model's.
