@@ -2,8 +2,8 @@
 
     python benchmarks/host_profile.py [--tokens 48] [--device-wait emulate] [--slots 160]
 
-A 40-layer model of the tiny qwen3_5_moe shape (64 experts, top-8: a decode layer's reads
-as the 35B's, at no compute cost) in a bench container under /tmp, its pool too small
+A 40-layer model of the tiny qwen3_next shape (64 experts, top-8: a decode layer's reads
+as the 35B's, at little compute cost), synthesized and packed under /tmp, its pool too small
 for a token's experts so that every layer reads; the decode generation runs with cProfile
 on the event loop's thread (the main thread: trio's), and the top functions by own time
 are printed per MoE layer. `--device-wait emulate` runs the waited token's host side
@@ -30,16 +30,21 @@ NAME = "profile40"
 
 
 def container(root: Path) -> Path:
-    """The 40-layer container (written once; reused while /tmp keeps it)."""
-    from qpack.synth.bench_container import write_bench_container
+    """The 40-layer container (written once; reused while /tmp keeps it): float32 and
+    packed unquantized, as the device-wait tests' model, since the emulated wait copies
+    blobs as they are (a quantized pool on the CPU widens their scales)."""
+    from qpack.synth.checkpoint import synthesize
+    from qpack.writer import pack
 
     out = root / f"{NAME}.qpack"
     if (out / "manifest.json").exists():
         return out
-    tiny = presets.PRESETS[("qwen3_5_moe", "tiny")]
-    presets.PRESETS[("qwen3_5_moe", NAME)] = msgspec.structs.replace(
+    tiny = presets.PRESETS[("qwen3_next", "tiny")]
+    presets.PRESETS[("qwen3_next", NAME)] = msgspec.structs.replace(
         tiny, name=NAME, num_hidden_layers=40, num_experts=64, num_experts_per_tok=8)
-    write_bench_container(out, "qwen3_5_moe", NAME, seed=5)
+    source = root / f"{NAME}-hf"
+    synthesize(source, "qwen3_next", NAME, dtype="float32", progress=False)
+    pack(source, out, progress=False, bits=None)
     return out
 
 
