@@ -19,6 +19,9 @@
 #   the page cache; cold O_DIRECT stepped against waited.
 # confirm: device_wait = auto (the default now) against off on the page cache, twice; cold
 #   with auto (declined there: the disk reads < 4 GB/s).
+# next (not run in session 24: no device time left): the waited token with 2 / 4 / 8 readers
+#   and lookahead depth 2 now that the polling gives the GIL back (the decode depth is
+#   capped at 2 from stepping's measurements: actors/queue_depth.py), against stepping.
 # sweep: device-wait auto with 2 / 4 / 8 readers, 8 with lookahead depth 2, stepping with 8.
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
@@ -88,6 +91,16 @@ case $step in
     TAIL=1 bench 200 confirm-cold-auto c35 "${cold[@]}" --cases default,io
     python3 benchmarks/read_path_summary.py "$OUT"/confirm-*.json
     python3 -c "import json,glob; [print(p, r['name'], r['awaited_tokens']) for p in sorted(glob.glob('$OUT/confirm-*.json')) for r in json.load(open(p))['results'] if r['kind'] != 'io']"
+    pack ;;
+  next)  # for the next lease: readers and prediction depth with the new polling (auto: waited)
+    only c35; c35
+    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    for r in 2 4 8; do
+      TAIL=1 bench 120 next-r$r c35 "${warm[@]}" --warm --cases default --readers $r
+    done
+    TAIL=1 bench 120 next-r4-la2 c35 "${warm[@]}" --warm --cases default --readers 4 --strategy lookahead --depth 2
+    TAIL=1 bench 120 next-off c35 "${warm[@]}" --warm --cases default,warm-all,io --device-wait off
+    python3 benchmarks/read_path_summary.py "$OUT"/next-*.json
     pack ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
