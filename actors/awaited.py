@@ -81,7 +81,8 @@ async def published(wait: Mailboxes, row: int, seq: int) -> bool:
     thread cannot catch): every disk and staging thread then waited out the switch interval
     (0.2 ms) for the GIL after each pread and copy (session 24: the MLX thread 36 % busy,
     the event loop 70 %, a layer's reads late by ~0.9 ms). So when nothing else is ready to
-    run it sleeps `POLL_S` with the GIL released."""
+    run it sleeps `POLL_S` with the GIL released: +25-36 % on the page cache, the preads
+    0.45-0.51 ms against 0.69-0.74 (H200, docs/results.md fourteenth pass)."""
     while not wait.published(row, seq):
         if wait.aborted(seq):
             return False
