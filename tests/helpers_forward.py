@@ -61,7 +61,10 @@ class DirectForward:
     """
 
     def __init__(self, qpack: Path, num_slots: int | None = None, seed: int = 0) -> None:
-        self.container = Container.open(qpack)
+        # The hand-driven forward compares logits, not integrity: the container's sha256 and
+        # crc32 checks (~50 ms an open: the tiny dense core is 80 MB at the real vocabulary) are
+        # the engine's, tested where the engine opens it (tests/test_faults_disk.py, ...).
+        self.container = Container.open(qpack, verify="off")
         manifest = self.container.manifest
         fmt = uniform_format([layer.format for layer in manifest.layers], str(qpack))
         total = manifest.num_experts * len(manifest.layers)
