@@ -177,7 +177,9 @@ def _stopped_as_on_sigterm(job: Launched, port: int, stop: Callable[[], None]) -
 
 
 def test_sigkill_to_the_launcher_stops_every_rank(fork_server, container) -> None:
-    job, port = _job(fork_server, container, 1)  # the 3000-token reply is cut after 1 s
+    # The 3000-token reply is cut after 3 s: the 503 probe must land while rank 0 drains
+    # (with 1 s, a loaded machine once saw the drain end first: connection refused).
+    job, port = _job(fork_server, container, 3)
     try:
         _stopped_as_on_sigterm(job, port, lambda: job.proc.kill())
         log = job.output()
