@@ -82,7 +82,7 @@ def copier(worker: MlxWorker, storage: PoolStorage) -> Callable[[list[Copy]], Aw
 # "auto" queues a reading token whole only on a disk this fast (the queue-depth probe's best
 # GB/s): there a layer's reads are short and the host's per-layer stepping is what a token
 # waits for; on a slower disk the reads are, and stepping overlaps them better. H200, session
-# 24 (docs/results.md): the page cache (probe 12-29 GB/s) 1.03-1.18x stepping; the cloud
+# 24 (docs/results.md): the page cache (probe 12-29 GB/s) 1.02-1.18x stepping; the cloud
 # disk (probe ~2-3 GB/s, cold O_DIRECT) 0.88x.
 FAST_DISK_GB_S = 4.0
 

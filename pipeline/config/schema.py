@@ -194,7 +194,7 @@ class ComputeConfig(_Section, frozen=True):
     # the host to answer with its slots (actors/device_wait.py): one host sync per token
     # instead of one per MoE layer. "auto": where its probe passes (MLX's CUDA backend with
     # direct installs) and the disk is fast (pipeline/engine_parts.py FAST_DISK_GB_S):
-    # measured on the H200 (session 24, docs/results.md), 1.03-1.18x stepping on the page
+    # measured on the H200 (session 24, docs/results.md), 1.02-1.18x stepping on the page
     # cache, 0.88x on a 1.7 GB/s disk, where the reads, not the host, are what a layer
     # waits for. "emulate": the same protocol with the wait on the MLX thread (any backend;
     # no gain: for tests).
