@@ -17,6 +17,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable
@@ -65,8 +66,9 @@ def sha256_fd(fd: int, progress: Callable[[int], None] | None = None) -> str:
 # key and is hashed anew. A file changed less than `_SETTLED_NS` before its hash is not
 # recorded: the kernel stamps times at a clock tick (1-10 ms), so a second write within
 # the tick of the first could leave the key as it was (git's "racy" index entries).
-# Bounded: the oldest entry goes first.
+# Bounded: the oldest entry goes first. Engines open in threads at once: one lock.
 _hashed: dict[tuple[int, int, int, int, int], str] = {}
+_hashed_lock = threading.Lock()
 _HASHED_MAX = 256
 _SETTLED_NS = 2_000_000_000
 
@@ -78,9 +80,10 @@ def _file_sha256(fd: int) -> str:
     if digest is None:
         digest = sha256_fd(fd)
         if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) >= _SETTLED_NS:
-            if len(_hashed) >= _HASHED_MAX:
-                _hashed.pop(next(iter(_hashed)), None)
-            _hashed[key] = digest
+            with _hashed_lock:
+                if len(_hashed) >= _HASHED_MAX:
+                    _hashed.pop(next(iter(_hashed)), None)
+                _hashed[key] = digest
     return digest
 
 
