@@ -108,6 +108,9 @@ class Mailboxes:
         self.box = box  # int32 words, (rows + 1) * WORDS of them, zeroed
         self.rows = rows
         self._seq = 0
+        # Each row's three GPU clock stamps, as int64 indices into the box (`gpu_times`).
+        firsts = [((row + 1) * WORDS + TIMES_AT) // 2 for row in range(rows)]
+        self._times_at = np.array(firsts)[:, None] + np.arange(3)
 
     def next_seq(self) -> int:
         self._seq = self._seq % (1 << 30) + 1
@@ -161,8 +164,7 @@ class Mailboxes:
         """[rows, 3] GPU clock (ns) of each layer's wait: published, answer seen, ended;
         zeros where no kernel wrote them (HostWait, a wait given up). Read once the token
         is done: the kernel writes them as it runs."""
-        at = np.array([(self._at(row) + TIMES_AT) // 2 for row in range(self.rows)])
-        return self.box.view(np.int64)[at[:, None] + np.arange(3)].copy()
+        return self.box.view(np.int64)[self._times_at]
 
     def abort(self, seq: int) -> None:
         """Every wait of token `seq`, now or later, gives up (outputs -1)."""

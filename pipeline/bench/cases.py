@@ -84,14 +84,14 @@ async def measure_engine(case: Case) -> Result:
         if case.emulate is not None:
             _emulate(engine, case)
         at_decode: list[Counters] = []
-        cpu_at_decode: list[dict[int, tuple[str, float]]] = []
+        cpu_at_decode: dict[int, tuple[str, float]] = {}  # the threads' CPU time then
 
         def first_decode(phase: str) -> None:
             # The first decode token's start splits prefill from decode (pipelined or
             # not, every forward starts here).
             if phase == "decode" and not at_decode:
                 at_decode.append(engine.counters())
-                cpu_at_decode.append(cpu_sample())
+                cpu_at_decode.update(cpu_sample())
 
         before = engine.counters()
         params = SamplingParams(temperature=1.0, seed=case.seed, max_tokens=case.max_tokens)
@@ -104,8 +104,8 @@ async def measure_engine(case: Case) -> Result:
                         done = event
         end, cpu_end = engine.counters(), cpu_sample()
         read_path = between(at_decode[0] if at_decode else None, end, facts.expert_stride)
-        if cpu_at_decode:
-            read_path.thread_cpu_s = cpu_between(cpu_at_decode[0], cpu_end)
+        if at_decode:
+            read_path.thread_cpu_s = cpu_between(cpu_at_decode, cpu_end)
         assert done is not None
         s = done.stats
         decoded = max(s.completion_tokens - 1, 0)

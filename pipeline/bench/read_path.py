@@ -56,6 +56,7 @@ def between(start: Counters | None, end: Counters, stride: int) -> ReadPath:
         return ReadPath()
     d = end - start
     reads = max(d.reads + d.failures, 1)
+    gaps = max(d.awaited_layers - d.awaited_tokens, 1)  # a waited token's first layer has none
 
     def ms(seconds: float) -> float:
         return 1000.0 * seconds / reads
@@ -71,7 +72,7 @@ def between(start: Counters | None, end: Counters, stride: int) -> ReadPath:
         stage_ms=ms(d.stage_seconds), landed_fraction=d.landings / reads,
         waited_tokens=d.awaited_tokens,
         answer_ms=1000.0 * d.awaited_host_seconds / max(d.awaited_layers, 1),
-        gap_ms=1000.0 * d.awaited_gap_seconds / max(d.awaited_layers - d.awaited_tokens, 1),
-        gpu_gap_ms=1000.0 * d.awaited_gpu_gap_seconds / max(d.awaited_layers - d.awaited_tokens, 1),
+        gap_ms=1000.0 * d.awaited_gap_seconds / gaps,
+        gpu_gap_ms=1000.0 * d.awaited_gpu_gap_seconds / gaps,
         tail_ms=1000.0 * d.awaited_tail_seconds / max(d.awaited_layers, 1),
     )
