@@ -44,6 +44,9 @@ c80() { container c80 qwen3-next-80b-a3b; }
 only() {  # only CONTAINER: remove the other bench containers (the disk holds one big one)
   for d in "$DATA"/*.qpack; do [ "$(basename "$d" .qpack)" = "$1" ] || rm -rf "$d"; done
 }
+paged() {  # paged NAME (c35, c35x4, c80): alone on the disk, written if missing, its experts in the page cache
+  only "$1"; "$1"; cat "$DATA/$1.qpack"/experts/* > /dev/null
+}
 pack() { tar czf "$OUT/$step-json.tgz" -C "$OUT" $(cd "$OUT" && ls *.json) && rm -f "$OUT"/*.json; }
 old_bench() {  # old_bench ARCHIVE LIMIT NAME ARGS...: `bench` with the code in .ptx/ARCHIVE.tgz
   local code=/tmp/$1; shift  # (a `git archive` of an earlier commit: before/after in one lease)

@@ -41,16 +41,14 @@ case $step in
     bench 400 c35-long c35 "${cold[@]}" --cases long-prompt,io
     pack ;;
   fast)
-    only c35; c35
-    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    paged c35
     for round in 1 2; do
       bench 200 c35-fast-$round c35 "${warm[@]}" --warm --cases default,warm-all,io
       bench 150 c35-fast-wait-$round c35 "${warm[@]}" --warm --cases default --device-wait auto
     done
     pack ;;
   sweep)  # the waited token's readers and prediction depth on the page cache
-    only c35; c35
-    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    paged c35
     for r in 2 4 8; do
       TAIL=1 bench 120 wait-r$r c35 "${warm[@]}" --warm --cases default --device-wait auto --readers $r
     done
@@ -59,8 +57,7 @@ case $step in
     python3 benchmarks/read_path_summary.py "$OUT"/*.json
     pack ;;
   gap)  # where the waited token's time goes: answer, gap (GPU + polling), with a trace
-    only c35; c35
-    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    paged c35
     for r in 2 4; do
       TAIL=1 bench 120 gap-r$r c35 "${warm[@]}" --warm --cases default --device-wait auto --readers $r
     done
@@ -70,8 +67,7 @@ case $step in
     gzip -f "$OUT/timeline-gap.json"
     pack ;;
   poll)  # the event loop's polling sleeps (this commit) against busy checkpoints (.ptx/before.tgz)
-    only c35; c35
-    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    paged c35
     for round in 1 2; do
       TAIL=1 old_bench before 120 poll-before-$round c35 "${warm[@]}" --warm --cases default --device-wait auto
       TAIL=1 bench 120 poll-after-$round c35 "${warm[@]}" --warm --cases default --device-wait auto
@@ -82,19 +78,16 @@ case $step in
     python3 benchmarks/read_path_summary.py "$OUT"/poll-*.json
     pack ;;
   confirm)  # device_wait = auto, the new default: on for the page cache, declined cold
-    only c35; c35
-    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    paged c35
     for round in 1 2; do
       TAIL=1 bench 120 confirm-auto-$round c35 "${warm[@]}" --warm --cases default
       TAIL=1 bench 120 confirm-off-$round c35 "${warm[@]}" --warm --cases default --device-wait off
     done
     TAIL=1 bench 200 confirm-cold-auto c35 "${cold[@]}" --cases default,io
     python3 benchmarks/read_path_summary.py "$OUT"/confirm-*.json
-    python3 -c "import json,glob; [print(p, r['name'], r['awaited_tokens']) for p in sorted(glob.glob('$OUT/confirm-*.json')) for r in json.load(open(p))['results'] if r['kind'] != 'io']"
     pack ;;
   next)  # for the next lease: readers and prediction depth with the new polling (auto: waited)
-    only c35; c35
-    cat "$DATA"/c35.qpack/experts/* > /dev/null
+    paged c35
     for r in 2 4 8; do
       TAIL=1 bench 120 next-r$r c35 "${warm[@]}" --warm --cases default --readers $r
     done

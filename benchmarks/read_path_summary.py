@@ -19,6 +19,8 @@ def line(source: str, r: dict) -> str:
     parts = [f"{source} {r['name']}: {r['decode_tok_s']:.2f} tok/s",
              f"{r['decode_bytes_per_token'] / 1e6:.0f} MB/token", f"readers {r['readers']}"]
     parts += [f"{k} {p[k]:.2f}" for k in keys if k in p]
+    if "waited_tokens" in p:  # tokens queued whole (compute.device_wait): 0 where it declined
+        parts.append(f"waited_tokens {p['waited_tokens']}")
     if p.get("thread_cpu_s"):
         parts.append("cpu " + json.dumps(p["thread_cpu_s"]))
     return ", ".join(parts)
