@@ -269,6 +269,7 @@ def test_a_failing_case_is_one_line_and_finished_cases_are_on_disk(tiny_bench: P
 def test_thread_cpu_names_the_busy_thread() -> None:
     """bench's per-thread CPU split (read_path.thread_cpu_s): a thread that spins is
     counted under its name without the number, one that sleeps is not."""
+    import hashlib
     import threading
     import time
 
@@ -278,17 +279,25 @@ def test_thread_cpu_names_the_busy_thread() -> None:
     assert thread_cpu.group_of("Trio thread 12") == "Trio thread"
     assert thread_cpu.group_of("MainThread") == "MainThread"
 
+    # Both run until told to stop, so both are alive while sampled. The spinner burns its
+    # CPU in sha256 (which releases the GIL): a spinner holding it made each of the
+    # sampler's /proc reads wait out a switch interval, and the sample outlived the thread.
+    stop = threading.Event()
+    block = bytes(1 << 20)
+
     def spin() -> None:
-        end = time.perf_counter() + 0.6
-        while time.perf_counter() < end:
-            pass
+        while not stop.is_set():
+            hashlib.sha256(block).digest()
 
     busy = threading.Thread(target=spin, name="probe-spin-7")
-    idle = threading.Thread(target=time.sleep, args=(0.6,), name="probe-idle-1")
+    idle = threading.Thread(target=stop.wait, name="probe-idle-1")
     start = thread_cpu.sample()
     busy.start(), idle.start()
-    time.sleep(0.4)
-    later = thread_cpu.sample()  # while both still run: their names are known
-    busy.join(), idle.join()
+    try:
+        time.sleep(0.5)
+        later = thread_cpu.sample()
+    finally:
+        stop.set()
+        busy.join(), idle.join()
     spent = thread_cpu.between(start, later)
     assert spent.get("probe-spin", 0) >= 0.1 and "probe-idle" not in spent, spent
