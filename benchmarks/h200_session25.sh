@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Session 25 (2026-12-04): the waited token queued layer by layer as it is built. One step
+# per device call (600 s at most). On the GPU host, after the bundle:
+#   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session25.sh STEP
+# eager: the 35B on the page cache, waited tokens (device_wait auto), the code before
+#   (`git archive` of d810834 in .ptx/before.tgz: the token built whole, then evaluated)
+#   against this one (each layer queued once built), alternating, twice; then a 12-token
+#   trace of each (step `trace`) (the MLX thread's build and eval spans beside the answers).
+# next: session 24's `next` (readers 2 / 4 / 8, lookahead depth 2, device wait off with
+#   warm-all and io) with this code.
+set -uo pipefail
+. "$(dirname "$0")/h200_lib.sh"
+step=$1
+ptx_restore
+{
+case $step in
+  eager)
+    paged c35
+    for round in 1 2; do
+      TAIL=1 old_bench before 120 eager-before-$round c35 "${warm[@]}" --warm --cases default
+      TAIL=1 bench 120 eager-after-$round c35 "${warm[@]}" --warm --cases default
+    done
+    python3 benchmarks/read_path_summary.py "$OUT"/eager-*.json
+    same "$OUT"/eager-*.json
+    pack ;;
+  trace)
+    paged c35
+    TAIL=1 old_bench before 120 eager-trace-before c35 "${warm[@]}" --warm --cases default --max-tokens 12 --trace "$OUT/timeline-before.json"
+    TAIL=1 bench 120 eager-trace-after c35 "${warm[@]}" --warm --cases default --max-tokens 12 --trace "$OUT/timeline-after.json"
+    python3 benchmarks/read_path_summary.py "$OUT"/eager-*.json
+    same "$OUT"/eager-*.json
+    gzip -f "$OUT"/timeline-*.json
+    pack ;;
+  next)
+    paged c35
+    for r in 2 4 8; do
+      TAIL=1 bench 120 next-r$r c35 "${warm[@]}" --warm --cases default --readers $r
+    done
+    TAIL=1 bench 120 next-r4-la2 c35 "${warm[@]}" --warm --cases default --readers 4 --strategy lookahead --depth 2
+    TAIL=1 bench 120 next-off c35 "${warm[@]}" --warm --cases default,warm-all,io --device-wait off
+    python3 benchmarks/read_path_summary.py "$OUT"/next-*.json
+    pack ;;
+esac
+} 2>&1 | tee -a "$OUT/$step.log"
