@@ -34,7 +34,6 @@ from actors.timer_slack import fine_timer_slack
 # to do (`published`): against ~0.6 ms of GPU work between two layers (the 35B, H200).
 POLL_S = 2e-5
 
-
 class GateRanking(Protocol):
     """A gate strategy that can publish its ranking from the GPU (actors/prefetch/gate.py)."""
 
@@ -63,20 +62,18 @@ def launch(wait: Mailboxes, seq: int, make_step: Callable[[], Any], rows: dict[i
     """On the MLX thread: build the token (`make_step()`), each MoE layer's slots from its
     wait, and evaluate it: returns once every layer ran (step, run-ahead result).
 
-    Each layer is queued to the GPU as soon as it is built, up to its wait (`async_eval`),
-    rather than the token once it is all built: the build is Python work on this thread
-    (~0.2-1 ms a layer), and building the whole token first kept the GPU, and with it the
-    first layer's publication and every read that waits on it, idle that long (session
-    25's trace: ~38 ms of a 140 ms token). MLX bounds how far ahead it queues (10
-    command graphs in flight); the GPU waits for the host's answers either way."""
+    The token is built whole before any of it is queued (~10-16 ms of Python on the H200
+    before the first layer publishes, session 25): queueing each layer as it is built
+    (`async_eval` up to its wait) would overlap that with the GPU, but then this thread
+    runs MLX calls while the GPU spins on a wait, and one that blocks on the device with
+    the GIL held (a host array's allocation did: docs/results.md, fifteenth pass) keeps
+    the event loop from answering: each token waited out the kernel's timeout. Only `mx.eval`, which releases the GIL, runs while the GPU waits."""
     with timeline.span("mlx", "build"):
         step = make_step()
 
         def lookup(layer: int, ids: mx.array, hidden: mx.array) -> mx.array:
             extra = gate.ranking(layer, hidden) if gate is not None else None
-            slots = wait.wait_slots(rows[layer], seq, ids, extra)
-            mx.async_eval(slots)
-            return slots
+            return wait.wait_slots(rows[layer], seq, ids, extra)
 
         lazy = step.launch_with(lookup)
     with timeline.span("mlx", "eval"):

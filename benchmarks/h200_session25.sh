@@ -42,3 +42,14 @@ case $step in
     pack ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
+# diag (appended): spans of the token built whole (the default), and the eager build under
+# faulthandler (SIGABRT at 50 s dumps every thread's stack).
+if [ "$step" = diag ]; then
+  paged c35 >/dev/null
+  TAIL=1 bench 120 diag-trace c35 "${warm[@]}" --warm --cases default --max-tokens 12 --trace "$OUT/timeline-whole.json"
+  python3 benchmarks/read_path_summary.py "$OUT"/diag-trace.json
+  echo "== eager under faulthandler"
+  MOESTREAM_EAGER=1 PYTHONFAULTHANDLER=1 timeout -s ABRT 50 $B bench "$DATA/c35.qpack" --json "$OUT/diag-eager.json" "${warm[@]}" --warm --cases default --max-tokens 6 > "$OUT/eager-stacks.txt" 2>&1
+  echo "rc $?"; grep -v "^\s*$" "$OUT/eager-stacks.txt" | grep -A40 "Thread\|Current thread" | head -150
+  gzip -f "$OUT"/timeline-*.json
+fi
