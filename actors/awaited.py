@@ -81,8 +81,10 @@ def launch(wait: Mailboxes, seq: int, make_step: Callable[[], Any], rows: dict[i
     return step, lazy.result()
 
 
-async def published(wait: Mailboxes, row: int, seq: int) -> bool:
-    """Wait for layer `row` of token `seq` to be published; False if the token was given up.
+async def published(wait: Mailboxes, row: int, seq: int) -> float | None:
+    """Wait for layer `row` of token `seq` to be published: how long before seeing it the
+    last look found it unpublished (0.0: the first look found it), None if the token was
+    given up.
 
     Polled from the event loop. A loop of bare checkpoints held the GIL all the time the
     GPU worked (each checkpoint's epoll gives it back for an instant only, which a waiting
@@ -91,14 +93,16 @@ async def published(wait: Mailboxes, row: int, seq: int) -> bool:
     the event loop 70 %, a layer's reads late by ~0.9 ms). So when nothing else is ready to
     run it sleeps `POLL_S` with the GIL released: +25-36 % on the page cache, the preads
     0.45-0.51 ms against 0.69-0.74 (H200, docs/results.md fourteenth pass)."""
+    last = None
     while not wait.published(row, seq):
+        last = time.perf_counter()
         if wait.aborted(seq):
-            return False
+            return None
         await trio.sleep(0)  # a checkpoint: the router, prefetch and readers' completions run
         now = trio.lowlevel.current_statistics()
         if not now.tasks_runnable and not now.run_sync_soon_queue_size and not wait.published(row, seq):
             time.sleep(POLL_S)
-    return True
+    return 0.0 if last is None else time.perf_counter() - last
 
 
 def routed(wait: Mailboxes, row: int, layer: int,
@@ -121,6 +125,8 @@ class AwaitStats(Protocol):
     awaited_gap_seconds: float
     awaited_gpu_gap_seconds: float
     awaited_tail_seconds: float
+    awaited_back_seconds: float
+    awaited_poll_seconds: float
 
 
 def gpu_clock(stats: AwaitStats, times: np.ndarray) -> None:
@@ -198,7 +204,9 @@ async def queued_whole(compute: Host, wait: Mailboxes, make_step: Callable[[], A
             nursery.start_soon(run_token)
             try:
                 for row, layer in enumerate(row_of):
-                    if not await published(wait, row, seq):
+                    back = time.perf_counter()
+                    late = await published(wait, row, seq)
+                    if late is None:
                         break
                     for earlier in [r for r in listed if r < row]:  # their waits have ended
                         for buffer in listed.pop(earlier)[1]:
@@ -206,6 +214,8 @@ async def queued_whole(compute: Host, wait: Mailboxes, make_step: Callable[[], A
                     seen = time.perf_counter()
                     if row:
                         compute.stats.awaited_gap_seconds += seen - answered
+                        compute.stats.awaited_back_seconds += back - answered
+                        compute.stats.awaited_poll_seconds += late
                     ids_rows, ids, preds = routed(wait, row, layer, gate)
                     compute.tick += 1
 

@@ -78,6 +78,11 @@ class ComputeStats:
     # publication) and its copies after an answer (answer seen to kernel end).
     awaited_gpu_gap_seconds: float = 0.0
     awaited_tail_seconds: float = 0.0
+    # ... and the host's: from the answer to the compute task's first look at the next
+    # layer (the event loop's other work meanwhile), and from the last look that found it
+    # unpublished to the one that found it (the polling's granularity, an upper bound).
+    awaited_back_seconds: float = 0.0
+    awaited_poll_seconds: float = 0.0
 
 
 class Compute:

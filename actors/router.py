@@ -101,7 +101,8 @@ class ExpertRouter:
         """Serve requests until the engine's nursery is cancelled."""
         async with self._inbox:
             async for request in self._inbox:
-                result = await outcome.acapture(request.fn, *request.args)
+                with timeline.span("router", request.fn.__name__.lstrip("_")):
+                    result = await outcome.acapture(request.fn, *request.args)
                 if request.reply is not None:
                     # The asker may have been cancelled meanwhile: the reply then waits in
                     # the buffer of a channel nobody reads, and is collected with it.
@@ -109,7 +110,8 @@ class ExpertRouter:
                 if self._after_reply is not None:  # a prefetch no wait needed first
                     predictions, tick = self._after_reply
                     self._after_reply = None
-                    await outcome.acapture(self._prefetch, predictions, tick)  # as `prefetch`'s: dropped
+                    with timeline.span("router", "prefetch-after-reply"):
+                        await outcome.acapture(self._prefetch, predictions, tick)  # as `prefetch`'s: dropped
 
     async def _ask(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         reply, answer = trio.open_memory_channel[outcome.Outcome[Any]](1)

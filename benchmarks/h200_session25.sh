@@ -31,6 +31,15 @@ case $step in
     same "$OUT"/eager-*.json
     gzip -f "$OUT"/timeline-*.json
     pack ;;
+  gap)  # where the gap between an answer and the next layer goes: back_ms, poll_ms; a trace
+    paged c35
+    for round in 1 2; do
+      TAIL=1 bench 120 gap-$round c35 "${warm[@]}" --warm --cases default
+    done
+    TAIL=1 bench 120 gap-trace c35 "${warm[@]}" --warm --cases default --max-tokens 12 --trace "$OUT/timeline-gap.json"
+    python3 benchmarks/read_path_summary.py "$OUT"/gap-*.json
+    gzip -f "$OUT"/timeline-*.json
+    pack ;;
   next)
     paged c35
     for r in 2 4 8; do

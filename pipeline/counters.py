@@ -57,6 +57,8 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     awaited_gap_seconds: float  # ... from an answer to seeing the next layer published
     awaited_gpu_gap_seconds: float  # ... the GPU's part of it (its clock)
     awaited_tail_seconds: float  # ... the GPU's copies after an answer
+    awaited_back_seconds: float  # ... from an answer to the host's first look at the next layer
+    awaited_poll_seconds: float  # ... the last look that found it unpublished to the one that found it
     batch_steps: int
     batch_rows_stepped: int
 

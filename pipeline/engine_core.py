@@ -109,6 +109,7 @@ class EngineCore:
             awaited_layers=c.awaited_layers, awaited_host_seconds=c.awaited_host_seconds,
             awaited_gap_seconds=c.awaited_gap_seconds,
             awaited_gpu_gap_seconds=c.awaited_gpu_gap_seconds, awaited_tail_seconds=c.awaited_tail_seconds,
+            awaited_back_seconds=c.awaited_back_seconds, awaited_poll_seconds=c.awaited_poll_seconds,
             batch_steps=self.batch.stats.steps,
             batch_rows_stepped=self.batch.stats.rows_stepped,
         )

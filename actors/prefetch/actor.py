@@ -24,6 +24,7 @@ from typing import Literal
 import numpy as np
 import trio
 
+from actors import timeline
 from actors.prefetch.scorer import PrefetchScorer
 from actors.prefetch.strategies import Prediction, PrefetchStrategy, as_prediction
 from actors.router import ExpertRouter
@@ -75,7 +76,8 @@ class Prefetcher:
     async def run(self) -> None:
         async with self._receive:
             async for event in self._receive:
-                await self._handle(event)
+                with timeline.span("prefetcher", type(event).__name__):
+                    await self._handle(event)
                 self._handled += 1
                 self._progress.set()
                 self._progress = trio.Event()

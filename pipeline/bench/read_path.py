@@ -45,6 +45,8 @@ class ReadPath(msgspec.Struct, kw_only=True):
     gap_ms: float = 0.0  # from an answer to the next layer seen published (GPU work + polling)
     gpu_gap_ms: float = 0.0  # ... the GPU's own part: a wait's end to the next one's publication
     tail_ms: float = 0.0  # the GPU's copies after an answer (answer seen to the wait's end)
+    back_ms: float = 0.0  # ... the host's: an answer to its first look at the next layer
+    poll_ms: float = 0.0  # ... the last look that found it unpublished to the one that found it
     # CPU seconds per kind of thread over the same window (pipeline/bench/thread_cpu.py):
     # which of the host's threads is busy when the disk is not.
     thread_cpu_s: dict[str, float] = msgspec.field(default_factory=dict)
@@ -75,4 +77,6 @@ def between(start: Counters | None, end: Counters, stride: int) -> ReadPath:
         gap_ms=1000.0 * d.awaited_gap_seconds / gaps,
         gpu_gap_ms=1000.0 * d.awaited_gpu_gap_seconds / gaps,
         tail_ms=1000.0 * d.awaited_tail_seconds / max(d.awaited_layers, 1),
+        back_ms=1000.0 * d.awaited_back_seconds / gaps,
+        poll_ms=1000.0 * d.awaited_poll_seconds / gaps,
     )
