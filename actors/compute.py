@@ -83,6 +83,10 @@ class ComputeStats:
     # unpublished to the one that found it (the polling's granularity, an upper bound).
     awaited_back_seconds: float = 0.0
     awaited_poll_seconds: float = 0.0
+    # The GPU's side of an answer (its clock): its last look that found none to the one
+    # that found it, and its copies made while waiting (the answer is seen after them).
+    awaited_gpu_look_seconds: float = 0.0
+    awaited_gpu_copy_seconds: float = 0.0
 
 
 class Compute:

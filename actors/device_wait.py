@@ -73,6 +73,7 @@ from actors.device_wait_kernel import (
     SLOTS_AT,
     SOURCE,
     THREADS,
+    TIMES,
     TIMES_AT,
     WORDS,
     Copy,
@@ -110,7 +111,7 @@ class Mailboxes:
         self._seq = 0
         # Each row's three GPU clock stamps, as int64 indices into the box (`gpu_times`).
         firsts = [((row + 1) * WORDS + TIMES_AT) // 2 for row in range(rows)]
-        self._times_at = np.array(firsts)[:, None] + np.arange(3)
+        self._times_at = np.array(firsts)[:, None] + np.arange(TIMES)
 
     def next_seq(self) -> int:
         self._seq = self._seq % (1 << 30) + 1
@@ -161,8 +162,9 @@ class Mailboxes:
         return [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
 
     def gpu_times(self) -> np.ndarray:
-        """[rows, 3] GPU clock (ns) of each layer's wait: published, answer seen, ended;
-        zeros where no kernel wrote them (HostWait, a wait given up). Read once the token
+        """[rows, 5] GPU clock (ns) of each layer's wait: published, answer seen, ended,
+        the last look that found no answer (0: the first found it), and the ns spent
+        copying before the answer was seen; zeros where no kernel wrote them (HostWait, a wait given up). Read once the token
         is done: the kernel writes them as it runs."""
         return self.box.view(np.int64)[self._times_at]
 

@@ -47,6 +47,8 @@ class ReadPath(msgspec.Struct, kw_only=True):
     tail_ms: float = 0.0  # the GPU's copies after an answer (answer seen to the wait's end)
     back_ms: float = 0.0  # ... the host's: an answer to its first look at the next layer
     poll_ms: float = 0.0  # ... the last look that found it unpublished to the one that found it
+    gpu_look_ms: float = 0.0  # the GPU's last look that found no answer to the one that did
+    gpu_copy_ms: float = 0.0  # the GPU's copies made while waiting, before it saw the answer
     # CPU seconds per kind of thread over the same window (pipeline/bench/thread_cpu.py):
     # which of the host's threads is busy when the disk is not.
     thread_cpu_s: dict[str, float] = msgspec.field(default_factory=dict)
@@ -79,4 +81,6 @@ def between(start: Counters | None, end: Counters, stride: int) -> ReadPath:
         tail_ms=1000.0 * d.awaited_tail_seconds / max(d.awaited_layers, 1),
         back_ms=1000.0 * d.awaited_back_seconds / gaps,
         poll_ms=1000.0 * d.awaited_poll_seconds / gaps,
+        gpu_look_ms=1000.0 * d.awaited_gpu_look_seconds / max(d.awaited_layers, 1),
+        gpu_copy_ms=1000.0 * d.awaited_gpu_copy_seconds / max(d.awaited_layers, 1),
     )
