@@ -28,11 +28,15 @@ BLOCKS, THREADS = 128, 256
 
 # A grid: block 0's thread 0 publishes and watches the mailbox and decides (answered,
 # given up), the other blocks follow its decision through `ctl` (device memory, not the
-# host's: one poller crosses PCIe); while the host has not answered, every thread makes the
-# copies already listed (the reads that finished meanwhile: the GPU waits anyway), then the
-# rest once it has. One block alone pulled 5.7 GB/s (session 22: a block's 512 loads in
-# flight are latency-bound); the grid's are not. The copies are made before the kernel
-# ends, so before any kernel that reads the slots.
+# host's: one poller crosses PCIe); while the host has not answered, every thread of the
+# other blocks makes the copies already listed (the reads that finished meanwhile: the GPU
+# waits anyway), then the rest once it has. One block alone pulled 5.7 GB/s (session 22: a
+# block's 512 loads in flight are latency-bound); the grid's are not. Block 0 makes none:
+# when it did, its last look that found no answer came 0.83-0.97 ms before the one that
+# found it (its copies and its reads of the host's words queued behind the grid's), and
+# the host waited 1.4 ms for a layer the GPU took 0.6 ms over; watching only, 0.56-0.58 ms
+# and +3-8 % (H200, session 25). The copies are made before the kernel ends, so before any
+# kernel that reads the slots.
 SOURCE = """
     volatile int* box = reinterpret_cast<volatile int*>(static_cast<uintptr_t>(mbox[0]));
     volatile int* c = ctl;  // [decision, copies listed], zeroed by the launch
@@ -60,8 +64,9 @@ SOURCE = """
         }
     }
     __syncthreads();
-    const unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-    const unsigned long long step = gridDim.x * (unsigned long long)blockDim.x;
+    // Block 0 only watches the mailbox; the other blocks make the copies.
+    const unsigned long long tid = (blockIdx.x - 1) * (unsigned long long)blockDim.x + threadIdx.x;
+    const unsigned long long step = (gridDim.x - 1) * (unsigned long long)blockDim.x;
     int done = 0, s = 0;
     unsigned long long t0, t, looked = 0, copying = 0;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
@@ -95,6 +100,7 @@ SOURCE = """
         const int upto = count;
         __syncthreads();  // every thread has read them before thread 0 may change them
         if (s == 2) break;
+        if (lead) done = upto;
         if (upto > done) {  // the entries listed since the last look, read from the host once
             volatile const long long* listed = reinterpret_cast<volatile const long long*>(r + COPIES_AT);
             for (int i = 3 * done + threadIdx.x; i < 3 * upto; i += blockDim.x) entries[i] = listed[i];
@@ -109,8 +115,8 @@ SOURCE = """
     }
     if (lead && threadIdx.x == 0)
         for (int i = 0; i < n; ++i) slots[i] = s == 1 ? r[SLOTS_AT + i] : -1;
-    // The block's copies are made; the lead's end stands for the kernel's (the others end
-    // within a block's last copy of it).
+    // The lead's end: the other blocks end once their last copies are made, so the copies
+    // after an answer fall in the gap to the next layer's publication, not the tail.
     if (lead && threadIdx.x == 0 && s == 1) {
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
         times[2] = t; times[3] = looked; times[4] = copying;

@@ -40,6 +40,15 @@ case $step in
     python3 benchmarks/read_path_summary.py "$OUT"/gap-*.json
     gzip -f "$OUT"/timeline-*.json
     pack ;;
+  lead)  # the wait kernel with block 0 only polling (MOESTREAM_LEAD_POLLS=1) against as is
+    paged c35
+    for round in 1 2; do
+      TAIL=1 bench 120 lead-asis-$round c35 "${warm[@]}" --warm --cases default
+      MOESTREAM_LEAD_POLLS=1 TAIL=1 bench 120 lead-polls-$round c35 "${warm[@]}" --warm --cases default
+    done
+    python3 benchmarks/read_path_summary.py "$OUT"/lead-*.json
+    same "$OUT"/lead-*.json
+    pack ;;
   next)
     paged c35
     for r in 2 4 8; do
