@@ -49,6 +49,13 @@ case $step in
     python3 benchmarks/read_path_summary.py "$OUT"/lead-*.json
     same "$OUT"/lead-*.json
     pack ;;
+  confirm)  # the code as committed (block 0 only watches): default, warm-all and io; default again
+    paged c35
+    TAIL=1 bench 150 confirm-1 c35 "${warm[@]}" --warm --cases default,warm-all,io
+    TAIL=1 bench 100 confirm-2 c35 "${warm[@]}" --warm --cases default
+    python3 benchmarks/read_path_summary.py "$OUT"/confirm-*.json
+    same "$OUT"/confirm-*.json
+    pack ;;
   next)
     paged c35
     for r in 2 4 8; do
