@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Session 25 (2026-12-04): the waited token queued layer by layer as it is built. One step
-# per device call (600 s at most). On the GPU host, after the bundle:
+# Session 25 (2026-12-04): where the waited token's time goes on a fast disk. One step per
+# device call (600 s at most). On the GPU host, after the bundle:
 #   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session25.sh STEP
-# eager: the 35B on the page cache, waited tokens (device_wait auto), the code before
-#   (`git archive` of d810834 in .ptx/before.tgz: the token built whole, then evaluated)
-#   against this one (each layer queued once built), alternating, twice; then a 12-token
-#   trace of each (step `trace`) (the MLX thread's build and eval spans beside the answers).
+# (logs and JSON: benchmarks/results/h200/session25/; docs/results.md, fifteenth pass)
+# eager (ran bff210b, each layer queued by `async_eval` as built): against d810834
+#   (.ptx/before.tgz), alternating; the eager runs hung (rc 124). `diag` then took the
+#   built-whole token's trace, and a run under faulthandler (a one-off hook, since removed)
+#   the stacks in eager-stacks.txt: the MLX thread in `mx.array(...)` with the GIL held.
+# gap (796bd3c, then 717907d): the gap from an answer to the next layer split into the
+#   host's return to polling, its polling and, on the GPU's clock, its last empty look.
+# lead (60b48df's kernel behind a one-off switch, since made the code): block 0 only
+#   watches the mailbox, against as before, alternating.
+# confirm (60b48df): default, warm-all and io; default again.
 # next: session 24's `next` (readers 2 / 4 / 8, lookahead depth 2, device wait off with
-#   warm-all and io) with this code.
+#   warm-all and io), run with 2dbfeda.
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
@@ -67,14 +73,9 @@ case $step in
     pack ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
-# diag (appended): spans of the token built whole (the default), and the eager build under
-# faulthandler (SIGABRT at 50 s dumps every thread's stack).
-if [ "$step" = diag ]; then
+if [ "$step" = diag ]; then  # the token built whole: its build and eval spans
   paged c35 >/dev/null
   TAIL=1 bench 120 diag-trace c35 "${warm[@]}" --warm --cases default --max-tokens 12 --trace "$OUT/timeline-whole.json"
   python3 benchmarks/read_path_summary.py "$OUT"/diag-trace.json
-  echo "== eager under faulthandler"
-  MOESTREAM_EAGER=1 PYTHONFAULTHANDLER=1 timeout -s ABRT 50 $B bench "$DATA/c35.qpack" --json "$OUT/diag-eager.json" "${warm[@]}" --warm --cases default --max-tokens 6 > "$OUT/eager-stacks.txt" 2>&1
-  echo "rc $?"; grep -v "^\s*$" "$OUT/eager-stacks.txt" | grep -A40 "Thread\|Current thread" | head -150
   gzip -f "$OUT"/timeline-*.json
 fi
