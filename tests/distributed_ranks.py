@@ -23,7 +23,7 @@ from actors.sampling_params import SamplingParams
 from pipeline.events import Done, TextDelta
 
 PROMPT = [11, 400, 7, 1023, 5]
-DECODE = [42, 9000, 3]
+DECODE = [42, 7000, 3]
 GREEDY = 6
 BATCHED = {"a": PROMPT, "b": [5, 6, 7], "c": [300, 301, 302, 303], "d": [9, 8, 77]}
 

@@ -14,7 +14,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from huggingface_hub.constants import DOWNLOAD_CHUNK_SIZE
+
+# huggingface_hub's download chunk while `use_hub` points it at a FakeHub (its own: 10 MiB,
+# larger than a tiny checkpoint's shards), so a cut falls after whole chunks it resumes from.
+DOWNLOAD_CHUNK_SIZE = 256 * 1024
 
 REPO_ID = "acme/tiny-next"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -103,6 +106,9 @@ class FakeHub:
 
 def use_hub(fake: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeHub:
     """Point huggingface_hub at `fake`, with a fresh cache under tmp_path."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", DOWNLOAD_CHUNK_SIZE)
     monkeypatch.setenv("HF_ENDPOINT", fake.url)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from qpack import spec
+from qpack.synth.presets import get_preset
 from qpack.writer import pack
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,10 +58,13 @@ def test_synth_pack_bench_container_and_run_refuse_when_the_disk_is_too_small(sy
     assert "pack=2" in err and "synth=2" in err and "bench=2" in err, err[-3000:]
     assert re.search(r"run=[12]\b", err), err[-3000:]
     assert "Traceback" not in err, err[-3000:]
-    # The estimate is the real size: pack's number matches what a pack writes, within 5%.
+    # The estimate is the real size: pack's number matches what a pack writes, within 5%
+    # and the one alignment per MTP expert the estimate allows for (16 experts: at this
+    # size, 8 % of the container).
     needed = re.search(r"x\.qpack: packing needs ([\d.]+) MiB, but only ([\d.]+) MiB is free", err)
     assert needed, err[-3000:]
-    assert abs(float(needed[1]) * 2**20 - packed) < 0.05 * packed, (needed[1], packed)
+    allowance = get_preset("qwen3_next", "tiny").num_experts * spec.ALIGNMENT
+    assert abs(float(needed[1]) * 2**20 - packed) < 0.05 * packed + allowance, (needed[1], packed)
     assert float(needed[2]) <= 3.0
     assert re.search(r"synth demo needs 1\.\d\d GB, but only [\d.]+ MiB is free", err), err[-3000:]
     assert re.search(r"bench-container demo needs 0\.\d\d GB", err), err[-3000:]

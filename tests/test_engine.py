@@ -29,8 +29,8 @@ from pipeline.engine import open_engine
 from pipeline.events import Done, TextDelta
 from pipeline.replay import simulate
 
-PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
-PROMPT_B = [40, 1079, 264, 8, 3, 90000, 512, 2]
+PROMPT = [4791, 11, 1879, 0, 151, 3000, 77, 1234, 999, 42, 7, 8, 6500]
+PROMPT_B = [40, 1079, 264, 8, 3, 7000, 512, 2]
 DECODE = (3, 141, 59, 26, 5)
 MAX_TOKENS = 16
 CHUNK = 2  # engine_config's prefill chunk: smallest workable pool is 8 slots

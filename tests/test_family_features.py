@@ -20,7 +20,7 @@ from pipeline.events import Done
 from pipeline.speculation import EmulatedDrafts
 
 FAMILIES = ["qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss"]  # gpt_oss: rings of a window of 4, wrapped
-PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7]
+PROMPT = [4791, 11, 1879, 0, 151, 3000, 77, 1234, 999, 42, 7]
 
 
 @pytest.fixture(params=FAMILIES)

@@ -18,7 +18,7 @@ from pipeline.models.text_parts import text_parts
 from qpack.reader import Container
 from qpack.safetensors_io import load_safetensors
 
-TOKENS = [[9707, 11, 1879, 0, 11, 151, 30000, 9707], [5, 5, 5, 77, 1234, 999, 42, 65000]]
+TOKENS = [[4791, 11, 1879, 0, 11, 151, 3000, 4791], [5, 5, 5, 77, 1234, 999, 42, 6500]]
 
 
 def _held(model: nn.Module) -> int:

@@ -28,7 +28,7 @@ from pipeline.engine import open_engine
 from pipeline.engine_sizing import PoolTooSmall
 from pipeline.events import Done
 
-PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
+PROMPT = [4791, 11, 1879, 0, 151, 3000, 77, 1234, 999, 42, 7, 8, 6500]
 TOLERANCE = {None: 1e-4, 4: 2e-3, 8: 2e-3}
 
 

@@ -27,7 +27,7 @@ from qpack.synth.st_write import TensorEntry, write_safetensors
 from qpack.synth.wild import FP8_BLOCK, INDEX, derive
 from qpack.writer import pack
 
-PROMPT = [9707, 11, 1879, 0, 151, 30000, 77]
+PROMPT = [4791, 11, 1879, 0, 151, 3000, 77]
 
 
 def _dequantized(q: np.ndarray, scale: np.ndarray, kind: str) -> np.ndarray:

@@ -23,9 +23,15 @@ from pipeline.engine import open_engine
 from pipeline.events import Done
 from pipeline.generation_config import default_params, eos_token_ids, model_defaults
 from qpack import spec
+from qpack.families.qwen3_next import BOS, EOS
 from qpack.spec import QpackError
-from qpack.synth.presets import QWEN3_NEXT_BOS, QWEN3_NEXT_EOS, get_preset
+from qpack.synth.presets import get_preset
+from qpack.synth.tokenizer import TokenizerSpec
 from qpack.synth.variants import generation_config
+
+# The tiny Qwen3-Next's <|endoftext|> and <|im_end|>: its vocabulary's ids (`bpe_ranks`).
+_TINY = TokenizerSpec("qwen3_next", ranks=get_preset("qwen3_next", "tiny").bpe_ranks)
+QWEN3_NEXT_BOS, QWEN3_NEXT_EOS = _TINY.token_id(BOS), _TINY.token_id(EOS)
 
 USER = [{"role": "user", "content": "Name three primes."}]
 

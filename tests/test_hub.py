@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers_hub import REPO_ID, FakeHub, use_hub
-from huggingface_hub.constants import DOWNLOAD_CHUNK_SIZE
+from helpers_hub import DOWNLOAD_CHUNK_SIZE, REPO_ID, FakeHub, use_hub
 
 from qpack import spec
 from qpack.hub import resolve_source, wanted

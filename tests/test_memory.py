@@ -27,7 +27,7 @@ from pipeline.memory_budget import AUTO_SHARE, PoolBudgetError, plan_memory
 from pipeline.resident_map import current_rss_mb
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
+PROMPT = [4791, 11, 1879, 0, 151, 3000, 77, 1234, 999, 42, 7, 8, 6500]
 
 # Measured 2026-12-03 on the 2-core VM (docs/memory.md): tokenizer 75 MiB for the 248k
 # vocabulary with its library's import (its Rust object's floor is ~66 MiB of live heap;

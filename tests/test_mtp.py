@@ -158,7 +158,7 @@ async def test_drafts_with_streamed_experts_equal_the_resident_heads_at_every_po
     resident = load_mtp(legacy_container(src, qpack, tmp_path / "legacy.qpack"), parts)
     head = load_mtp(qpack, parts, streamed=True)
     run = MlxWorker.shared().run
-    prompt = [9707, 11, 1879, 0, 151, 30000, 77, 1234]
+    prompt = [4791, 11, 1879, 0, 151, 3000, 77, 1234]
     want = await _drafts(MtpDrafter(resident, parts, prompt, mx.float32), parts, run)
     assert want and all(want)
     top_k, experts = parts.args.num_experts_per_tok, parts.args.num_experts

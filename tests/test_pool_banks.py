@@ -20,7 +20,7 @@ from pipeline.engine_sizing import PoolTooSmall
 from pipeline.events import Done, TextDelta
 from qpack.spec import ExpertFormat, TensorSpec
 
-PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
+PROMPT = [4791, 11, 1879, 0, 151, 3000, 77, 1234, 999, 42, 7, 8, 6500]
 
 
 def test_a_pool_within_the_limit_is_one_bank() -> None:

@@ -22,7 +22,7 @@ from qpack.spec import QpackError
 from qpack.synth.wild import derive
 from qpack.writer import pack
 
-PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234]
+PROMPT = [4791, 11, 1879, 0, 151, 3000, 77, 1234]
 KINDS = {"mxfp4": {"mode": "mxfp4"}, "nvfp4": {"mode": "nvfp4"}, "mxfp8": {"mode": "mxfp8"},
          # Every mlx_lm.convert --quant-predicate, as it writes them without --q-group-size
          # (`"group_size": null` per module).

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from helpers_forward import DirectForward
 
-PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
+PROMPT = [4791, 11, 1879, 0, 151, 3000, 77, 1234, 999, 42, 7, 8, 6500]
 
 # (family, checkpoint layout, transformers class). Qwen3.5 MoE's hub checkpoint is the
 # multimodal layout (`model.language_model.*`), which is ConditionalGeneration's; the

@@ -20,7 +20,7 @@ from actors.routing_trace import load_trace, save_trace
 from pipeline.engine import open_engine
 from pipeline.replay import simulate
 
-PROMPTS = ([9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000], [40, 1079, 264, 8, 3])
+PROMPTS = ([4791, 11, 1879, 0, 151, 3000, 77, 1234, 999, 42, 7, 8, 6500], [40, 1079, 264, 8, 3])
 
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # the case: qwen3_5_moe, history, LRU, 24 slots

@@ -24,7 +24,7 @@ from pipeline.engine import open_engine
 from pipeline.events import Done, TextDelta
 from pipeline.models.routing_override import RoutingOverride
 
-PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999]
+PROMPT = [4791, 11, 1879, 0, 151, 3000, 77, 1234, 999]
 TOKENS = 10
 
 

@@ -140,26 +140,26 @@ async def test_logprobs_echo_and_logit_bias(container: Path) -> None:
         assert head.text == prompt and head.logprobs.token_logprobs[1:] == lp.token_logprobs[1:n_prompt]
 
         # logit_bias: +100 on one token makes greedy pick it every time; -100 bans it.
-        token = engine.encode(" Lyon")[0]
+        token = engine.encode(" London")[0]
         forced = await v1.completions.create(model="tiny", prompt=prompt, max_tokens=4,
                                              temperature=0, logit_bias={str(token): 100},
                                              logprobs=0)
-        assert forced.choices[0].logprobs.tokens == [" Lyon"] * 4
+        assert forced.choices[0].logprobs.tokens == [" London"] * 4
         # The first token keeps its leading space: prompt + text is what the model wrote.
-        assert forced.choices[0].text == " Lyon" * 4
+        assert forced.choices[0].text == " London" * 4
         echoed = await v1.completions.create(model="tiny", prompt=prompt, max_tokens=2,
                                              temperature=0, logit_bias={str(token): 100},
                                              logprobs=1, echo=True)
-        assert echoed.choices[0].text == prompt + " Lyon Lyon" == "".join(
+        assert echoed.choices[0].text == prompt + " London London" == "".join(
             echoed.choices[0].logprobs.tokens)
         said = await v1.chat.completions.create(model="tiny", messages=USER, max_tokens=2,
                                                 temperature=0, logit_bias={str(token): 100})
-        assert said.choices[0].message.content == " Lyon Lyon"
+        assert said.choices[0].message.content == " London London"
         streamed_chat = [c async for c in await v1.chat.completions.create(
             model="tiny", messages=USER, max_tokens=2, temperature=0,
             logit_bias={str(token): 100}, stream=True)]
         assert "".join(c.choices[0].delta.content or "" for c in streamed_chat
-                       if c.choices) == " Lyon Lyon"
+                       if c.choices) == " London London"
         free = await v1.completions.create(model="tiny", prompt=prompt, max_tokens=1,
                                            temperature=0, logprobs=0)
         first = engine.encode(free.choices[0].text)[0]

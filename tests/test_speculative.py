@@ -27,7 +27,7 @@ from pipeline.events import Done, TextDelta
 from pipeline.prefix_cache import _arrays
 from pipeline.speculation import EmulatedDrafts
 
-PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
+PROMPT = [4791, 11, 1879, 0, 151, 3000, 77, 1234, 999, 42, 7, 8, 6500]
 TOKENS = 12
 
 

@@ -20,7 +20,7 @@ from pipeline.events import Done
 from qpack.mtp import MTP_FILE
 from qpack.reader import Container
 
-PROMPT = [9707, 11, 1879, 0, 151, 30000, 77, 1234, 999, 42, 7, 8, 65000]
+PROMPT = [4791, 11, 1879, 0, 151, 3000, 77, 1234, 999, 42, 7, 8, 6500]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, speculative="off")
 
 

@@ -32,7 +32,7 @@ def forward(path: Path) -> mx.array:
     from mlx_lm.utils import load_model
 
     model, _ = load_model(path)  # strict: every parameter must be in the checkpoint
-    return model(mx.array([[9707, 11, 1879, 0, 220, 151643 % 1000]]))
+    return model(mx.array([[4791, 11, 1879, 0, 220, 643]]))  # under every tiny vocabulary
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import unicodedata
 from functools import cache
 
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from qpack.synth.presets import get_preset
-from qpack.synth.tokenizer import TokenizerSpec, cache_path, tokenizer_json
+from qpack.synth.tokenizer import TokenizerSpec, cache_path, tokenizer_json, write_tokenizer
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe")
 REFERENCE = {"qwen3_next": "qwen-plus", "qwen3_5_moe": "qwen3.6-35b-a3b"}
@@ -65,16 +66,16 @@ def theirs(family: str):  # noqa: ANN201
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def hf_tokenizer(request, synth_checkpoint, packed):
-    """mlx-lm's tokenizer over the files `write_tokenizer` wrote, as an engine loads them
-    from a container: the very object when this process has opened one (a load takes
-    seconds)."""
+def hf_tokenizer(request, tmp_path_factory):
+    """mlx-lm's tokenizer over the files `write_tokenizer` wrote for the family's whole
+    vocabulary (a real checkpoint's: the tiny presets keep fewer ranks), loaded as an
+    engine loads a container's."""
     from pipeline.engine_parts import cached_tokenizer
-    from qpack.reader import Container
 
     family = request.param
-    with Container.open(packed(synth_checkpoint(family), bits=None)) as container:
-        return family, cached_tokenizer(container.tokenizer_dir())
+    out = tmp_path_factory.mktemp(f"tokenizer-{family}")
+    write_tokenizer(out, family)
+    return family, cached_tokenizer(out)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -104,7 +105,10 @@ def test_special_token_ids(family):
     base = 151643 if family == "qwen3_next" else 248044
     assert ids["<|endoftext|>"] == base and ids["<|im_end|>"] == base + 2
     assert ids["<tool_call>"] == base + 14 and ids["</think>"] == base + 25
-    assert max(ids.values()) < get_preset(family, "tiny").vocab_size
+    tiny = get_preset(family, "tiny")
+    capped = TokenizerSpec(family, ranks=tiny.bpe_ranks)  # the tiny preset's: its added tokens after 8,192 ranks
+    assert capped.special_ids()["<|im_end|>"] == tiny.bpe_ranks + 2
+    assert max(capped.special_ids().values()) < tiny.vocab_size
 
 
 def test_a_built_tokenizer_is_kept_on_disk_for_the_next_process(monkeypatch, tmp_path):
@@ -174,3 +178,25 @@ def test_the_cache_key_is_the_same_in_every_process() -> None:
                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
     assert len(names) == 1 and names.pop().split() == [
         cache_path(f).name for f in ("qwen3_next", "glm4_moe", "deepseek_v3")]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_tiny_checkpoint_numbers_its_added_tokens_after_its_first_ranks(synth_checkpoint, family):
+    """The tiny presets keep the first `bpe_ranks` BPE ranks: their tokenizer, config and
+    generation_config agree on the added tokens' ids, all inside the embedding's rows, and
+    text still encodes (in more tokens) and decodes back."""
+    from tokenizers import Tokenizer
+
+    dims = get_preset(family, "tiny")
+    path = synth_checkpoint(family)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    gen = json.loads((path / "generation_config.json").read_text())
+    assert tok.get_vocab_size() <= dims.vocab_size < 10_000
+    eos = gen["eos_token_id"] if isinstance(gen["eos_token_id"], list) else [gen["eos_token_id"]]
+    assert {tok.id_to_token(i) for i in eos} <= {"<|im_end|>", "<|endoftext|>"} and len(eos) >= 1
+    spec = TokenizerSpec(family, ranks=dims.bpe_ranks)
+    assert tok.token_to_id("<|im_end|>") == spec.special_ids()["<|im_end|>"] == dims.bpe_ranks + 2
+    ids = tok.encode(SAMPLES[0]).ids
+    assert max(ids) < dims.bpe_ranks and tok.decode(ids) == SAMPLES[0]
+    with pytest.raises(ValueError, match="256 single bytes"):
+        TokenizerSpec(family, ranks=255)

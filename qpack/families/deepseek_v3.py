@@ -35,7 +35,7 @@ from qpack.families.base import (
     residual_scale,
     routed_mlp,
 )
-from qpack.synth.dims import ModelDims
+from qpack.synth.dims import TINY_BPE_RANKS, ModelDims, small_vocab
 from qpack.synth.init_weights import Init
 
 BOS, EOS, PAD = 0, 1, 2
@@ -82,7 +82,8 @@ PRESETS = {
         _V3, hidden_size=64, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4,
         moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
         intermediate_size=128, first_dense_layers=1, n_group=4, topk_group=2, q_lora_rank=64,
-        kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=16, v_head_dim=128)),  # type: ignore[arg-type]
+        kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=16, v_head_dim=128,
+        vocab_size=small_vocab(TOKENIZER), bpe_ranks=TINY_BPE_RANKS)),  # type: ignore[arg-type]
     # Real dimensions (hub config.json). ~6.3 GB of 4-bit experts per MoE layer (Kimi-K2:
     # ~9.5 GB): bench them with --max-layers (see docs/families.md).
     "deepseek-v3": ModelDims(family="deepseek_v3", name="deepseek-v3", **_V3),  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ from qpack.families.base import (
     residual_scale,
     routed_mlp,
 )
-from qpack.synth.dims import ModelDims
+from qpack.synth.dims import TINY_BPE_RANKS, ModelDims, small_vocab
 from qpack.synth.init_weights import Init
 
 # GLM-4.5's added tokens, ids from 151329 on (its BPE vocabulary is the first 151329 ranks).
@@ -61,7 +61,8 @@ PRESETS = {
     # GLM-4.5 configs leave at one group: the tiny model exercises both code paths.
     "tiny": ModelDims(family="glm4_moe", name="tiny", hidden_size=64, num_hidden_layers=3, num_experts=16,
                       num_experts_per_tok=4, moe_intermediate_size=64, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=151552, intermediate_size=128,
+                      num_key_value_heads=2, head_dim=16, vocab_size=small_vocab(TOKENIZER),
+                      bpe_ranks=TINY_BPE_RANKS, intermediate_size=128,
                       first_dense_layers=1, n_shared_experts=1, n_group=4, topk_group=2,
                       routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
                       rope_theta=1_000_000.0, partial_rotary_factor=0.5, rms_norm_eps=1e-5,

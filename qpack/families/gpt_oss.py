@@ -30,7 +30,7 @@ import re
 from typing import Any
 
 from qpack.families.base import CheckpointFamily, TokenizerFacts, attention, router, vector
-from qpack.synth.dims import ModelDims
+from qpack.synth.dims import TINY_BPE_RANKS, ModelDims, small_vocab
 from qpack.synth.init_weights import Init
 
 # o200k_harmony's added tokens, ids 199998..201087 (its BPE vocabulary is the first 199998 ranks).
@@ -67,7 +67,8 @@ PRESETS = {
     "tiny": ModelDims(family="gpt_oss", name="tiny", **dict(
         _REAL, hidden_size=64, num_hidden_layers=4, num_experts=16, moe_intermediate_size=64,
         intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=4096, sliding_window=4)),  # type: ignore[arg-type]
+        max_position_embeddings=4096, sliding_window=4, vocab_size=small_vocab(TOKENIZER),
+        bpe_ranks=TINY_BPE_RANKS)),  # type: ignore[arg-type]
     # Real dimensions (hub config.json): at mxfp4 ~0.42 GB of experts per layer for the 20b
     # (24 layers, ~10 GB), ~1.7 GB for the 120b (36 layers, ~61 GB).
     "gpt-oss-20b": ModelDims(family="gpt_oss", name="gpt-oss-20b", num_hidden_layers=24, num_experts=32,

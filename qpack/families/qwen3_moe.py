@@ -16,7 +16,7 @@ from typing import Any
 
 from qpack.families.base import CheckpointFamily, attention, router
 from qpack.families.qwen3_next import BOS, EOS, QWEN3_TOKENIZER
-from qpack.synth.dims import ModelDims
+from qpack.synth.dims import TINY_BPE_RANKS, ModelDims, small_vocab
 from qpack.synth.init_weights import Init
 
 _SMALL = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1_000_000.0,
@@ -27,7 +27,8 @@ _REAL = dict(head_dim=128, rope_theta=1_000_000.0, partial_rotary_factor=1.0,
              max_position_embeddings=40960, vocab_size=151936, num_experts_per_tok=8)
 PRESETS = {
     "tiny": ModelDims(family="qwen3_moe", name="tiny", hidden_size=64, num_hidden_layers=2, num_experts=16,
-                      num_experts_per_tok=4, moe_intermediate_size=64, vocab_size=151936,
+                      num_experts_per_tok=4, moe_intermediate_size=64,
+                      vocab_size=small_vocab(QWEN3_TOKENIZER), bpe_ranks=TINY_BPE_RANKS,
                       intermediate_size=128, **_SMALL),  # type: ignore[arg-type]
     "demo": ModelDims(family="qwen3_moe", name="demo", hidden_size=768, num_hidden_layers=8, num_experts=128,
                       num_experts_per_tok=8, moe_intermediate_size=128, vocab_size=151936,

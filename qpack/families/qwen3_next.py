@@ -23,7 +23,7 @@ from qpack.families.base import (
     router,
     vector,
 )
-from qpack.synth.dims import ModelDims
+from qpack.synth.dims import TINY_BPE_RANKS, ModelDims, small_vocab
 from qpack.synth.init_weights import NORM_STD, Init
 
 # Special token ids of the real tokenizer.
@@ -89,10 +89,13 @@ A3B = dict(
 )
 
 
-def small_presets(family: str, vocab: int) -> dict[str, ModelDims]:
-    """tiny / demo / cpu-bench of a Qwen hybrid family (same shapes, the family's vocab)."""
-    return {name: ModelDims(family=family, name=name, vocab_size=vocab, **dims)  # type: ignore[arg-type]
-            for name, dims in (("tiny", _TINY), ("demo", _DEMO), ("cpu-bench", _CPU_BENCH))}
+def small_presets(family: str, vocab: int, tokenizer: TokenizerFacts) -> dict[str, ModelDims]:
+    """tiny / demo / cpu-bench of a Qwen hybrid family (same shapes, the family's vocab;
+    tiny's cut to its first BPE ranks, `TINY_BPE_RANKS`)."""
+    tiny = ModelDims(family=family, name="tiny", vocab_size=small_vocab(tokenizer),
+                     bpe_ranks=TINY_BPE_RANKS, **_TINY)  # type: ignore[arg-type]
+    return {"tiny": tiny} | {name: ModelDims(family=family, name=name, vocab_size=vocab, **dims)  # type: ignore[arg-type]
+                             for name, dims in (("demo", _DEMO), ("cpu-bench", _CPU_BENCH))}
 
 
 def flatten_rope_parameters(cfg: dict) -> None:
@@ -165,7 +168,7 @@ class Qwen3Next(CheckpointFamily):
     mtp_head = True
     per_expert_mtp = True
     presets = {
-        **small_presets("qwen3_next", 151936),
+        **small_presets("qwen3_next", 151936, QWEN3_TOKENIZER),
         "qwen3-next-80b-a3b": ModelDims(family="qwen3_next", name="qwen3-next-80b-a3b",
                                         num_hidden_layers=48, num_experts=512, num_experts_per_tok=10,
                                         vocab_size=151936, intermediate_size=5120, **A3B),  # type: ignore[arg-type]

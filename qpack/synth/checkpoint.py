@@ -52,6 +52,7 @@ from qpack.synth.mtp import mtp_entries
 from qpack.synth.presets import ModelDims, get_preset, hf_config
 from qpack.synth.st_write import ST_DTYPES, TensorEntry, write_sharded
 from qpack.synth.tensor_inits import dense_inits, expert_init
+from qpack.synth.tokenizer import TokenizerSpec
 from qpack.synth.variants import check_variant, generation_config
 
 log = structlog.get_logger(__name__)
@@ -269,7 +270,7 @@ def synthesize(
     dims = get_preset(family, preset)
     variant = check_variant(dims.family, variant, dims.name)
     if tokenizer:
-        check_format(tokenizer_format, dims.family, variant)
+        check_format(tokenizer_format, dims.family, variant, dims.bpe_ranks)
     if dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"dtype {dtype!r}: expected bfloat16, float16 or float32")
     if mode not in MODE_DEFAULTS:
@@ -329,10 +330,12 @@ def synthesize(
         config.pop("vision_config", None)  # mlx_lm's save_config drops it too
         config["quantization"] = quant
         config["quantization_config"] = quant
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(generation_config(dims, variant), indent=2) + "\n")
+    ids = TokenizerSpec(dims.family, variant, dims.bpe_ranks)  # the family writes its own ids
+    (out / "config.json").write_text(json.dumps(ids.token_ids(config), indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps(ids.token_ids(generation_config(dims, variant)), indent=2) + "\n")
     if tokenizer:
-        FORMATS[tokenizer_format](out, dims.family, variant)
+        FORMATS[tokenizer_format](out, dims.family, variant, dims.bpe_ranks)
     log.info("synth.done", out=str(out), shards=len(set(index["weight_map"].values())),
              gb=round(total / 1e9, 3))
     return out

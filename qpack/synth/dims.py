@@ -7,7 +7,20 @@ shared width of 0). Each family module (qpack/families) lists its presets in the
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+
+# The tiny presets' BPE ranks (`ModelDims.bpe_ranks`): the first 8,192 of the family's, its
+# added tokens after them.
+TINY_BPE_RANKS = 8192
+
+
+def small_vocab(facts: Any, ranks: int = TINY_BPE_RANKS, multiple: int = 128) -> int:
+    """A vocabulary that holds `ranks` BPE ranks and a family's added tokens (its
+    `TokenizerFacts`), rounded up to `multiple` rows as the releases pad theirs."""
+    used = len(facts.leading) + ranks + len(facts.specials)
+    return -(-used // multiple) * multiple
 
 
 class ModelDims(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -50,6 +63,10 @@ class ModelDims(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     sliding_window: int = 0  # gpt-oss: the window of its sliding-attention layers (0: none)
+    # The tokenizer's BPE ranks, its added tokens after them (0: the family's own). The
+    # tiny presets keep 8,192: their output head is most of a token's work on a CPU
+    # (qpack/synth/tokenizer.py TokenizerSpec).
+    bpe_ranks: int = 0
 
     @property
     def key_dim(self) -> int:

@@ -10,8 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from qpack.families import family, names
-from qpack.families.qwen3_next import BOS as QWEN3_NEXT_BOS  # noqa: F401  (re-exported for tests)
-from qpack.families.qwen3_next import EOS as QWEN3_NEXT_EOS  # noqa: F401
 from qpack.synth.dims import ModelDims
 
 FAMILIES: tuple[str, ...] = names()

