@@ -83,7 +83,8 @@ def test_a_disk_filled_during_synth_is_one_line_and_leaves_no_shards(tmp_path):
     mnt.mkdir()
     script = (
         f"mount -t tmpfs -o size=160m tmpfs {mnt} || exit 77\n"
-        f"{sys.executable} -m pipeline synth --family qwen3_next --preset tiny --dtype float32 "
+        # kimi-tiny keeps Kimi-K2's whole vocabulary: 87 MB to write, time for dd to fill the rest.
+        f"{sys.executable} -m pipeline synth --family deepseek_v3 --preset kimi-tiny --dtype float32 "
         f"-o {mnt}/s --no-progress & pid=$!\n"
         f"while ! ls {mnt}/s/model* >/dev/null 2>&1; do sleep 0.005; done\n"
         f"dd if=/dev/zero of={mnt}/fill bs=64k 2>/dev/null\n"
