@@ -12,6 +12,8 @@
 # lead (60b48df's kernel behind a one-off switch, since made the code): block 0 only
 #   watches the mailbox, against as before, alternating.
 # confirm (60b48df): default, warm-all and io; default again.
+# regimes (ready, not run: no device time left): this code cold (default and io; the
+#   1024-token prefill with io) and on the page cache twice, for every target's figure.
 # next: session 24's `next` (readers 2 / 4 / 8, lookahead depth 2, device wait off with
 #   warm-all and io), run with 2dbfeda.
 set -uo pipefail
@@ -61,6 +63,16 @@ case $step in
     TAIL=1 bench 100 confirm-2 c35 "${warm[@]}" --warm --cases default
     python3 benchmarks/read_path_summary.py "$OUT"/confirm-*.json
     same "$OUT"/confirm-*.json
+    pack ;;
+  regimes)
+    only c35; c35
+    TAIL=1 bench 200 regimes-cold c35 "${cold[@]}" --cases default,io
+    TAIL=1 bench 300 regimes-prefill c35 "${cold[@]}" --cases long-prompt,io
+    paged c35
+    for round in 1 2; do
+      TAIL=1 bench 120 regimes-page-$round c35 "${warm[@]}" --warm --cases default,io
+    done
+    python3 benchmarks/read_path_summary.py "$OUT"/regimes-*.json
     pack ;;
   next)
     paged c35
