@@ -67,7 +67,8 @@ def launch(wait: Mailboxes, seq: int, make_step: Callable[[], Any], rows: dict[i
     (`async_eval` up to its wait) would overlap that with the GPU, but then this thread
     runs MLX calls while the GPU spins on a wait, and one that blocks on the device with
     the GIL held (a host array's allocation did: docs/results.md, fifteenth pass) keeps
-    the event loop from answering: each token waited out the kernel's timeout. Only `mx.eval`, which releases the GIL, runs while the GPU waits."""
+    the event loop from answering: each token waited out the kernel's timeout. Only
+    `mx.eval`, which releases the GIL, runs while the GPU waits."""
     with timeline.span("mlx", "build"):
         step = make_step()
 
@@ -128,22 +129,19 @@ class AwaitStats(Protocol):
     awaited_back_seconds: float
     awaited_poll_seconds: float
     awaited_gpu_look_seconds: float
-    awaited_gpu_copy_seconds: float
 
 
 def gpu_clock(stats: AwaitStats, times: np.ndarray) -> None:
-    """A token's waits on the GPU's clock ([rows, 5]: published, answer seen, ended, last
-    empty look, ns copying before the answer): its work between a layer's end and the
-    next one's publication, the copies after each answer, and before it, the copies made
-    and the last look's length (how late the answer can have been seen). Nothing where a
-    kernel did not write them (HostWait)."""
+    """A token's waits on the GPU's clock ([rows, 4]: published, answer seen, ended, last
+    empty look): its work between a layer's end and the next one's publication, the
+    copies after each answer, and the last look's length before it (how late the answer
+    can have been seen). Nothing where a kernel did not write them (HostWait)."""
     if times.size == 0 or not times[:, :3].all():
         return
     stats.awaited_gpu_gap_seconds += float((times[1:, 0] - times[:-1, 2]).sum()) / 1e9
     stats.awaited_tail_seconds += float((times[:, 2] - times[:, 1]).sum()) / 1e9
     looked = times[:, 3] > 0
     stats.awaited_gpu_look_seconds += float((times[looked, 1] - times[looked, 3]).sum()) / 1e9
-    stats.awaited_gpu_copy_seconds += float(times[:, 4].sum()) / 1e9
 
 
 class Host(Protocol):

@@ -84,9 +84,8 @@ class ComputeStats:
     awaited_back_seconds: float = 0.0
     awaited_poll_seconds: float = 0.0
     # The GPU's side of an answer (its clock): its last look that found none to the one
-    # that found it, and its copies made while waiting (the answer is seen after them).
+    # that found it.
     awaited_gpu_look_seconds: float = 0.0
-    awaited_gpu_copy_seconds: float = 0.0
 
 
 class Compute:

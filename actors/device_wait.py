@@ -109,7 +109,7 @@ class Mailboxes:
         self.box = box  # int32 words, (rows + 1) * WORDS of them, zeroed
         self.rows = rows
         self._seq = 0
-        # Each row's three GPU clock stamps, as int64 indices into the box (`gpu_times`).
+        # Each row's GPU clock stamps (TIMES of them), as int64 indices into the box (`gpu_times`).
         firsts = [((row + 1) * WORDS + TIMES_AT) // 2 for row in range(rows)]
         self._times_at = np.array(firsts)[:, None] + np.arange(TIMES)
 
@@ -162,10 +162,10 @@ class Mailboxes:
         return [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
 
     def gpu_times(self) -> np.ndarray:
-        """[rows, 5] GPU clock (ns) of each layer's wait: published, answer seen, ended,
-        the last look that found no answer (0: the first found it), and the ns spent
-        copying before the answer was seen; zeros where no kernel wrote them (HostWait, a wait given up). Read once the token
-        is done: the kernel writes them as it runs."""
+        """[rows, TIMES] GPU clock (ns) of each layer's wait: published, answer seen,
+        ended, the last look that found no answer (0: the first found it); zeros where no
+        kernel wrote them (HostWait, a wait given up). Read once the token is done: the
+        kernel writes them as it runs."""
         return self.box.view(np.int64)[self._times_at]
 
     def abort(self, seq: int) -> None:

@@ -14,12 +14,11 @@ EXTRA_AT, MAX_EXTRA = IDS_AT + MAX_IDS, 640
 SLOTS_AT = EXTRA_AT + MAX_EXTRA  # MAX_IDS of them: 776 + 128 <= 1024
 COPIES_AT, MAX_COPIES = 1024, 1024  # 6 words each: 1024 + 6144 <= 8192
 # The GPU's clock (%globaltimer, ns) at three points of a layer's wait, as int64: published,
-# the answer seen, the kernel's end (its last copies made); then the lead's last look that
-# found no answer, and the ns it spent making copies before the answer was seen (the
-# answer waits for them). Where the waited token's time goes on the GPU's side: its work
-# between two layers against the host's delay.
-TIMES = 5
-TIMES_AT = COPIES_AT + 6 * MAX_COPIES  # 5 int64: 7168 + 10 <= 8192
+# the answer seen, the lead's end; then its last look that found no answer (how late it
+# can have seen the answer). Where the waited token's time goes on the GPU's side: its
+# work between two layers against the host's delay.
+TIMES = 4
+TIMES_AT = COPIES_AT + 6 * MAX_COPIES  # 4 int64: 7168 + 8 <= 8192
 Copy = tuple[int, int, int]  # (device address, host address, bytes), as actors/cuda_direct.py
 # The wait's grid: 128 blocks are resident at once on an H200 (132 SMs). Block 0 leads and
 # waits on no other block, so where fewer fit, the rest start later and still make their
@@ -56,7 +55,7 @@ SOURCE = """
                 r[2] = n; r[3] = m;
                 unsigned long long now;
                 asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-                times[0] = now; times[1] = 0; times[2] = 0; times[3] = 0; times[4] = 0;
+                times[0] = now; times[1] = 0; times[2] = 0; times[3] = 0;
                 __threadfence_system();
                 r[0] = seq;
                 __threadfence_system();
@@ -68,7 +67,7 @@ SOURCE = """
     const unsigned long long tid = (blockIdx.x - 1) * (unsigned long long)blockDim.x + threadIdx.x;
     const unsigned long long step = (gridDim.x - 1) * (unsigned long long)blockDim.x;
     int done = 0, s = 0;
-    unsigned long long t0, t, looked = 0, copying = 0;
+    unsigned long long t0, t, looked = 0;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
     while (true) {
         if (threadIdx.x == 0) {
@@ -105,10 +104,7 @@ SOURCE = """
             volatile const long long* listed = reinterpret_cast<volatile const long long*>(r + COPIES_AT);
             for (int i = 3 * done + threadIdx.x; i < 3 * upto; i += blockDim.x) entries[i] = listed[i];
             __syncthreads();
-            unsigned long long c0 = 0;
-            if (lead && threadIdx.x == 0 && s == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(c0));
             for (; done < upto; ++done) copy_entry(entries, done, tid, step);
-            if (c0) { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); copying += t - c0; }
         }
         if (s == 1) break;
         if (threadIdx.x == 0) __nanosleep(lead ? 256 : 1024);
@@ -119,7 +115,7 @@ SOURCE = """
     // after an answer fall in the gap to the next layer's publication, not the tail.
     if (lead && threadIdx.x == 0 && s == 1) {
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        times[2] = t; times[3] = looked; times[4] = copying;
+        times[2] = t; times[3] = looked;
     }
 """
 

@@ -48,7 +48,6 @@ class ReadPath(msgspec.Struct, kw_only=True):
     back_ms: float = 0.0  # ... the host's: an answer to its first look at the next layer
     poll_ms: float = 0.0  # ... the last look that found it unpublished to the one that found it
     gpu_look_ms: float = 0.0  # the GPU's last look that found no answer to the one that did
-    gpu_copy_ms: float = 0.0  # the GPU's copies made while waiting, before it saw the answer
     # CPU seconds per kind of thread over the same window (pipeline/bench/thread_cpu.py):
     # which of the host's threads is busy when the disk is not.
     thread_cpu_s: dict[str, float] = msgspec.field(default_factory=dict)
@@ -60,6 +59,7 @@ def between(start: Counters | None, end: Counters, stride: int) -> ReadPath:
         return ReadPath()
     d = end - start
     reads = max(d.reads + d.failures, 1)
+    layers = max(d.awaited_layers, 1)
     gaps = max(d.awaited_layers - d.awaited_tokens, 1)  # a waited token's first layer has none
 
     def ms(seconds: float) -> float:
@@ -75,12 +75,11 @@ def between(start: Counters | None, end: Counters, stride: int) -> ReadPath:
         finish_wait_ms=ms(d.finish_wait_seconds), check_ms=ms(d.check_seconds),
         stage_ms=ms(d.stage_seconds), landed_fraction=d.landings / reads,
         waited_tokens=d.awaited_tokens,
-        answer_ms=1000.0 * d.awaited_host_seconds / max(d.awaited_layers, 1),
+        answer_ms=1000.0 * d.awaited_host_seconds / layers,
         gap_ms=1000.0 * d.awaited_gap_seconds / gaps,
         gpu_gap_ms=1000.0 * d.awaited_gpu_gap_seconds / gaps,
-        tail_ms=1000.0 * d.awaited_tail_seconds / max(d.awaited_layers, 1),
+        tail_ms=1000.0 * d.awaited_tail_seconds / layers,
         back_ms=1000.0 * d.awaited_back_seconds / gaps,
         poll_ms=1000.0 * d.awaited_poll_seconds / gaps,
-        gpu_look_ms=1000.0 * d.awaited_gpu_look_seconds / max(d.awaited_layers, 1),
-        gpu_copy_ms=1000.0 * d.awaited_gpu_copy_seconds / max(d.awaited_layers, 1),
+        gpu_look_ms=1000.0 * d.awaited_gpu_look_seconds / layers,
     )
