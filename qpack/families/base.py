@@ -43,6 +43,18 @@ class TokenizerFacts:
         return ids | {tok: self.first_special + i for i, tok in enumerate(self.specials)}
 
 
+# The tiny presets' BPE ranks (`ModelDims.bpe_ranks`): the first 8,192 of the family's, its
+# added tokens after them.
+TINY_BPE_RANKS = 8192
+
+
+def small_vocab(facts: TokenizerFacts, ranks: int = TINY_BPE_RANKS, multiple: int = 128) -> int:
+    """A vocabulary that holds `ranks` BPE ranks and a family's added tokens, rounded up to
+    `multiple` rows as the releases pad theirs."""
+    used = len(facts.leading) + ranks + len(facts.specials)
+    return -(-used // multiple) * multiple
+
+
 class CheckpointFamily:
     """One architecture's checkpoint facts. Class attributes are data; methods are rules."""
 

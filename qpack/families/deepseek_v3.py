@@ -28,14 +28,16 @@ import numpy as np
 
 from qpack.families import kimi_chat
 from qpack.families.base import (
+    TINY_BPE_RANKS,
     CheckpointFamily,
     TokenizerFacts,
     linear,
     mlp,
     residual_scale,
     routed_mlp,
+    small_vocab,
 )
-from qpack.synth.dims import TINY_BPE_RANKS, ModelDims, small_vocab
+from qpack.synth.dims import ModelDims
 from qpack.synth.init_weights import Init
 
 BOS, EOS, PAD = 0, 1, 2

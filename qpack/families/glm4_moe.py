@@ -18,14 +18,16 @@ import re
 from typing import Any
 
 from qpack.families.base import (
+    TINY_BPE_RANKS,
     CheckpointFamily,
     TokenizerFacts,
     attention,
     mlp,
     residual_scale,
     routed_mlp,
+    small_vocab,
 )
-from qpack.synth.dims import TINY_BPE_RANKS, ModelDims, small_vocab
+from qpack.synth.dims import ModelDims
 from qpack.synth.init_weights import Init
 
 # GLM-4.5's added tokens, ids from 151329 on (its BPE vocabulary is the first 151329 ranks).

@@ -29,8 +29,16 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from qpack.families.base import CheckpointFamily, TokenizerFacts, attention, router, vector
-from qpack.synth.dims import TINY_BPE_RANKS, ModelDims, small_vocab
+from qpack.families.base import (
+    TINY_BPE_RANKS,
+    CheckpointFamily,
+    TokenizerFacts,
+    attention,
+    router,
+    small_vocab,
+    vector,
+)
+from qpack.synth.dims import ModelDims
 from qpack.synth.init_weights import Init
 
 # o200k_harmony's added tokens, ids 199998..201087 (its BPE vocabulary is the first 199998 ranks).

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from qpack.families.base import CheckpointFamily, attention, router
+from qpack.families.base import TINY_BPE_RANKS, CheckpointFamily, attention, router, small_vocab
 from qpack.families.qwen3_next import BOS, EOS, QWEN3_TOKENIZER
-from qpack.synth.dims import TINY_BPE_RANKS, ModelDims, small_vocab
+from qpack.synth.dims import ModelDims
 from qpack.synth.init_weights import Init
 
 _SMALL = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1_000_000.0,

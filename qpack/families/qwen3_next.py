@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from qpack.families.base import (
+    TINY_BPE_RANKS,
     CheckpointFamily,
     TokenizerFacts,
     attention,
@@ -21,9 +22,10 @@ from qpack.families.base import (
     mlp,
     residual_scale,
     router,
+    small_vocab,
     vector,
 )
-from qpack.synth.dims import TINY_BPE_RANKS, ModelDims, small_vocab
+from qpack.synth.dims import ModelDims
 from qpack.synth.init_weights import NORM_STD, Init
 
 # Special token ids of the real tokenizer.

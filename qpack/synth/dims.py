@@ -7,20 +7,7 @@ shared width of 0). Each family module (qpack/families) lists its presets in the
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
-
-# The tiny presets' BPE ranks (`ModelDims.bpe_ranks`): the first 8,192 of the family's, its
-# added tokens after them.
-TINY_BPE_RANKS = 8192
-
-
-def small_vocab(facts: Any, ranks: int = TINY_BPE_RANKS, multiple: int = 128) -> int:
-    """A vocabulary that holds `ranks` BPE ranks and a family's added tokens (its
-    `TokenizerFacts`), rounded up to `multiple` rows as the releases pad theirs."""
-    used = len(facts.leading) + ranks + len(facts.specials)
-    return -(-used // multiple) * multiple
 
 
 class ModelDims(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

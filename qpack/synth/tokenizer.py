@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from qpack.families import UnsupportedModel, family, names
+from qpack.families.base import TokenizerFacts
 from qpack.tokenizer_convert import bpe_model
 
 
@@ -43,7 +44,6 @@ class TokenizerSpec:
         self.shift = capped_shift(self.facts, ranks)
         if self.shift:
             self.facts = dataclasses.replace(self.facts, first_special=self.facts.first_special - self.shift)
-        self.ranks = ranks
         f = self.facts
         self.family = family_name
         self.ranks_file, self.pattern, self.specials = f.ranks_file, f.pattern, f.specials
@@ -75,7 +75,7 @@ class TokenizerSpec:
         return self.token_id(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
-def capped_shift(facts: Any, ranks: int) -> int:
+def capped_shift(facts: TokenizerFacts, ranks: int) -> int:
     """How far `ranks` BPE ranks move the added tokens down (0: `ranks` is 0, or not fewer
     than the family's own); a ValueError where they would leave out a byte."""
     own = facts.first_special - len(facts.leading)
