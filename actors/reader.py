@@ -121,6 +121,7 @@ class ExpertReader:
                                  stage=stage, lander=lander)
         self.meter = DiskMeter()
         self.stats = ReaderStats()
+        self.on_done: Callable[[], None] | None = None  # after each load ends, on the trio thread
 
     @property
     def stage(self) -> Callable[[list[np.ndarray]], list[Any]] | None:
@@ -393,4 +394,6 @@ class ExpertReader:
         load.done.set()
         self._any_done.set()
         self._any_done = trio.Event()
+        if self.on_done is not None:
+            self.on_done()
 

@@ -92,6 +92,8 @@ class ExpertRouter:
         # A demand's predictions, placed once its reply is sent (`_complete`: no wait).
         self._after_reply: tuple[Sequence[tuple[int, Sequence[int]]], int] | None = None
         table.on_evict = self._evicted
+        reader.on_done = self._read_done
+        self._pull_asked = False  # a `_pull_now` request is in the channel
         # Bounded: a sender waits while the router is busy (compute waits anyway).
         self._requests, self._inbox = trio.open_memory_channel[_Request](16)
 
@@ -244,9 +246,30 @@ class ExpertRouter:
             slot_of[int(expert)] = slot
         return slot_of
 
-    async def install_finished(self) -> int:
-        """Copy every finished load into its slot (on the MLX thread) and mark it ready."""
-        installs, keys, buffers, landed = self.collect()
+    def _read_done(self) -> None:
+        """A read ended (the reader's hook, on the trio thread). While a token waits on the
+        GPU, this task lists its copies now, for the layer the GPU waits on next: left to
+        the next demand, they were listed after that layer was published, and the GPU made
+        them behind the host's answer, in series with the layer (session 26)."""
+        if not self.mlx_busy or self._pull_asked:
+            return
+        try:
+            self._requests.send_nowait(_Request(self._pull_now, (), None))
+        except trio.WouldBlock:  # the channel is full: the next demand collects them
+            return
+        self._pull_asked = True
+
+    async def _pull_now(self) -> None:
+        self._pull_asked = False
+        if self.mlx_busy:  # else the token ended: the next demand installs them
+            pulled = self.stats.pulled
+            await self.install_finished(errors=False)
+            self.stats.pulled_early += self.stats.pulled - pulled
+
+    async def install_finished(self, errors: bool = True) -> int:
+        """Copy every finished load into its slot (on the MLX thread) and mark it ready.
+        `errors=False`: a failed load stays for its demand to report."""
+        installs, keys, buffers, landed = self.collect(errors)
         for key in landed:
             self.table.mark_ready(key)
         if not installs:
@@ -330,7 +353,7 @@ class ExpertRouter:
             if load.buffer is not None:
                 self.reader.give_back(load.buffer)
 
-    def collect(self) -> tuple[list[Install], list[ExpertKey], list[np.ndarray], list[ExpertKey]]:
+    def collect(self, errors: bool = True) -> tuple[list[Install], list[ExpertKey], list[np.ndarray], list[ExpertKey]]:
         """Finished loads whose key is still resident, as (slot, blob) with their keys and
         buffers; stale ones are dropped. Last, the keys of loads that landed (in their
         slots already: only to be marked ready)."""
@@ -340,7 +363,7 @@ class ExpertRouter:
         landed: list[ExpertKey] = []
         self._collect_orphans()
         for key, load in list(self.loads.items()):
-            if not load.done.is_set():
+            if not load.done.is_set() or (load.error is not None and not errors):
                 continue
             del self.loads[key]
             slot = self.table.lookup(key)

@@ -28,3 +28,5 @@ class RouterStats:
     shelved_dropped: int = 0
     # Installs a token waiting on the GPU made as copies the GPU pulled (actors/device_wait.py).
     pulled: int = 0
+    # ... of them listed as their read ended, between two demands (`ExpertRouter._read_done`).
+    pulled_early: int = 0

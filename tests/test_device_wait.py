@@ -76,6 +76,9 @@ async def test_waited_tokens_equal_stepped_ones_bit_for_bit(tiny, strategy) -> N
             assert (spent.awaited_tokens > 0) == (wait == "emulate"), spent
             # The reads a waiting token installs are copies made after its answers.
             assert (engine._core.router.stats.pulled > 0) == (wait == "emulate")
+            # ... predicted ones listed as their read ended, before their layer was demanded.
+            early = engine._core.router.stats.pulled_early
+            assert (early > 0) == (wait == "emulate" and strategy != "none"), early
             waiter = engine._core.compute.device_wait
             # ... some of them while their layer still waited (listed as each read ended).
             assert wait == "off" or (isinstance(waiter, HostWait) and waiter.copied_waiting > 0)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Session 26 (2026-12-04): a waited token's reads listed for the GPU as they end (issue 31,
+# the fast disk). One step per device call (600 s at most). On the GPU host, after the bundle:
+#   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session26.sh STEP
+# (logs and JSON: benchmarks/results/h200/session26/; docs/results.md, sixteenth pass)
+# early: the page cache, this code against the code before it (.ptx/prev.tgz, a `git
+#   archive` of 5d017c2), alternating, twice each, then every expert pooled (the tokens
+#   checked against it), the build's profile (benchmarks/build_profile.py) and the
+#   device wait's exactness on tiny models (benchmarks/device_wait_check.py).
+# regimes: session 25's step (cold default and io, the 1024-token prefill, the page cache).
+set -uo pipefail
+if [ "$1" = regimes ]; then exec bash "$(dirname "$0")/h200_session25.sh" regimes; fi
+. "$(dirname "$0")/h200_lib.sh"
+step=$1
+ptx_restore
+{
+case $step in
+  early)
+    paged c35
+    for round in 1 2; do
+      TAIL=1 old_bench prev 100 early-prev-$round c35 "${warm[@]}" --warm --cases default
+      TAIL=1 bench 100 early-now-$round c35 "${warm[@]}" --warm --cases default
+    done
+    TAIL=1 bench 100 early-pooled c35 "${warm[@]}" --warm --cases warm-all,io
+    python3 benchmarks/read_path_summary.py "$OUT"/early-*.json
+    same "$OUT"/early-pooled.json "$OUT"/early-*.json
+    timeout 90 python3 benchmarks/build_profile.py "$DATA/c35.qpack" --tokens 24 --top 25 2>&1 | grep -v '^20' | head -80
+    timeout 200 python3 benchmarks/device_wait_check.py --dir "$DATA/wait" --families qwen3_5_moe 2>&1 | grep '^{' | head -1 | cut -c1-600
+    pack ;;
+  *) echo "unknown step $step: early or regimes" >&2 ;;
+esac
+} 2>&1 | tee -a "$OUT/$step.log"
