@@ -70,6 +70,7 @@ from actors.device_wait_kernel import (
     MAX_COPIES,
     MAX_EXTRA,
     MAX_IDS,
+    SEQ_WORD,
     SLOTS_AT,
     SOURCE,
     THREADS,
@@ -114,7 +115,9 @@ class Mailboxes:
         self._times_at = np.array(firsts)[:, None] + np.arange(TIMES)
 
     def next_seq(self) -> int:
+        """The next token's seq, also written where its kernels read it (`SEQ_WORD`)."""
         self._seq = self._seq % (1 << 30) + 1
+        self.box[SEQ_WORD] = self._seq
         return self._seq
 
     def _at(self, row: int) -> int:
@@ -194,6 +197,11 @@ class DeviceWait(Mailboxes):
         super().__init__(host_alloc((rows + 1) * WORDS * 4), rows)
         self._mbox = mx.array([self.box.ctypes.data], dtype=mx.int64)
         self._none = mx.zeros((1,), dtype=mx.int32)
+        # Each row's constants, made once: a host array made per layer and token (40 a
+        # token) is an allocation and a write into managed memory on the MLX thread, and
+        # one that blocked in CUDA while a wait spun hung the event loop (session 25). The
+        # token's seq is read from the mailbox (`next_seq`).
+        self._metas: dict[tuple[int, int, int, int], mx.array] = {}
         self._kernel = cast(Callable[..., list[mx.array]], mx.fast.cuda_kernel(
             name="moestream_wait_grid", input_names=["ids", "extra", "mbox", "meta"],
             output_names=["slots", "ctl"], source=SOURCE, header=HEADER))
@@ -207,7 +215,13 @@ class DeviceWait(Mailboxes):
         more = self._none if extra is None else extra.reshape(-1).astype(mx.int32)
         n, m = flat.size, 0 if extra is None else more.size
         self._check(n, m)
-        meta = mx.array([row, seq, n, m, int(timeout_s * 1000)], dtype=mx.int32)
+        if seq != int(self.box[SEQ_WORD]):
+            raise ValueError(f"device wait: token {seq} is not the mailbox's ({int(self.box[SEQ_WORD])}): next_seq first")
+        shape = (row, n, m, int(timeout_s * 1000))
+        meta = self._metas.get(shape)
+        if meta is None:
+            meta = self._metas[shape] = mx.array(shape, dtype=mx.int32)
+            mx.eval(meta)
         out = self._kernel(inputs=[flat, more, self._mbox, meta], grid=(THREADS * BLOCKS, 1, 1),
                            threadgroup=(THREADS, 1, 1), output_shapes=[(n,), (2,)],
                            output_dtypes=[mx.int32, mx.int32], init_value=0)[0]

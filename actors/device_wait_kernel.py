@@ -7,8 +7,10 @@ from __future__ import annotations
 # A layer's mailbox, in int32 words: [published seq, answered seq, ids, extra, copies],
 # its ids, the strategy's ranking (extra), the answered slots, then the copies the answer
 # asks for (int64 triples: device address, host address, bytes). Word 0 of the first block
-# is the aborted token's seq, word 1 the waits that timed out.
+# is the aborted token's seq, word 1 the waits that timed out, word 2 the token's seq (read
+# by its kernels as they start: the graph's inputs stay the same from token to token).
 WORDS = 8192
+SEQ_WORD = 2
 IDS_AT, MAX_IDS = 8, 128
 EXTRA_AT, MAX_EXTRA = IDS_AT + MAX_IDS, 640
 SLOTS_AT = EXTRA_AT + MAX_EXTRA  # MAX_IDS of them: 776 + 128 <= 1024
@@ -39,8 +41,8 @@ BLOCKS, THREADS = 128, 256
 SOURCE = """
     volatile int* box = reinterpret_cast<volatile int*>(static_cast<uintptr_t>(mbox[0]));
     volatile int* c = ctl;  // [decision, copies listed], zeroed by the launch
-    const int row = meta[0], seq = meta[1], n = meta[2], m = meta[3];
-    const unsigned long long timeout_ns = 1000000ull * (unsigned long long)meta[4];
+    const int row = meta[0], seq = box[SEQ_WORD], n = meta[1], m = meta[2];
+    const unsigned long long timeout_ns = 1000000ull * (unsigned long long)meta[3];
     const bool lead = blockIdx.x == 0;
     volatile int* r = box + (row + 1) * WORDS;
     volatile unsigned long long* times = reinterpret_cast<volatile unsigned long long*>(r + TIMES_AT);
@@ -121,6 +123,7 @@ SOURCE = """
 
 HEADER = f"""
 #define WORDS {WORDS}
+#define SEQ_WORD {SEQ_WORD}
 #define IDS_AT {IDS_AT}
 #define EXTRA_AT {EXTRA_AT}
 #define SLOTS_AT {SLOTS_AT}

@@ -7,9 +7,8 @@
 #   archive` of 5d017c2), alternating, twice each, then every expert pooled (the tokens
 #   checked against it), the build's profile (benchmarks/build_profile.py) and the
 #   device wait's exactness on tiny models (benchmarks/device_wait_check.py).
-# regimes: session 25's step (cold default and io, the 1024-token prefill, the page cache).
+# cold: default and io, O_DIRECT, cold page cache; prefill: the 1024-token prompt with io.
 set -uo pipefail
-if [ "$1" = regimes ]; then exec bash "$(dirname "$0")/h200_session25.sh" regimes; fi
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
 ptx_restore
@@ -27,6 +26,16 @@ case $step in
     timeout 90 python3 benchmarks/build_profile.py "$DATA/c35.qpack" --tokens 24 --top 25 2>&1 | grep -v '^20' | head -80
     timeout 200 python3 benchmarks/device_wait_check.py --dir "$DATA/wait" --families qwen3_5_moe 2>&1 | grep '^{' | head -1 | cut -c1-600
     pack ;;
-  *) echo "unknown step $step: early or regimes" >&2 ;;
+  cold)
+    only c35; c35
+    TAIL=1 bench 250 cold c35 "${cold[@]}" --cases default,io
+    python3 benchmarks/read_path_summary.py "$OUT"/cold.json
+    pack ;;
+  prefill)
+    only c35; c35
+    TAIL=1 bench 400 prefill c35 "${cold[@]}" --cases long-prompt,io
+    python3 benchmarks/read_path_summary.py "$OUT"/prefill.json
+    pack ;;
+  *) echo "unknown step $step: early, cold or prefill" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"

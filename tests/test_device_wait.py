@@ -19,7 +19,7 @@ import trio
 from structlog.testing import capture_logs
 
 from actors.awaited import one_row, usable
-from actors.device_wait import EXTRA_AT, IDS_AT, HostWait
+from actors.device_wait import EXTRA_AT, IDS_AT, SEQ_WORD, HostWait
 from actors.prefetch.strategies import NoPrefetch
 from actors.reader import ExpertReadError
 from actors.sampling_params import SamplingParams
@@ -201,6 +201,7 @@ def test_what_can_be_queued_whole() -> None:
 def test_the_mailbox_protocol() -> None:
     box = HostWait(3)
     seq = box.next_seq()
+    assert box.box[SEQ_WORD] == seq  # where the token's kernels read it
     r = box._at(1)
     assert not box.published(1, seq) and not box.aborted(seq)
     box.box[r : r + 4] = [seq, 0, 2, 1]  # as a wait publishes: seq, answered, ids, extra
