@@ -3,10 +3,12 @@
 # the fast disk). One step per device call (600 s at most). On the GPU host, after the bundle:
 #   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session26.sh STEP
 # (logs and JSON: benchmarks/results/h200/session26/; docs/results.md, sixteenth pass)
-# early: the page cache, this code against the code before it (.ptx/prev.tgz, a `git
-#   archive` of 5d017c2), alternating, twice each, then every expert pooled (the tokens
-#   checked against it), the build's profile (benchmarks/build_profile.py) and the
-#   device wait's exactness on tiny models (benchmarks/device_wait_check.py).
+# early: the page cache, this code (3c8d481: per-row constants of the wait made once)
+#   against e229638 (a waited token's reads listed as each ends: .ptx/early.tgz) and
+#   5d017c2 (before both: .ptx/prev.tgz), `git archive`s, alternating, twice each; then
+#   every expert pooled and io (the tokens checked against it) and the build's profile
+#   (benchmarks/build_profile.py).
+# check: the device wait's exactness on tiny models (benchmarks/device_wait_check.py).
 # cold: default and io, O_DIRECT, cold page cache; prefill: the 1024-token prompt with io.
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
@@ -18,14 +20,16 @@ case $step in
     paged c35
     for round in 1 2; do
       TAIL=1 old_bench prev 100 early-prev-$round c35 "${warm[@]}" --warm --cases default
+      TAIL=1 old_bench early 100 early-pull-$round c35 "${warm[@]}" --warm --cases default
       TAIL=1 bench 100 early-now-$round c35 "${warm[@]}" --warm --cases default
     done
     TAIL=1 bench 100 early-pooled c35 "${warm[@]}" --warm --cases warm-all,io
     python3 benchmarks/read_path_summary.py "$OUT"/early-*.json
     same "$OUT"/early-pooled.json "$OUT"/early-*.json
     timeout 90 python3 benchmarks/build_profile.py "$DATA/c35.qpack" --tokens 24 --top 25 2>&1 | grep -v '^20' | head -80
-    timeout 200 python3 benchmarks/device_wait_check.py --dir "$DATA/wait" --families qwen3_5_moe 2>&1 | grep '^{' | head -1 | cut -c1-600
     pack ;;
+  check)
+    timeout 300 python3 benchmarks/device_wait_check.py --dir "$DATA/wait" --families qwen3_5_moe 2>&1 | grep '^{' | head -1 | cut -c1-600 ;;
   cold)
     only c35; c35
     TAIL=1 bench 250 cold c35 "${cold[@]}" --cases default,io
@@ -36,6 +40,6 @@ case $step in
     TAIL=1 bench 400 prefill c35 "${cold[@]}" --cases long-prompt,io
     python3 benchmarks/read_path_summary.py "$OUT"/prefill.json
     pack ;;
-  *) echo "unknown step $step: early, cold or prefill" >&2 ;;
+  *) echo "unknown step $step: early, check, cold or prefill" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
