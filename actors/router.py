@@ -112,6 +112,9 @@ class ExpertRouter:
                 if self._after_reply is not None:  # a prefetch no wait needed first
                     predictions, tick = self._after_reply
                     self._after_reply = None
+                    # The asker runs first: a GPU waiting for this answer (actors/awaited.py)
+                    # goes on while the placement is made; no request comes in between.
+                    await trio.sleep(0)
                     with timeline.span("router", "prefetch-after-reply"):
                         await outcome.acapture(self._prefetch, predictions, tick)  # as `prefetch`'s: dropped
 
