@@ -3,7 +3,8 @@
 # the fast disk). One step per device call (600 s at most). On the GPU host, after the bundle:
 #   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session26.sh STEP
 # (logs and JSON: benchmarks/results/h200/session26/; docs/results.md, sixteenth pass)
-# early: the page cache, this code (3c8d481: per-row constants of the wait made once)
+# early: the page cache, this code (4bf3b41; 3c8d481: per-row constants of the wait made once; the
+#   asker answers before the prefetch placed after its reply)
 #   against e229638 (a waited token's reads listed as each ends: .ptx/early.tgz) and
 #   5d017c2 (before both: .ptx/prev.tgz), `git archive`s, alternating, twice each; then
 #   every expert pooled and io (the tokens checked against it) and the build's profile
