@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import outcome
@@ -40,6 +38,7 @@ import structlog
 import trio
 
 from actors import timeline
+from actors.inbox import Inbox
 from actors.pool.driver import PoolDriver
 from actors.pool.eviction import ExpertKey
 from actors.pool.slots import SlotTable
@@ -47,13 +46,6 @@ from actors.reader import ExpertReader, ExpertReadError, Load
 from actors.router_types import Install, PullStarved, RouterStats
 
 log = structlog.get_logger("moestream.router")
-
-@dataclass
-class _Request:
-    fn: Callable[..., Awaitable[Any]]
-    args: tuple[Any, ...]
-    reply: trio.MemorySendChannel[outcome.Outcome[Any]] | None
-
 
 class ExpertRouter:
     def __init__(
@@ -95,33 +87,23 @@ class ExpertRouter:
         reader.on_done = self._read_done
         self._pull_asked = False  # a `_pull_now` request is in the channel
         # Bounded: a sender waits while the router is busy (compute waits anyway).
-        self._requests, self._inbox = trio.open_memory_channel[_Request](16)
+        self._inbox = Inbox("router", 16)
 
     # -- the task ------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Serve requests until the engine's nursery is cancelled."""
-        async with self._inbox:
-            async for request in self._inbox:
-                with timeline.span("router", request.fn.__name__.lstrip("_")):
-                    result = await outcome.acapture(request.fn, *request.args)
-                if request.reply is not None:
-                    # The asker may have been cancelled meanwhile: the reply then waits in
-                    # the buffer of a channel nobody reads, and is collected with it.
-                    request.reply.send_nowait(result)
-                if self._after_reply is not None:  # a prefetch no wait needed first
-                    predictions, tick = self._after_reply
-                    self._after_reply = None
-                    # The asker runs first: a GPU waiting for this answer (actors/awaited.py)
-                    # goes on while the placement is made; no request comes in between.
-                    await trio.sleep(0)
-                    with timeline.span("router", "prefetch-after-reply"):
-                        await outcome.acapture(self._prefetch, predictions, tick)  # as `prefetch`'s: dropped
+        await self._inbox.serve(self._after_each)
 
-    async def _ask(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
-        reply, answer = trio.open_memory_channel[outcome.Outcome[Any]](1)
-        await self._requests.send(_Request(fn, args, reply))
-        return (await answer.receive()).unwrap()
+    async def _after_each(self) -> None:
+        if self._after_reply is not None:  # a prefetch no wait needed first
+            predictions, tick = self._after_reply
+            self._after_reply = None
+            # The asker runs first: a GPU waiting for this answer (actors/awaited.py) goes
+            # on while the placement is made; no request comes in between.
+            await trio.sleep(0)
+            with timeline.span("router", "prefetch-after-reply"):
+                await outcome.acapture(self._prefetch, predictions, tick)  # as `prefetch`'s: dropped
 
     # -- requests --------------------------------------------------------------------------
 
@@ -133,12 +115,12 @@ class ExpertRouter:
         after its demand is placed and before its reads are waited for, so the disk
         starts on the next layers while this one's last reads land. The slot table sees
         the same calls in the same order as a separate `prefetch` after the demand."""
-        return await self._ask(self._demand, layer, list(ids), tick, then_prefetch)
+        return await self._inbox.ask(self._demand, layer, list(ids), tick, then_prefetch)
 
     async def demand_all(self, items: Sequence[tuple[int, Sequence[int], int]]) -> None:
         """`demand` for several (layer, ids, tick) in order, as one request: the
         bookkeeping of a token that ran ahead with every expert present."""
-        await self._ask(self._demand_all, [(layer, list(ids), tick) for layer, ids, tick in items])
+        await self._inbox.ask(self._demand_all, [(layer, list(ids), tick) for layer, ids, tick in items])
 
     async def _demand_all(self, items: list[tuple[int, list[int], int]]) -> None:
         # A token that ran ahead found every expert ready: each layer's pool calls are
@@ -155,23 +137,23 @@ class ExpertRouter:
     async def prefetch(self, predictions: Sequence[tuple[int, Sequence[int]]], tick: int) -> None:
         """Queue predicted experts for reading (no reply: ordered before later demands)."""
         if predictions:
-            await self._requests.send(_Request(self._prefetch, (predictions, tick), None))
+            await self._inbox.tell(self._prefetch, predictions, tick)
 
     async def install_now(self) -> None:
         """Install every finished read now: the MTP head's pool (actors/pool/head_pool.py)
         needs their staging buffers between the model's forwards."""
-        await self._ask(self.install_finished)
+        await self._inbox.ask(self.install_finished)
 
     async def drain(self) -> None:
         """Wait for every read in flight and drop its result (cancellation, shutdown)."""
-        await self._ask(self._drain)
+        await self._inbox.ask(self._drain)
 
     async def settle(self) -> None:
         """The engine went idle: finish the reads the last prefetch orders started and
         install them, so no staging buffer is held and no slot stays "loading" between
         requests (the next request finds those experts ready). Reads still out after
         `settle_timeout_s` (a hung disk) stay for the next demand to collect."""
-        await self._ask(self._settle)
+        await self._inbox.ask(self._settle)
 
     # -- what the task runs ----------------------------------------------------------------
 
@@ -254,13 +236,9 @@ class ExpertRouter:
         GPU, this task lists its copies now, for the layer the GPU waits on next: left to
         the next demand, they were listed after that layer was published, and the GPU made
         them behind the host's answer, in series with the layer (session 26)."""
-        if not self.mlx_busy or self._pull_asked:
-            return
-        try:
-            self._requests.send_nowait(_Request(self._pull_now, (), None))
-        except trio.WouldBlock:  # the channel is full: the next demand collects them
-            return
-        self._pull_asked = True
+        if self.mlx_busy and not self._pull_asked:
+            # Where the channel is full, the next demand collects them.
+            self._pull_asked = self._inbox.try_tell(self._pull_now)
 
     async def _pull_now(self) -> None:
         self._pull_asked = False
