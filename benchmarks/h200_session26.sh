@@ -7,8 +7,8 @@
 #   asker answers before the prefetch placed after its reply)
 #   against e229638 (a waited token's reads listed as each ends: .ptx/early.tgz) and
 #   5d017c2 (before both: .ptx/prev.tgz), `git archive`s, alternating, twice each; then
-#   every expert pooled and io (the tokens checked against it) and the build's profile
-#   (benchmarks/build_profile.py).
+#   every expert pooled and io (the tokens checked against it), a 12-token timeline and the
+#   build's profile (benchmarks/build_profile.py).
 # check: the device wait's exactness on tiny models (benchmarks/device_wait_check.py).
 # cold: default and io, O_DIRECT, cold page cache; prefill: the 1024-token prompt with io.
 set -uo pipefail
@@ -27,6 +27,8 @@ case $step in
     TAIL=1 bench 100 early-pooled c35 "${warm[@]}" --warm --cases warm-all,io
     python3 benchmarks/read_path_summary.py "$OUT"/early-*.json
     same "$OUT"/early-pooled.json "$OUT"/early-*.json
+    TAIL=1 bench 100 early-trace c35 "${warm[@]}" --warm --cases default --max-tokens 12 --trace "$OUT/timeline-early.json"
+    gzip -f "$OUT"/timeline-*.json
     timeout 90 python3 benchmarks/build_profile.py "$DATA/c35.qpack" --tokens 24 --top 25 2>&1 | grep -v '^20' | head -80
     pack ;;
   check)
