@@ -29,6 +29,7 @@ case $step in
     same "$OUT"/early-pooled.json "$OUT"/early-*.json
     TAIL=1 bench 100 early-trace c35 "${warm[@]}" --warm --cases default --max-tokens 12 --trace "$OUT/timeline-early.json"
     gzip -f "$OUT"/timeline-*.json
+    python3 benchmarks/waited_layers.py "$OUT/timeline-early.json.gz" --token 6
     timeout 90 python3 benchmarks/build_profile.py "$DATA/c35.qpack" --tokens 24 --top 25 2>&1 | grep -v '^20' | head -80
     pack ;;
   check)
