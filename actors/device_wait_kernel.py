@@ -41,9 +41,12 @@ BLOCKS, THREADS = 128, 256
 SOURCE = """
     volatile int* box = reinterpret_cast<volatile int*>(static_cast<uintptr_t>(mbox[0]));
     volatile int* c = ctl;  // [decision, copies listed], zeroed by the launch
-    const int row = meta[0], seq = box[SEQ_WORD], n = meta[1], m = meta[2];
-    const unsigned long long timeout_ns = 1000000ull * (unsigned long long)meta[3];
     const bool lead = blockIdx.x == 0;
+    // The token's seq: the lead's thread alone uses it, and reads it from the host once
+    // (every thread of the grid reading it cost ~1 ms of PCIe reads a layer: session 26).
+    const int seq = lead && threadIdx.x == 0 ? box[SEQ_WORD] : 0;
+    const int row = meta[0], n = meta[1], m = meta[2];
+    const unsigned long long timeout_ns = 1000000ull * (unsigned long long)meta[3];
     volatile int* r = box + (row + 1) * WORDS;
     volatile unsigned long long* times = reinterpret_cast<volatile unsigned long long*>(r + TIMES_AT);
     __shared__ int state, count;  // state: 0 waiting, 1 answered, 2 given up

@@ -74,6 +74,10 @@ def test_bench_end_to_end_writes_json_and_trace(tiny_bench: Path, tmp_path: Path
     # Compute's time in MLX calls is reported beside the stall (its other wait).
     assert path["mlx_s"] > 0 and path["shelved_mb"] >= 0
     assert by_name["io"]["read_gb_s"] > 0 and report["derived"]["io_ceiling_tok_s"] > 0
+    # The disk's bandwidth: at each depth, the best taken (not the start-up probe's guess).
+    io_depths = {int(d): v for d, v in by_name["io"]["queue_depth_gb_s"].items()}
+    assert sorted(io_depths) == [1, 2, 4, 8, 16]
+    assert by_name["io"]["read_gb_s"] == max(io_depths.values()) == io_depths[by_name["io"]["readers"]]
     # Memory while decoding is measured on its own: never above the process peaks, and
     # the CPU's MLX memory holds at least the pool.
     assert 0 < default["decode_rss_mb"] <= default["peak_rss_mb"] + 1

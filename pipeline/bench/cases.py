@@ -213,7 +213,7 @@ def measure(case: Case) -> Result:
     """Run one case in this process (the worker side)."""
     import trio
 
-    from pipeline.bench.refs import read_bandwidth, resident_decode
+    from pipeline.bench.refs import best_bandwidth, read_bandwidth, resident_decode
 
     started = time.perf_counter()
     if case.kind == "moestream" and case.concurrency:
@@ -251,17 +251,14 @@ def measure(case: Case) -> Result:
         reader = case.config.get("reader", {})
         o_direct = bool(reader.get("o_direct", False))
         threads = reader.get("concurrency", "auto")
-        if threads == "auto":
-            # The ceiling at the depth where this disk was fastest (the probe's best).
-            from actors.queue_depth import choose_depth
-            from qpack.reader import Container
-
-            with Container.open(case.model, verify="off", o_direct=o_direct) as c:
-                probe = choose_depth(c)
-            threads = max(probe.gb_s, key=lambda d: probe.gb_s[d])
-        bw = read_bandwidth(case.model, threads=int(threads), o_direct=o_direct, cold=case.cold)
+        depths: dict[int, float] = {}
+        if threads == "auto":  # the disk's bandwidth at the depth where it is fastest
+            bw, depths = best_bandwidth(case.model, o_direct=o_direct, cold=case.cold)
+        else:
+            bw = read_bandwidth(case.model, threads=int(threads), o_direct=o_direct, cold=case.cold)
         return Result(name=case.name, kind="io", readers=bw.threads, o_direct=bw.o_direct,
-                      read_gb_s=bw.gb_s, seconds=time.perf_counter() - started)
+                      read_gb_s=bw.gb_s, queue_depth_gb_s=depths,
+                      seconds=time.perf_counter() - started)
     raise ValueError(f"case {case.name!r}: unknown kind {case.kind!r} (moestream, resident, io)")
 
 
