@@ -9,6 +9,8 @@
 #   5d017c2 (before both: .ptx/prev.tgz), `git archive`s, alternating, twice each; then
 #   every expert pooled and io (the tokens checked against it), a 12-token timeline and the
 #   build's profile (benchmarks/build_profile.py).
+# again (ran at the commit after 353bc15's, the seq read by the lead only, io at every
+#   depth): this code against 5d017c2 twice each, 4 and 8 readers, pooled and io, a timeline.
 # check: the device wait's exactness on tiny models (benchmarks/device_wait_check.py).
 # cold: default and io, O_DIRECT, cold page cache; prefill: the 1024-token prompt with io.
 set -uo pipefail
@@ -32,6 +34,22 @@ case $step in
     python3 benchmarks/waited_layers.py "$OUT/timeline-early.json.gz" --token 6
     timeout 90 python3 benchmarks/build_profile.py "$DATA/c35.qpack" --tokens 24 --top 25 2>&1 | grep -v '^20' | head -80
     pack ;;
+  again)
+    paged c35
+    for round in 1 2; do
+      TAIL=1 old_bench prev 100 again-prev-$round c35 "${warm[@]}" --warm --cases default
+      TAIL=1 bench 100 again-now-$round c35 "${warm[@]}" --warm --cases default
+    done
+    for r in 4 8; do
+      TAIL=1 bench 100 again-r$r c35 "${warm[@]}" --warm --cases default --readers $r
+    done
+    TAIL=1 bench 150 again-pooled c35 "${warm[@]}" --warm --cases warm-all,io
+    python3 benchmarks/read_path_summary.py "$OUT"/again-*.json
+    same "$OUT"/again-pooled.json "$OUT"/again-*.json
+    TAIL=1 bench 100 again-trace c35 "${warm[@]}" --warm --cases default --max-tokens 12 --trace "$OUT/timeline-again.json"
+    gzip -f "$OUT"/timeline-*.json
+    python3 benchmarks/waited_layers.py "$OUT/timeline-again.json.gz" --token 6
+    pack ;;
   check)
     timeout 300 python3 benchmarks/device_wait_check.py --dir "$DATA/wait" --families qwen3_5_moe 2>&1 | grep '^{' | head -1 | cut -c1-600 ;;
   cold)
@@ -44,6 +62,6 @@ case $step in
     TAIL=1 bench 400 prefill c35 "${cold[@]}" --cases long-prompt,io
     python3 benchmarks/read_path_summary.py "$OUT"/prefill.json
     pack ;;
-  *) echo "unknown step $step: early, check, cold or prefill" >&2 ;;
+  *) echo "unknown step $step: early, again, check, cold or prefill" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
