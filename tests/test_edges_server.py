@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx2
 import pytest
 import trio
-from test_server_errors import CHAT, body, error_of, running_server, sse_chunks, until
+from test_server_errors import CHAT, body, error_of, no_eos, running_server, sse_chunks, until
 
 from qpack.writer import pack
 
@@ -93,7 +93,8 @@ async def test_shutdown_503s_the_queue_and_ends_running_streams_with_an_error_ev
                 anthropic.extend([line async for line in resp.aiter_lines()])
 
         async with trio.open_nursery() as nursery, \
-                http.stream("POST", CHAT, json=body(max_tokens=3000, stream=True)) as a:
+                http.stream("POST", CHAT, json=body(max_tokens=3000, stream=True,
+                                                    logit_bias=no_eos(engine))) as a:
             assert a.status_code == 200
             lines = a.aiter_lines()
             await sse_chunks(lines, 3)  # A is producing tokens

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from forked_launch import Launched, alive
 from forked_ranks import free_ports
-from test_shutdown import check_events, read_events, stream
+from test_shutdown import check_events, eos_of, read_events, stream
 
 from pipeline.cli import main
 from pipeline.distributed.launcher_watch import available_watches
@@ -157,11 +157,11 @@ def _post_status(port: int) -> int:
         conn.close()
 
 
-def _stopped_as_on_sigterm(job: Launched, port: int, stop: Callable[[], None]) -> None:
+def _stopped_as_on_sigterm(job: Launched, port: int, stop: Callable[[], None], container: Path) -> None:
     """A reply streaming when the job is told to stop (`stop()`): rank 0 drains (503 to
     new requests, the stream ends with one error event), then every process is gone
     within GONE_S and the port is free."""
-    conn, resp = stream(port, 3000)
+    conn, resp = stream(port, 3000, eos_of(container))
     first = read_events(resp, 3)
     stop()
     job.wait_for("server.shutdown", GONE_S)  # rank 0 has begun to drain
@@ -181,7 +181,7 @@ def test_sigkill_to_the_launcher_stops_every_rank(fork_server, container) -> Non
     # (with 1 s, a loaded machine once saw the drain end first: connection refused).
     job, port = _job(fork_server, container, 3)
     try:
-        _stopped_as_on_sigterm(job, port, lambda: job.proc.kill())
+        _stopped_as_on_sigterm(job, port, lambda: job.proc.kill(), container)
         log = job.output()
         assert log.count("distributed.launcher_gone") == 2  # each rank saw it
         assert not Path(re.search(r"hostfile=(\S+)", log)[1]).exists()  # the ranks removed it
@@ -199,7 +199,7 @@ def test_sigterm_to_the_launcher_is_forwarded_and_waited_for(fork_server, contai
             job.wait_for("server.shutdown", GONE_S)
             job.proc.terminate()
 
-        _stopped_as_on_sigterm(job, port, twice)
+        _stopped_as_on_sigterm(job, port, twice, container)
         assert job.proc.exitcode == 0, job.output()[-4000:]  # the ranks drained and ended 0
         log = job.output()
         assert "server.shutdown_repeated" in log, log  # the second SIGTERM did not cut the drain

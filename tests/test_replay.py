@@ -85,11 +85,13 @@ def _trace(routing: list[list[list[int]]], num_slots: int = 8) -> RoutingTrace:
 
 
 def _reference_lru(routing: list[list[list[int]]], slots: int) -> tuple[int, int, int]:
-    """Plain LRU over the demand stream: (hits, misses, evictions)."""
+    """Plain LRU over the demand stream: (hits, misses, evictions); a layer's miss never
+    evicts another of that layer's chosen experts."""
     cache: OrderedDict[tuple[int, int], None] = OrderedDict()
     hits = misses = evictions = 0
     for step in routing:
         for layer, ids in enumerate(step):
+            chosen = {(layer, e) for e in ids}
             for e in ids:
                 key = (layer, e)
                 if key in cache:
@@ -98,7 +100,7 @@ def _reference_lru(routing: list[list[list[int]]], slots: int) -> tuple[int, int
                     continue
                 misses += 1
                 if len(cache) == slots:
-                    cache.popitem(last=False)
+                    del cache[next(k for k in cache if k not in chosen)]
                     evictions += 1
                 cache[key] = None
     return hits, misses, evictions

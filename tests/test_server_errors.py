@@ -37,6 +37,12 @@ async def running_server(container: Path, server: dict[str, Any] | None = None,
             yield engine, http
 
 
+def no_eos(engine: Engine) -> dict[str, float]:
+    """A `logit_bias` that keeps a long answer going: the tiny models' small vocabulary
+    lets greedy decoding meet an end-of-sequence token within a few hundred tokens."""
+    return {str(t): -100.0 for t in engine.tokenizer.eos_token_ids}
+
+
 def body(**over: Any) -> dict[str, Any]:
     return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             **over}
@@ -162,7 +168,7 @@ async def sse_chunks(lines: AsyncIterator[str], n: int) -> list[dict[str, Any]]:
 async def test_queue_full_and_disconnects(container: Path) -> None:
     async with running_server(container, max_queue=1, max_batch=1) as (engine, http):
         # A streams a long answer and holds the engine; B waits for it; C finds the queue full.
-        long = body(max_tokens=2000, stream=True)
+        long = body(max_tokens=2000, stream=True, logit_bias=no_eos(engine))
         results: dict[str, httpx2.Response] = {}
 
         async def post(name: str, payload: dict[str, Any]) -> None:
@@ -185,7 +191,8 @@ async def test_queue_full_and_disconnects(container: Path) -> None:
         # A hang-up with nobody waiting: the generation is closed, the pool unpinned.
         for path, payload in ((CHAT, long),
                               ("/v1/completions", {"model": "tiny", "prompt": "Hi",
-                                                   "max_tokens": 2000, "stream": True})):
+                                                   "max_tokens": 2000, "stream": True,
+                                                   "logit_bias": no_eos(engine)})):
             async with http.stream("POST", path, json=payload) as a:
                 await sse_chunks(a.aiter_lines(), 2)
             await until(lambda: not engine.busy)
@@ -194,7 +201,7 @@ async def test_queue_full_and_disconnects(container: Path) -> None:
 
         # A non-streaming request whose client gives up is cancelled too.
         with trio.move_on_after(1.5):
-            await http.post(CHAT, json=body(max_tokens=2000))
+            await http.post(CHAT, json=body(max_tokens=2000, logit_bias=no_eos(engine)))
         await until(lambda: not engine.busy)
         assert engine.pool_snapshot()["pinned"] == 0
 

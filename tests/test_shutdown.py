@@ -72,10 +72,20 @@ class Server:
         self.proc.wait(30)
 
 
-def stream(port: int, max_tokens: int) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+def eos_of(container: Path) -> list[int]:
+    """The ids that would end a long answer early (the tiny models' small vocabulary lets
+    greedy decoding meet one within a few hundred tokens): banned where it must run on."""
+    from pipeline.generation_config import eos_token_ids
+
+    return eos_token_ids(container) or []
+
+
+def stream(port: int, max_tokens: int, banned: list[int] | None = None,
+           ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a story"}],
-            "max_tokens": max_tokens, "stream": True}
+            "max_tokens": max_tokens, "stream": True,
+            "logit_bias": {str(t): -100.0 for t in banned or ()}}
     conn.request("POST", "/v1/chat/completions", json.dumps(body),
                  {"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -155,7 +165,7 @@ def test_sigterm_during_a_long_generation_cuts_it_at_an_event_boundary(fork_serv
     server = Server(fork_server, container, "--set", "server.shutdown_grace_s=1")
     try:
         server.wait_for("server.listening")
-        conn, resp = stream(server.port, 3000)
+        conn, resp = stream(server.port, 3000, eos_of(container))
         first = read_events(resp, 3)
         server.proc.send_signal(signal.SIGTERM)
         try:

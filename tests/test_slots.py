@@ -219,6 +219,19 @@ def test_prefetch_used_wasted_and_dropped() -> None:
     assert (s.prefetch_installs, s.prefetch_used, s.prefetch_wasted) == (3, 1, 1)
 
 
+def test_a_demand_never_evicts_one_of_its_own_chosen_experts() -> None:
+    t = SlotTable(3, LRU())
+    d = PoolDriver(t)
+    d.prefetch([(1, [5, 6, 7])], tick=0)  # (1,5) is the least recent
+    evicted: list[tuple[int, int]] = []
+    t.on_evict = evicted.append
+    # The miss (1,9) comes first: its slot is (1,7)'s, not (1,5)'s or (1,6)'s, which the
+    # same demand needs next (each would be read again).
+    d.demand(1, [9, 5, 6], tick=1)
+    assert evicted == [(1, 7)]
+    assert (t.hits, t.misses) == (2, 1)
+
+
 OPS = st.lists(
     st.tuples(
         st.sampled_from(["acq", "acq_pin", "pin", "unpin", "release", "ready", "prefetch"]),

@@ -8,8 +8,9 @@ for each token (prefill step or decode step), for each MoE layer l in order, tic
 
 1. `demand(l, chosen, t)`: first unpin the previous layer's keys (they stayed pinned while
    that layer computed), then for each chosen expert e of l in router order:
-   `acquire((l, e), t, pin=True)`. Resident counts as a hit, even if the key is still
-   loading from a prefetch; the live engine measures that wait as stall.
+   `acquire((l, e), t, pin=True, protect=chosen)` (no chosen key is evicted for
+   another). Resident counts as a hit, even if the key is still loading from a
+   prefetch; the live engine measures that wait as stall.
 2. The strategy sees the true routing: `strategy.observe(l, chosen)`, then
    `preds = strategy.predict(l, chosen, hidden)`.
 3. `prefetch(preds, t)`: for each (layer_j, ids) in the order given, each id in the
@@ -42,9 +43,13 @@ class PoolDriver:
         """Acquire and pin layer `layer`'s chosen experts; [(slot, was_resident)] per id."""
         self.end_layer()
         out: list[tuple[int, bool]] = []
-        for expert in ids:
-            key = (layer, int(expert))
-            out.append(self.table.acquire(key, tick, pin=True))
+        keys = [(layer, int(expert)) for expert in ids]
+        # A miss's slot never comes from another of the layer's chosen experts not pinned
+        # yet (one read for nothing, then read again: 14 of a token's 39 demand reads on
+        # the H200 once reads were collected as they ended, session 26).
+        chosen = set(keys)
+        for key in keys:
+            out.append(self.table.acquire(key, tick, pin=True, protect=chosen))
             self._pinned.append(key)
         return out
 
