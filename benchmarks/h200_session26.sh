@@ -9,8 +9,9 @@
 #   5d017c2 (before both: .ptx/prev.tgz), `git archive`s, alternating, twice each; then
 #   every expert pooled and io (the tokens checked against it), a 12-token timeline and the
 #   build's profile (benchmarks/build_profile.py).
-# again (ran at the commit after 353bc15's, the seq read by the lead only, io at every
-#   depth): this code against 5d017c2 twice each, 4 and 8 readers, pooled and io, a timeline.
+# again (644cb11: the seq read by the lead only, io at every depth, a demand that evicts
+#   none of its own experts): this code against 5d017c2 twice each, 4 and 8 readers, pooled
+#   and io, a timeline.
 # check: the device wait's exactness on tiny models (benchmarks/device_wait_check.py).
 # cold: default and io, O_DIRECT, cold page cache; prefill: the 1024-token prompt with io.
 set -uo pipefail
