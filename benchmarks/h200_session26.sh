@@ -12,8 +12,12 @@
 # again (644cb11: the seq read by the lead only, io at every depth, a demand that evicts
 #   none of its own experts): this code against 5d017c2 twice each, 4 and 8 readers, pooled
 #   and io, a timeline.
+# Ready, not run (the device was lent no more this session):
 # check: the device wait's exactness on tiny models (benchmarks/device_wait_check.py).
-# cold: default and io, O_DIRECT, cold page cache; prefill: the 1024-token prompt with io.
+# cold: default and io, O_DIRECT, cold page cache; prefill: the 1024-token prompt with io
+#   (both with io at every depth: the ratios of the cold figures against the disk's best).
+# build: the page cache, the waited token's build timed (benchmarks/build_profile.py, timers
+#   now: early's cProfile saw every thread on Python 3.12), default twice, pooled and io.
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
@@ -33,7 +37,7 @@ case $step in
     TAIL=1 bench 100 early-trace c35 "${warm[@]}" --warm --cases default --max-tokens 12 --trace "$OUT/timeline-early.json"
     gzip -f "$OUT"/timeline-*.json
     python3 benchmarks/waited_layers.py "$OUT/timeline-early.json.gz" --token 6
-    timeout 90 python3 benchmarks/build_profile.py "$DATA/c35.qpack" --tokens 24 --top 25 2>&1 | grep -v '^20' | head -80
+    timeout 90 python3 benchmarks/build_profile.py "$DATA/c35.qpack" --tokens 24 2>&1 | grep -v "^20" | tail -5
     pack ;;
   again)
     paged c35
@@ -51,6 +55,16 @@ case $step in
     gzip -f "$OUT"/timeline-*.json
     python3 benchmarks/waited_layers.py "$OUT/timeline-again.json.gz" --token 6
     pack ;;
+  build)
+    paged c35
+    timeout 90 python3 benchmarks/build_profile.py "$DATA/c35.qpack" --tokens 24 2>&1 | grep -v "^20" | tail -5
+    for round in 1 2; do
+      TAIL=1 bench 100 build-now-$round c35 "${warm[@]}" --warm --cases default
+    done
+    TAIL=1 bench 150 build-pooled c35 "${warm[@]}" --warm --cases warm-all,io
+    python3 benchmarks/read_path_summary.py "$OUT"/build-*.json
+    same "$OUT"/build-pooled.json "$OUT"/build-*.json
+    pack ;;
   check)
     timeout 300 python3 benchmarks/device_wait_check.py --dir "$DATA/wait" --families qwen3_5_moe 2>&1 | grep '^{' | head -1 | cut -c1-600 ;;
   cold)
@@ -63,6 +77,6 @@ case $step in
     TAIL=1 bench 400 prefill c35 "${cold[@]}" --cases long-prompt,io
     python3 benchmarks/read_path_summary.py "$OUT"/prefill.json
     pack ;;
-  *) echo "unknown step $step: early, again, check, cold or prefill" >&2 ;;
+  *) echo "unknown step $step: early, again, build, check, cold or prefill" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
