@@ -31,7 +31,7 @@ def main(paths: list[str]) -> int:
     for path in paths:
         for r in json.loads(Path(path).read_text())["results"]:
             if r["kind"] == "io":
-                print(f"{Path(path).stem} io: {r['read_gb_s']:.2f} GB/s")
+                print(f"{Path(path).stem} io: {r['read_gb_s']:.2f} GB/s with {r['readers']} readers")
             elif not r.get("error"):
                 print(line(Path(path).stem, r))
     return 0
