@@ -22,6 +22,16 @@ set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
 ptx_restore
+pooled_and_trace() {  # pooled_and_trace PREFIX: every expert pooled and io, the runs' summary
+  # and tokens against it, a 12-token timeline and its layers
+  local p=$1
+  TAIL=1 bench 150 $p-pooled c35 "${warm[@]}" --warm --cases warm-all,io
+  python3 benchmarks/read_path_summary.py "$OUT"/$p-*.json
+  same "$OUT"/$p-pooled.json "$OUT"/$p-*.json
+  TAIL=1 bench 100 $p-trace c35 "${warm[@]}" --warm --cases default --max-tokens 12 --trace "$OUT/timeline-$p.json"
+  gzip -f "$OUT"/timeline-*.json
+  python3 benchmarks/waited_layers.py "$OUT/timeline-$p.json.gz" --token 6
+}
 {
 case $step in
   early)
@@ -31,12 +41,7 @@ case $step in
       TAIL=1 old_bench early 100 early-pull-$round c35 "${warm[@]}" --warm --cases default
       TAIL=1 bench 100 early-now-$round c35 "${warm[@]}" --warm --cases default
     done
-    TAIL=1 bench 100 early-pooled c35 "${warm[@]}" --warm --cases warm-all,io
-    python3 benchmarks/read_path_summary.py "$OUT"/early-*.json
-    same "$OUT"/early-pooled.json "$OUT"/early-*.json
-    TAIL=1 bench 100 early-trace c35 "${warm[@]}" --warm --cases default --max-tokens 12 --trace "$OUT/timeline-early.json"
-    gzip -f "$OUT"/timeline-*.json
-    python3 benchmarks/waited_layers.py "$OUT/timeline-early.json.gz" --token 6
+    pooled_and_trace early
     timeout 90 python3 benchmarks/build_profile.py "$DATA/c35.qpack" --tokens 24 2>&1 | grep -v "^20" | tail -5
     pack ;;
   again)
@@ -48,12 +53,7 @@ case $step in
     for r in 4 8; do
       TAIL=1 bench 100 again-r$r c35 "${warm[@]}" --warm --cases default --readers $r
     done
-    TAIL=1 bench 150 again-pooled c35 "${warm[@]}" --warm --cases warm-all,io
-    python3 benchmarks/read_path_summary.py "$OUT"/again-*.json
-    same "$OUT"/again-pooled.json "$OUT"/again-*.json
-    TAIL=1 bench 100 again-trace c35 "${warm[@]}" --warm --cases default --max-tokens 12 --trace "$OUT/timeline-again.json"
-    gzip -f "$OUT"/timeline-*.json
-    python3 benchmarks/waited_layers.py "$OUT/timeline-again.json.gz" --token 6
+    pooled_and_trace again
     pack ;;
   build)
     paged c35
