@@ -183,6 +183,14 @@ class ExpertReader:
                 self._bulk_cond.notify()
         return load
 
+    def hand_over(self) -> None:
+        """After a batch of `submit`s, on the trio thread: the GIL to the disk threads they
+        woke, whose preads then start now rather than once the switch interval ends the
+        event loop's Python (which goes on placing, answering, predicting). Measured on
+        this VM (benchmarks/gil_handover.py): a woken thread's start 0.34 ms after the
+        notify behind 0.4 ms of Python, 0.04 ms with the hand-over."""
+        time.sleep(0)
+
     @contextmanager
     def bulk(self, on: bool = True) -> Iterator[None]:
         """While inside (and `on`), the bulk lane reads: compute's prompt chunks."""

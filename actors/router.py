@@ -170,12 +170,14 @@ class ExpertRouter:
         """A placed demand (`driver.demand`'s answer): its reads issued and waited for."""
         self.failures.clear()  # only this demand's failures are reported
         waits: list[Load] = []
+        woke = False
         for expert, (taken, was_resident) in zip(ids, placed, strict=True):
             key = (layer, int(expert))
             load = self.loads.get(key)
             if load is None and not was_resident:
                 load = self.loads[key] = self.reader.submit(key, demand=True, slot=taken,
                                                             land=self.landing_safe)
+                woke = True
             elif load is not None:
                 if not load.demand:
                     self.stats.prefetch_hits_waited += 1
@@ -184,6 +186,8 @@ class ExpertRouter:
                 self.reader.promote(load)
             if load is not None:
                 waits.append(load)
+        if woke:  # the demand's reads start before the placement below
+            self.reader.hand_over()
         if then_prefetch:
             if waits:  # placed before the wait: the disk starts on the next layers meanwhile
                 await self._prefetch(then_prefetch, tick)
@@ -283,10 +287,14 @@ class ExpertRouter:
             again = [load for layer, ids in predictions for e in ids
                      if (load := self.loads.get((layer, int(e)))) is not None and load.shelved]
             self.shelved_count -= self.reader.requeue(again)
+        submitted = False
         for key, slot in self.driver.prefetch(predictions, tick):
             if key not in self.loads:
                 self.loads[key] = self.reader.submit(key, demand=False, slot=slot,
                                                      land=self.landing_safe)
+                submitted = True
+        if submitted:
+            self.reader.hand_over()
 
     def _shelve_stale(self, layer: int, ids: Sequence[int]) -> None:
         """Stale predictions: `layer` is routed now, so a read queued for one of its

@@ -17,7 +17,9 @@
 # cold: default and io, O_DIRECT, cold page cache; prefill: the 1024-token prompt with io
 #   (both with io at every depth: the ratios of the cold figures against the disk's best).
 # build: the page cache, the waited token's build timed (benchmarks/build_profile.py, timers
-#   now: early's cProfile saw every thread on Python 3.12), default twice, pooled and io.
+#   now: early's cProfile saw every thread on Python 3.12); this code (the GIL handed to the
+#   disk threads after a batch of submits) against the code before it (.ptx/nohand.tgz, a
+#   `git archive` of 8d519ca), twice each; pooled and io. Also worth running cold.
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
@@ -59,6 +61,7 @@ case $step in
     paged c35
     timeout 90 python3 benchmarks/build_profile.py "$DATA/c35.qpack" --tokens 24 2>&1 | grep -v "^20" | tail -5
     for round in 1 2; do
+      TAIL=1 old_bench nohand 100 build-nohand-$round c35 "${warm[@]}" --warm --cases default
       TAIL=1 bench 100 build-now-$round c35 "${warm[@]}" --warm --cases default
     done
     TAIL=1 bench 150 build-pooled c35 "${warm[@]}" --warm --cases warm-all,io
