@@ -20,6 +20,9 @@
 #   now: early's cProfile saw every thread on Python 3.12); this code (the GIL handed to the
 #   disk threads after a batch of submits) against the code before it (.ptx/nohand.tgz, a
 #   `git archive` of 8d519ca), twice each; pooled and io. Also worth running cold.
+# switch: the page cache with the GIL's switch interval 0.2 / 0.1 / 0.05 ms while readers
+#   run (`bench --switch-interval-ms`): a disk thread needs the GIL between two preads, and
+#   the queue before a pread was 0.85-1.0 ms against the pread's 0.4 (session 26).
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
@@ -68,6 +71,15 @@ case $step in
     python3 benchmarks/read_path_summary.py "$OUT"/build-*.json
     same "$OUT"/build-pooled.json "$OUT"/build-*.json
     pack ;;
+  switch)
+    paged c35
+    for round in 1 2; do
+      for ms in 0.2 0.1 0.05; do
+        TAIL=1 bench 100 switch-$ms-$round c35 "${warm[@]}" --warm --cases default --switch-interval-ms $ms
+      done
+    done
+    python3 benchmarks/read_path_summary.py "$OUT"/switch-*.json
+    pack ;;
   check)
     timeout 300 python3 benchmarks/device_wait_check.py --dir "$DATA/wait" --families qwen3_5_moe 2>&1 | grep '^{' | head -1 | cut -c1-600 ;;
   cold)
@@ -80,6 +92,6 @@ case $step in
     TAIL=1 bench 400 prefill c35 "${cold[@]}" --cases long-prompt,io
     python3 benchmarks/read_path_summary.py "$OUT"/prefill.json
     pack ;;
-  *) echo "unknown step $step: early, again, build, check, cold or prefill" >&2 ;;
+  *) echo "unknown step $step: early, again, build, switch, check, cold or prefill" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"

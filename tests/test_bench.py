@@ -197,6 +197,7 @@ def test_bench_routing_cases_are_named_labelled_and_checked(tiny_bench: Path, ca
     assert [(c.name, c.routing) for c in cases] == [
         ("default", "calibrated-gate"), ("serial", "calibrated-gate"),
         ("default@router", "router"), ("serial@router", "router")]
+    assert all(c.config["reader"]["switch_interval_ms"] == 0.2 for c in cases)  # the default
     # One calibrated case in this process: the result says where its routing came from.
     result = measure(cases[0])
     assert result.error is None and result.completion_tokens == 4
