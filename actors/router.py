@@ -44,6 +44,7 @@ from actors.pool.eviction import ExpertKey
 from actors.pool.slots import SlotTable
 from actors.reader import ExpertReader, ExpertReadError, Load
 from actors.router_types import Install, PullStarved, RouterStats
+from actors.shelf import Shelf
 
 log = structlog.get_logger("moestream.router")
 
@@ -80,7 +81,7 @@ class ExpertRouter:
         self.copy_now: Callable[[list[tuple[int, int, int]]], Awaitable[None]] | None = None  # MLX idle
         # Landing reads whose key was evicted first: kept until they end (their buffers).
         self.orphans: list[Load] = []
-        self.shelved_count = 0  # loads shelved as stale, still in `loads` (their keys' slots)
+        self.shelf = Shelf(reader)  # stale predictions off the queue (actors/shelf.py)
         # A demand's predictions, placed once its reply is sent (`_complete`: no wait).
         self._after_reply: tuple[Sequence[tuple[int, Sequence[int]]], int] | None = None
         table.on_evict = self._evicted
@@ -128,7 +129,7 @@ class ExpertRouter:
         # skipped while every key is still ready (a decode token's 40 layers: the host
         # work between two pipelined steps). A key that is not goes the whole way.
         for layer, ids, tick in items:
-            self._shelve_stale(layer, ids)
+            self.shelf.stale(self.loads, layer, ids)
             placed = self.driver.demand(layer, ids, tick)  # a key not resident is now loading
             if not all(self.table.state((layer, int(e))) == "ready" for e in ids):
                 await self._complete(layer, ids, tick, placed)
@@ -160,7 +161,7 @@ class ExpertRouter:
     async def _demand(self, layer: int, ids: Sequence[int], tick: int,
                       then_prefetch: Sequence[tuple[int, Sequence[int]]] | None = None) -> np.ndarray:
         """Make `ids` of `layer` resident and installed; returns slot_of (expert -> slot)."""
-        self._shelve_stale(layer, ids)  # before the placement, as `_demand_all` does
+        self.shelf.stale(self.loads, layer, ids)  # before the placement, as `_demand_all` does
         return await self._complete(layer, ids, tick, self.driver.demand(layer, ids, tick),
                                     then_prefetch)
 
@@ -181,8 +182,7 @@ class ExpertRouter:
             elif load is not None:
                 if not load.demand:
                     self.stats.prefetch_hits_waited += 1
-                if load.shelved:
-                    self.shelved_count -= 1
+                self.shelf.taken(load)
                 self.reader.promote(load)
             if load is not None:
                 waits.append(load)
@@ -283,10 +283,7 @@ class ExpertRouter:
         return len(installs) + len(landed)
 
     async def _prefetch(self, predictions: Sequence[tuple[int, Sequence[int]]], tick: int) -> None:
-        if self.shelved_count:  # predicted again: back on the queue (the table kept them)
-            again = [load for layer, ids in predictions for e in ids
-                     if (load := self.loads.get((layer, int(e)))) is not None and load.shelved]
-            self.shelved_count -= self.reader.requeue(again)
+        self.shelf.predicted(self.loads, predictions)  # the table kept their slots
         submitted = False
         for key, slot in self.driver.prefetch(predictions, tick):
             if key not in self.loads:
@@ -296,36 +293,12 @@ class ExpertRouter:
         if submitted:
             self.reader.hand_over()
 
-    def _shelve_stale(self, layer: int, ids: Sequence[int]) -> None:
-        """Stale predictions: `layer` is routed now, so a read queued for one of its
-        experts it did not choose is shelved (taken off the queue) unless a disk thread
-        has started it. With realistic routing ~40 % of the predictions are wrong; on a
-        disk that cannot read them all in time they queued behind each other (session
-        20: 48-217 ms a read) and the next layer's predictions waited behind the last
-        one's mistakes. The slot table is left as it is (the key keeps its slot,
-        "loading"), so the pool's decisions, and `replay`, do not depend on timing; the
-        read goes back on the queue when the key is demanded, predicted again, or the
-        engine drains or settles."""
-        if not self.loads:
-            return
-        chosen = {int(e) for e in ids}
-        stale = [load for key, load in self.loads.items()
-                 if key[0] == layer and key[1] not in chosen and not load.started]
-        if stale:
-            self.shelved_count += self.reader.shelve(stale)
-
-    def _requeue_shelved(self) -> None:
-        """Every shelved read back on the queue: what drains and settles waits for."""
-        if self.shelved_count:
-            self.reader.requeue([load for load in self.loads.values() if load.shelved])
-            self.shelved_count = 0
-
     def _evicted(self, key: ExpertKey) -> None:
         """The slot table dropped `key`: a read landing for it must not write that slot."""
         load = self.loads.get(key)
         if load is not None and load.shelved:  # never started: nothing to land or free
             del self.loads[key]
-            self.shelved_count -= 1
+            self.shelf.taken(load)
             self.stats.shelved_dropped += 1
             return
         if load is None or not load.land:
@@ -379,7 +352,7 @@ class ExpertRouter:
     async def _drain(self) -> None:
         # Loads can outnumber the staging buffers (queued predictions): each finished one
         # gives its buffer back at once, or the queued ones would never start.
-        self._requeue_shelved()
+        self.shelf.requeue_all(self.loads)
         while True:
             _installs, _keys, buffers, _landed = self.collect()
             for buffer in buffers:
@@ -392,7 +365,7 @@ class ExpertRouter:
 
     async def _settle(self) -> None:
         # As in `_drain`: installing as loads land frees their buffers for the queued ones.
-        self._requeue_shelved()
+        self.shelf.requeue_all(self.loads)
         with trio.move_on_after(self.settle_timeout_s) as waited:
             while True:
                 await self.install_finished()

@@ -24,7 +24,7 @@ class RouterStats:
     stall_unpredicted_seconds: float = 0.0
     # Landing reads whose key was evicted before they landed (they wrote nothing).
     landings_abandoned: int = 0
-    # Shelved predictions (`_shelve_stale`) whose key was evicted before any read.
+    # Shelved predictions (actors/shelf.py) whose key was evicted before any read.
     shelved_dropped: int = 0
     # Installs a token waiting on the GPU made as copies the GPU pulled (actors/device_wait.py).
     pulled: int = 0

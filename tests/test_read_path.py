@@ -378,7 +378,7 @@ async def test_a_layer_routed_without_its_queued_predictions_shelves_them_until_
         assert sorted(offset // stride for offset in io.order) == [0, 1, 2, 3]
         await router.settle()  # the rest are read: an idle engine holds no shelf
         assert sorted(offset // stride for offset in io.order) == [0, 1, 2, 3, 4, 5]
-        assert not router.loads and router.shelved_count == 0
+        assert not router.loads and router.shelf.count == 0
         assert all(router.table.state((0, e)) == "ready" for e in range(6))
     assert reader.stats.reads == 6 and reader.stats.shelved == 4
 
@@ -392,5 +392,5 @@ async def test_a_shelved_prediction_evicted_before_it_is_wanted_is_never_read(co
         await router.settle()
     read = [offset // stride for offset in io.order]
     assert read[0] == 0 and len(read) == 4  # (0, 0), then layer 1's three
-    assert router.stats.shelved_dropped == 3 and not router.loads and router.shelved_count == 0
+    assert router.stats.shelved_dropped == 3 and not router.loads and router.shelf.count == 0
     assert sorted(router.table.resident()) == [(0, 0), (1, 0), (1, 1), (1, 2)]
