@@ -11,10 +11,11 @@ demand read beside a prediction took twice as long). `bulk_lane` more threads re
 while `bulk` is set (a prompt's prefill, which wants the disk's bandwidth, not one read's
 latency): the depth a decode wants is the smallest that nearly reaches the bandwidth,
 a prefill's the one that reaches it (on the H200 a probe saw 2.7 GB/s at depth 8 where
-the chosen 2 moved 2.06, the disk busy 98 % of a 1024-token prefill: session 17). A thread that finishes a read takes the
-next load itself, under one lock, demand before prefetch, so the disk is never left
-waiting for the event loop; a prefetch that becomes a demand before it starts is
-promoted, one already running is simply waited on (never issued twice).
+the chosen 2 moved 2.06, the disk busy 98 % of a 1024-token prefill: session 17). A
+thread that finishes a read takes the next load itself, under one lock, demand before
+prefetch, so the disk is never left waiting for the event loop; a prefetch that becomes a
+demand before it starts is promoted, one already running is simply waited on (never
+issued twice).
 
 What a blob needs after the read (its crc32 on first use, its copy into device memory,
 or its landing) runs on the staging threads (actors/read_finish.py), never on a disk
@@ -27,8 +28,7 @@ read may land, and how a late one never writes a slot's next owner: actors/route
 actors/read_finish.py.
 
 A prediction still queued when its layer is routed without it is `shelve`d (taken off
-the queue, unread) and `requeue`d or `promote`d when wanted again (actors/router.py,
-"stale predictions").
+the queue, unread) and `requeue`d or `promote`d when wanted again (actors/shelf.py).
 
 A read that fails is retried a bounded number of times, then reported on its `Load`.
 A blob that fails its checksum is re-read (the same bounded retries) on its staging
@@ -185,10 +185,8 @@ class ExpertReader:
 
     def hand_over(self) -> None:
         """After a batch of `submit`s, on the trio thread: the GIL to the disk threads they
-        woke, whose preads then start now rather than once the switch interval ends the
-        event loop's Python (which goes on placing, answering, predicting). Measured on
-        this VM (benchmarks/gil_handover.py): a woken thread's start 0.34 ms after the
-        notify behind 0.4 ms of Python, 0.04 ms with the hand-over."""
+        woke, whose preads start now, not after the event loop's next switch interval of
+        Python (benchmarks/gil_handover.py: 0.33 ms -> 0.03 ms on this VM)."""
         time.sleep(0)
 
     @contextmanager
