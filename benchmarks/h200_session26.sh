@@ -22,7 +22,8 @@
 #   `git archive` of 8d519ca), twice each; pooled and io. Also worth running cold.
 # switch: the page cache with the GIL's switch interval 0.2 / 0.1 / 0.05 ms while readers
 #   run (`bench --switch-interval-ms`): a disk thread needs the GIL between two preads, and
-#   the queue before a pread was 0.85-1.0 ms against the pread's 0.4 (session 26).
+#   the queue before a pread was 0.85-1.0 ms against the pread's 0.4 (session 26); then
+#   4 and 8 readers at 0.05 ms.
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
@@ -77,6 +78,9 @@ case $step in
       for ms in 0.2 0.1 0.05; do
         TAIL=1 bench 100 switch-$ms-$round c35 "${warm[@]}" --warm --cases default --switch-interval-ms $ms
       done
+    done
+    for r in 4 8; do  # more threads, each needing the GIL less long
+      TAIL=1 bench 100 switch-0.05-r$r c35 "${warm[@]}" --warm --cases default --switch-interval-ms 0.05 --readers $r
     done
     python3 benchmarks/read_path_summary.py "$OUT"/switch-*.json
     pack ;;
