@@ -129,6 +129,7 @@ class AwaitStats(Protocol):
     awaited_back_seconds: float
     awaited_poll_seconds: float
     awaited_gpu_look_seconds: float
+    awaited_ready_layers: int
 
 
 def gpu_clock(stats: AwaitStats, times: np.ndarray) -> None:
@@ -223,6 +224,9 @@ async def queued_whole(compute: Host, wait: Mailboxes, make_step: Callable[[], A
                         compute.stats.awaited_poll_seconds += late
                     ids_rows, ids, preds = routed(wait, row, layer, gate)
                     compute.tick += 1
+                    if all(router.table.lookup((layer, e)) is not None
+                           and router.table.state((layer, e)) == "ready" for e in ids):
+                        compute.stats.awaited_ready_layers += 1
 
                     def answer(slot_of: np.ndarray, row: int = row, ids_rows: np.ndarray = ids_rows,
                                seen: float = seen) -> None:

@@ -86,6 +86,9 @@ class ComputeStats:
     # The GPU's side of an answer (its clock): its last look that found none to the one
     # that found it.
     awaited_gpu_look_seconds: float = 0.0
+    # Layers whose every routed expert was already installed (or listed for the GPU) when
+    # the host saw them published: those a GPU need not have waited for at all.
+    awaited_ready_layers: int = 0
 
 
 class Compute:

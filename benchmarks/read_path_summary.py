@@ -16,7 +16,7 @@ def line(source: str, r: dict) -> str:
     p = r.get("read_path") or {}
     keys = ("disk_busy_fraction", "mean_in_flight", "decode_s", "mlx_s", "stall_late_s",
             "stall_unpredicted_s", "queue_ms", "pread_ms", "answer_ms", "gap_ms", "gpu_gap_ms", "tail_ms",
-            "back_ms", "poll_ms", "gpu_look_ms")
+            "back_ms", "poll_ms", "gpu_look_ms", "ready_fraction")
     parts = [f"{source} {r['name']}: {r['decode_tok_s']:.2f} tok/s",
              f"{r['decode_bytes_per_token'] / 1e6:.0f} MB/token", f"readers {r['readers']}"]
     parts += [f"{k} {p[k]:.2f}" for k in keys if k in p]

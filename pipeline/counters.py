@@ -60,6 +60,7 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     awaited_back_seconds: float  # ... from an answer to the host's first look at the next layer
     awaited_poll_seconds: float  # ... the last look that found it unpublished to the one that found it
     awaited_gpu_look_seconds: float  # the GPU's last look that found no answer to the one that did
+    awaited_ready_layers: int  # layers every expert of which was in place when published
     batch_steps: int
     batch_rows_stepped: int
 

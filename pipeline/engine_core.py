@@ -111,6 +111,7 @@ class EngineCore:
             awaited_gpu_gap_seconds=c.awaited_gpu_gap_seconds, awaited_tail_seconds=c.awaited_tail_seconds,
             awaited_back_seconds=c.awaited_back_seconds, awaited_poll_seconds=c.awaited_poll_seconds,
             awaited_gpu_look_seconds=c.awaited_gpu_look_seconds,
+            awaited_ready_layers=c.awaited_ready_layers,
             batch_steps=self.batch.stats.steps,
             batch_rows_stepped=self.batch.stats.rows_stepped,
         )

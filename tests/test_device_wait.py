@@ -79,6 +79,10 @@ async def test_waited_tokens_equal_stepped_ones_bit_for_bit(tiny, strategy) -> N
             # ... predicted ones listed as their read ended, before their layer was demanded.
             early = engine._core.router.stats.pulled_early
             assert (early > 0) == (wait == "emulate" and strategy != "none"), early
+            # Layers with every expert in place when published: some, with predictions.
+            assert spent.awaited_ready_layers <= spent.awaited_layers
+            assert spent.awaited_ready_layers > 0 or wait == "off" or strategy == "none"
+            assert wait == "emulate" or spent.awaited_ready_layers == 0
             waiter = engine._core.compute.device_wait
             # ... some of them while their layer still waited (listed as each read ended).
             assert wait == "off" or (isinstance(waiter, HostWait) and waiter.copied_waiting > 0)

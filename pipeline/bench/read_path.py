@@ -48,6 +48,8 @@ class ReadPath(msgspec.Struct, kw_only=True):
     back_ms: float = 0.0  # ... the host's: an answer to its first look at the next layer
     poll_ms: float = 0.0  # ... the last look that found it unpublished to the one that found it
     gpu_look_ms: float = 0.0  # the GPU's last look that found no answer to the one that did
+    # Of the waited layers, those every expert of which was in place when published.
+    ready_fraction: float = 0.0
     # CPU seconds per kind of thread over the same window (pipeline/bench/thread_cpu.py):
     # which of the host's threads is busy when the disk is not.
     thread_cpu_s: dict[str, float] = msgspec.field(default_factory=dict)
@@ -82,4 +84,5 @@ def between(start: Counters | None, end: Counters, stride: int) -> ReadPath:
         back_ms=1000.0 * d.awaited_back_seconds / gaps,
         poll_ms=1000.0 * d.awaited_poll_seconds / gaps,
         gpu_look_ms=1000.0 * d.awaited_gpu_look_seconds / layers,
+        ready_fraction=d.awaited_ready_layers / layers,
     )

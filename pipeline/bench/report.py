@@ -88,7 +88,7 @@ def read_path_table(report: dict[str, Any]):  # -> rich.table.Table | None
     table = Table(title="read path while decoding (per read: ms)")
     cols = ("case", "disk busy", "in flight", "disk GB/s", "MLX s", "stall late s", "stall unpredicted s",
             "in vain MB", "shelved MB", "queue", "pread", "stager wait", "crc32", "to device", "copy",
-            "waited / answer / gap ms", "busiest threads (CPU s)")
+            "waited / answer / gap ms / ready", "busiest threads (CPU s)")
     for col in cols:
         table.add_column(col, justify="left" if col == "case" else "right")
     for r in rows:
@@ -100,8 +100,10 @@ def read_path_table(report: dict[str, Any]):  # -> rich.table.Table | None
             *(f"{p[k]:.2f}" for k in ("queue_ms", "pread_ms", "finish_wait_ms", "check_ms", "stage_ms")),
             # "direct" copies inside the install (no staging thread): its "to device" is 0.
             r.get("device_copy") or "-",
-            # Tokens queued whole (compute.device_wait) / the host's ms per layer answered.
-            f"{p['waited_tokens']} / {p['answer_ms']:.2f} / {p.get('gap_ms', 0):.2f}" if p["waited_tokens"] else "-",
+            # Tokens queued whole (compute.device_wait) / the host's ms per layer answered /
+            # the GPU's work and the host's delay after it / layers with every expert in place.
+            (f"{p['waited_tokens']} / {p['answer_ms']:.2f} / {p.get('gap_ms', 0):.2f} / "
+             f"{p.get('ready_fraction', 0):.0%}") if p["waited_tokens"] else "-",
             # Against "decode s": the host thread that nears it is the cap (thread_cpu.py).
             ", ".join(f"{g} {s:.2f}" for g, s in list(p.get("thread_cpu_s", {}).items())[:3]) or "-",
         )
