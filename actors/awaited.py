@@ -34,6 +34,7 @@ from actors.timer_slack import fine_timer_slack
 # to do (`published`): against ~0.6 ms of GPU work between two layers (the 35B, H200).
 POLL_S = 2e-5
 
+
 class GateRanking(Protocol):
     """A gate strategy that can publish its ranking from the GPU (actors/prefetch/gate.py)."""
 
@@ -224,8 +225,7 @@ async def queued_whole(compute: Host, wait: Mailboxes, make_step: Callable[[], A
                         compute.stats.awaited_poll_seconds += late
                     ids_rows, ids, preds = routed(wait, row, layer, gate)
                     compute.tick += 1
-                    if all(router.table.lookup((layer, e)) is not None
-                           and router.table.state((layer, e)) == "ready" for e in ids):
+                    if all(router.table.ready((layer, e)) for e in ids):
                         compute.stats.awaited_ready_layers += 1
 
                     def answer(slot_of: np.ndarray, row: int = row, ids_rows: np.ndarray = ids_rows,

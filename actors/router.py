@@ -131,7 +131,7 @@ class ExpertRouter:
         for layer, ids, tick in items:
             self.shelf.stale(self.loads, layer, ids)
             placed = self.driver.demand(layer, ids, tick)  # a key not resident is now loading
-            if not all(self.table.state((layer, int(e))) == "ready" for e in ids):
+            if not all(self.table.ready((layer, int(e))) for e in ids):
                 await self._complete(layer, ids, tick, placed)
         await self.install_finished()  # what the prefetches read meanwhile, once a token
 

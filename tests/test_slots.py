@@ -136,12 +136,13 @@ def test_acquire_counts_hits_misses_and_reuses_slots() -> None:
     assert t.acquire((0, 1), 0, pin=False) == (0, False)
     assert t.acquire((0, 2), 0, pin=False) == (1, False)
     assert t.acquire((0, 1), 1, pin=False) == (0, True)
-    assert t.state((0, 1)) == "loading"
+    assert t.state((0, 1)) == "loading" and not t.ready((0, 1))
     t.mark_ready((0, 1))
-    assert t.state((0, 1)) == "ready"
+    assert t.state((0, 1)) == "ready" and t.ready((0, 1))
     slot, resident = t.acquire((0, 3), 2, pin=False)  # evicts (0,2), the LRU key
     assert (slot, resident) == (1, False)
     assert t.lookup((0, 2)) is None and t.lookup((0, 3)) == 1
+    assert not t.ready((0, 2))  # not resident: not ready (no error)
     s = t.snapshot()
     assert (s.hits, s.misses, s.evictions, s.resident) == (1, 3, 1, 2)
     assert s.hit_rate == pytest.approx(0.25)

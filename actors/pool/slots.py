@@ -101,6 +101,10 @@ class SlotTable:
         self._require(key)
         return self._state[key]
 
+    def ready(self, key: ExpertKey) -> bool:
+        """Whether `key` is resident with its weights installed (any key, resident or not)."""
+        return self._state.get(key) == "ready"
+
     def pin_count(self, key: ExpertKey) -> int:
         return self._pins.get(key, 0)
 
