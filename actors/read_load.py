@@ -20,7 +20,7 @@ class ExpertReadError(RuntimeError):
         self.key = key
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Load:
     key: ExpertKey
     demand: bool

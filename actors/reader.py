@@ -172,16 +172,26 @@ class ExpertReader:
     def submit(self, key: ExpertKey, *, demand: bool, slot: int = -1, land: bool = False) -> Load:
         """Queue a read of `key`; with `land` (and a lander), installed into `slot` where
         it lands."""
-        load = Load(key, demand, predicted=not demand, t_submit=time.perf_counter(),
-                    slot=slot, land=land and self.lander is not None)
+        return self.submit_many([(key, slot)], demand=demand, land=land)[0]
+
+    def submit_many(self, reads: list[tuple[ExpertKey, int]], *, demand: bool,
+                    land: bool = False) -> list[Load]:
+        """`submit` for several (key, slot) reads, under one lock and one wake-up per
+        queue: a layer's placement submits its reads together."""
+        now = time.perf_counter()
+        land = land and self.lander is not None
+        loads = [Load(key, demand, predicted=not demand, t_submit=now, slot=slot, land=land)
+                 for key, slot in reads]
+        if not loads:
+            return loads
         with self._cond:
-            (self._demand if demand else self._prefetch).append(load)
-            self._cond.notify()
+            (self._demand if demand else self._prefetch).extend(loads)
+            self._cond.notify(len(loads))
             if demand:
-                self._lane_cond.notify()
+                self._lane_cond.notify(len(loads))
             if self._bulk:
-                self._bulk_cond.notify()
-        return load
+                self._bulk_cond.notify(len(loads))
+        return loads
 
     def hand_over(self) -> None:
         """After a batch of `submit`s, on the trio thread: the GIL to the disk threads they

@@ -284,13 +284,11 @@ class ExpertRouter:
 
     async def _prefetch(self, predictions: Sequence[tuple[int, Sequence[int]]], tick: int) -> None:
         self.shelf.predicted(self.loads, predictions)  # the table kept their slots
-        submitted = False
-        for key, slot in self.driver.prefetch(predictions, tick):
-            if key not in self.loads:
-                self.loads[key] = self.reader.submit(key, demand=False, slot=slot,
-                                                     land=self.landing_safe)
-                submitted = True
-        if submitted:
+        reads = [(key, slot) for key, slot in self.driver.prefetch(predictions, tick)
+                 if key not in self.loads]
+        if reads:
+            for load in self.reader.submit_many(reads, demand=False, land=self.landing_safe):
+                self.loads[load.key] = load
             self.reader.hand_over()
 
     def _evicted(self, key: ExpertKey) -> None:

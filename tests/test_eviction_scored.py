@@ -79,3 +79,32 @@ def test_scored_policies_run_a_pool(name: str) -> None:
     assert c.hits + c.misses == 400 and len(t) == 6 and c.evictions == c.misses - 6
     with pytest.raises(ValueError, match="bad parameters"):
         make_policy(name, decay=0.5)
+
+
+def test_lazy_heap_victims_equal_a_full_scan_while_pins_come_and_go() -> None:
+    """Entries set aside while pinned return once they may go: every victim is still the
+    lowest current entry the caller allows (what the policies' replays depend on)."""
+    import random
+
+    from actors.pool.heap_scan import LazyHeap
+
+    rng = random.Random(7)
+    heap, live, prio = LazyHeap(), {}, {}
+    seq = 0
+    for _ in range(3000):
+        key = (rng.randrange(4), rng.randrange(16))
+        if rng.random() < 0.15 and key in live:
+            del live[key]  # removed: its entries are stale
+            continue
+        seq += 1
+        live[key], prio[key] = seq, rng.random()
+        heap.push((prio[key], seq, key), live)
+        pinned = set(rng.sample(sorted(live), min(len(live), rng.randrange(6))))
+        for _ in range(rng.randrange(1, 4)):  # a placement asks several times, pins held
+
+            def allowed(k: tuple[int, int], pinned: set[tuple[int, int]] = pinned) -> bool:
+                return k not in pinned
+
+            want = min(((prio[k], live[k], k) for k in live if allowed(k)), default=None)
+            assert heap.victim(live, allowed) == (None if want is None else want[2])
+        assert len(heap) <= 4 * len(live) + 65

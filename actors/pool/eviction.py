@@ -24,13 +24,12 @@ ties remain for any policy.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from actors.pool.heap_scan import lazy_heap_victim
+from actors.pool.heap_scan import LazyHeap
 from actors.pool.heap_scan import missing as _missing
 
 ExpertKey = tuple[int, int]
@@ -117,7 +116,7 @@ class LFUDecay:
         self._score: dict[ExpertKey, float] = {}
         self._last: dict[ExpertKey, int] = {}
         self._seq = 0
-        self._heap: list[tuple[float, int, ExpertKey]] = []
+        self._heap = LazyHeap()
 
     def params(self) -> dict[str, float]:
         return {"decay": self.decay, "period": self.period}
@@ -139,16 +138,13 @@ class LFUDecay:
         return math.exp(exponent)
 
     def _rebuild(self) -> None:
-        self._heap = [(self._score[k], seq, k) for k, seq in self._last.items()]
-        heapq.heapify(self._heap)
+        self._heap.rebuild((self._score[k], seq, k) for k, seq in self._last.items())
 
     def _access(self, key: ExpertKey, tick: int) -> None:
         self._score[key] = self._score.get(key, 0.0) + self._weight(tick)
         self._seq += 1
         self._last[key] = self._seq
-        heapq.heappush(self._heap, (self._score[key], self._seq, key))
-        if len(self._heap) > 4 * len(self._last) + 64:
-            self._rebuild()
+        self._heap.push((self._score[key], self._seq, key), self._last)
 
     def insert(self, key: ExpertKey, tick: int) -> None:
         if key in self._last:
@@ -173,7 +169,7 @@ class LFUDecay:
         return self._score[key] / math.exp((tick - self._base_tick) * self._log_growth)
 
     def victim(self, evictable: Evictable) -> ExpertKey | None:
-        return lazy_heap_victim(self._heap, self._last, evictable)
+        return self._heap.victim(self._last, evictable)
 
     def __len__(self) -> int:
         return len(self._last)

@@ -27,7 +27,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 
-from actors.pool.heap_scan import lazy_heap_victim
+from actors.pool.heap_scan import LazyHeap
 from actors.pool.heap_scan import missing as _missing
 
 ExpertKey = tuple[int, int]
@@ -60,7 +60,7 @@ class FreqLRU:
         self._uses: dict[ExpertKey, int] = {}
         self._seq: dict[ExpertKey, int] = {}
         self._next = 0
-        self._heap: list[tuple[float, int, ExpertKey]] = []
+        self._heap = LazyHeap()
 
     def params(self) -> dict[str, float]:
         return {"weight": self.weight}
@@ -73,11 +73,7 @@ class FreqLRU:
         self._next += 1
         self._seq[key] = self._next
         score = self.weight * uses + self._clock.tokens(key, tick)
-        heapq.heappush(self._heap, (score, self._next, key))
-        if len(self._heap) > 4 * len(self._seq) + 64:
-            live = [e for e in self._heap if self._seq.get(e[2]) == e[1]]
-            heapq.heapify(live)
-            self._heap = live
+        self._heap.push((score, self._next, key), self._seq)
 
     def insert(self, key: ExpertKey, tick: int) -> None:
         if key in self._seq:
@@ -96,7 +92,7 @@ class FreqLRU:
         del self._uses[key]
 
     def victim(self, evictable: Evictable) -> ExpertKey | None:
-        return lazy_heap_victim(self._heap, self._seq, evictable)
+        return self._heap.victim(self._seq, evictable)
 
     def __len__(self) -> int:
         return len(self._seq)
@@ -122,7 +118,7 @@ class ReuseDistance:
         self._fresh: OrderedDict[ExpertKey, None] = OrderedDict()  # resident, no gap yet
         self._seq: dict[ExpertKey, int] = {}
         self._next = 0
-        self._heap: list[tuple[float, int, ExpertKey]] = []  # (-gap, seq, key), lazy
+        self._heap = LazyHeap()  # (-gap, seq, key)
 
     def params(self) -> dict[str, float]:
         return {"smoothing": self.smoothing}
@@ -146,11 +142,7 @@ class ReuseDistance:
         self._seq[key] = self._next
         if key in self._gap_of:
             self._fresh.pop(key, None)
-            heapq.heappush(self._heap, (-self._gap_of[key], self._next, key))
-            if len(self._heap) > 4 * len(self._seq) + 64:
-                live = [e for e in self._heap if self._seq.get(e[2]) == e[1]]
-                heapq.heapify(live)
-                self._heap = live
+            self._heap.push((-self._gap_of[key], self._next, key), self._seq)
         else:
             self._fresh[key] = None
 
@@ -172,20 +164,8 @@ class ReuseDistance:
         self._fresh.pop(key, None)
 
     def _longest_gap(self, evictable: Evictable) -> tuple[float, ExpertKey] | None:
-        skipped = []
-        found = None
-        while self._heap:
-            neg, seq, key = self._heap[0]
-            if self._seq.get(key) != seq:
-                heapq.heappop(self._heap)  # stale entry
-                continue
-            if evictable(key):
-                found = (-neg, key)
-                break
-            skipped.append(heapq.heappop(self._heap))
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
-        return found
+        entry = self._heap.peek(self._seq, evictable)
+        return None if entry is None else (-entry[0], entry[2])
 
     def victim(self, evictable: Evictable) -> ExpertKey | None:
         # score(k) = max(gap(k), now - last(k)); the max over keys of a max is the larger of
