@@ -24,6 +24,7 @@ slot's next owner.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -84,14 +85,21 @@ class Finisher:
     def submit(self, token: trio.lowlevel.TrioToken, load: Load, buffer: np.ndarray) -> None:
         """From a disk thread: queue a finished read for a staging thread, and that
         thread's drain unless one is already waiting to run (it will find this read too)."""
+        self.submit_many(token, [(load, buffer)])
+
+    def submit_many(self, token: trio.lowlevel.TrioToken, reads: list[tuple[Load, np.ndarray]]) -> None:
+        """`submit` for reads that ended together (the ring's batch), under one lock."""
+        wake: list[int] = []
         with self._lock:
-            stager = self._next
-            self._next = (stager + 1) % self.stagers
-            self._queue[stager].append((load, buffer))
-            if self._queued[stager]:
-                return
-            self._queued[stager] = True
-        MlxWorker.staging(stager).submit(lambda: self._drain(token, stager))
+            for read in reads:
+                stager = self._next
+                self._next = (stager + 1) % self.stagers
+                self._queue[stager].append(read)
+                if not self._queued[stager]:
+                    self._queued[stager] = True
+                    wake.append(stager)
+        for stager in wake:
+            MlxWorker.staging(stager).submit(functools.partial(self._drain, token, stager))
 
     def _drain(self, token: trio.lowlevel.TrioToken, stager: int) -> None:
         """On staging thread `stager`: every read queued for it, in batches, until none."""

@@ -53,6 +53,7 @@ from actors.disk_meter import DiskMeter
 from actors.pool.eviction import ExpertKey
 from actors.read_finish import Done, Finisher, Lander
 from actors.read_load import ExpertReadError, Load, ReaderStats
+from actors.ring_reads import RingReads
 from actors.switch_interval import SWITCH_INTERVAL_S, shortened
 from qpack.reader import Container, aligned_empty
 
@@ -82,13 +83,21 @@ class ExpertReader:
         stride: int | None = None,
         register: Callable[[np.ndarray], object] | None = None,
         lander: Lander | None = None,
+        io: str = "threads",
     ) -> None:
         """`stride`: the largest blob its buffers must hold (default: the model's layers';
         more when it also reads the MTP head's experts). `register`: called on every
         staging buffer once (the direct copy path page-locks them). `lander`: writes blobs
         into their slots from a staging thread (see "Landing"). `stage`: the host->device
-        copy of several finished blobs off the MLX thread (one result per blob, in order)."""
+        copy of several finished blobs off the MLX thread (one result per blob, in order).
+        `io`: "threads" (one blocking read per disk thread) or "uring" (one thread keeping
+        every read in flight through an io_uring: actors/ring_reads.py; threads where the
+        platform refuses it)."""
         self.switch_interval_s = switch_interval_s
+        self.io = io
+        # Wakes the ring's thread (blocked in the kernel, not on a condition) after a queue
+        # change; None with threads.
+        self._wake: Callable[[], None] | None = None
         self.container = container
         self.concurrency = concurrency
         self.demand_lane = demand_lane
@@ -149,10 +158,17 @@ class ExpertReader:
         token = trio.lowlevel.current_trio_token()
         with self._cond:
             self._closed = False
-        lanes = [_QUEUE] * self.concurrency + [_DEMAND] * self.demand_lane + [_BULK] * self.bulk_lane
-        threads = [threading.Thread(target=self._disk_thread, args=(i, token, lane),
-                                    daemon=True, name=f"moestream-read-{i}")
-                   for i, lane in enumerate(lanes)]
+        ring = RingReads.open(self) if self.io == "uring" else None
+        if ring is not None:
+            self._wake = ring.wake
+            threads = [threading.Thread(target=ring.run, args=(token,), daemon=True,
+                                        name="moestream-read-ring")]
+        else:
+            self.io = "threads"
+            lanes = [_QUEUE] * self.concurrency + [_DEMAND] * self.demand_lane + [_BULK] * self.bulk_lane
+            threads = [threading.Thread(target=self._disk_thread, args=(i, token, lane),
+                                        daemon=True, name=f"moestream-read-{i}")
+                       for i, lane in enumerate(lanes)]
         for thread in threads:
             thread.start()
         try:
@@ -164,6 +180,7 @@ class ExpertReader:
                 self._cond.notify_all()
                 self._lane_cond.notify_all()
                 self._bulk_cond.notify_all()
+            self._poke()
             # A read in flight ends in milliseconds; a hung disk must not hold shutdown.
             deadline = time.monotonic() + 2.0
             for thread in threads:
@@ -191,7 +208,12 @@ class ExpertReader:
                 self._lane_cond.notify(len(loads))
             if self._bulk:
                 self._bulk_cond.notify(len(loads))
+        self._poke()
         return loads
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake()
 
     def hand_over(self) -> None:
         """After a batch of `submit`s, on the trio thread: the GIL to the disk threads they
@@ -216,6 +238,7 @@ class ExpertReader:
             self._bulk = on
             if on:
                 self._bulk_cond.notify_all()
+        self._poke()
 
     def promote(self, load: Load) -> None:
         """A queued (or shelved) prefetch is now needed: move it to the front of the line."""
@@ -232,6 +255,7 @@ class ExpertReader:
             self._cond.notify()  # without a lane, a queue thread must take it
             self._lane_cond.notify()
             self._bulk_cond.notify()
+        self._poke()
 
     def shelve(self, loads: list[Load]) -> int:
         """Take queued predictions off the queue before a disk thread starts them (a
@@ -261,6 +285,8 @@ class ExpertReader:
                 self._cond.notify_all()
                 if self._bulk:
                     self._bulk_cond.notify_all()
+        if back:
+            self._poke()
         return back
 
     @property
@@ -280,6 +306,7 @@ class ExpertReader:
                 self._lane_cond.notify()
             if self._bulk:
                 self._bulk_cond.notify()
+        self._poke()
 
     # -- the disk threads -------------------------------------------------------------------
 
@@ -300,6 +327,32 @@ class ExpertReader:
             load.started = True
             return load, self._free.pop()
 
+    def take_many(self, in_flight: int) -> list[tuple[Load, np.ndarray]] | None:
+        """The ring's `_take`: every load that may start beside `in_flight` reads (the
+        threads' lanes as capacities: `concurrency` reads of any kind, `demand_lane` more
+        for demand reads, `bulk_lane` more while `bulk`), each with a free buffer; None
+        to exit."""
+        taken: list[tuple[Load, np.ndarray]] = []
+        with self._cond:
+            if self._closed:
+                return None
+            anything = self.concurrency + (self.bulk_lane if self._bulk else 0)
+            while self._free:
+                n = in_flight + len(taken)
+                if self._demand and n < anything + self.demand_lane:
+                    load = self._demand.popleft()
+                elif (self._prefetch and n < anything
+                      and not (self.prefetch_yields and self._demand_reading)):
+                    load = self._prefetch.popleft()
+                else:
+                    break
+                if load.demand:
+                    load.read_as_demand = True
+                    self._demand_reading += 1
+                load.started = True
+                taken.append((load, self._free.pop()))
+        return taken
+
     def _may_take(self, lane: str) -> bool:
         if lane == _BULK and not self._bulk:
             return False
@@ -307,7 +360,7 @@ class ExpertReader:
                     and not (self.prefetch_yields and self._demand_reading))
         return bool(self._demand) or prefetch
 
-    def _read_done(self, load: Load) -> None:
+    def read_done(self, load: Load) -> None:
         """A read ended: predictions held back for it may start."""
         if not load.read_as_demand:
             return
@@ -325,21 +378,43 @@ class ExpertReader:
             try:
                 with timeline.span(f"reader-{index}", "read" if load.demand else "prefetch",
                                    layer=load.key[0], expert=load.key[1]):
-                    self._read(load.key, buffer)
+                    self.read(load.key, buffer)
             except Exception as exc:  # noqa: BLE001 - reported to whoever waits on the load
-                load.t_read = time.perf_counter()
-                self._read_done(load)
-                self._deliver(token, load, buffer, exc)
+                self.after_read(token, load, buffer, exc)
                 continue
-            load.t_read = time.perf_counter()
-            self._read_done(load)
-            layer, expert = load.key
-            if self.stage is None and not load.land and not self.container.needs_check(layer, expert):
-                self._deliver(token, load, buffer, None)
-                continue
-            self.finisher.submit(token, load, buffer)
+            self.after_read(token, load, buffer, None)
 
-    def _read(self, key: ExpertKey, buffer: np.ndarray) -> None:
+    def after_read(self, token: trio.lowlevel.TrioToken, load: Load, buffer: np.ndarray,
+                   error: BaseException | None) -> None:
+        """A read ended on a disk thread: predictions held back for it may start, and the
+        blob goes on to a staging thread, or straight to trio."""
+        self.after_reads(token, [(load, buffer, error)])
+
+    def after_reads(self, token: trio.lowlevel.TrioToken, ended: list[Done]) -> None:
+        """`after_read` for reads that ended together (the ring's batch): one hand-over to
+        the staging threads and at most one to trio."""
+        now = time.perf_counter()
+        direct: list[Done] = []
+        staged: list[tuple[Load, np.ndarray]] = []
+        for load, buffer, error in ended:
+            load.t_read = now
+            self.read_done(load)
+            layer, expert = load.key
+            if error is not None or buffer is None or (
+                    self.stage is None and not load.land and not self.container.needs_check(layer, expert)):
+                load.t_done = now
+                direct.append((load, buffer, error))
+            else:
+                staged.append((load, buffer))
+        if staged:
+            self.finisher.submit_many(token, staged)
+        if direct:
+            try:
+                token.run_sync_soon(self._complete_all, direct, None)
+            except trio.RunFinishedError:
+                pass  # the engine is gone: nobody waits for these loads
+
+    def read(self, key: ExpertKey, buffer: np.ndarray) -> None:
         """Blocking, in a disk thread: one read, retried on failure with a short backoff."""
         self._with_retries(key, lambda _attempt: self._pread(key, buffer))
 
@@ -384,16 +459,7 @@ class ExpertReader:
 
     # -- back on trio -------------------------------------------------------------------------
 
-    def _deliver(self, token: trio.lowlevel.TrioToken, load: Load, buffer: np.ndarray | None,
-                 error: BaseException | None, begun: float | None = None) -> None:
-        if not load.t_done:
-            load.t_done = time.perf_counter()
-        try:
-            token.run_sync_soon(self._complete, load, buffer, error, begun)
-        except trio.RunFinishedError:
-            pass  # the engine is gone: nobody waits for this load
-
-    def _complete_all(self, done: list[Done], begun: float) -> None:
+    def _complete_all(self, done: list[Done], begun: float | None) -> None:
         for load, buffer, error in done:
             self._complete(load, buffer, error, begun)
 

@@ -16,12 +16,9 @@ drifts for both; each line is a median. Linux only; no MLX, no engine.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import mmap
 import os
 import random
 import statistics
-import struct
 import sys
 import threading
 import time
@@ -30,66 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from qpack.reader import Container, aligned_empty  # noqa: E402
-
-_NR_SETUP, _NR_ENTER = 425, 426  # x86-64 and arm64 share these numbers
-_OP_READ = 22
-_SQE_ASYNC = 1 << 4  # IOSQE_ASYNC: hand the read to the ring's workers, never inline
-_ENTER_GETEVENTS = 1
-_OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-class Uring:
-    """A minimal io_uring: submit reads, wait for completions (one thread only)."""
-
-    def __init__(self, entries: int, force_async: bool = False) -> None:
-        self.sqe_flags = _SQE_ASYNC if force_async else 0
-        params = (ctypes.c_uint8 * 120)()
-        self.fd = _libc.syscall(_NR_SETUP, entries, ctypes.byref(params))
-        if self.fd < 0:
-            raise OSError(ctypes.get_errno(), "io_uring_setup: " + os.strerror(ctypes.get_errno()))
-        raw = bytes(params)
-        sq_entries, cq_entries = struct.unpack_from("II", raw, 0)
-        sq = struct.unpack_from("IIIIIII", raw, 40)  # head tail mask entries flags dropped array
-        cq = struct.unpack_from("IIIIII", raw, 80)  # head tail mask entries overflow cqes
-        prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | mmap.MAP_POPULATE
-        self.sq = mmap.mmap(self.fd, sq[6] + sq_entries * 4, flags, prot, offset=_OFF_SQ_RING)
-        self.cq = mmap.mmap(self.fd, cq[5] + cq_entries * 16, flags, prot, offset=_OFF_CQ_RING)
-        self.sqes = mmap.mmap(self.fd, sq_entries * 64, flags, prot, offset=_OFF_SQES)
-        self.sq_head, self.sq_tail, self.sq_mask, self.sq_array = sq[0], sq[1], sq[2], sq[6]
-        self.cq_head, self.cq_tail, self.cq_mask, self.cqes = cq[0], cq[1], cq[2], cq[5]
-        self.mask = struct.unpack_from("I", self.sq, self.sq_mask)[0]
-        self.cmask = struct.unpack_from("I", self.cq, self.cq_mask)[0]
-
-    def read(self, fd: int, addr: int, nbytes: int, offset: int, tag: int) -> None:
-        tail = struct.unpack_from("I", self.sq, self.sq_tail)[0]
-        index = tail & self.mask
-        sqe = bytearray(64)
-        struct.pack_into("BBHiQQIIQ", sqe, 0, _OP_READ, self.sqe_flags, 0, fd, offset, addr, nbytes, 0, tag)
-        self.sqes[index * 64 : index * 64 + 64] = bytes(sqe)
-        struct.pack_into("I", self.sq, self.sq_array + index * 4, index)
-        struct.pack_into("I", self.sq, self.sq_tail, (tail + 1) & 0xFFFFFFFF)  # x86: ordered
-
-    def enter(self, submit: int, wait: int) -> None:
-        got = _libc.syscall(_NR_ENTER, self.fd, submit, wait, _ENTER_GETEVENTS, None, 0)
-        if got < 0:
-            raise OSError(ctypes.get_errno(), "io_uring_enter: " + os.strerror(ctypes.get_errno()))
-
-    def reap(self) -> list[tuple[int, int]]:
-        head = struct.unpack_from("I", self.cq, self.cq_head)[0]
-        tail = struct.unpack_from("I", self.cq, self.cq_tail)[0]
-        done = []
-        while head != tail:
-            tag, res = struct.unpack_from("Qi", self.cq, self.cqes + (head & self.cmask) * 16)
-            done.append((tag, res))
-            head = (head + 1) & 0xFFFFFFFF
-        struct.pack_into("I", self.cq, self.cq_head, head)
-        return done
-
-    def close(self) -> None:
-        for m in (self.sq, self.cq, self.sqes):
-            m.close()
-        os.close(self.fd)
+from qpack.uring import Ring  # noqa: E402
 
 
 def _targets(root: Path, reads: int, seed: int) -> tuple[list[tuple[str, int]], int]:
@@ -134,7 +72,7 @@ def threads(picks: list[tuple[str, int]], fds: dict[str, int], stride: int, dept
 def uring(picks: list[tuple[str, int]], fds: dict[str, int], stride: int, depth: int,
           force_async: bool = False) -> float:
     """GB/s with one thread keeping `depth` reads in flight through an io_uring."""
-    ring = Uring(max(depth, 2), force_async)
+    ring = Ring(max(depth, 2))
     bufs = [aligned_empty(stride) for _ in range(depth)]
     pending = list(reversed(picks))
     free, in_flight = list(range(depth)), 0
@@ -145,10 +83,10 @@ def uring(picks: list[tuple[str, int]], fds: dict[str, int], stride: int, depth:
             while free and pending:
                 path, offset = pending.pop()
                 slot = free.pop()
-                ring.read(fds[path], bufs[slot].ctypes.data, stride, offset, slot)
+                ring.read(fds[path], bufs[slot].ctypes.data, stride, offset, slot, on_workers=force_async)
                 submit += 1
             in_flight += submit
-            ring.enter(submit, 1)
+            ring.enter(1)
             for slot, res in ring.reap():
                 if res < 0:
                     raise OSError(-res, os.strerror(-res))
@@ -161,13 +99,13 @@ def uring(picks: list[tuple[str, int]], fds: dict[str, int], stride: int, depth:
 
 def same_bytes(picks: list[tuple[str, int]], fds: dict[str, int], stride: int) -> bool:
     """The ring reads what preadv reads (the first few blobs)."""
-    ring, ok = Uring(2), True
+    ring, ok = Ring(2), True
     try:
         for path, offset in picks[:8]:
             a, b = aligned_empty(stride), aligned_empty(stride)
             os.preadv(fds[path], [memoryview(a)], offset)
-            ring.read(fds[path], b.ctypes.data, stride, offset, 0)
-            ring.enter(1, 1)
+            ring.read(fds[path], b.ctypes.data, stride, offset, 0, on_workers=False)
+            ring.enter(1)
             (tag, res), = ring.reap()
             ok = ok and res == stride and bool((a == b).all())
     finally:

@@ -262,6 +262,7 @@ def _start_actors(
         lander=storage.land if storage.can_land and landing_wanted(config) else None,
         switch_interval_s=config.reader.switch_interval_ms / 1000 or None,
         stride=stride,
+        io=config.reader.io,
     )
     nursery.start_soon(reader.run)
     router = ExpertRouter(table, reader, model.num_experts, installer(worker, storage))

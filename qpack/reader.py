@@ -175,9 +175,7 @@ class Container:
         nbytes = entry.format.nbytes
         if len(view) < nbytes:
             raise ValueError(f"buffer of {len(view)} bytes is smaller than the expert ({nbytes} bytes)")
-        want = entry.stride if len(view) >= entry.stride else nbytes
-        fd = self._fd(layer_index)
-        offset = expert * entry.stride
+        fd, offset, want, _ = self.expert_extent(layer_index, expert, len(view))
         got = 0
         while got < want:
             n = self.io.pread_into(fd, view[got:want], offset + got)
@@ -189,6 +187,21 @@ class Container:
                              f"layer {layer_index} expert {expert}: short read ({got} of {nbytes} bytes at {offset}); file truncated?")
         if check:
             self.check_expert(layer_index, expert, view)
+
+    def expert_extent(self, layer_index: int, expert: int, room: int) -> tuple[int, int, int, int]:
+        """Where one expert's read goes, for a buffer of `room` bytes: (fd, offset, bytes to
+        ask for: a whole stride where it fits, so the read stays one aligned request, and
+        the blob's own bytes, the least a read must return)."""
+        entry = self.layer(layer_index)
+        nbytes = entry.format.nbytes
+        want = entry.stride if room >= entry.stride else nbytes
+        return self._fd(layer_index), expert * entry.stride, want, nbytes
+
+    @property
+    def plain_io(self) -> bool:
+        """Whether reads go through the OS as they are (no `ExpertIO` of a test or tool
+        between): what lets an io_uring read the files itself."""
+        return type(self.io) is PosixIO
 
     def needs_check(self, layer_index: int, expert: int) -> bool:
         """Whether the verify level wants this expert's crc32 checked on this read."""

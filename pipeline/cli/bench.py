@@ -44,7 +44,7 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
         "pool": pool,
         "reader": {"concurrency": args.readers, "o_direct": args.o_direct, "demand_lane": args.demand_lane,
                    "prefetch_yields": args.prefetch_yields == "on", "device_copy": args.device_copy,
-                   "land": args.land, "switch_interval_ms": args.switch_interval_ms},
+                   "land": args.land, "switch_interval_ms": args.switch_interval_ms, "io": args.io},
         "prefetch": {"strategy": args.strategy, "depth": args.depth, "extra": args.prefetch_extra},
         "compute": {"prefill_chunk": args.prefill_chunk, "device_wait": args.device_wait},
     }
@@ -221,6 +221,9 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch-interval-ms", type=float, default=0.2,
                    help="the GIL's switch interval while readers run (reader.switch_interval_ms; "
                         "default 0.2)")
+    p.add_argument("--io", choices=("threads", "uring"), default="threads",
+                   help="how reads reach the disk: disk threads, or one io_uring "
+                        "(reader.io; default threads)")
     p.add_argument("--device-wait", choices=("auto", "off", "emulate"), default="auto",
                    help="decode tokens that read experts queued whole, the GPU waiting for the "
                         "reads (auto, the default: on MLX's CUDA backend where its probe passes "

@@ -137,6 +137,11 @@ class ReaderConfig(_Section, frozen=True):
     # The GIL's switch interval while reading (ms; 0 leaves Python's 5 ms): a disk thread
     # waits for the GIL between reads (actors/reader.py).
     switch_interval_ms: Annotated[float, msgspec.Meta(ge=0.0, le=5.0)] = 0.2
+    # How reads reach the disk: "threads", one blocking read per disk thread; "uring", one
+    # thread keeping them all in flight through an io_uring, one return into Python per
+    # batch of reads that ended, not per read (actors/ring_reads.py; x86-64 Linux, threads
+    # where the kernel refuses it).
+    io: Literal["threads", "uring"] = "threads"
     # Per read, on EIO/short read, before the error propagates. The backoff doubles per
     # attempt and sleeps in the read's worker thread (which Ctrl-C cannot interrupt), so
     # both are bounded: at most 100 ms x (1 + 2 + 4 + 8 + 16) = 3.1 s per read, 1.6 s at once.

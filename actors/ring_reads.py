@@ -1,0 +1,146 @@
+"""The reader's disk work through one io_uring (`reader.io = "uring"`), in place of threads.
+
+With threads, each read returns into Python on its own thread, which takes the GIL back
+before it can hand the blob on or start the next read; the more threads, the more of
+those hand-overs queue behind the event loop and the MLX thread (on the H200's page cache
+a read that copies in ~0.25 ms took ~0.45, and 4-8 threads were no faster than 2:
+docs/results.md, sixteenth pass). Here one thread keeps every read the queues allow in
+flight on the kernel's workers (qpack/uring.py) and, each time it returns, hands on every
+read that ended meanwhile: one GIL acquisition for a batch.
+
+What stays as with threads (actors/reader.py): the queues, demand first, taken under the
+reader's lock (`ExpertReader.take_many`: the threads' lanes become capacities), the
+staging buffers, predictions yielding to demand reads, what happens after a read
+(`after_read`: staging threads, landing, checksums, trio). A read that fails or comes
+back short is read again the threads' way (`ExpertReader.read`, with its bounded retries
+and its error), on this thread. The ring's thread blocks in the kernel, not on the
+reader's condition, so every queue change writes an eventfd the ring keeps a read on.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Protocol
+
+import numpy as np
+import structlog
+import trio
+
+from actors import timeline
+from actors.disk_meter import DiskMeter
+from actors.pool.eviction import ExpertKey
+from actors.read_finish import Done
+from actors.read_load import Load
+from qpack.reader import Container
+from qpack.uring import Ring
+
+log = structlog.get_logger("moestream.reader")
+_WAKE = 0  # the eventfd read's tag; reads count up from 1
+
+
+class ExpertReaderLike(Protocol):
+    """What the ring uses of actors/reader.py's ExpertReader (which imports this module)."""
+
+    container: Container
+    concurrency: int
+    demand_lane: int
+    bulk_lane: int
+    meter: DiskMeter
+
+    def take_many(self, in_flight: int) -> list[tuple[Load, np.ndarray]] | None: ...
+    def read(self, key: ExpertKey, buffer: np.ndarray) -> None: ...
+    def after_reads(self, token: trio.lowlevel.TrioToken, ended: list[Done]) -> None: ...
+
+
+class RingReads:
+    def __init__(self, reader: ExpertReaderLike, ring: Ring, wake_fd: int) -> None:
+        self.reader = reader
+        self.ring = ring
+        self.wake_fd = wake_fd
+        self._word = np.zeros(1, dtype=np.uint64)  # where the eventfd's count is read to
+        # A wake after the ring closed must not write to the fd number's next owner.
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def open(cls, reader: ExpertReaderLike) -> RingReads | None:
+        """A ring for `reader`, or None (logged) where it cannot have one: io_uring
+        missing or refused, or reads that must go through the container's `ExpertIO`."""
+        if not reader.container.plain_io:
+            log.info("reader.uring_declined", reason="the container reads through its own io")
+            return None
+        depth = reader.concurrency + reader.demand_lane + reader.bulk_lane
+        try:
+            ring = Ring(2 * (depth + 1))
+        except OSError as exc:
+            log.warning("reader.uring_unavailable", error=str(exc), fallback="threads")
+            return None
+        return cls(reader, ring, os.eventfd(0, os.EFD_CLOEXEC))
+
+    def wake(self) -> None:
+        """From any thread: the queues changed, take what may start."""
+        with self._lock:
+            if not self._closed:
+                os.eventfd_write(self.wake_fd, 1)
+
+    def _arm(self) -> None:
+        self.ring.read(self.wake_fd, self._word.ctypes.data, 8, 0, _WAKE, on_workers=False)
+
+    def run(self, token: trio.lowlevel.TrioToken) -> None:
+        """The ring's thread: until the reader closes, then until its reads have ended."""
+        reader, ring = self.reader, self.ring
+        flying: dict[int, tuple[Load, np.ndarray, int]] = {}
+        tag = _WAKE
+        self._arm()
+        try:
+            while (taken := reader.take_many(len(flying))) is not None:
+                for load, buffer in taken:
+                    tag += 1
+                    fd, offset, want, need = reader.container.expert_extent(*load.key, buffer.nbytes)
+                    flying[tag] = (load, buffer, need)
+                    load.t_start = time.perf_counter()
+                    reader.meter.begin()
+                    ring.read(fd, buffer.ctypes.data, want, offset, tag)
+                ring.enter(1)
+                ended: list[Done] = []
+                for done, res in ring.reap():
+                    if done == _WAKE:
+                        self._arm()
+                        continue
+                    ended.append(self._ended(*flying.pop(done), res))
+                if ended:
+                    reader.after_reads(token, ended)
+        except OSError as exc:  # the ring itself failed: nothing the reads can retry
+            log.error("reader.uring_failed", error=str(exc), in_flight=len(flying))
+            raise
+        finally:
+            try:
+                # The kernel still writes into the buffers of reads in flight: wait them out.
+                while flying:
+                    ring.enter(1)
+                    for done, _ in ring.reap():
+                        if flying.pop(done, None) is not None:
+                            reader.meter.end()
+            finally:
+                with self._lock:
+                    self._closed = True
+                    ring.close()
+                    os.close(self.wake_fd)
+
+    def _ended(self, load: Load, buffer: np.ndarray, need: int, res: int) -> Done:
+        reader = self.reader
+        reader.meter.end()
+        error: BaseException | None = None
+        if res < need:  # an I/O error or a short read: again the threads' way, bounded
+            try:
+                reader.read(load.key, buffer)
+            except Exception as exc:  # noqa: BLE001 - reported to whoever waits on the load
+                error = exc
+        tl = timeline.active()
+        if tl is not None:
+            start = (load.t_start * 1e9 - tl.t0) / 1000.0
+            tl.add("reader-ring", "read" if load.demand else "prefetch", start,
+                   tl.now_us() - start, {"layer": load.key[0], "expert": load.key[1]})
+        return load, buffer, error
