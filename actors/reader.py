@@ -15,12 +15,14 @@ the chosen 2 moved 2.06, the disk busy 98 % of a 1024-token prefill: session 17)
 thread that finishes a read takes the next load itself, under one lock, demand before
 prefetch, so the disk is never left waiting for the event loop; a prefetch that becomes a
 demand before it starts is promoted, one already running is simply waited on (never
-issued twice).
+issued twice): the queues, lanes and buffers are actors/read_queue.py's. With
+`io = "uring"` one thread keeps all of them in flight through an io_uring instead
+(actors/ring_reads.py).
 
 What a blob needs after the read (its crc32 on first use, its copy into device memory,
 or its landing) runs on the staging threads (actors/read_finish.py), never on a disk
-thread: the next read starts at once. Per read, the event loop does a queue operation to
-submit and a callback to complete; the rest happens in threads. With a `lander` (the
+thread: the next read starts at once. Per layer, the event loop does a queue operation to
+submit its reads and a callback per batch that ended; the rest happens in threads. With a `lander` (the
 pool's memory written from any thread), a read the router marked `land` is installed
 into its slot by a staging thread as soon as it ends, its buffer free again at once (on
 the H200 the installs had been 64 of a fast disk's 167 ms a token: session 16); when a
@@ -39,7 +41,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -53,6 +54,7 @@ from actors.disk_meter import DiskMeter
 from actors.pool.eviction import ExpertKey
 from actors.read_finish import Done, Finisher, Lander
 from actors.read_load import ExpertReadError, Load, ReaderStats
+from actors.read_queue import BULK, DEMAND, QUEUE, ReadQueue
 from actors.ring_reads import RingReads
 from actors.switch_interval import SWITCH_INTERVAL_S, shortened
 from qpack.reader import Container, aligned_empty
@@ -61,9 +63,6 @@ log = structlog.get_logger("moestream.reader")
 # Staging threads touch MLX (each keeps its streams for life), so there are few of them;
 # a 1.7 MiB blob's copy to the H200 takes ~0.6 ms, so 4 keep up with ~10 GB/s of reads.
 MAX_STAGERS = 4
-# A disk thread's lane: the queue (demand first, then predictions), demand reads only, or
-# the queue again but only while `bulk` is set.
-_QUEUE, _DEMAND, _BULK = "queue", "demand", "bulk"
 
 
 class ExpertReader:
@@ -94,42 +93,30 @@ class ExpertReader:
         every read in flight through an io_uring: actors/ring_reads.py; threads where the
         platform refuses it)."""
         self.switch_interval_s = switch_interval_s
-        self.io = io
-        # Wakes the ring's thread (blocked in the kernel, not on a condition) after a queue
-        # change; None with threads.
-        self._wake: Callable[[], None] | None = None
+        # Decided here, so the engine's facts say what runs: threads where no ring can be had.
+        self.io = "uring" if io == "uring" and RingReads.usable(container) else "threads"
         self.container = container
         self.concurrency = concurrency
         self.demand_lane = demand_lane
         self.bulk_lane = bulk_lane
-        self._bulk = False  # inside `bulk`: the bulk lane reads
-        self.prefetch_yields = prefetch_yields
-        self._demand_reading = 0  # demand reads between their start and their pread's end
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
         stride = stride or container.manifest.max_stride
         # Enough staging for installs to come in batches while reads continue.
         count = buffers if buffers is not None else max(4 * concurrency, 16)
         # Page-aligned, so the same buffers serve O_DIRECT reads.
-        self._free: list[np.ndarray] = [aligned_empty(stride) for _ in range(count)]
+        free = [aligned_empty(stride) for _ in range(count)]
         if register is not None:
-            for buffer in self._free:
+            for buffer in free:
                 register(buffer)
-        self._demand: deque[Load] = deque()
-        self._prefetch: deque[Load] = deque()
-        # Guards the queues and the free buffers: trio submits, disk threads take.
-        lock = threading.Lock()
-        self._cond = threading.Condition(lock)
-        self._lane_cond = threading.Condition(lock)  # the demand lane's threads wait here
-        self._bulk_cond = threading.Condition(lock)  # the bulk lane's
-        self._lane_conds = {_QUEUE: self._cond, _DEMAND: self._lane_cond, _BULK: self._bulk_cond}
-        self._closed = False
+        self.stats = ReaderStats()
+        self.queue = ReadQueue(free, concurrency=concurrency, demand_lane=demand_lane,
+                               bulk_lane=bulk_lane, prefetch_yields=prefetch_yields, stats=self.stats)
         self._any_done = trio.Event()
         self.finisher = Finisher(max(1, min(MAX_STAGERS, concurrency)), check=self._check,
                                  give_back=self.give_back, complete=self._complete_all,
                                  stage=stage, lander=lander)
         self.meter = DiskMeter()
-        self.stats = ReaderStats()
         self.on_done: Callable[[], None] | None = None  # after each load ends, on the trio thread
 
     @property
@@ -151,21 +138,20 @@ class ExpertReader:
 
     @property
     def staging_bytes(self) -> int:
-        return sum(b.nbytes for b in self._free)
+        return sum(b.nbytes for b in self.queue.free)
 
     async def run(self) -> None:
         """The actor's body: `concurrency` disk threads, until cancelled."""
         token = trio.lowlevel.current_trio_token()
-        with self._cond:
-            self._closed = False
-        ring = RingReads.open(self) if self.io == "uring" else None
+        self.queue.open()
+        ring = RingReads.open(self) if self.io == "uring" else None  # None: refused after all
         if ring is not None:
-            self._wake = ring.wake
+            self.queue.wake = ring.wake
             threads = [threading.Thread(target=ring.run, args=(token,), daemon=True,
                                         name="moestream-read-ring")]
         else:
             self.io = "threads"
-            lanes = [_QUEUE] * self.concurrency + [_DEMAND] * self.demand_lane + [_BULK] * self.bulk_lane
+            lanes = [QUEUE] * self.concurrency + [DEMAND] * self.demand_lane + [BULK] * self.bulk_lane
             threads = [threading.Thread(target=self._disk_thread, args=(i, token, lane),
                                         daemon=True, name=f"moestream-read-{i}")
                        for i, lane in enumerate(lanes)]
@@ -175,12 +161,7 @@ class ExpertReader:
             with shortened(self.switch_interval_s):
                 await trio.sleep_forever()
         finally:
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
-                self._lane_cond.notify_all()
-                self._bulk_cond.notify_all()
-            self._poke()
+            self.queue.close()
             # A read in flight ends in milliseconds; a hung disk must not hold shutdown.
             deadline = time.monotonic() + 2.0
             for thread in threads:
@@ -199,21 +180,9 @@ class ExpertReader:
         land = land and self.lander is not None
         loads = [Load(key, demand, predicted=not demand, t_submit=now, slot=slot, land=land)
                  for key, slot in reads]
-        if not loads:
-            return loads
-        with self._cond:
-            (self._demand if demand else self._prefetch).extend(loads)
-            self._cond.notify(len(loads))
-            if demand:
-                self._lane_cond.notify(len(loads))
-            if self._bulk:
-                self._bulk_cond.notify(len(loads))
-        self._poke()
+        if loads:
+            self.queue.submit(loads, demand)
         return loads
-
-    def _poke(self) -> None:
-        if self._wake is not None:
-            self._wake()
 
     def hand_over(self) -> None:
         """After a batch of `submit`s, on the trio thread: the GIL to the disk threads they
@@ -234,145 +203,39 @@ class ExpertReader:
             self._set_bulk(False)
 
     def _set_bulk(self, on: bool) -> None:
-        with self._cond:
-            self._bulk = on
-            if on:
-                self._bulk_cond.notify_all()
-        self._poke()
+        self.queue.set_bulk(on)
 
     def promote(self, load: Load) -> None:
         """A queued (or shelved) prefetch is now needed: move it to the front of the line."""
-        with self._cond:
-            if not load.shelved and (load.demand or load.started or load.done.is_set()):
-                load.demand = True
-                return
-            load.demand = True
-            if load.shelved:
-                load.shelved, load.t_submit = False, time.perf_counter()
-            else:
-                self._prefetch.remove(load)
-            self._demand.append(load)
-            self._cond.notify()  # without a lane, a queue thread must take it
-            self._lane_cond.notify()
-            self._bulk_cond.notify()
-        self._poke()
+        self.queue.promote(load)
 
     def shelve(self, loads: list[Load]) -> int:
         """Take queued predictions off the queue before a disk thread starts them (a
         started one is simply read). How many were shelved; each keeps its slot and
         goes back with `promote` or `requeue`."""
-        with self._cond:
-            gone = {load for load in loads if not (load.started or load.demand or load.shelved)}
-            if not gone:
-                return 0
-            self._prefetch = deque(load for load in self._prefetch if load not in gone)
-            for load in gone:
-                load.shelved = True
-            self.stats.shelved += len(gone)
-        return len(gone)
+        return self.queue.shelve(loads)
 
     def requeue(self, loads: list[Load]) -> int:
         """Shelved predictions predicted again (or to be finished): back on the queue, as
         predictions. How many were shelved."""
-        back = 0
-        with self._cond:
-            for load in loads:
-                if load.shelved:
-                    load.shelved, load.t_submit = False, time.perf_counter()
-                    self._prefetch.append(load)
-                    back += 1
-            if back:
-                self._cond.notify_all()
-                if self._bulk:
-                    self._bulk_cond.notify_all()
-        if back:
-            self._poke()
-        return back
+        return len(self.queue.requeue(loads))
 
     @property
     def starved(self) -> bool:
         """Every staging buffer holds a finished blob or a read: installs must free some."""
-        return not self._free
+        return not self.queue.free
 
     async def wait_any(self) -> None:
         """Until the next load finishes (whichever it is)."""
         await self._any_done.wait()
 
     def give_back(self, buffer: np.ndarray) -> None:
-        with self._cond:
-            self._free.append(buffer)
-            self._cond.notify()
-            if self._demand:
-                self._lane_cond.notify()
-            if self._bulk:
-                self._bulk_cond.notify()
-        self._poke()
+        self.queue.give_back(buffer)
 
     # -- the disk threads -------------------------------------------------------------------
 
-    def _take(self, lane: str) -> tuple[Load, np.ndarray] | None:
-        """Under the lock: the next load (demand first; a demand-lane thread takes only
-        demand, a bulk-lane one only while `bulk`) and a free buffer, or None to exit."""
-        cond = self._lane_conds[lane]
-        with cond:
-            while not self._closed and not (self._may_take(lane) and self._free):
-                cond.wait()
-            if self._closed:
-                return None
-            load = self._demand.popleft() if self._demand else self._prefetch.popleft()
-            if load.demand:
-                load.read_as_demand = True
-                self._demand_reading += 1
-            # Off the queue now: a promotion from here on must not look for it there.
-            load.started = True
-            return load, self._free.pop()
-
-    def take_many(self, in_flight: int) -> list[tuple[Load, np.ndarray]] | None:
-        """The ring's `_take`: every load that may start beside `in_flight` reads (the
-        threads' lanes as capacities: `concurrency` reads of any kind, `demand_lane` more
-        for demand reads, `bulk_lane` more while `bulk`), each with a free buffer; None
-        to exit."""
-        taken: list[tuple[Load, np.ndarray]] = []
-        with self._cond:
-            if self._closed:
-                return None
-            anything = self.concurrency + (self.bulk_lane if self._bulk else 0)
-            while self._free:
-                n = in_flight + len(taken)
-                if self._demand and n < anything + self.demand_lane:
-                    load = self._demand.popleft()
-                elif (self._prefetch and n < anything
-                      and not (self.prefetch_yields and self._demand_reading)):
-                    load = self._prefetch.popleft()
-                else:
-                    break
-                if load.demand:
-                    load.read_as_demand = True
-                    self._demand_reading += 1
-                load.started = True
-                taken.append((load, self._free.pop()))
-        return taken
-
-    def _may_take(self, lane: str) -> bool:
-        if lane == _BULK and not self._bulk:
-            return False
-        prefetch = (bool(self._prefetch) and lane != _DEMAND
-                    and not (self.prefetch_yields and self._demand_reading))
-        return bool(self._demand) or prefetch
-
-    def read_done(self, load: Load) -> None:
-        """A read ended: predictions held back for it may start."""
-        if not load.read_as_demand:
-            return
-        with self._cond:
-            self._demand_reading -= 1
-            if not self._demand_reading and (self._prefetch or self._demand):
-                self._cond.notify_all()
-                if self._bulk:
-                    self._bulk_cond.notify_all()
-
     def _disk_thread(self, index: int, token: trio.lowlevel.TrioToken, lane: str) -> None:
-        while (taken := self._take(lane)) is not None:
+        while (taken := self.queue.take(lane)) is not None:
             load, buffer = taken
             load.t_start = time.perf_counter()
             try:
@@ -398,7 +261,7 @@ class ExpertReader:
         staged: list[tuple[Load, np.ndarray]] = []
         for load, buffer, error in ended:
             load.t_read = now
-            self.read_done(load)
+            self.queue.read_done(load)
             layer, expert = load.key
             if error is not None or buffer is None or (
                     self.stage is None and not load.land and not self.container.needs_check(layer, expert)):
@@ -442,8 +305,7 @@ class ExpertReader:
             time.sleep(self.retry_backoff_s * (2**n))
 
     def _count_retry(self) -> None:
-        with self._cond:
-            self.stats.retries += 1
+        self.queue.count_retry()
 
     # -- on the staging threads (actors/read_finish.py) --------------------------------------
 

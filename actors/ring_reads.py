@@ -9,7 +9,7 @@ flight on the kernel's workers (qpack/uring.py) and, each time it returns, hands
 read that ended meanwhile: one GIL acquisition for a batch.
 
 What stays as with threads (actors/reader.py): the queues, demand first, taken under the
-reader's lock (`ExpertReader.take_many`: the threads' lanes become capacities), the
+reader's lock (`ReadQueue.take_many`: the threads' lanes become capacities), the
 staging buffers, predictions yielding to demand reads, what happens after a read
 (`after_read`: staging threads, landing, checksums, trio). A read that fails or comes
 back short is read again the threads' way (`ExpertReader.read`, with its bounded retries
@@ -33,6 +33,7 @@ from actors.disk_meter import DiskMeter
 from actors.pool.eviction import ExpertKey
 from actors.read_finish import Done
 from actors.read_load import Load
+from actors.read_queue import ReadQueue
 from qpack.reader import Container
 from qpack.uring import Ring
 
@@ -48,8 +49,8 @@ class ExpertReaderLike(Protocol):
     demand_lane: int
     bulk_lane: int
     meter: DiskMeter
+    queue: ReadQueue
 
-    def take_many(self, in_flight: int) -> list[tuple[Load, np.ndarray]] | None: ...
     def read(self, key: ExpertKey, buffer: np.ndarray) -> None: ...
     def after_reads(self, token: trio.lowlevel.TrioToken, ended: list[Done]) -> None: ...
 
@@ -64,13 +65,23 @@ class RingReads:
         self._lock = threading.Lock()
         self._closed = False
 
+    @staticmethod
+    def usable(container: Container) -> bool:
+        """Whether a ring can read `container` here (logged where not): io_uring present
+        and allowed, and reads not routed through the container's own `ExpertIO`."""
+        if not container.plain_io:
+            log.info("reader.uring_declined", reason="the container reads through its own io")
+            return False
+        try:
+            Ring(2).close()
+        except OSError as exc:
+            log.warning("reader.uring_unavailable", error=str(exc), fallback="threads")
+            return False
+        return True
+
     @classmethod
     def open(cls, reader: ExpertReaderLike) -> RingReads | None:
-        """A ring for `reader`, or None (logged) where it cannot have one: io_uring
-        missing or refused, or reads that must go through the container's `ExpertIO`."""
-        if not reader.container.plain_io:
-            log.info("reader.uring_declined", reason="the container reads through its own io")
-            return None
+        """A ring for `reader`, or None (logged) where the kernel refuses it now."""
         depth = reader.concurrency + reader.demand_lane + reader.bulk_lane
         try:
             ring = Ring(2 * (depth + 1))
@@ -95,7 +106,7 @@ class RingReads:
         tag = _WAKE
         self._arm()
         try:
-            while (taken := reader.take_many(len(flying))) is not None:
+            while (taken := reader.queue.take_many(len(flying))) is not None:
                 for load, buffer in taken:
                     tag += 1
                     fd, offset, want, need = reader.container.expert_extent(*load.key, buffer.nbytes)

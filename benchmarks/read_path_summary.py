@@ -18,7 +18,7 @@ def line(source: str, r: dict) -> str:
             "stall_unpredicted_s", "queue_ms", "pread_ms", "answer_ms", "gap_ms", "gpu_gap_ms", "tail_ms",
             "back_ms", "poll_ms", "gpu_look_ms", "ready_fraction")
     parts = [f"{source} {r['name']}: {r['decode_tok_s']:.2f} tok/s",
-             f"{r['decode_bytes_per_token'] / 1e6:.0f} MB/token", f"readers {r['readers']}"]
+             f"{r['decode_bytes_per_token'] / 1e6:.0f} MB/token", f"readers {r['readers']}" + (f" ({r['reader_io']})" if r.get("reader_io") else "")]
     parts += [f"{k} {p[k]:.2f}" for k in keys if k in p]
     if "waited_tokens" in p:  # tokens queued whole (compute.device_wait): 0 where it declined
         parts.append(f"waited_tokens {p['waited_tokens']}")

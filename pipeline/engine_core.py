@@ -55,6 +55,7 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     o_direct: bool
     strategy: str  # the prefetch strategy's name ("none" for the serial streamer)
     device_copy: str = "host"  # how blobs reach the pool: host, direct, load, prefetch
+    reader_io: str = "threads"  # how reads reach the disk: threads or uring (reader.io)
 
 
 @dataclass(eq=False)

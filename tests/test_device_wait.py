@@ -136,11 +136,11 @@ async def test_a_token_short_of_staging_buffers_is_redone_per_layer(tiny) -> Non
         reference = await _run(engine, True)
     async with open_engine(_config(tiny, "emulate", run_ahead="off")) as engine:
         reader = engine._core.router.reader
-        spare, reader._free[:] = reader._free[2:], reader._free[:2]  # two buffers: a starved disk
+        spare, reader.queue.free[:] = reader.queue.free[2:], reader.queue.free[:2]  # two buffers: a starved disk
         try:
             assert await _run(engine, True) == reference
         finally:
-            reader._free.extend(spare)
+            reader.queue.free.extend(spare)
         assert engine._core.compute.stats.awaited_given_up > 0
         assert_pool_clean(engine)
 

@@ -261,7 +261,7 @@ async def test_more_queued_predictions_than_staging_buffers_still_drain_and_sett
             await router.prefetch([(0, list(range(8)))], tick=1)
             with trio.fail_after(20):
                 await (router.drain() if end == "drain" else router.settle())
-            assert not router.loads and len(reader._free) == 2
+            assert not router.loads and len(reader.queue.free) == 2
             nursery.cancel_scope.cancel()
     assert reader.stats.reads == 8
     assert len(installed) == (8 if end == "settle" else 0)

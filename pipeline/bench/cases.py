@@ -119,6 +119,7 @@ async def measure_engine(case: Case) -> Result:
             peak_device_mb=s.peak_device_mb, decode_rss_mb=s.decode_rss_mb,
             decode_device_mb=s.decode_device_mb, pool_mb=facts.pool_bytes / 2**20,
             slots=facts.slots, readers=facts.readers, readers_prefill=facts.readers_prefill,
+            reader_io=facts.reader_io,
             strategy=_strategy_label(cfg.prefetch) if cfg.compute.overlap else "none",
             eviction=cfg.pool.eviction, overlap=cfg.compute.overlap,
             o_direct=facts.o_direct, device_copy=facts.device_copy, hit_rate=s.hit_rate,

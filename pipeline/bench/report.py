@@ -63,7 +63,8 @@ def results_table(report: dict[str, Any]):  # -> rich.table.Table
         single = stream and not r.get("concurrency")
         table.add_row(
             r["name"], _f(r["decode_tok_s"]), _f(r["prefill_tok_s"], "{:.1f}"), _f(r["ttft_s"]),
-            _f(r["pool_mb"], "{:.0f}"), str(r["readers"]) if stream else "-",
+            _f(r["pool_mb"], "{:.0f}"),
+            (f"{r['readers']}{' ring' if r.get('reader_io') == 'uring' else ''}") if stream else "-",
             (f"{r['strategy']}, {r.get('eviction') or '?'}{_routing_tag(r)}") if stream else "resident",
             _f(r["hit_rate"], "{:.1%}") if stream else "-",
             _f(r["decode_hit_rate"], "{:.1%}") if single else "-",

@@ -56,6 +56,7 @@ class Result(msgspec.Struct, kw_only=True):
     slots: int = 0
     readers: int = 0
     readers_prefill: int = 0  # disk threads reading a prompt (readers = auto's bulk lane)
+    reader_io: str = ""  # how reads reached the disk: threads or uring (reader.io, as it ran)
     strategy: str = ""
     eviction: str = ""
     overlap: bool = True
