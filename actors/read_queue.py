@@ -47,11 +47,20 @@ class ReadQueue:
         self._bulk_cond = threading.Condition(lock)  # the bulk lane's
         self._conds = {QUEUE: self._cond, DEMAND: self._lane_cond, BULK: self._bulk_cond}
         # Wakes the ring's thread (blocked in the kernel, not on a condition) after a
-        # change; None with threads.
+        # change; None with threads. Only once per sleep: `asleep` is set under the lock
+        # by the ring's last `take_many` before it blocks, so no change is missed.
         self.wake: Callable[[], None] | None = None
+        self.asleep = False
 
-    def _poke(self) -> None:
-        if self.wake is not None:
+    def _rouse(self) -> bool:
+        """Under the lock, after a change: whether the ring's thread must be woken."""
+        if self.asleep and self.wake is not None:
+            self.asleep = False
+            return True
+        return False
+
+    def _poke(self, rouse: bool) -> None:
+        if rouse and self.wake is not None:
             self.wake()
 
     # -- from trio (and the staging threads: give_back) -------------------------------------
@@ -64,7 +73,8 @@ class ReadQueue:
                 self._lane_cond.notify(len(loads))
             if self.bulk:
                 self._bulk_cond.notify(len(loads))
-        self._poke()
+            rouse = self._rouse()
+        self._poke(rouse)
 
     def promote(self, load: Load) -> None:
         """A queued (or shelved) prediction is now needed: to the front of the line."""
@@ -81,7 +91,8 @@ class ReadQueue:
             self._cond.notify()  # without a lane, a queue thread must take it
             self._lane_cond.notify()
             self._bulk_cond.notify()
-        self._poke()
+            rouse = self._rouse()
+        self._poke(rouse)
 
     def shelve(self, loads: list[Load]) -> int:
         """Queued predictions off the queue before a disk thread starts them (a started one
@@ -105,12 +116,13 @@ class ReadQueue:
                     load.shelved, load.t_submit = False, time.perf_counter()
                     self.prefetch.append(load)
                     back.append(load)
+            rouse = False
             if back:
                 self._cond.notify_all()
                 if self.bulk:
                     self._bulk_cond.notify_all()
-        if back:
-            self._poke()
+                rouse = self._rouse()
+        self._poke(rouse)
         return back
 
     def give_back(self, buffer: np.ndarray) -> None:
@@ -121,14 +133,17 @@ class ReadQueue:
                 self._lane_cond.notify()
             if self.bulk:
                 self._bulk_cond.notify()
-        self._poke()
+            # Only a read waiting for a buffer needs the ring now.
+            rouse = bool(self.demand or self.prefetch) and self._rouse()
+        self._poke(rouse)
 
     def set_bulk(self, on: bool) -> None:
         with self._cond:
             self.bulk = on
             if on:
                 self._bulk_cond.notify_all()
-        self._poke()
+            rouse = on and bool(self.demand or self.prefetch) and self._rouse()
+        self._poke(rouse)
 
     def open(self) -> None:
         with self._cond:
@@ -140,7 +155,7 @@ class ReadQueue:
             self._cond.notify_all()
             self._lane_cond.notify_all()
             self._bulk_cond.notify_all()
-        self._poke()
+        self._poke(True)  # awake or not: it must see `closed` before it blocks again
 
     # -- from the disk threads, or the ring's ---------------------------------------------
 
@@ -174,6 +189,7 @@ class ReadQueue:
                 else:
                     break
                 taken.append(self._started(load))
+            self.asleep = True  # it blocks next, until a read ends or a change wakes it
         return taken
 
     def _started(self, load: Load) -> tuple[Load, np.ndarray]:
