@@ -6,7 +6,9 @@
 # .ptx: ptx-cache.tgz, prev27.tgz = `git archive 3c562ef`, nohand.tgz = 8d519ca):
 #   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session27.sh STEP
 # (logs and JSON: bench-out/, to be kept in benchmarks/results/h200/session27/)
-# ring: the page cache (the fast disk), 35B dims, 1 GiB pool, 32 tokens: threads against the
+# ring: the page cache (the fast disk), 35B dims: first reads alone beside 0-2 threads of pure
+#   Python (benchmarks/reads_under_gil.py: threads against the ring, GB/s and each read's
+#   time to trio); then 1 GiB pool, 32 tokens: threads against the
 #   ring, alternating, twice each, 2 reads in flight (decode's auto); the ring at 4 and 8 in
 #   flight (the threads were no faster with more: session 26, each return into Python
 #   queued for the GIL); this code's threads against 3c562ef's (the placement); every expert
@@ -22,6 +24,8 @@ ptx_restore
 case $step in
   ring)
     paged c35
+    timeout 120 python3 benchmarks/reads_under_gil.py "$DATA/c35.qpack" --reads 400 --depths 2,8,16 \
+      --busy 0,1,2 2>&1 | grep -v "^20"
     for round in 1 2; do
       TAIL=1 bench 100 ring-threads-$round c35 "${warm[@]}" --warm --cases default
       TAIL=1 bench 100 ring-uring-$round c35 "${warm[@]}" --warm --cases default --io uring
