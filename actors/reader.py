@@ -259,12 +259,17 @@ class ExpertReader:
         now = time.perf_counter()
         direct: list[Done] = []
         staged: list[tuple[Load, np.ndarray]] = []
+        # While a token waits on the GPU nothing lands (Finisher.hold): a read with nothing
+        # else to do then goes straight to trio, not through a staging thread's hop and
+        # its own turn at the GIL (the fast disk's every read, actors/awaited.py).
+        hold = self.finisher.hold
         for load, buffer, error in ended:
             load.t_read = now
             self.queue.read_done(load)
             layer, expert = load.key
             if error is not None or buffer is None or (
-                    self.stage is None and not load.land and not self.container.needs_check(layer, expert)):
+                    self.stage is None and (not load.land or hold)
+                    and not self.container.needs_check(layer, expert)):
                 load.t_done = now
                 direct.append((load, buffer, error))
             else:
