@@ -171,20 +171,21 @@ class ReuseDistance:
         # score(k) = max(gap(k), now - last(k)); the max over keys of a max is the larger of
         # the longest gap, the prior (any key without a gap) and the oldest last use, so
         # three O(log n) candidates replace a scan. Ties go to the stalest key.
-        candidates: list[tuple[float, int, ExpertKey]] = []
-        lru = next((k for k in self._order if evictable(k)), None)
-        if lru is not None:
-            candidates.append((self._now - self._last_seen[lru], 2, lru))
+        best: tuple[float, int, ExpertKey] | None = None
+        for k in self._order:
+            if evictable(k):
+                best = (self._now - self._last_seen[k], 2, k)
+                break
         longest = self._longest_gap(evictable)
-        if longest is not None:
-            candidates.append((longest[0], 1, longest[1]))
-        fresh = next((k for k in self._fresh if evictable(k)), None)
-        if fresh is not None:
-            prior = self._gap_sum / self._gap_n if self._gap_n else 0.0
-            candidates.append((prior, 0, fresh))
-        if not candidates:
-            return None
-        return max(candidates, key=lambda c: (c[0], c[1]))[2]
+        if longest is not None and (best is None or (longest[0], 1) > best[:2]):
+            best = (longest[0], 1, longest[1])
+        for k in self._fresh:
+            if evictable(k):
+                prior = self._gap_sum / self._gap_n if self._gap_n else 0.0
+                if best is None or (prior, 0) > best[:2]:
+                    best = (prior, 0, k)
+                break
+        return None if best is None else best[2]
 
     def __len__(self) -> int:
         return len(self._seq)

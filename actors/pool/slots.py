@@ -192,8 +192,16 @@ class SlotTable:
         if self._free[bank]:
             return heapq.heappop(self._free[bank])
 
-        def evictable(k: ExpertKey) -> bool:
-            return k not in self._pins and k not in protect and self.bank_of(k) == bank
+        pins = self._pins
+        if self.banks is None:  # the common case, asked several times a victim: no bank test
+
+            def evictable(k: ExpertKey) -> bool:
+                return k not in pins and k not in protect
+        else:
+            home = self.banks.home
+
+            def evictable(k: ExpertKey) -> bool:
+                return k not in pins and k not in protect and home[k[0]] == bank
 
         victim = self.policy.victim(evictable)
         if victim is None:
