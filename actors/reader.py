@@ -83,6 +83,7 @@ class ExpertReader:
         register: Callable[[np.ndarray], object] | None = None,
         lander: Lander | None = None,
         io: str = "threads",
+        gil_hand_over: bool = False,
     ) -> None:
         """`stride`: the largest blob its buffers must hold (default: the model's layers';
         more when it also reads the MTP head's experts). `register`: called on every
@@ -91,8 +92,9 @@ class ExpertReader:
         copy of several finished blobs off the MLX thread (one result per blob, in order).
         `io`: "threads" (one blocking read per disk thread) or "uring" (one thread keeping
         every read in flight through an io_uring: actors/ring_reads.py; threads where the
-        platform refuses it)."""
+        platform refuses it). `gil_hand_over`: see `hand_over`."""
         self.switch_interval_s = switch_interval_s
+        self.gil_hand_over = gil_hand_over
         # Decided here, so the engine's facts say what runs: threads where no ring can be had.
         self.io = "uring" if io == "uring" and RingReads.usable(container) else "threads"
         self.container = container
@@ -185,10 +187,16 @@ class ExpertReader:
         return loads
 
     def hand_over(self) -> None:
-        """After a batch of `submit`s, on the trio thread: the GIL to the disk threads they
-        woke, whose preads start now, not after the event loop's next switch interval of
-        Python (benchmarks/gil_handover.py: 0.33 ms -> 0.03 ms on this VM)."""
-        time.sleep(0)
+        """After a batch of `submit`s, on the trio thread, with `gil_hand_over`: the GIL to
+        the disk threads they woke, whose preads start now, not after the event loop's next
+        switch interval of Python (benchmarks/gil_handover.py: 0.33 ms -> 0.03 ms on this
+        VM). Off by default: in the engine the event loop then waits to get the GIL back
+        behind whichever thread took it (20 % of its time in a sampling profile) and the
+        page cache's decode ran 10.15-10.71 tok/s with it against 11.65-11.81 without
+        (this VM, session 27; docs/results.md, seventeenth pass); the waited path, the
+        same either way."""
+        if self.gil_hand_over:
+            time.sleep(0)
 
     @contextmanager
     def bulk(self, on: bool = True) -> Iterator[None]:

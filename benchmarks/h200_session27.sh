@@ -11,7 +11,9 @@
 #   time to trio); then 1 GiB pool, 32 tokens: threads against the
 #   ring, alternating, twice each, 2 reads in flight (decode's auto); the ring at 4 and 8 in
 #   flight (the threads were no faster with more: session 26, each return into Python
-#   queued for the GIL); this code's threads against 3c562ef's (the placement); every expert
+#   queued for the GIL); the GIL hand-over on (off by default now: slower on the VM's page
+#   cache); this code's threads against 3c562ef's (the placement, the hand-over on there);
+#   then where the event loop waits (benchmarks/loop_sampler.py); every expert
 #   pooled and io (tokens checked against it); a 12-token timeline of the ring.
 # ringcold: O_DIRECT, cold page cache: threads and the ring, default and io (io at every depth).
 # Then session 26's steps, still not run (benchmarks/h200_session26.sh: build, switch, check,
@@ -33,6 +35,7 @@ case $step in
     for r in 4 8; do
       TAIL=1 bench 100 ring-uring-r$r c35 "${warm[@]}" --warm --cases default --io uring --readers $r
     done
+    TAIL=1 bench 100 ring-handover c35 "${warm[@]}" --warm --cases default --gil-hand-over on
     TAIL=1 old_bench prev27 100 ring-prev c35 "${warm[@]}" --warm --cases default
     TAIL=1 bench 150 ring-pooled c35 "${warm[@]}" --warm --cases warm-all,io
     python3 benchmarks/read_path_summary.py "$OUT"/ring-*.json
@@ -41,6 +44,7 @@ case $step in
       --trace "$OUT/timeline-ring.json"
     gzip -f "$OUT"/timeline-*.json
     python3 benchmarks/waited_layers.py "$OUT/timeline-ring.json.gz" --token 6
+    timeout 100 python3 benchmarks/loop_sampler.py "$DATA/c35.qpack" --tokens 24 2>&1 | grep -v "^20" | head -40
     pack ;;
   ringcold)
     only c35; c35

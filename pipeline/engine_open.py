@@ -263,6 +263,7 @@ def _start_actors(
         switch_interval_s=config.reader.switch_interval_ms / 1000 or None,
         stride=stride,
         io=config.reader.io,
+        gil_hand_over=config.reader.gil_hand_over,
     )
     nursery.start_soon(reader.run)
     router = ExpertRouter(table, reader, model.num_experts, installer(worker, storage))

@@ -44,7 +44,8 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
         "pool": pool,
         "reader": {"concurrency": args.readers, "o_direct": args.o_direct, "demand_lane": args.demand_lane,
                    "prefetch_yields": args.prefetch_yields == "on", "device_copy": args.device_copy,
-                   "land": args.land, "switch_interval_ms": args.switch_interval_ms, "io": args.io},
+                   "land": args.land, "switch_interval_ms": args.switch_interval_ms, "io": args.io,
+                   "gil_hand_over": args.gil_hand_over == "on"},
         "prefetch": {"strategy": args.strategy, "depth": args.depth, "extra": args.prefetch_extra},
         "compute": {"prefill_chunk": args.prefill_chunk, "device_wait": args.device_wait},
     }
@@ -224,6 +225,9 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--io", choices=("threads", "uring"), default="threads",
                    help="how reads reach the disk: disk threads, or one io_uring "
                         "(reader.io; default threads)")
+    p.add_argument("--gil-hand-over", choices=("on", "off"), default="off",
+                   help="the event loop gives the GIL to the disk threads after submitting a "
+                        "layer's reads (reader.gil_hand_over; default off)")
     p.add_argument("--device-wait", choices=("auto", "off", "emulate"), default="auto",
                    help="decode tokens that read experts queued whole, the GPU waiting for the "
                         "reads (auto, the default: on MLX's CUDA backend where its probe passes "

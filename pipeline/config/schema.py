@@ -142,6 +142,10 @@ class ReaderConfig(_Section, frozen=True):
     # batch of reads that ended, not per read (actors/ring_reads.py; x86-64 Linux, threads
     # where the kernel refuses it).
     io: Literal["threads", "uring"] = "threads"
+    # After a layer's reads are submitted, the event loop gives the GIL away at once
+    # (`time.sleep(0)`) so the woken disk threads start sooner; it then waits to get it
+    # back. Off: slower on the page cache in the engine (actors/reader.py, `hand_over`).
+    gil_hand_over: bool = False
     # Per read, on EIO/short read, before the error propagates. The backoff doubles per
     # attempt and sleeps in the read's worker thread (which Ctrl-C cannot interrupt), so
     # both are bounded: at most 100 ms x (1 + 2 + 4 + 8 + 16) = 3.1 s per read, 1.6 s at once.
