@@ -116,9 +116,13 @@ class ExpertReader:
                                bulk_lane=bulk_lane, prefetch_yields=prefetch_yields, stats=self.stats)
         self._any_done = trio.Event()
         self.finisher = Finisher(max(1, min(MAX_STAGERS, concurrency)), check=self._check,
-                                 give_back=self.give_back, complete=self._complete_all,
+                                 give_back=self.give_back, complete=self._to_trio,
                                  stage=stage, lander=lander)
         self.meter = DiskMeter()
+        # Finished loads on their way to trio (`_to_trio`).
+        self._mail_lock = threading.Lock()
+        self._mail: list[tuple[list[Done], float | None]] = []
+        self._mail_sent = False
         self.on_done: Callable[[], None] | None = None  # after each load ends, on the trio thread
 
     @property
@@ -146,6 +150,8 @@ class ExpertReader:
         """The actor's body: `concurrency` disk threads, until cancelled."""
         token = trio.lowlevel.current_trio_token()
         self.queue.open()
+        with self._mail_lock:  # a run before may have ended with its mail undelivered
+            self._mail, self._mail_sent = [], False
         ring = RingReads.open(self) if self.io == "uring" else None  # None: refused after all
         if ring is not None:
             self.queue.wake = ring.wake
@@ -285,10 +291,30 @@ class ExpertReader:
         if staged:
             self.finisher.submit_many(token, staged)
         if direct:
-            try:
-                token.run_sync_soon(self._complete_all, direct, None)
-            except trio.RunFinishedError:
-                pass  # the engine is gone: nobody waits for these loads
+            self._to_trio(token, direct, None)
+
+    def _to_trio(self, token: trio.lowlevel.TrioToken, done: list[Done], begun: float | None) -> None:
+        """From a disk, ring or staging thread: finished loads into the mailbox, and one
+        `run_sync_soon` to empty it unless one is already on its way (each is a write to
+        trio's wake-up socket, a read of it and a scheduling round on the event loop)."""
+        with self._mail_lock:
+            self._mail.append((done, begun))
+            if self._mail_sent:
+                return
+            self._mail_sent = True
+        try:
+            token.run_sync_soon(self._empty_mail)
+        except trio.RunFinishedError:  # the engine is gone: nobody waits for these loads
+            with self._mail_lock:
+                self._mail.clear()
+                self._mail_sent = False
+
+    def _empty_mail(self) -> None:
+        with self._mail_lock:
+            mail, self._mail = self._mail, []
+            self._mail_sent = False
+        for done, begun in mail:
+            self._complete_all(done, begun)
 
     def read(self, key: ExpertKey, buffer: np.ndarray) -> None:
         """Blocking, in a disk thread: one read, retried on failure with a short backoff."""
