@@ -123,7 +123,7 @@ class ExpertReader:
         self._mail_lock = threading.Lock()
         self._mail: list[tuple[list[Done], float | None]] = []
         self._mail_sent = False
-        self.on_done: Callable[[], None] | None = None  # after each load ends, on the trio thread
+        self.on_done: Callable[[], None] | None = None  # after loads end (once a batch), on trio
 
     @property
     def stage(self) -> Callable[[list[np.ndarray]], list[Any]] | None:
@@ -314,7 +314,13 @@ class ExpertReader:
             mail, self._mail = self._mail, []
             self._mail_sent = False
         for done, begun in mail:
-            self._complete_all(done, begun)
+            for load, buffer, error in done:
+                self._complete(load, buffer, error, begun)
+        if mail:  # waiters and the router's hook once for all of them
+            self._any_done.set()
+            self._any_done = trio.Event()
+            if self.on_done is not None:
+                self.on_done()
 
     def read(self, key: ExpertKey, buffer: np.ndarray) -> None:
         """Blocking, in a disk thread: one read, retried on failure with a short backoff."""
@@ -360,10 +366,6 @@ class ExpertReader:
 
     # -- back on trio -------------------------------------------------------------------------
 
-    def _complete_all(self, done: list[Done], begun: float | None) -> None:
-        for load, buffer, error in done:
-            self._complete(load, buffer, error, begun)
-
     def _complete(self, load: Load, buffer: np.ndarray | None, error: BaseException | None,
                   begun: float | None) -> None:
         if error is not None:
@@ -375,8 +377,4 @@ class ExpertReader:
             load.buffer = buffer
         self.stats.record(load, self.container.manifest.layer(load.key[0]).stride, begun)
         load.done.set()
-        self._any_done.set()
-        self._any_done = trio.Event()
-        if self.on_done is not None:
-            self.on_done()
 

@@ -236,7 +236,7 @@ class ExpertRouter:
         return slot_of
 
     def _read_done(self) -> None:
-        """A read ended (the reader's hook, on the trio thread). While a token waits on the
+        """Reads ended (the reader's hook, on the trio thread). While a token waits on the
         GPU, this task lists its copies now, for the layer the GPU waits on next: left to
         the next demand, they were listed after that layer was published, and the GPU made
         them behind the host's answer, in series with the layer (session 26)."""
