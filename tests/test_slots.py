@@ -284,3 +284,51 @@ def test_table_invariants_under_random_operations(policy: str, slots: int, ops: 
         assert used == set(slot_of.values())  # onto the used slots
         assert all(t.pin_count(k) == c for k, c in pins.items() if k in t)
         assert len(t.policy) == len(resident)
+
+
+@pytest.mark.parametrize("policy", ["reuse", "flru", "lfu"])
+def test_a_kept_eviction_predicate_chooses_the_victims_a_fresh_one_would(policy: str) -> None:
+    """`_take_slot` keeps its predicate while it can only grow stricter, and the heaps skip
+    what it refused before: the same evictions as a predicate made anew for every victim."""
+    import random
+
+    from actors.pool.driver import PoolDriver
+    from actors.pool.eviction import make_policy
+
+    class Fresh(SlotTable):
+        def _take_slot(self, protect, bank):  # type: ignore[no-untyped-def]
+            self._evictable = None
+            return super()._take_slot(protect, bank)
+
+    def run(cls: type[SlotTable]) -> list[tuple[int, int]]:
+        rng = random.Random(3)
+        table = cls(40, make_policy(policy), keys=12 * 48)
+        evicted: list[tuple[int, int]] = []
+        table.on_evict = evicted.append
+        driver = PoolDriver(table)
+        tick = 0
+        for _ in range(60):
+            for layer in range(12):
+                tick += 1
+                driver.demand(layer, rng.sample(range(48), 4), tick)
+                driver.prefetch([((layer + 1) % 12, rng.sample(range(48), 5)),
+                                 ((layer + 2) % 12, rng.sample(range(48), 2))], tick)
+        return evicted
+
+    kept = run(SlotTable)
+    assert len(kept) > 1000 and kept == run(Fresh)
+
+
+def test_a_key_unpinned_between_two_victims_of_one_protect_set_can_go() -> None:
+    table = SlotTable(3, make_policy("flru"))
+    protect: set[tuple[int, int]] = set()
+    table.acquire((0, 0), 1, pin=True)  # the oldest, one use: the lowest score, but pinned
+    table.acquire((0, 1), 2, pin=False)
+    table.acquire((0, 2), 3, pin=False)
+    evicted: list[tuple[int, int]] = []
+    table.on_evict = evicted.append
+    table.acquire((0, 3), 4, pin=False, prefetch=True, protect=protect)
+    protect.add((0, 3))
+    table.unpin((0, 0))  # the same protect set next, but a pin went: (0, 0) may go now
+    table.acquire((0, 4), 5, pin=False, prefetch=True, protect=protect)
+    assert evicted == [(0, 1), (0, 0)]

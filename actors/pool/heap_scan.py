@@ -33,6 +33,7 @@ class LazyHeap:
     def __init__(self) -> None:
         self._heap: list[Entry] = []
         self._aside: list[Entry] = []  # current when set aside, not evictable then
+        self._aside_for: object = None  # the predicate they were found not evictable by
 
     def __len__(self) -> int:
         return len(self._heap) + len(self._aside)
@@ -48,12 +49,15 @@ class LazyHeap:
         self._heap = list(entries)
         heapq.heapify(self._heap)
         self._aside = []
+        self._aside_for = None
 
     def victim(self, live: Mapping[ExpertKey, int],
                evictable: Callable[[ExpertKey], bool]) -> ExpertKey | None:
         """The key of the lowest-priority current entry that `evictable` allows, or None."""
         heap = self._heap
-        if self._aside:
+        # The same predicate object again is one that has only grown stricter (SlotTable
+        # keeps it only while so): what it refused stays refused.
+        if self._aside and evictable is not self._aside_for:
             still: list[Entry] = []
             for entry in self._aside:
                 if live.get(entry[2]) != entry[1]:
@@ -63,6 +67,7 @@ class LazyHeap:
                 else:
                     still.append(entry)
             self._aside = still
+        self._aside_for = evictable
         while heap:
             _, seq, key = heap[0]
             if live.get(key) != seq:

@@ -67,6 +67,11 @@ class SlotTable:
         self._ranges = banks.ranges if banks is not None else [range(num_slots)]
         self._free: list[list[int]] = [list(r) for r in self._ranges]  # per bank, valid min-heaps
         self._pins: dict[ExpertKey, int] = {}
+        self._unpinned = 0  # keys whose last pin went
+        # `_take_slot`'s predicate, kept while it can only have grown stricter (the same
+        # `protect`, which only grows while used, the same bank, no pin gone since): an
+        # eviction policy may then skip what it found not evictable before (LazyHeap).
+        self._evictable: tuple[object, int, int, Callable[[ExpertKey], bool]] | None = None
         self._state: dict[ExpertKey, SlotState] = {}
         self._prefetched: set[ExpertKey] = set()  # installed by prefetch, not yet demanded
         self._withdrawn: set[int] = set()  # out of use while memory is short
@@ -135,7 +140,8 @@ class SlotTable:
 
         A demand acquire (prefetch=False) counts a hit or a miss and touches the policy. A
         prefetch acquire of a resident key changes nothing; of a new key it installs it as
-        a prefetch. Keys in `protect` are never chosen as victims. Raises PoolExhausted if
+        a prefetch. Keys in `protect` are never chosen as victims; a `protect` passed again
+        may have grown since, never shrunk (PoolDriver's are). Raises PoolExhausted if
         every resident key is pinned or protected.
         """
         slot = self._slot_of.get(key)
@@ -192,17 +198,12 @@ class SlotTable:
         if self._free[bank]:
             return heapq.heappop(self._free[bank])
 
-        pins = self._pins
-        if self.banks is None:  # the common case, asked several times a victim: no bank test
-
-            def evictable(k: ExpertKey) -> bool:
-                return k not in pins and k not in protect
+        cached = self._evictable
+        if cached is not None and cached[0] is protect and cached[1] == bank and cached[2] == self._unpinned:
+            evictable = cached[3]
         else:
-            home = self.banks.home
-
-            def evictable(k: ExpertKey) -> bool:
-                return k not in pins and k not in protect and home[k[0]] == bank
-
+            evictable = self._predicate(protect, bank)
+            self._evictable = (protect, bank, self._unpinned, evictable)
         victim = self.policy.victim(evictable)
         if victim is None:
             raise PoolExhausted(
@@ -210,6 +211,21 @@ class SlotTable:
                 f" and the rest protected; nothing can be evicted"
             )
         return self._evict(victim)
+
+    def _predicate(self, protect: Container[ExpertKey], bank: int) -> Callable[[ExpertKey], bool]:
+        pins = self._pins
+        if self.banks is None:  # the common case, asked several times a victim: no bank test
+
+            def evictable(k: ExpertKey) -> bool:
+                return k not in pins and k not in protect
+
+            return evictable
+        home = self.banks.home
+
+        def in_bank(k: ExpertKey) -> bool:
+            return k not in pins and k not in protect and home[k[0]] == bank
+
+        return in_bank
 
     def _evict(self, key: ExpertKey) -> int:
         """Drop `key` (not pinned) from the pool; its slot, now empty."""
@@ -302,6 +318,7 @@ class SlotTable:
             raise KeyError(f"SlotTable.unpin: expert {key} (layer, expert) is not pinned")
         if count == 1:
             del self._pins[key]
+            self._unpinned += 1  # a key may be evicted again: `_take_slot`'s predicate is new
         else:
             self._pins[key] = count - 1
 
