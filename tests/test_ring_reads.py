@@ -13,6 +13,7 @@ import trio
 from helpers_engine import engine_config, forward_logits, generate, pool_is_clean
 
 from actors.reader import ExpertReader
+from actors.sampling_params import SamplingParams
 from pipeline.engine import open_engine
 from qpack.reader import Container, PosixIO
 from qpack.uring import Ring, supported
@@ -136,3 +137,19 @@ async def test_the_engine_on_the_ring_gives_the_threads_logits_bit_for_bit(conta
     assert got["uring"][0] == got["threads"][0]
     for a, b in zip(got["uring"][1], got["threads"][1], strict=True):
         assert np.array_equal(a, b)
+
+
+async def test_an_engine_on_the_ring_cancelled_mid_generation_closes_and_frees_its_reads(container):
+    cfg = engine_config(container, prefetch={"strategy": "lookahead", "depth": 2},
+                        reader={"concurrency": 3, "o_direct": True, "io": "uring"})
+    with trio.fail_after(30):
+        async with open_engine(cfg) as engine:
+            reader = engine._core.router.reader
+            with trio.move_on_after(0.05):
+                async for _ in engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=400)):
+                    pass
+            done = await generate(engine, PROMPT, 4)  # and it still serves
+            assert len(done.token_ids) == 4
+            pool_is_clean(engine)
+            assert reader.io == "uring"
+        assert reader.meter.in_flight == 0
