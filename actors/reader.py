@@ -22,12 +22,12 @@ issued twice): the queues, lanes and buffers are actors/read_queue.py's. With
 What a blob needs after the read (its crc32 on first use, its copy into device memory,
 or its landing) runs on the staging threads (actors/read_finish.py), never on a disk
 thread: the next read starts at once. Per layer, the event loop does a queue operation to
-submit its reads and a callback per batch that ended; the rest happens in threads. With a `lander` (the
-pool's memory written from any thread), a read the router marked `land` is installed
-into its slot by a staging thread as soon as it ends, its buffer free again at once (on
-the H200 the installs had been 64 of a fast disk's 167 ms a token: session 16); when a
-read may land, and how a late one never writes a slot's next owner: actors/router.py and
-actors/read_finish.py.
+submit its reads and a callback per batch that ended (one mailbox: `_to_trio`); the rest
+happens in threads. With a `lander` (the pool's memory written from any thread), a read
+the router marked `land` is installed into its slot by a staging thread as soon as it
+ends, its buffer free again at once (on the H200 the installs had been 64 of a fast
+disk's 167 ms a token: session 16); when a read may land, and how a late one never writes
+a slot's next owner: actors/router.py and actors/read_finish.py.
 
 A prediction still queued when its layer is routed without it is `shelve`d (taken off
 the queue, unread) and `requeue`d or `promote`d when wanted again (actors/shelf.py).
@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import structlog
@@ -82,7 +82,7 @@ class ExpertReader:
         stride: int | None = None,
         register: Callable[[np.ndarray], object] | None = None,
         lander: Lander | None = None,
-        io: str = "threads",
+        io: Literal["threads", "uring"] = "threads",
         gil_hand_over: bool = False,
     ) -> None:
         """`stride`: the largest blob its buffers must hold (default: the model's layers';
@@ -96,7 +96,8 @@ class ExpertReader:
         self.switch_interval_s = switch_interval_s
         self.gil_hand_over = gil_hand_over
         # Decided here, so the engine's facts say what runs: threads where no ring can be had.
-        self.io = "uring" if io == "uring" and RingReads.usable(container) else "threads"
+        self.io: Literal["threads", "uring"] = (
+            "uring" if io == "uring" and RingReads.usable(container) else "threads")
         self.container = container
         self.concurrency = concurrency
         self.demand_lane = demand_lane
@@ -158,7 +159,7 @@ class ExpertReader:
             threads = [threading.Thread(target=ring.run, args=(token,), daemon=True,
                                         name="moestream-read-ring")]
         else:
-            self.io = "threads"
+            self.io, self.queue.wake = "threads", None
             lanes = [QUEUE] * self.concurrency + [DEMAND] * self.demand_lane + [BULK] * self.bulk_lane
             threads = [threading.Thread(target=self._disk_thread, args=(i, token, lane),
                                         daemon=True, name=f"moestream-read-{i}")
