@@ -61,8 +61,9 @@ class Finisher:
         lander: Lander | None = None,
     ) -> None:
         """`check(key, buffer)`: the crc32, re-reading a failing blob (raises when it stays
-        bad); `complete(token, done, begun)`: on the staging thread, a finished batch to hand to trio; `stage`: the copy of
-        several blobs into device memory (one result per blob); `lander`: see `Lander`."""
+        bad); `complete(token, done, begun)`: on the staging thread, a finished batch to
+        hand to trio; `stage`: the copy of several blobs into device memory (one result
+        per blob); `lander`: see `Lander`."""
         self.stagers = stagers
         self.stage = stage
         self.lander = lander
@@ -83,13 +84,10 @@ class Finisher:
         """The lock a landing into `slot` holds while it checks and copies."""
         return self._landing_locks[slot % LANDING_STRIPES]
 
-    def submit(self, token: trio.lowlevel.TrioToken, load: Load, buffer: np.ndarray) -> None:
-        """From a disk thread: queue a finished read for a staging thread, and that
-        thread's drain unless one is already waiting to run (it will find this read too)."""
-        self.submit_many(token, [(load, buffer)])
-
     def submit_many(self, token: trio.lowlevel.TrioToken, reads: list[tuple[Load, np.ndarray]]) -> None:
-        """`submit` for reads that ended together (the ring's batch), under one lock."""
+        """From a disk thread (or the ring's): queue finished reads for the staging threads,
+        in turn, and each one's drain unless one is already waiting to run (it will find
+        these reads too)."""
         wake: list[int] = []
         with self._lock:
             for read in reads:

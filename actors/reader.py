@@ -211,14 +211,11 @@ class ExpertReader:
         if not on:
             yield
             return
-        self._set_bulk(True)
+        self.queue.set_bulk(True)
         try:
             yield
         finally:
-            self._set_bulk(False)
-
-    def _set_bulk(self, on: bool) -> None:
-        self.queue.set_bulk(on)
+            self.queue.set_bulk(False)
 
     def promote(self, load: Load) -> None:
         """A queued (or shelved) prefetch is now needed: move it to the front of the line."""
@@ -253,24 +250,19 @@ class ExpertReader:
         while (taken := self.queue.take(lane)) is not None:
             load, buffer = taken
             load.t_start = time.perf_counter()
+            error: BaseException | None = None
             try:
                 with timeline.span(f"reader-{index}", "read" if load.demand else "prefetch",
                                    layer=load.key[0], expert=load.key[1]):
                     self.read(load.key, buffer)
             except Exception as exc:  # noqa: BLE001 - reported to whoever waits on the load
-                self.after_read(token, load, buffer, exc)
-                continue
-            self.after_read(token, load, buffer, None)
-
-    def after_read(self, token: trio.lowlevel.TrioToken, load: Load, buffer: np.ndarray,
-                   error: BaseException | None) -> None:
-        """A read ended on a disk thread: predictions held back for it may start, and the
-        blob goes on to a staging thread, or straight to trio."""
-        self.after_reads(token, [(load, buffer, error)])
+                error = exc
+            self.after_reads(token, [(load, buffer, error)])
 
     def after_reads(self, token: trio.lowlevel.TrioToken, ended: list[Done]) -> None:
-        """`after_read` for reads that ended together (the ring's batch): one hand-over to
-        the staging threads and at most one to trio."""
+        """Reads that ended (one on a disk thread, or the ring's batch): predictions held
+        back for them may start, and each blob goes on to a staging thread or straight to
+        trio, with one hand-over to the staging threads and at most one to trio."""
         now = time.perf_counter()
         direct: list[Done] = []
         staged: list[tuple[Load, np.ndarray]] = []
@@ -347,11 +339,8 @@ class ExpertReader:
                         f"expert {expert} of layer {layer}: read failed after "
                         f"{n + 1} attempts: {exc}", key
                     ) from exc
-                self._count_retry()
+                self.queue.count_retry()
             time.sleep(self.retry_backoff_s * (2**n))
-
-    def _count_retry(self) -> None:
-        self.queue.count_retry()
 
     # -- on the staging threads (actors/read_finish.py) --------------------------------------
 

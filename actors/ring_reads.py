@@ -11,7 +11,7 @@ read that ended meanwhile: one GIL acquisition for a batch.
 What stays as with threads (actors/reader.py): the queues, demand first, taken under the
 reader's lock (`ReadQueue.take_many`: the threads' lanes become capacities), the
 staging buffers, predictions yielding to demand reads, what happens after a read
-(`after_read`: staging threads, landing, checksums, trio). A read that fails or comes
+(`after_reads`: staging threads, landing, checksums, trio). A read that fails or comes
 back short is read again the threads' way (`ExpertReader.read`, with its bounded retries
 and its error), on this thread. The ring's thread blocks in the kernel, not on the
 reader's condition, so every queue change writes an eventfd the ring keeps a read on.
@@ -39,6 +39,15 @@ from qpack.uring import Ring
 
 log = structlog.get_logger("moestream.reader")
 _WAKE = 0  # the eventfd read's tag; reads count up from 1
+
+
+def _ring(entries: int) -> Ring | None:
+    """A ring of `entries`, or None (logged: the reader keeps its threads)."""
+    try:
+        return Ring(entries)
+    except OSError as exc:
+        log.warning("reader.uring_unavailable", error=str(exc), fallback="threads")
+        return None
 
 
 class ExpertReaderLike(Protocol):
@@ -72,23 +81,17 @@ class RingReads:
         if not container.plain_io:
             log.info("reader.uring_declined", reason="the container reads through its own io")
             return False
-        try:
-            Ring(2).close()
-        except OSError as exc:
-            log.warning("reader.uring_unavailable", error=str(exc), fallback="threads")
+        ring = _ring(2)
+        if ring is None:
             return False
+        ring.close()
         return True
 
     @classmethod
     def open(cls, reader: ExpertReaderLike) -> RingReads | None:
         """A ring for `reader`, or None (logged) where the kernel refuses it now."""
-        depth = reader.concurrency + reader.demand_lane + reader.bulk_lane
-        try:
-            ring = Ring(2 * (depth + 1))
-        except OSError as exc:
-            log.warning("reader.uring_unavailable", error=str(exc), fallback="threads")
-            return None
-        return cls(reader, ring, os.eventfd(0, os.EFD_CLOEXEC))
+        ring = _ring(2 * (reader.concurrency + reader.demand_lane + reader.bulk_lane + 1))
+        return None if ring is None else cls(reader, ring, os.eventfd(0, os.EFD_CLOEXEC))
 
     def wake(self) -> None:
         """From any thread: the queues changed, take what may start."""

@@ -107,7 +107,7 @@ class PoolStorage:
         # On the CPU the pool's memory is plain host memory: an install is a memcpy into
         # it (MLX's CPU scatter moves ~0.3 GB/s). Elsewhere installs go through MLX.
         self.host_bytes: dict[str, np.ndarray] | None = None
-        self._host_base: dict[str, int] | None = None  # host_bytes' addresses (copy_ranges)
+        self._host_base: dict[str, int] = {}  # their addresses (copy_ranges): they never move
         if mx.default_device() == mx.cpu:
             self.host_bytes = {
                 # MLX arrays have the buffer protocol; MLX's stubs do not declare it.
@@ -115,6 +115,7 @@ class PoolStorage:
                 .reshape(num_slots, nbytes)
                 for name, (_, _, nbytes) in self.layout.arrays.items()
             }
+            self._host_base = {name: int(rows.ctypes.data) for name, rows in self.host_bytes.items()}
 
     @property
     def nbytes(self) -> int:
@@ -223,8 +224,6 @@ class PoolStorage:
         direct path, memmoves into a host pool (read where the slot table is: the router's
         thread)."""
         if self.host_bytes is not None:
-            if self._host_base is None:  # the arrays never move; numpy's `ctypes` is slow
-                self._host_base = {name: int(rows.ctypes.data) for name, rows in self.host_bytes.items()}
             base = self._host_base
         else:
             assert self.direct is not None, "copies need host memory or a probed DirectWriter"
