@@ -171,11 +171,28 @@ async def test_auto_prices_plain_decode_by_its_pipelined_steps_not_the_restart_a
         greedy = SamplingParams(temperature=0.0, max_tokens=24, speculative="off")
         tokens = _done(await _run(engine, greedy)).token_ids
         policy = engine._core.batch.speculation
-        emulate_drafts(engine, EmulatedDrafts(tokens, 0.0, seed=1))  # every draft rejected
+        # Most drafts rejected: the shadow trials let passes be tried, and they lose.
+        emulate_drafts(engine, EmulatedDrafts(tokens, 0.3, seed=1))
         done = _done(await _run(engine, msgspec.structs.replace(greedy, speculative="auto")))
     assert done.token_ids == tokens and done.stats.verify_passes >= 1
     # One plain step restarted the pipeline after each pass that plain steps followed.
     assert 1 <= policy.plain_priced < policy.stats.plain_steps
+
+
+async def test_auto_on_drafts_that_never_hit_makes_no_pass_and_the_tokens_of_plain_decode(container):
+    """A text that does not repeat (every draft wrong): `auto` learns it from shadow
+    drafts at plain steps and never pays for a verify pass (on MLX's CPU the first pass
+    and two probes cost 16 % of a 48-token decode)."""
+    config = engine_config(container, pool={"slots": 64})
+    async with open_engine(config) as engine:
+        greedy = SamplingParams(temperature=0.0, max_tokens=24, speculative="off")
+        tokens = _done(await _run(engine, greedy)).token_ids
+        policy = engine._core.batch.speculation
+        emulate_drafts(engine, EmulatedDrafts(tokens, 0.0, seed=1))
+        done = _done(await _run(engine, msgspec.structs.replace(greedy, speculative="auto")))
+    assert done.token_ids == tokens
+    assert done.stats.verify_passes == 0 and policy.stats.passes == 0
+    assert policy.stats.shadowed == 24 - 1  # every token but the last (no room for a draft)
 
 
 async def test_bench_warm_ups_pass_every_draft_length_and_a_cold_case_starts_auto_afresh(container):
@@ -218,6 +235,66 @@ async def test_auto_speculates_when_drafts_pay_and_backs_off_when_they_do_not():
     assert 0 < sum(1 for k in picks if k) <= 8  # probes, each one token, doubling apart
     assert policy.draft_len("ngram", 10) == 3  # an explicit mode always drafts
     assert SpeculationPolicy(max_draft=3, pinnable_rows=1).draft_len("ngram", 10) == 0
+
+
+def test_auto_asks_a_free_drafter_at_plain_steps_and_passes_only_where_its_drafts_could_pay():
+    """Shadow drafts: prompt lookup is asked at every plain step and its guess compared
+    with the step's token. A text whose guesses all miss never pays for a pass (each
+    would give one token); guesses that hit start passes, and resume them after a
+    back-off without waiting for a probe."""
+    losing = SpeculationPolicy(max_draft=3, pinnable_rows=8)
+    picks = []
+    for _ in range(300):
+        picks.append(losing.draft_len("auto", 10, shadow="free"))
+        losing.after_shadow(False)
+        losing.after_plain(0.010)
+    assert picks == [0] * 300 and losing.stats.passes == 0 and losing.stats.shadowed == 300
+    assert losing.draft_len("auto", 10) == 1  # a drafter that is not shadowed still probes
+
+    policy = SpeculationPolicy(max_draft=3, pinnable_rows=8)
+    assert policy.draft_len("auto", 10, shadow="free") == 0  # no trial yet
+    policy.after_shadow(True)
+    assert policy.draft_len("auto", 10, shadow="free") == 0
+    policy.after_shadow(True)
+    assert policy.draft_len("auto", 10, shadow="free") == 1  # two hits: the cheapest pass
+    policy.after_pass(1, 0, seconds=0.030)
+    policy.after_pass(1, 0, seconds=0.030)  # steady price: 3 plain steps, nothing kept
+    policy.after_plain(0.010)
+    assert policy.draft_len("auto", 10, shadow="free") == 0 and policy.stats.backoffs == 1
+    # A probe loses ~1.5 steps (3 steps' time for 1 + a tokens): the next one waits until
+    # that is within 2 % of the plain decode between them (~77 steps, not 8) ...
+    loss_steps = 3.0 - (1.0 + policy.acceptance)
+    assert policy._wait + 1 >= loss_steps / 0.02 > 50
+    # ... but guesses that hit show a text that repeats: with passes at 1.2x a step,
+    # speculation resumes at once, no probe needed.
+    policy.after_pass(1, 1, seconds=0.012)
+    for _ in range(30):
+        policy.after_shadow(True)
+    assert policy.draft_len("auto", 10, shadow="free") == 3
+
+
+def test_auto_asks_a_costly_drafter_for_one_trial_then_as_rarely_as_its_cost_allows():
+    """An MTP head runs a layer to answer (its first trial the whole prompt): asked at the
+    first plain step, then only when a trial is due, at intervals that double and keep
+    its cost within 2 % of plain decode, while its drafts never hit."""
+    policy = SpeculationPolicy(max_draft=3, pinnable_rows=8)
+    asked = []
+    for _ in range(600):
+        assert policy.draft_len("auto", 10, shadow="costly") == 0
+        wanted = policy.shadow_wanted(free=False)
+        asked.append(wanted)
+        if wanted:
+            policy.after_shadow(False, seconds=0.100)
+        policy.after_plain(0.180)
+    steps = [i for i, a in enumerate(asked) if a]
+    assert steps[0] == 0 and steps[1] >= 8
+    # A trial costs 0.56 of a step: >= 28 steps apart once it is priced, then doubling.
+    gaps = [b - a for a, b in zip(steps[1:], steps[2:], strict=False)]
+    assert gaps and all(g >= 28 for g in gaps) and len(steps) <= 8
+    # A trial that hits (the text began to repeat) lets a pass be tried at once.
+    for _ in range(6):
+        policy.after_shadow(True)
+    assert policy.draft_len("auto", 10, shadow="costly") == 1
 
 
 def test_auto_prices_a_length_by_its_second_pass_not_the_first_that_compiled_its_kernels():

@@ -29,7 +29,7 @@ from actors.compute import Compute
 from actors.decode import Decoder
 from actors.row_samplers import RowSamplers
 from actors.speculative.accept import Verdict, accept
-from actors.speculative.policy import SpecStats, SpeculationPolicy
+from actors.speculative.policy import Shadow, SpecStats, SpeculationPolicy
 from actors.speculative.verify import MakeVerifyStep, VerifyStepper, verify_pass
 from actors.token_logprob import TokenLogprob
 
@@ -99,13 +99,27 @@ class SpeculativeDecoder:
         if self._held:
             return self._give()
         inner = self.inner
-        k = 0 if inner.logits is not None else self.policy.draft_len(self.spec.mode, self.spec.left - 1)
+        shadow: Shadow | None = None
+        if self.spec.mode == "auto":
+            shadow = "free" if self._free() else "costly"
+        k = 0 if inner.logits is not None else self.policy.draft_len(self.spec.mode, self.spec.left - 1,
+                                                                       shadow)
         draft = await self._propose(k)
         if not draft:
+            # A shadow draft: what the drafter would have proposed, against the token the
+            # step gives (a trial of the acceptance without a pass: actors/speculative/policy.py).
+            guess: list[int] = []
+            asked = time.perf_counter()
+            if (shadow is not None and not k and self.spec.left > 1
+                    and self.policy.shadow_wanted(shadow == "free")):
+                guess = await self._propose(1)
+            trial_s = None if shadow == "free" else time.perf_counter() - asked
             stepped = inner.logits is None  # the first token is drawn from logits at hand
             queued = inner.launched is not None
             t0 = time.perf_counter()
             tokens = await inner.next(more)
+            if guess and tokens:
+                self.policy.after_shadow(guess[0] == tokens[0], trial_s)
             if stepped:
                 self.spec.stats.plain_steps += 1
                 # `auto` prices passes against plain decode as it runs: a step queued
@@ -128,6 +142,11 @@ class SpeculativeDecoder:
         self._pass, self._given = step, 0
         inner.feed = None  # the next tokens come from `_held`
         return self._give()
+
+    def _free(self) -> bool:
+        """Whether the drafter costs nothing to ask (no MLX work, no reads: prompt lookup)."""
+        drafter = self.spec.drafter
+        return not isinstance(drafter, StreamingDrafter) and not drafter.on_mlx
 
     async def _propose(self, k: int) -> list[int]:
         drafter = self.spec.drafter

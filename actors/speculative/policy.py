@@ -8,7 +8,21 @@ the estimate of a geometric acceptance). A pass of k drafts gives E(k) = 1 + a +
 a^k tokens, so it pays when E(k) x plain > pass(k). When no length pays (the cost of a
 pass outgrows its tokens: a pool that misses, a text that does not repeat) it stops
 speculating and probes one short pass now and then, at intervals that double while it
-keeps losing, so its loss stays a small fraction of plain decode.
+keeps losing and are never shorter than the last probe's loss over 2 % of a plain
+step, so its loss stays a small fraction of plain decode.
+
+Shadow drafts. At a plain step the drafter is asked too, and its first token compared
+with the token the step gives: a trial of the acceptance that costs no pass (for a
+sampled row, the chance that they agree is p(draft), the chance that speculative
+sampling would keep it). Prompt lookup costs a few dictionary look-ups and is asked at
+every plain step; an MTP head runs its layer to answer, so it is asked only for the
+first trials and when a trial is due (at the probes' intervals). The first pass waits
+for two trials, and no pass is tried while the trials say that even a pass as cheap as
+a plain step could not pay (a = 0: a pass gives one token). On MLX's CPU a pass of 2
+positions costs ~1.8 plain steps, and the first pass and two probes of a random-weight
+MTP head cost 16 % of a 48-token decode (the project VM, session 28). While backed off,
+trials keep the acceptance current, so a text that starts to repeat resumes speculation
+without waiting for a probe pass.
 
 The guard: a pass of k drafts pins up to (k + 1) x top_k experts per MoE layer, so k is
 cut to what the pool can pin (`pinnable_rows` - 1), never a failure.
@@ -16,6 +30,7 @@ cut to what the pool can pin (`pinnable_rows` - 1), never a failure.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -28,6 +43,16 @@ log = structlog.get_logger("moestream.speculative")
 _ALPHA = 0.2  # weight of the newest measurement (costs)
 _DECAY = 0.95  # per pass, of the acceptance counts (about the last 20 passes)
 _PROBE_FIRST, _PROBE_MAX = 8, 512  # plain steps between probes while losing
+_PROBE_BUDGET = 0.02  # a probe's loss, as a share of the plain decode between probes
+# Shadow trials before a shadowed row's first pass: a free drafter's, a costly one's (an
+# MTP head's first trial runs it over the whole prompt: 0.5 s of a 0.18 s step, demo, CPU).
+_SHADOW_FIRST = {"free": 2, "costly": 1}
+Shadow = Literal["free", "costly"]
+# Tokens a pass must be expected to give, in plain steps, for any pass to be worth trying:
+# the cheapest 2-position pass measured costs ~1.27 plain steps (resident mlx-lm on CUDA,
+# benchmarks/verify_cost.py; on MLX's CPU ~1.8), so a pass needs a >= ~0.2 to have a chance.
+_WORTH = 1.2
+_COMPILED = 3.0  # a first pass dearer than this many plain steps may have compiled kernels
 
 
 @dataclass
@@ -38,6 +63,7 @@ class SpecStats:
     pass_tokens: int = 0  # tokens the passes gave (the drafts kept, one more each)
     plain_steps: int = 0  # decode steps of speculating rows that had no draft
     backoffs: int = 0  # times `auto` stopped speculating
+    shadowed: int = 0  # plain steps whose token a shadow draft was compared with
 
     @property
     def acceptance(self) -> float:
@@ -75,8 +101,12 @@ class SpeculationPolicy:
     passes_of: dict[int, int] = field(default_factory=dict)  # passes seen per length
     kept: float = 0.0  # decayed counts: drafts kept, drafts rejected
     rejected: float = 0.0
+    shadow_trials: int = 0  # shadow drafts compared with their step's token
+    trial_s: float | None = None  # seconds of a costly drafter's shadow draft
     _losing: bool = False
-    _wait: int = 0
+    _shadow_due: bool = False  # a costly drafter is to be asked at the next plain step
+    _wait: int = _PROBE_FIRST  # plain steps to the next probe (or trial, where hopeless)
+    _waited: int = 0  # plain steps since the last probe (or trial) was due
     _probe_every: int = _PROBE_FIRST
 
     def fresh(self) -> SpeculationPolicy:
@@ -93,13 +123,23 @@ class SpeculationPolicy:
         seen = self.kept + self.rejected
         return self.kept / seen if seen else 0.5
 
-    def draft_len(self, mode: str, room: int) -> int:
-        """Drafts to ask for at the next step; `room`: tokens the row may still take - 1."""
+    def draft_len(self, mode: str, room: int, shadow: Shadow | None = None) -> int:
+        """Drafts to ask for at the next step; `room`: tokens the row may still take - 1;
+        `shadow`: the row's drafter is asked at plain steps too, at every one where it
+        is free, where `shadow_wanted` says where it is costly (`after_shadow`)."""
         k = min(self.longest, room)
         if k < 1 or mode == "off":
             return 0
         if mode != "auto":
             return k
+        if shadow is not None and not self.pass_s and self.shadow_trials < _SHADOW_FIRST[shadow]:
+            self._shadow_due = True
+            return 0  # plain steps and trials before the first pass
+        if shadow is not None and 1.0 + self.acceptance < _WORTH:
+            # No pass could pay, even one as cheap as a plain step (a = 0: one token a
+            # pass): only trials, a costly drafter's now and then, until they hit.
+            self._shadow_due = self._probe_due(shadow=True)
+            return 0
         if not self.pass_s:
             # Measure the cheapest pass first: where drafts lose (a text that does not
             # repeat, compute that costs per position) the probe costs least; where they
@@ -113,17 +153,65 @@ class SpeculationPolicy:
                 self._losing, self._probe_every = False, _PROBE_FIRST
             return best
         if not self._losing:
-            self._losing, self._wait = True, self._probe_every
+            self._losing = True
+            self._probe_every = max(self._probe_every, self._probe_floor())
+            self._wait, self._waited = self._probe_every, 0
             self.stats.backoffs += 1
             log.info("speculative.backoff", acceptance=round(self.acceptance, 3),
-                     plain_ms=round(self.plain_s * 1e3, 2),
+                     plain_ms=round(self.plain_s * 1e3, 2), probe_every=self._probe_every,
                      pass_ms={n: round(s * 1e3, 2) for n, s in sorted(self.pass_s.items())})
+        # A probe: one short pass now and then, to see whether the regime changed.
+        return 1 if self._probe_due() else 0
+
+    def _probe_due(self, shadow: bool = False) -> bool:
+        """One plain step nearer the next probe (a pass, or where `shadow`, a costly
+        drafter's trial); True when it is due. The one after it waits twice as long, and
+        each at least its floor (`_probe_floor`, `_trial_floor`), priced again when due."""
+        self._waited += 1
         if self._wait > 0:
             self._wait -= 1
-            return 0
-        # A probe: one short pass, to see whether the regime changed.
-        self._wait = self._probe_every = min(self._probe_every * 2, _PROBE_MAX)
-        return 1
+            return False
+        floor = self._trial_floor() if shadow else self._probe_floor()
+        if self._waited <= floor:  # dearer than when it was scheduled: wait out the rest
+            self._wait = floor - self._waited
+            return False
+        self._waited = 0
+        self._wait = self._probe_every = min(max(self._probe_every * 2, floor), _PROBE_MAX)
+        return True
+
+    def _probe_floor(self) -> int:
+        """Plain steps between probes so that a probe's loss (its pass against the plain
+        steps its tokens would have taken) stays within `_PROBE_BUDGET` of them. A
+        length's first pass costing over `_COMPILED` plain steps may have compiled
+        (`after_pass`): the next probe then comes soon, to see the steady price."""
+        assert self.plain_s is not None, "priced only once plain decode is"
+        cost = self.pass_s.get(1)
+        if cost is None or (self.passes_of.get(1, 0) < 2 and cost > _COMPILED * self.plain_s):
+            return _PROBE_FIRST
+        loss = cost - (1.0 + self.acceptance) * self.plain_s
+        return max(_PROBE_FIRST, min(_PROBE_MAX, math.ceil(loss / (_PROBE_BUDGET * self.plain_s))))
+
+    def _trial_floor(self) -> int:
+        """Plain steps between a costly drafter's trials: its cost within `_PROBE_BUDGET`."""
+        if self.trial_s is None or self.plain_s is None:
+            return _PROBE_FIRST
+        return max(_PROBE_FIRST, min(_PROBE_MAX, math.ceil(self.trial_s / (_PROBE_BUDGET * self.plain_s))))
+
+    def shadow_wanted(self, free: bool) -> bool:
+        """Whether to ask the drafter at this plain step: always where it is `free`, else
+        for the first trials and when a trial is due."""
+        return free or self._shadow_due
+
+    def after_shadow(self, kept: bool, seconds: float | None = None) -> None:
+        """A shadow draft's first token was (`kept`) or was not the token a plain step gave;
+        `seconds`: what asking a costly drafter took."""
+        self._shadow_due = False
+        if seconds is not None:
+            self.trial_s = _ema(self.trial_s, seconds)
+        self.shadow_trials += 1
+        self.stats.shadowed += 1
+        self.kept = self.kept * _DECAY + (1 if kept else 0)
+        self.rejected = self.rejected * _DECAY + (0 if kept else 1)
 
     def _best(self, k: int) -> tuple[int, float]:
         assert self.plain_s is not None
