@@ -15,14 +15,15 @@ Shadow drafts. At a plain step the drafter is asked too, and its first token com
 with the token the step gives: a trial of the acceptance that costs no pass (for a
 sampled row, the chance that they agree is p(draft), the chance that speculative
 sampling would keep it). Prompt lookup costs a few dictionary look-ups and is asked at
-every plain step; an MTP head runs its layer to answer, so it is asked only for the
-first trials and when a trial is due (at the probes' intervals). The first pass waits
-for two trials, and no pass is tried while the trials say that even a pass as cheap as
-a plain step could not pay (a = 0: a pass gives one token). On MLX's CPU a pass of 2
-positions costs ~1.8 plain steps, and the first pass and two probes of a random-weight
-MTP head cost 16 % of a 48-token decode (the project VM, session 28). While backed off,
-trials keep the acceptance current, so a text that starts to repeat resumes speculation
-without waiting for a probe pass.
+every plain step; an MTP head runs its layer to answer, so it is asked at the first
+token and then only when a trial is due (at the probes' intervals, at least its cost
+over 2 % of a plain step apart). The first trial is the first token's (drawn from the
+prompt's logits, never a pass), and no pass is tried while the trials say that even a
+pass as cheap as a plain step could not pay (a = 0: a pass gives one token). On MLX's
+CPU a pass of 2 positions costs ~1.8 plain steps, and the first pass and two probes of
+a random-weight MTP head cost 16 % of a 48-token decode (the project VM, session 28).
+While backed off, trials keep the acceptance current, so a text that starts to repeat
+resumes speculation without waiting for a probe pass.
 
 The guard: a pass of k drafts pins up to (k + 1) x top_k experts per MoE layer, so k is
 cut to what the pool can pin (`pinnable_rows` - 1), never a failure.
@@ -44,9 +45,10 @@ _ALPHA = 0.2  # weight of the newest measurement (costs)
 _DECAY = 0.95  # per pass, of the acceptance counts (about the last 20 passes)
 _PROBE_FIRST, _PROBE_MAX = 8, 512  # plain steps between probes while losing
 _PROBE_BUDGET = 0.02  # a probe's loss, as a share of the plain decode between probes
-# Shadow trials before a shadowed row's first pass: a free drafter's, a costly one's (an
-# MTP head's first trial runs it over the whole prompt: 0.5 s of a 0.18 s step, demo, CPU).
-_SHADOW_FIRST = {"free": 2, "costly": 1}
+# Shadow trials before a shadowed row's first pass: one, at the first token (drawn from
+# the prompt's logits, never a pass), so where drafts hit the first pass comes as early as
+# without trials (a cold 24-token run lost 15 % on the VM waiting for two).
+_SHADOW_FIRST = 1
 Shadow = Literal["free", "costly"]
 # Tokens a pass must be expected to give, in plain steps, for any pass to be worth trying:
 # the cheapest 2-position pass measured costs ~1.27 plain steps (resident mlx-lm on CUDA,
@@ -132,7 +134,7 @@ class SpeculationPolicy:
             return 0
         if mode != "auto":
             return k
-        if shadow is not None and not self.pass_s and self.shadow_trials < _SHADOW_FIRST[shadow]:
+        if shadow is not None and not self.pass_s and self.shadow_trials < _SHADOW_FIRST:
             self._shadow_due = True
             return 0  # plain steps and trials before the first pass
         if shadow is not None and 1.0 + self.acceptance < _WORTH:
@@ -199,7 +201,7 @@ class SpeculationPolicy:
 
     def shadow_wanted(self, free: bool) -> bool:
         """Whether to ask the drafter at this plain step: always where it is `free`, else
-        for the first trials and when a trial is due."""
+        for the first trial and when a trial is due."""
         return free or self._shadow_due
 
     def after_shadow(self, kept: bool, seconds: float | None = None) -> None:
