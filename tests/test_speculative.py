@@ -162,19 +162,25 @@ async def test_greedy_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_
             engine.prefix_cache.clear()
 
 
+async def _auto_on_emulated(container: Any, acceptance: float, **compute: Any) -> tuple[list[int], Done, Any]:
+    """Plain greedy decode's 24 tokens, then `auto` on drafts from them at `acceptance`
+    (the same engine): (plain tokens, auto's Done, the engine's policy)."""
+    config = engine_config(container, pool={"slots": 64}, compute=compute)
+    async with open_engine(config) as engine:
+        greedy = SamplingParams(temperature=0.0, max_tokens=24, speculative="off")
+        tokens = list(_done(await _run(engine, greedy)).token_ids)
+        emulate_drafts(engine, EmulatedDrafts(tokens, acceptance, seed=1))
+        done = _done(await _run(engine, msgspec.structs.replace(greedy, speculative="auto")))
+        return tokens, done, engine._core.batch.speculation
+
+
 async def test_auto_prices_plain_decode_by_its_pipelined_steps_not_the_restart_after_a_pass(container):
     """With every expert pooled plain decode is pipelined (each step queued behind the
     last). The step after a pass restarts the pipeline (a forward, then the next queued)
     and costs more: `auto` must not take it as plain decode's price."""
-    config = engine_config(container, pool={"slots": 64}, compute={"run_ahead": "on"})
-    async with open_engine(config) as engine:
-        greedy = SamplingParams(temperature=0.0, max_tokens=24, speculative="off")
-        tokens = _done(await _run(engine, greedy)).token_ids
-        policy = engine._core.batch.speculation
-        # Most drafts rejected: the shadow trials let passes be tried, and they lose.
-        emulate_drafts(engine, EmulatedDrafts(tokens, 0.3, seed=1))
-        done = _done(await _run(engine, msgspec.structs.replace(greedy, speculative="auto")))
-    assert done.token_ids == tokens and done.stats.verify_passes >= 1
+    # Most drafts rejected: the shadow trials let passes be tried, and they lose.
+    tokens, done, policy = await _auto_on_emulated(container, 0.3, run_ahead="on")
+    assert list(done.token_ids) == tokens and done.stats.verify_passes >= 1
     # One plain step restarted the pipeline after each pass that plain steps followed.
     assert 1 <= policy.plain_priced < policy.stats.plain_steps
 
@@ -183,14 +189,8 @@ async def test_auto_on_drafts_that_never_hit_makes_no_pass_and_the_tokens_of_pla
     """A text that does not repeat (every draft wrong): `auto` learns it from shadow
     drafts at plain steps and never pays for a verify pass (on MLX's CPU the first pass
     and two probes cost 16 % of a 48-token decode)."""
-    config = engine_config(container, pool={"slots": 64})
-    async with open_engine(config) as engine:
-        greedy = SamplingParams(temperature=0.0, max_tokens=24, speculative="off")
-        tokens = _done(await _run(engine, greedy)).token_ids
-        policy = engine._core.batch.speculation
-        emulate_drafts(engine, EmulatedDrafts(tokens, 0.0, seed=1))
-        done = _done(await _run(engine, msgspec.structs.replace(greedy, speculative="auto")))
-    assert done.token_ids == tokens
+    tokens, done, policy = await _auto_on_emulated(container, 0.0)
+    assert list(done.token_ids) == tokens
     assert done.stats.verify_passes == 0 and policy.stats.passes == 0
     assert policy.stats.shadowed == 24 - 1  # every token but the last (no room for a draft)
 
