@@ -183,7 +183,7 @@ def speculation_snapshot(stats: SpecStats) -> dict[str, float]:
     """The engine's speculation counters, for `pool_snapshot` and /metrics."""
     return {"verify_passes": stats.passes, "drafts_proposed": stats.proposed,
             "drafts_accepted": stats.accepted, "pass_tokens": stats.pass_tokens,
-            "speculative_backoffs": stats.backoffs}
+            "speculative_backoffs": stats.backoffs, "shadow_drafts": stats.shadowed}
 
 
 def mtp_snapshot(mtp: LoadedMtp | None) -> dict[str, float]:

@@ -120,6 +120,7 @@ async def test_chat_completions_models_and_metrics(container: Path) -> None:
         assert int(values["moestream_heap_trimmed_bytes_total"]) >= 0
         assert int(values["moestream_prefetch_shelved_total"]) >= 0
         assert int(values["moestream_drafts_accepted_total"]) == 0  # speculation is off
+        assert int(values["moestream_shadow_drafts_total"]) == 0  # ... so `auto` asked nothing
 
         # Speculative decoding per request: the same text; a bad mode is one clear 400.
         fast = await client.chat.completions.create(**kw, extra_body={"speculative": "ngram"})

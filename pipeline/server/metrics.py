@@ -123,6 +123,7 @@ _SPECULATION = (
     ("drafts_accepted", "Drafted tokens kept."),
     ("pass_tokens", "Tokens the verify passes produced (drafts kept, one more each)."),
     ("speculative_backoffs", "Times speculative = auto stopped speculating."),
+    ("shadow_drafts", "Plain steps at which speculative = auto compared a draft with the step's token."),
 )
 
 
