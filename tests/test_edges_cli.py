@@ -107,6 +107,10 @@ def test_pool_refusals_name_the_numbers(tiny, capsys, tmp_path):
     line = one_error(capsys.readouterr().err)
     assert "--trace-case 'long-prompt' is not among --cases default" in line, line
     assert not trace.exists()
+    # An unknown case names the speculative ones too (they are patterns, not a list).
+    assert main(["bench", str(tiny), "--cases", "default,spec-k2-0.8"]) == 2
+    line = one_error(capsys.readouterr().err)
+    assert "['spec-k2-0.8']" in line and "spec-k{1-8}-a{A}" in line, line
 
 
 def test_the_default_budget_is_said_at_load_and_off_or_a_pool_size_leaves_it(tiny, capsys):

@@ -128,7 +128,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     unknown = [c for c in args.cases if c not in ALL_CASES and not is_spec_case(c)]
     if unknown:
-        print(f"error: unknown case(s) {unknown}; choose from {list(ALL_CASES)}", file=sys.stderr)
+        print(f"error: unknown case(s) {unknown}; choose from {list(ALL_CASES)}, or a speculative "
+              "case: spec-k{1-8}-a{A}, spec-auto-a{A}, spec-auto, spec-ngram, spec-mtp, warm-spec-... "
+              "(e.g. spec-k2-a0.8)", file=sys.stderr)
         return 2
     bad = [r for r in args.routing if r not in ROUTINGS]
     if bad or not args.routing:
