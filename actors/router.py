@@ -171,22 +171,22 @@ class ExpertRouter:
         """A placed demand (`driver.demand`'s answer): its reads issued and waited for."""
         self.failures.clear()  # only this demand's failures are reported
         waits: list[Load] = []
-        woke = False
+        misses: dict[ExpertKey, int] = {}  # key -> its slot, read together below
         for expert, (taken, was_resident) in zip(ids, placed, strict=True):
             key = (layer, int(expert))
             load = self.loads.get(key)
             if load is None and not was_resident:
-                load = self.loads[key] = self.reader.submit(key, demand=True, slot=taken,
-                                                            land=self.landing_safe)
-                woke = True
+                misses[key] = taken
             elif load is not None:
                 if not load.demand:
                     self.stats.prefetch_hits_waited += 1
                 self.shelf.taken(load)
                 self.reader.promote(load)
-            if load is not None:
                 waits.append(load)
-        if woke:  # the demand's reads start before the placement below
+        if misses:  # under one lock and one wake-up; they start before the placement below
+            for load in self.reader.submit_many(list(misses.items()), demand=True, land=self.landing_safe):
+                self.loads[load.key] = load
+                waits.append(load)
             self.reader.hand_over()
         if then_prefetch:
             if waits:  # placed before the wait: the disk starts on the next layers meanwhile
