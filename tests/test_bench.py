@@ -57,6 +57,14 @@ def test_bench_end_to_end_writes_json_and_trace(tiny_bench: Path, tmp_path: Path
     assert set(by_name) == {"default", "warm-all", "io"}
     # The streamed forward is exact: every expert pooled decodes the default's tokens.
     assert report["derived"]["tokens_as_default"] == {"warm-all": True}
+    # Against resident mlx-lm: alternate runs in one process, the median of the pairs.
+    warm = by_name["warm-all"]
+    engine, resident = warm["paired_engine_tok_s"], warm["paired_resident_tok_s"]
+    assert len(engine) == len(resident) == 5 and min(engine + resident) > 0
+    ratios = sorted(e / r for e, r in zip(engine, resident, strict=True))
+    assert report["derived"]["warm_all_over_resident"] == ratios[2]
+    assert report["derived"]["warm_all_best_over_resident"] == max(engine) / max(resident)
+    assert warm["resident_decode_tok_s"] == sorted(resident)[2]
     assert all(r["error"] is None for r in by_name.values())
     default = by_name["default"]
     assert default["completion_tokens"] == 4 and default["decode_tok_s"] > 0

@@ -31,6 +31,7 @@ import msgspec
 from pipeline import engine_hooks as hooks
 from pipeline.bench.spec import Case, Result, backend, engine_dict, prompt_ids
 from pipeline.bench.speculative import spec_derived, spec_result_fields
+from pipeline.bench.warm_pairs import Pairs, pair_fields, paired, wants_resident
 
 __all__ = ["Case", "Report", "Result", "engine_dict", "machine_info", "prompt_ids", "run_case"]
 
@@ -108,6 +109,7 @@ async def measure_engine(case: Case) -> Result:
             read_path.thread_cpu_s = cpu_between(cpu_at_decode, cpu_end)
         assert done is not None
         s = done.stats
+        pairs = await paired(engine, case, prompt, params)
         decoded = max(s.completion_tokens - 1, 0)
         decode = end - (at_decode[0] if at_decode else end)
         prefill = (at_decode[0] if at_decode else before) - before
@@ -140,7 +142,7 @@ async def measure_engine(case: Case) -> Result:
                 s.peak_rss_mb, s.peak_device_mb, s.prompt_tokens + s.completion_tokens)),
             queue_depth_gb_s=_probed(cfg, engine), open_s=phases["open_s"],
             warmup_s=phases["warmup_s"], token_ids=list(done.token_ids),
-            **spec_result_fields(s, case),
+            **spec_result_fields(s, case), **pair_fields(pairs),
         )
 
 
@@ -223,7 +225,7 @@ def measure(case: Case) -> Result:
         return trio.run(measure_batch, case)
     if case.kind == "moestream":
         result = trio.run(measure_engine, case)
-        if case.warm_all and case.config.get("compute", {}).get("speculative", "off") == "off":
+        if wants_resident(case) and not result.paired_resident_tok_s:
             # The compute ceiling, measured in this same process and GPU state.
             from qpack.reader import Container
 
@@ -308,7 +310,10 @@ class Report:
             out["ceiling_tok_s"] = min(ceilings)
             out["default_over_ceiling"] = default.decode_tok_s / min(ceilings)
         warm = self.by_name("warm-all")
-        if warm is not None and warm.resident_decode_tok_s > 0:
+        if warm is not None and warm.paired_resident_tok_s:
+            pairs = Pairs(warm.paired_engine_tok_s, warm.paired_resident_tok_s)
+            out["warm_all_over_resident"], out["warm_all_best_over_resident"] = pairs.ratio, pairs.best_ratio
+        elif warm is not None and warm.resident_decode_tok_s > 0:
             out["warm_all_over_resident"] = warm.decode_tok_s / warm.resident_decode_tok_s
         one_pass = self.by_name("long-prompt")
         for name in ("long-prompt", "long-prompt-c256"):

@@ -201,17 +201,27 @@ def resident_bytes(container: Container) -> int:
 
 def resident_decode(root: str | os.PathLike[str], prompt: list[int], max_tokens: int,
                     seed: int = 0) -> ResidentResult:
-    from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import make_sampler
+    model, load_s, nbytes = resident_model(root)
+    return decode_resident(model, prompt, max_tokens, seed, load_s, nbytes)
 
+
+def resident_model(root: str | os.PathLike[str]) -> tuple[nn.Module, float, int]:
+    """mlx-lm's model with every expert resident: (model, load seconds, its bytes)."""
     container = Container.open(root, verify="off")
     try:
         t0 = time.perf_counter()
         model = load_resident(container)
-        load_s = time.perf_counter() - t0
-        nbytes = resident_bytes(container)
+        return model, time.perf_counter() - t0, resident_bytes(container)
     finally:
         container.close()
+
+
+def decode_resident(model: nn.Module, prompt: list[int], max_tokens: int, seed: int = 0,
+                    load_s: float = 0.0, nbytes: int = 0) -> ResidentResult:
+    """One generation of `model` with mlx-lm's own `generate_step`, after a warm-up."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
     mx.random.seed(seed)
     sampler = make_sampler(temp=1.0)
     # Warm-up: the first calls compile kernels; the ceiling is the steady state.

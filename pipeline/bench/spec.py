@@ -84,6 +84,9 @@ class Result(msgspec.Struct, kw_only=True):
     run_ahead_misses: int = 0  # ... and fell back to one per layer
     awaited_tokens: int = 0  # decode tokens queued whole, waiting on the GPU (device_wait)
     resident_decode_tok_s: float = 0.0  # warm-all: mlx-lm resident, same process
+    # warm-all: (resident, engine) runs alternating beside each other (bench/warm_pairs.py).
+    paired_engine_tok_s: list[float] = []
+    paired_resident_tok_s: list[float] = []
     memory: dict[str, float | None] = {}  # the peak's split (pipeline/memory_breakdown.py)
     # Batch cases: decode_tok_s is the aggregate over the rows.
     concurrency: int = 0
