@@ -107,6 +107,19 @@ async def test_pack_streams_the_heads_experts_and_it_computes_the_reference_forw
             assert cache.offset == 4
             assert mx.array_equal(out, got).item(), slots
             assert streamed.pool.snapshot().misses > 0
+    # A draft reads the last position alone: every position's attention fills the cache,
+    # the last one's experts alone are read and computed (streamed = resident, bit for bit).
+    cache = KVCache()
+    last = resident(embeds, hidden, cache, last_only=True)
+    assert cache.offset == 4 and last.shape == (1, 1, got.shape[-1])
+    assert mx.allclose(last, got[:, -1:], atol=1e-6).item()
+    async with head_experts(qpack, parts, top_k) as streamed:
+        cache = KVCache()
+        out = await MlxWorker.shared().run(
+            lambda o: mx.eval(o) or o,
+            await streamed.forward(head, embeds, hidden, cache, MlxWorker.shared().run, last_only=True))
+        assert cache.offset == 4 and mx.array_equal(out, last).item()
+        assert streamed.pool.snapshot().misses <= top_k  # one position's experts, read once
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])

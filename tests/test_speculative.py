@@ -162,13 +162,17 @@ async def test_greedy_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_
             engine.prefix_cache.clear()
 
 
-async def _auto_on_emulated(container: Any, acceptance: float, **compute: Any) -> tuple[list[int], Done, Any]:
+async def _auto_on_emulated(container: Any, acceptance: float, hits_before: int = 0,
+                            **compute: Any) -> tuple[list[int], Done, Any]:
     """Plain greedy decode's 24 tokens, then `auto` on drafts from them at `acceptance`
-    (the same engine): (plain tokens, auto's Done, the engine's policy)."""
+    (the same engine), after `hits_before` shadow trials that hit: (plain tokens, auto's
+    Done, the engine's policy)."""
     config = engine_config(container, pool={"slots": 64}, compute=compute)
     async with open_engine(config) as engine:
         greedy = SamplingParams(temperature=0.0, max_tokens=24, speculative="off")
         tokens = list(_done(await _run(engine, greedy)).token_ids)
+        for _ in range(hits_before):
+            engine._core.batch.speculation.after_shadow(True)
         emulate_drafts(engine, EmulatedDrafts(tokens, acceptance, seed=1))
         done = _done(await _run(engine, msgspec.structs.replace(greedy, speculative="auto")))
         return tokens, done, engine._core.batch.speculation
@@ -178,8 +182,9 @@ async def test_auto_prices_plain_decode_by_its_pipelined_steps_not_the_restart_a
     """With every expert pooled plain decode is pipelined (each step queued behind the
     last). The step after a pass restarts the pipeline (a forward, then the next queued)
     and costs more: `auto` must not take it as plain decode's price."""
-    # Most drafts rejected: the shadow trials let passes be tried, and they lose.
-    tokens, done, policy = await _auto_on_emulated(container, 0.3, run_ahead="on")
+    # Trials that hit earlier (another text) let the first step pass; its drafts are all
+    # rejected, and the plain steps after it follow whatever the prices say.
+    tokens, done, policy = await _auto_on_emulated(container, 0.0, hits_before=10, run_ahead="on")
     assert list(done.token_ids) == tokens and done.stats.verify_passes >= 1
     # One plain step restarted the pipeline after each pass that plain steps followed.
     assert 1 <= policy.plain_priced < policy.stats.plain_steps

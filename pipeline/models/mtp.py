@@ -46,13 +46,20 @@ class MtpHead(nn.Module):
         self.layer = layer_class(args, fa)  # a full-attention one
         self.norm = nn.RMSNorm(h, eps=eps)
 
-    def __call__(self, embeds: mx.array, hidden: mx.array, cache: Any) -> mx.array:
-        """[1, T, H] embeddings of t[i+1] and hidden states h_i -> the head's normed output."""
+    def __call__(self, embeds: mx.array, hidden: mx.array, cache: Any, last_only: bool = False) -> mx.array:
+        """[1, T, H] embeddings of t[i+1] and hidden states h_i -> the head's normed output
+        (mlx-lm's decoder layer, its ops spelled out). `last_only`: the last position's
+        alone, [1, 1, H]. A draft reads only that one: the others' attention fills the
+        head's KV cache, and their experts (a catch-up over a prompt: most of the head's,
+        read and computed for nothing) are skipped."""
         x = mx.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)],
                            axis=-1)
         x = self.fc(x)
-        x = self.layer(x, mask=create_attention_mask(x, cache), cache=cache)
-        return self.norm(x)
+        layer = self.layer
+        h = x + layer.self_attn(layer.input_layernorm(x), create_attention_mask(x, cache), cache)
+        if last_only:
+            h = h[:, -1:]
+        return self.norm(h + layer.mlp(layer.post_attention_layernorm(h)))
 
 
 def load_mtp(root: Path, parts: TextParts, streamed: bool = False) -> MtpHead:

@@ -38,13 +38,15 @@ class HeadStep:
     """One forward of the head (on the MLX thread); `ids`: the experts it routes to."""
 
     def __init__(self, head: MtpHead, family: ForwardFamily, embeds: mx.array, hidden: mx.array,
-                 cache: Any) -> None:
+                 cache: Any, last_only: bool = False) -> None:
         self.head, self.family = head, family
         layer = head.layer
         x = head.fc(mx.concatenate([head.pre_fc_norm_embedding(embeds),
                                     head.pre_fc_norm_hidden(hidden)], axis=-1))
         mask = create_attention_mask(x, cache)
         self.h_mid = x + layer.self_attn(layer.input_layernorm(x), mask, cache)
+        if last_only:  # as MtpHead's: the last position's experts alone
+            self.h_mid = self.h_mid[:, -1:]
         self.x = layer.post_attention_layernorm(self.h_mid)
         self.inds, self.scores = family.route(layer.mlp, self.x)
         mx.eval(self.inds)
@@ -77,9 +79,9 @@ class StreamedExperts:
         return self.storage.nbytes
 
     async def forward(self, head: MtpHead, embeds: mx.array, hidden: mx.array, cache: Any,
-                      on_mlx: OnMlx) -> mx.array:
-        """What `head(embeds, hidden, cache)` computes, its experts read as needed."""
-        step: HeadStep = await on_mlx(HeadStep, head, self.family, embeds, hidden, cache)
+                      on_mlx: OnMlx, last_only: bool = False) -> mx.array:
+        """What `head(embeds, hidden, cache, last_only)` computes, its experts read as needed."""
+        step: HeadStep = await on_mlx(HeadStep, head, self.family, embeds, hidden, cache, last_only)
         arrays, fmt, _ = self.storage.view(self.pool.layer)  # one bank: its own small pool
         n = self.pool.num_slots
         async with self.pool.lock:
