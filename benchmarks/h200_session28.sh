@@ -8,9 +8,10 @@
 # spec: 35B dims with the MTP head (`bench-container --mtp`, c35m), 1 GiB pool. Every expert
 #   pooled: warm-all (against resident mlx-lm in 5 alternating pairs now), k=2 and `auto` at
 #   a = 0.8, and `spec-auto` (the head, random weights: it accepts nothing, the case where
-#   `auto` must back off, >= 0.97x plain); cold (O_DIRECT), calibrated-gate routing:
-#   default, k=2, `auto` at a = 0.8 and `spec-auto`; then the code before (31150aa) on warm
-#   `spec-auto`, for the same lease's comparison.
+#   `auto` must back off, >= 0.97x plain); then the code before (31150aa) on warm
+#   `spec-auto`, for the same lease's comparison (~7 min with the container's writing).
+# speccold: the same container cold (O_DIRECT), calibrated-gate routing: default, k=2,
+#   `auto` at a = 0.8 and `spec-auto` (~5 min).
 # Before this, the steps of h200_session27.sh (ring, ringcold) and h200_session26.sh (cold,
 # prefill, build, switch, check) are still to run.
 set -uo pipefail
