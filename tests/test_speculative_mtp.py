@@ -59,6 +59,25 @@ async def test_mtp_greedy_tokens_equal_plain_decode_at_every_pool_size(
     assert (counts.evictions > 0) == (mtp_slots is not None)
 
 
+async def test_auto_tries_the_head_on_each_new_generation_however_long_its_policy_waits(
+        synth_checkpoint, packed):
+    """`auto` asks an MTP head (a costly drafter) rarely once its trials miss; a new
+    generation is a new text: its first token is compared once, whatever the engine's
+    policy learnt before. The tokens stay plain decode's."""
+    _src, qpack = tiny_pair(synth_checkpoint, packed, "qwen3_next")
+    config = engine_config(qpack, pool={"slots": 16}, compute={"speculative": "auto"})
+    async with open_engine(config) as engine:
+        plain = await _done(engine, GREEDY)
+        policy = engine._core.batch.speculation
+        for _ in range(40):  # another text's trials: all missed, dear ones
+            policy.after_shadow(False, seconds=1.0)
+        policy.after_plain(0.001)
+        before = policy.stats.shadowed
+        auto = await _done(engine, msgspec.structs.replace(GREEDY, speculative="auto"))
+    assert auto.token_ids == plain.token_ids
+    assert policy.stats.shadowed == before + 1 and auto.stats.verify_passes == 0
+
+
 async def test_a_4_bit_model_streams_its_8_bit_head_through_the_same_reader(synth_checkpoint, packed):
     """The head's blobs are larger than the layers' (8 bits against 4): the reader's
     buffers hold them, and the tokens are still plain decode's."""

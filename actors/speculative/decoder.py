@@ -61,6 +61,9 @@ class RowSpeculation:
     left: int  # tokens the row may still be given
     verify_step: MakeVerifyStep  # the model's verify pass
     stats: SpecStats = field(default_factory=SpecStats)  # this row's passes
+    # `auto` has compared this row's drafter with a token of its own: a new text is tried
+    # once, whatever the engine's policy learnt from the texts before.
+    tried: bool = False
     # Where the row's final hidden states go, from every forward it is in (its own and a
     # decode batch's): an MTP drafter's `sink` (position after the forward, h [1, T, H]).
     sink: Callable[[int, Any], None] | None = None
@@ -111,8 +114,9 @@ class SpeculativeDecoder:
             guess: list[int] = []
             asked = time.perf_counter()
             if (shadow is not None and not k and self.spec.left > 1
-                    and self.policy.shadow_wanted(shadow == "free")):
+                    and (self.policy.shadow_wanted(shadow == "free") or not self.spec.tried)):
                 guess = await self._propose(1)
+                self.spec.tried = self.spec.tried or bool(guess)
             trial_s = None if shadow == "free" else time.perf_counter() - asked
             stepped = inner.logits is None  # the first token is drawn from logits at hand
             queued = inner.launched is not None

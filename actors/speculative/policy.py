@@ -15,11 +15,12 @@ Shadow drafts. At a plain step the drafter is asked too, and its first token com
 with the token the step gives: a trial of the acceptance that costs no pass (for a
 sampled row, the chance that they agree is p(draft), the chance that speculative
 sampling would keep it). Prompt lookup costs a few dictionary look-ups and is asked at
-every plain step; an MTP head runs its layer to answer, so it is asked at the first
-token and then only when a trial is due (at the probes' intervals, at least its cost
-over 2 % of a plain step apart). The first trial is the first token's (drawn from the
-prompt's logits, never a pass), and no pass is tried while the trials say that even a
-pass as cheap as a plain step could not pay (a = 0: a pass gives one token). On MLX's
+every plain step; an MTP head runs its layer to answer, so it is asked at each
+generation's first token (a new text) and then only when a trial is due (at the probes'
+intervals, at least its cost over 2 % of a plain step apart). The first trial is the
+first token's (drawn from the prompt's logits, never a pass), and no pass is tried
+while the trials say that even a pass as cheap as a plain step could not pay (a = 0: a
+pass gives one token). On MLX's
 CPU a pass of 2 positions costs ~1.8 plain steps, and the first pass and two probes of
 a random-weight MTP head cost 16 % of a 48-token decode (the project VM, session 28).
 While backed off, trials keep the acceptance current, so a text that starts to repeat
