@@ -8,9 +8,9 @@ generation, mlx-lm's model is loaded once beside it, and `PAIRS` (resident run, 
 pairs alternate: the ratio is the median of the pairs', so a drift of the machine's speed
 during the case (another tenant, the GPU's clocks) falls on both runs of a pair, and one
 slowed run moves one pair only (the best engine run over the best resident one is reported
-beside it: a shared machine's noise only ever slows a run down). Both
-models are then held at once: only where the memory left holds the resident one too
-(`fits`); elsewhere the resident model is measured after the engine closes, as before.
+beside it: a shared machine's noise only ever slows a run down). Both models are then held
+at once: only where the memory left holds the resident one too (`fits`); elsewhere the
+resident model is measured after the engine closes, as before.
 
 The resident model runs on the calling thread (trio's), the engine on its own MLX thread:
 their arrays never meet (MLX streams are per thread).
