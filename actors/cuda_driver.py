@@ -75,3 +75,9 @@ def on_cuda() -> bool:
         return mx.default_device() != mx.cpu and bool(mx.cuda.is_available())
     except AttributeError:  # an MLX build without the `cuda` module
         return False
+
+
+def gpu_memory_bytes() -> int:
+    """The GPU's memory as MLX reports it (0 where it does not say)."""
+    info = mx.device_info()
+    return int(info.get("memory_size") or info.get("total_memory") or 0)

@@ -48,8 +48,9 @@ def pool_memory_room(dense_bytes: int) -> tuple[int, str]:
     import mlx.core as mx
 
     if mx.cuda.is_available():  # a discrete GPU: the pool lives in device memory
-        info = mx.device_info()
-        total = int(info.get("memory_size") or info.get("total_memory") or 0)
+        from actors.cuda_driver import gpu_memory_bytes
+
+        total = gpu_memory_bytes()
         if total:
             return total - dense_bytes - RESERVE_BYTES, f"the GPU's {_mib(total)}"
     available = psutil.virtual_memory().available

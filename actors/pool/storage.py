@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, cast
 import mlx.core as mx
 import numpy as np
 
-from actors.cuda_driver import on_cuda
+from actors.cuda_driver import gpu_memory_bytes, on_cuda
 from actors.device_staging import to_device_many, to_device_prefetched
 from actors.libc import glibc
 from actors.pool.banks import Banks
@@ -71,8 +71,7 @@ def check_allocatable(nbytes: int) -> None:
     if not on_cuda():
         room, where = psutil.virtual_memory().available, "available host memory"
     else:
-        info = mx.device_info()
-        room = int(info.get("memory_size") or info.get("total_memory") or 0) or nbytes
+        room = gpu_memory_bytes() or nbytes
         where = "the GPU's memory"
     if nbytes > room:
         raise PoolAllocationError(f"expert pool of {nbytes / 2**20:,.0f} MiB cannot be allocated: "

@@ -112,12 +112,14 @@ class SpeculativeDecoder:
             # A shadow draft: what the drafter would have proposed, against the token the
             # step gives (a trial of the acceptance without a pass: actors/speculative/policy.py).
             guess: list[int] = []
-            asked = time.perf_counter()
+            trial_s: float | None = None  # what asking a costly drafter took
             if (shadow is not None and not k and self.spec.left > 1
                     and (self.policy.shadow_wanted(shadow == "free") or not self.spec.tried)):
+                asked = time.perf_counter()
                 guess = await self._propose(1)
                 self.spec.tried = self.spec.tried or bool(guess)
-            trial_s = None if shadow == "free" else time.perf_counter() - asked
+                if shadow == "costly":
+                    trial_s = time.perf_counter() - asked
             stepped = inner.logits is None  # the first token is drawn from logits at hand
             queued = inner.launched is not None
             t0 = time.perf_counter()

@@ -20,11 +20,11 @@ generation's first token (a new text) and then only when a trial is due (at the 
 intervals, at least its cost over 2 % of a plain step apart). The first trial is the
 first token's (drawn from the prompt's logits, never a pass), and no pass is tried
 while the trials say that even a pass as cheap as a plain step could not pay (a = 0: a
-pass gives one token). On MLX's
-CPU a pass of 2 positions costs ~1.8 plain steps, and the first pass and two probes of
-a random-weight MTP head cost 16 % of a 48-token decode (the project VM, session 28).
-While backed off, trials keep the acceptance current, so a text that starts to repeat
-resumes speculation without waiting for a probe pass.
+pass gives one token). On MLX's CPU a pass of 2 positions costs ~1.8 plain steps, and
+the first pass and two probes of a random-weight MTP head cost 16 % of a 48-token
+decode (the project VM, session 28). While backed off, trials keep the acceptance
+current, so a text that starts to repeat resumes speculation without waiting for a
+probe pass.
 
 The guard: a pass of k drafts pins up to (k + 1) x top_k experts per MoE layer, so k is
 cut to what the pool can pin (`pinnable_rows` - 1), never a failure.
@@ -104,7 +104,6 @@ class SpeculationPolicy:
     passes_of: dict[int, int] = field(default_factory=dict)  # passes seen per length
     kept: float = 0.0  # decayed counts: drafts kept, drafts rejected
     rejected: float = 0.0
-    shadow_trials: int = 0  # shadow drafts compared with their step's token
     trial_s: float | None = None  # seconds of a costly drafter's shadow draft
     _losing: bool = False
     _shadow_due: bool = False  # a costly drafter is to be asked at the next plain step
@@ -135,7 +134,7 @@ class SpeculationPolicy:
             return 0
         if mode != "auto":
             return k
-        if shadow is not None and not self.pass_s and self.shadow_trials < _SHADOW_FIRST:
+        if shadow is not None and not self.pass_s and self.stats.shadowed < _SHADOW_FIRST:
             self._shadow_due = True
             return 0  # plain steps and trials before the first pass
         if shadow is not None and 1.0 + self.acceptance < _WORTH:
@@ -211,7 +210,6 @@ class SpeculationPolicy:
         self._shadow_due = False
         if seconds is not None:
             self.trial_s = _ema(self.trial_s, seconds)
-        self.shadow_trials += 1
         self.stats.shadowed += 1
         self.kept = self.kept * _DECAY + (1 if kept else 0)
         self.rejected = self.rejected * _DECAY + (0 if kept else 1)

@@ -50,15 +50,14 @@ def fits(model: Path) -> bool:
     import mlx.core as mx
     import psutil
 
+    from actors.cuda_driver import gpu_memory_bytes
     from pipeline.bench.refs import resident_bytes
     from qpack.reader import Container
 
     with Container.open(model, verify="off") as c:
         need = resident_bytes(c) + RESERVE_BYTES
     if mx.cuda.is_available():
-        info = mx.device_info()
-        total = int(info.get("memory_size") or info.get("total_memory") or 0)
-        return total - mx.get_active_memory() >= need
+        return gpu_memory_bytes() - mx.get_active_memory() >= need
     return int(psutil.virtual_memory().available) >= need
 
 

@@ -52,14 +52,19 @@ class MtpHead(nn.Module):
         alone, [1, 1, H]. A draft reads only that one: the others' attention fills the
         head's KV cache, and their experts (a catch-up over a prompt: most of the head's,
         read and computed for nothing) are skipped."""
+        h = self.attend(embeds, hidden, cache, last_only)
+        return self.norm(h + self.layer.mlp(self.layer.post_attention_layernorm(h)))
+
+    def attend(self, embeds: mx.array, hidden: mx.array, cache: Any, last_only: bool = False) -> mx.array:
+        """The layer's residual stream after its attention (the KV cache extended), before
+        its MoE: [1, T, H], or its last position with `last_only`. The streamed head
+        (pipeline/models/mtp_experts.py) goes on from here with its experts read."""
         x = mx.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)],
                            axis=-1)
         x = self.fc(x)
         layer = self.layer
         h = x + layer.self_attn(layer.input_layernorm(x), create_attention_mask(x, cache), cache)
-        if last_only:
-            h = h[:, -1:]
-        return self.norm(h + layer.mlp(layer.post_attention_layernorm(h)))
+        return h[:, -1:] if last_only else h
 
 
 def load_mtp(root: Path, parts: TextParts, streamed: bool = False) -> MtpHead:

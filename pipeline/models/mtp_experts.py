@@ -22,7 +22,6 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.base import create_attention_mask
 
 from actors.forward import unique_in_order
 from actors.pool.head_pool import HeadPool
@@ -41,12 +40,7 @@ class HeadStep:
                  cache: Any, last_only: bool = False) -> None:
         self.head, self.family = head, family
         layer = head.layer
-        x = head.fc(mx.concatenate([head.pre_fc_norm_embedding(embeds),
-                                    head.pre_fc_norm_hidden(hidden)], axis=-1))
-        mask = create_attention_mask(x, cache)
-        self.h_mid = x + layer.self_attn(layer.input_layernorm(x), mask, cache)
-        if last_only:  # as MtpHead's: the last position's experts alone
-            self.h_mid = self.h_mid[:, -1:]
+        self.h_mid = head.attend(embeds, hidden, cache, last_only)
         self.x = layer.post_attention_layernorm(self.h_mid)
         self.inds, self.scores = family.route(layer.mlp, self.x)
         mx.eval(self.inds)
