@@ -13,6 +13,10 @@
 # spec (issue 24): h200_session28.sh's spec without the code-before comparison.
 # cold (issues 31, 24): the MTP container cold (O_DIRECT): default and io (random routing),
 #   then calibrated-gate default, k=2 and auto at a = 0.8, and spec-auto.
+# prefill (issue 31): the 1024-token prompt cold with io, on the same container.
+# again: cold-spec and spec once more, then the warm speculative cases twice (the warm
+#   figures of one 32-token run moved +-30 %: three or four runs of each).
+# All six ran on 2026-12-05 (benchmarks/results/h200/session29/, docs/results.md nineteenth pass).
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
@@ -51,6 +55,21 @@ case $step in
     python3 benchmarks/read_path_summary.py "$OUT"/cold-*.json
     same "$OUT"/cold-spec.json
     pack ;;
-  *) echo "unknown step $step: ring, spec or cold" >&2 ;;
+  prefill)
+    only c35m; container c35m qwen3.6-35b-a3b --mtp
+    TAIL=1 bench 420 prefill c35m "${cold[@]}" --cases long-prompt,io
+    python3 benchmarks/read_path_summary.py "$OUT"/prefill.json
+    pack ;;
+  again)
+    only c35m; container c35m qwen3.6-35b-a3b --mtp
+    TAIL=1 bench 200 again-cold-spec c35m "${cold[@]}" --routing calibrated-gate \
+      --cases default,spec-k2-a0.8,spec-auto-a0.8,spec-auto
+    cat "$DATA"/c35m.qpack/experts/* > /dev/null
+    TAIL=1 bench 250 again-spec-warm c35m "${warm[@]}" --cases warm-all,warm-spec-k2-a0.8,warm-spec-auto-a0.8,warm-spec-auto
+    for i in 1 2; do
+      TAIL=1 bench 160 third-spec-warm-$i c35m "${warm[@]}" --cases warm-all,warm-spec-auto,warm-spec-auto-a0.8,warm-spec-k2-a0.8
+    done
+    pack ;;
+  *) echo "unknown step $step: ring, spec, cold, prefill or again" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
