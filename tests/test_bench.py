@@ -106,6 +106,30 @@ def test_bench_end_to_end_writes_json_and_trace(tiny_bench: Path, tmp_path: Path
     assert names & {"read", "prefetch"}
 
 
+def test_a_warm_speculative_case_is_compared_with_plain_runs_of_its_own_engine(
+        tiny_bench: Path, tmp_path: Path) -> None:
+    """"x plain" of a warm-spec case is the median of (plain, speculative) pairs in its own
+    engine (a request's speculative = "off"), the one run against warm-all's beside it."""
+    import moestream_bench
+
+    out = tmp_path / "spec.json"
+    assert moestream_bench.main([
+        "bench", str(tiny_bench), "--cases", "warm-spec-k2-a1.0", "--slots", "8",
+        "--prefill-chunk", "2", "--prompt-tokens", "6", "--max-tokens", "6", "--json", str(out),
+    ]) == 0
+    report = json.loads(out.read_text())
+    by_name = {r["name"]: r for r in report["results"]}
+    spec, plain = by_name["warm-spec-k2-a1.0"], by_name["warm-all"]  # the reference, added
+    runs, plains = spec["paired_spec_tok_s"], spec["paired_plain_tok_s"]
+    assert len(runs) == len(plains) == 5 and min(runs + plains) > 0
+    derived = report["derived"]
+    ratios = sorted(s / p for s, p in zip(runs, plains, strict=True))
+    assert derived["warm-spec-k2-a1.0_over_plain"] == ratios[2]
+    assert derived["warm-spec-k2-a1.0_single_over_plain"] == spec["decode_tok_s"] / plain["decode_tok_s"]
+    assert spec["verify_passes"] > 0 and spec["acceptance"] == 1.0
+    assert not plain.get("paired_plain_tok_s")  # plain decode is not paired with itself
+
+
 async def test_serial_reads_one_expert_at_a_time_and_prefetches_nothing(tiny_bench: Path) -> None:
     """The `serial` reference (the end-to-end run above measures `default` only): its plan
     turns overlap off, its engine then reads with one reader and predicts nothing, and

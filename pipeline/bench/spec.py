@@ -87,6 +87,9 @@ class Result(msgspec.Struct, kw_only=True):
     # warm-all: (resident, engine) runs alternating beside each other (bench/warm_pairs.py).
     paired_engine_tok_s: list[float] = []
     paired_resident_tok_s: list[float] = []
+    # warm-spec-*: (plain, speculative) runs alternating in the case's engine (the same file).
+    paired_plain_tok_s: list[float] = []
+    paired_spec_tok_s: list[float] = []
     memory: dict[str, float | None] = {}  # the peak's split (pipeline/memory_breakdown.py)
     # Batch cases: decode_tok_s is the aggregate over the rows.
     concurrency: int = 0

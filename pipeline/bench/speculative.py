@@ -57,15 +57,25 @@ def spec_result_fields(stats: Any, case: Any) -> dict[str, Any]:
 
 
 def spec_derived(results: dict[str, Any]) -> dict[str, float]:
-    """Each speculating case's decode tok/s over its plain reference's ("x plain")."""
+    """Each speculating case's decode tok/s over plain decode's ("x plain"): a warm case's
+    median of its (plain, speculative) pairs in one engine (`bench/warm_pairs.py`), its
+    one run over the reference case's beside it (`_single_over_plain`); a cold case's
+    one run over its reference's."""
+    from pipeline.bench.warm_pairs import Pairs
+
     out: dict[str, float] = {}
     for name, r in results.items():
         base, _, routing = name.partition("@")
         if not is_spec_case(base):
             continue
         ref = results.get(reference_of(base) + (f"@{routing}" if routing else ""))
-        if ref is not None and ref.decode_tok_s > 0:
-            out[f"{name}_over_plain"] = r.decode_tok_s / ref.decode_tok_s
+        single = r.decode_tok_s / ref.decode_tok_s if ref is not None and ref.decode_tok_s > 0 else None
+        if r.paired_plain_tok_s:
+            out[f"{name}_over_plain"] = Pairs(r.paired_spec_tok_s, r.paired_plain_tok_s, "plain").ratio
+            if single is not None:
+                out[f"{name}_single_over_plain"] = single
+        elif single is not None:
+            out[f"{name}_over_plain"] = single
     return out
 
 

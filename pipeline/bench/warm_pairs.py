@@ -1,4 +1,5 @@
-"""`warm-all` against resident mlx-lm, in alternate runs of one process.
+"""Every expert pooled, against what it is compared with, in alternate runs of one process:
+`warm-all` against resident mlx-lm, a `warm-spec-*` case against plain decode.
 
 The warm-all target (every expert pooled >= 0.9x resident mlx-lm, issue 31) was measured
 as one engine run, the engine closed, then one resident run: on the H200 the ratio moved
@@ -14,6 +15,15 @@ resident model is measured after the engine closes, as before.
 
 The resident model runs on the calling thread (trio's), the engine on its own MLX thread:
 their arrays never meet (MLX streams are per thread).
+
+A `warm-spec-*` case's "x plain" was its one run over `warm-all`'s one run, each in a
+process of its own: on the H200 a 32-token run of either moved +-15 % (session 29: plain
+25.3-30.8 tok/s in four runs of one lease, `auto` with a head that drafts nothing 0.86-1.06x
+it). Here the speculating engine, after its measured generation, alternates `PAIRS` (plain,
+speculative) runs of the same prompt and seed (a request's `speculative = "off"` decodes
+plainly in the same engine, the same pool, the same compiled kernels; the emulated drafts
+match the seed's tokens), and "x plain" is the median of the pairs' ratios. `auto`'s policy
+is the engine's and learns across the runs, as a server's does.
 """
 
 from __future__ import annotations
@@ -29,8 +39,9 @@ RESERVE_BYTES = 1 << 30  # left free beside both models (activations, the alloca
 
 
 class Pairs(msgspec.Struct, frozen=True):
-    engine_tok_s: list[float]  # the engine's decode, one per pair (after the resident run)
-    resident_tok_s: list[float]
+    engine_tok_s: list[float]  # the engine's decode, one per pair (after the other run)
+    resident_tok_s: list[float]  # the run it is compared with: resident mlx-lm, or plain decode
+    against: str = "resident"  # "resident" (warm-all) or "plain" (a warm-spec case)
 
     @property
     def ratio(self) -> float:
@@ -65,23 +76,39 @@ async def alternate(engine: Any, model: Path, prompt: list[int], params: Any, se
                     pairs: int = PAIRS) -> Pairs:
     """`pairs` (resident, engine) runs of `prompt` at `params.max_tokens`, each engine run
     with its own seed (every expert pooled: nothing is read, the same work)."""
-    from contextlib import aclosing
-
     from pipeline.bench.refs import decode_resident, resident_model
-    from pipeline.events import Done
 
     resident, _, _ = resident_model(model)
     engine_tok_s: list[float] = []
     resident_tok_s: list[float] = []
     for i in range(pairs):
         resident_tok_s.append(decode_resident(resident, prompt, params.max_tokens, seed + i).decode_tok_s)
-        run = msgspec.structs.replace(params, seed=seed + i)
-        async with aclosing(engine.generate(prompt, run)) as it:
-            async for event in it:
-                if isinstance(event, Done):
-                    engine_tok_s.append(event.stats.decode_tok_s)
+        engine_tok_s.append(await _decode_tok_s(engine, prompt, msgspec.structs.replace(params, seed=seed + i)))
     del resident
     return Pairs(engine_tok_s, resident_tok_s)
+
+
+async def against_plain(engine: Any, prompt: list[int], params: Any, pairs: int = PAIRS) -> Pairs:
+    """`pairs` (plain, speculative) runs of `prompt` with `params` (the measured run's seed)."""
+    plain = msgspec.structs.replace(params, speculative="off")
+    spec_tok_s: list[float] = []
+    plain_tok_s: list[float] = []
+    for _ in range(pairs):
+        plain_tok_s.append(await _decode_tok_s(engine, prompt, plain))
+        spec_tok_s.append(await _decode_tok_s(engine, prompt, params))
+    return Pairs(spec_tok_s, plain_tok_s, against="plain")
+
+
+async def _decode_tok_s(engine: Any, prompt: list[int], params: Any) -> float:
+    from contextlib import aclosing
+
+    from pipeline.events import Done
+
+    async with aclosing(engine.generate(prompt, params)) as it:
+        async for event in it:
+            if isinstance(event, Done):
+                return float(event.stats.decode_tok_s)
+    raise RuntimeError("a generation ended without its Done event")
 
 
 def wants_resident(case: Any) -> bool:
@@ -89,16 +116,26 @@ def wants_resident(case: Any) -> bool:
     return bool(case.warm_all) and case.config.get("compute", {}).get("speculative", "off") == "off"
 
 
+def wants_plain(case: Any) -> bool:
+    """The case speculates with every expert pooled (`warm-spec-*`): compared with plain."""
+    return bool(case.warm_all) and case.config.get("compute", {}).get("speculative", "off") != "off"
+
+
 async def paired(engine: Any, case: Any, prompt: list[int], params: Any) -> Pairs | None:
-    """`alternate` after a warm-all case's measured generation, where both models fit."""
+    """After a warm case's measured generation: `alternate` (warm-all, where both models
+    fit) or `against_plain` (warm-spec-*); None for any other case."""
+    if wants_plain(case):
+        return await against_plain(engine, prompt, params)
     if not wants_resident(case) or not fits(Path(case.model)):
         return None
     return await alternate(engine, Path(case.model), prompt, params, case.seed + 1)
 
 
 def pair_fields(pairs: Pairs | None) -> dict[str, Any]:
-    """Result fields: the pairs' runs and the resident model's median."""
+    """Result fields: the pairs' runs (and the resident model's median)."""
     if pairs is None:
         return {}
+    if pairs.against == "plain":
+        return {"paired_spec_tok_s": pairs.engine_tok_s, "paired_plain_tok_s": pairs.resident_tok_s}
     return {"paired_engine_tok_s": pairs.engine_tok_s, "paired_resident_tok_s": pairs.resident_tok_s,
             "resident_decode_tok_s": statistics.median(pairs.resident_tok_s)}
