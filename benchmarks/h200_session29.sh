@@ -16,7 +16,9 @@
 # prefill (issue 31): the 1024-token prompt cold with io, on the same container.
 # again: cold-spec and spec once more, then the warm speculative cases twice (the warm
 #   figures of one 32-token run moved +-30 %: three or four runs of each).
-# All six ran on 2026-12-05 (benchmarks/results/h200/session29/, docs/results.md nineteenth pass).
+# pairs (not run yet: written after the lease): the warm speculative cases, each now paired
+#   with plain decode in its own engine (bench/warm_pairs.py `against_plain`), twice.
+# The other steps ran on 2026-12-05 (benchmarks/results/h200/session29/, docs/results.md nineteenth pass).
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
@@ -70,6 +72,12 @@ case $step in
       TAIL=1 bench 160 third-spec-warm-$i c35m "${warm[@]}" --cases warm-all,warm-spec-auto,warm-spec-auto-a0.8,warm-spec-k2-a0.8
     done
     pack ;;
-  *) echo "unknown step $step: ring, spec, cold, prefill or again" >&2 ;;
+  pairs)
+    only c35m; container c35m qwen3.6-35b-a3b --mtp; cat "$DATA"/c35m.qpack/experts/* > /dev/null
+    for i in 1 2; do
+      TAIL=1 bench 250 pairs-$i c35m "${warm[@]}" --cases warm-all,warm-spec-auto,warm-spec-auto-a0.8,warm-spec-k2-a0.8
+    done
+    pack ;;
+  *) echo "unknown step $step: ring, spec, cold, prefill, again or pairs" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
