@@ -49,7 +49,8 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
 PROMPTS = ("The quick brown fox", "Mixture-of-experts models route each token to",
            "Name three prime numbers.", "Write a haiku about disks.", "Explain caching.")
 GAUGES = ("pool_pinned_experts", "pool_loads_in_flight", "queue_depth", "running_generations",
-          "generations_total", "expert_reads_total", "heap_trimmed_bytes_total")
+          "generations_total", "expert_reads_total", "heap_trimmed_bytes_total",
+          "prefix_cache_entries", "prefix_cache_bytes")
 
 
 class Unexpected(Exception):
@@ -298,6 +299,11 @@ async def soak(args: argparse.Namespace, proc: psutil.Process, port: int) -> dic
                                                       "pool_pinned_experts", "pool_loads_in_flight")}
     unexpected = sum(n for c in outcomes.values() for k, n in c.items() if k != "ok")
     slope = _slope_mb_per_hour([(s["minute"], s["rss_mb"]) for s in warm])
+    # The prefix cache fills up to its bound (16 prompt states, pipeline/prefix_cache.py)
+    # while the traffic brings new prompts: RSS grows with it until it is full. The slope of
+    # RSS less what it holds is the process's own.
+    less = _slope_mb_per_hour([(s["minute"], s["rss_mb"] - (s.get("prefix_cache_bytes") or 0) / 2**20)
+                               for s in warm])
     growing = [k for k in ("open_files", "threads") if _grows([s[k] for s in warm])]
     ok = (unexpected == 0 and all(s["health"] == 200 for s in samples)
           and flat["pool_pinned_experts"] == [0] and flat["pool_loads_in_flight"] == [0]
@@ -309,7 +315,11 @@ async def soak(args: argparse.Namespace, proc: psutil.Process, port: int) -> dic
             "outcomes": {k: dict(c) for k, c in outcomes.items()}, "errors": errors[:50],
             "unexpected_errors": unexpected, "samples": samples,
             "after_warmup": {"from_minute": args.warmup_min, "rss_mb_min": min(rss), "rss_mb_max": max(rss),
-                             "rss_slope_mb_per_hour": round(slope, 2), "growing": growing,
+                             "rss_slope_mb_per_hour": round(slope, 2),
+                             "rss_less_prefix_cache_slope_mb_per_hour": round(less, 2),
+                             "prefix_cache_mb_max": round(max((s.get("prefix_cache_bytes") or 0)
+                                                              for s in warm) / 2**20, 1),
+                             "growing": growing,
                              **flat},
             "verdict": "PASS" if ok else "FAIL"}
 

@@ -84,6 +84,12 @@ class PrefixCache:
     def bytes(self) -> int:
         return sum(n for _, n in self._entries.values())
 
+    def usage(self) -> tuple[int, int]:
+        """(entries, bytes) from any thread: the entries are copied in one step under the
+        GIL, so a `put` on the MLX thread never changes them while they are summed."""
+        entries = list(self._entries.values())
+        return len(entries), sum(n for _, n in entries)
+
     def take(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
         """A copy of the longest stored state whose sequence is a proper prefix of `tokens`
         (at least one token is left to compute: the next logits come from it)."""

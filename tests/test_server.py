@@ -118,6 +118,10 @@ async def test_chat_completions_models_and_metrics(container: Path) -> None:
         assert 0 < int(values["moestream_decode_resident_memory_bytes"]) < 2 * rss
         assert int(values["moestream_decode_device_memory_bytes"]) >= engine.pool_bytes
         assert int(values["moestream_heap_trimmed_bytes_total"]) >= 0
+        # The prompts kept for reuse (the follow-up above found one), as the cache counts them.
+        entries, held = engine.prefix_cache.usage()
+        assert int(values["moestream_prefix_cache_entries"]) == entries > 0
+        assert int(values["moestream_prefix_cache_bytes"]) == held > 0
         assert int(values["moestream_prefetch_shelved_total"]) >= 0
         assert int(values["moestream_drafts_accepted_total"]) == 0  # speculation is off
         assert int(values["moestream_shadow_drafts_total"]) == 0  # ... so `auto` asked nothing

@@ -106,6 +106,12 @@ class Metrics:
         metric("decode_device_memory_bytes", "gauge",
                "MLX memory while the last finished request decoded (its peak).",
                [("", round(self.last_decode_device_mb * mib))])
+        # Bounded by `prefix_cache.max_entries` / `max_bytes`: a soak's RSS grows by what it
+        # holds until it is full (benchmarks/soak.py sets the two apart).
+        entries, held = engine.prefix_cache.usage()
+        metric("prefix_cache_entries", "gauge", "Prompt states kept for prefix reuse.", [("", entries)])
+        metric("prefix_cache_bytes", "gauge", "Bytes of the prompt states kept for prefix reuse.",
+               [("", held)])
         metric("heap_trimmed_bytes_total", "counter",
                "Freed host memory handed back to the OS after generations (malloc_trim).",
                [("", round(engine.trimmed_mb * mib))])
