@@ -5,13 +5,16 @@ whose kernel cache is empty that is minutes of NVRTC work, and the memory it fre
 in glibc's arenas: on the H200, a 35B-dim engine's RSS while decoding was 5.5 GB after
 compiling and 2.5 GB in the next process, which loaded the same kernels from the cache.
 A long-lived server would hold those gigabytes for its whole life. `malloc_trim(0)`
-returns free arena pages; it walks every arena, so it runs only when RSS has grown, or
-when the arenas hold much free memory. The second is a server's steady state: requests of
-every size free buffers under glibc's mmap threshold (pipeline/memory_malloc.py) in the
-middle of the arenas, and RSS rose 200-450 MiB/hour in 22-25 minute soaks of the demo
-server (2026-12-05, benchmarks/results/soak/) while its live memory stayed flat: at one idle
-moment 217 MiB of the arenas were free and one `malloc_trim(0)` took RSS 773 -> 590 MiB,
-yet the growth rule had not fired, each trim having raised its own floor.
+returns free arena pages; it walks every arena (5-45 ms for 100-300 MiB of holes on the
+project VM), so it runs only once RSS has grown by GROWTH_MB since the last trim, whose
+result is the new floor. That step was 256 MiB: in 22-25 minute soaks of the demo server
+(2026-12-05, benchmarks/results/soak/) RSS rose 200-450 MiB/hour while the live memory
+stayed flat (malloc's in-use bytes, MLX's active memory, Python's objects and the
+prefix cache's states all level): requests of every size free buffers under glibc's mmap
+threshold (pipeline/memory_malloc.py) in the middle of the arenas, 217 MiB of them free
+at one idle moment, and one `malloc_trim(0)` took RSS 773 -> 590 MiB. glibc's count of
+free arena bytes (mallinfo2) is no trigger: a trim returns their pages but they stay
+free chunks, so the count does not fall.
 """
 
 from __future__ import annotations
@@ -27,28 +30,12 @@ from pipeline.resident_map import current_rss_mb
 
 log = structlog.get_logger(__name__)
 
-GROWTH_MB = 256.0  # trim once RSS is this far above what the last trim left ...
-FREE_MB = 64.0  # ... or once this much of the arenas is free
+GROWTH_MB = 64.0  # trim once RSS is this far above what the last trim left
 
 
 def malloc_trim() -> Callable[..., int] | None:
     """glibc's malloc_trim (None where there is none)."""
     return glibc("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
-
-
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
-
-
-def arena_free_mb() -> float | None:
-    """Free bytes in glibc's arenas, in MiB (mallinfo2's fordblks: every arena's); None
-    where there is no mallinfo2 (glibc < 2.33, other C libraries)."""
-    info = glibc("mallinfo2", (), _Mallinfo2)
-    if info is None:
-        return None
-    return float(info().fordblks) / 2**20  # type: ignore[attr-defined]
 
 
 class HeapTrimmer:
@@ -58,12 +45,11 @@ class HeapTrimmer:
         self.trimmed_mb = 0.0  # given back so far
 
     def maybe_trim(self) -> float:
-        """Trim if RSS grew by GROWTH_MB since the last trim or FREE_MB of the arenas are
-        free; MiB given back (0 if none)."""
+        """Trim if RSS grew by GROWTH_MB since the last trim; MiB given back (0 if none)."""
         if self._trim is None:
             return 0.0
         before = current_rss_mb()
-        if before < self._floor + GROWTH_MB and (arena_free_mb() or 0.0) < FREE_MB:
+        if before < self._floor + GROWTH_MB:
             return 0.0
         self._trim(0)
         after = current_rss_mb()

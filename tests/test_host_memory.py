@@ -72,23 +72,23 @@ def test_trim_returns_freed_heap_pages_and_only_when_rss_grew():
 
 
 @linux_only
-def test_trim_returns_free_arena_memory_though_rss_grew_less_than_the_growth_rule():
+def test_trim_returns_holes_a_server_leaves_long_before_rss_grew_by_a_quarter_gigabyte():
     # A server's steady state (pipeline/heap_trim.py): holes of freed buffers in the
-    # arenas, RSS up by less than GROWTH_MB. 160 MiB of 64 KiB chunks, every other one freed:
-    # ~80 MiB free, over FREE_MB.
+    # arenas, RSS up by far less than the 256 MiB the rule used to wait for (soaks rose
+    # 200-450 MiB/hour that way). 160 MiB of 64 KiB chunks, every other one freed.
     r = _run("""
         import json
-        from pipeline.heap_trim import FREE_MB, GROWTH_MB, HeapTrimmer, arena_free_mb
+        from pipeline.heap_trim import GROWTH_MB, HeapTrimmer
         from pipeline.resident_map import current_rss_mb
         trimmer = HeapTrimmer()
         start = current_rss_mb()
         chunks = [b"\\x01" * (64 * 1024) for _ in range(2560)]
         del chunks[::2]
-        free, freed = arena_free_mb(), current_rss_mb()
+        freed = current_rss_mb()
         given = trimmer.maybe_trim()
-        print(json.dumps({"grew": freed - start, "free": free, "given": given, "after": current_rss_mb(),
-                          "freed": freed, "again": trimmer.maybe_trim(), "rule": GROWTH_MB, "floor": FREE_MB}))
+        print(json.dumps({"grew": freed - start, "given": given, "after": current_rss_mb(),
+                          "freed": freed, "again": trimmer.maybe_trim(), "rule": GROWTH_MB}))
     """)
-    assert r["grew"] < r["rule"] and r["free"] >= r["floor"]  # only the free-arena rule can fire
+    assert r["rule"] <= r["grew"] < 256
     assert r["given"] >= 60 and r["after"] < r["freed"] - 60
-    assert r["again"] == 0.0  # what is left free is under the floor: no second walk
+    assert r["again"] == 0.0  # the trim's result is the new floor: no second walk
