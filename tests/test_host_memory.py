@@ -72,23 +72,27 @@ def test_trim_returns_freed_heap_pages_and_only_when_rss_grew():
 
 
 @linux_only
-def test_trim_returns_holes_a_server_leaves_long_before_rss_grew_by_a_quarter_gigabyte():
+def test_trim_returns_a_servers_holes_when_a_generation_ends_alone():
     # A server's steady state (pipeline/heap_trim.py): holes of freed buffers in the
-    # arenas, RSS up by far less than the 256 MiB the rule used to wait for (soaks rose
-    # 200-450 MiB/hour that way). 160 MiB of 64 KiB chunks, every other one freed.
+    # arenas, RSS up by far less than GROWTH_MB (soaks rose 200-450 MiB/hour waiting for
+    # it). 160 MiB of 64 KiB chunks, every other one freed: kept while other generations
+    # run (what they hold would set the floor), given back once one ends alone.
     r = _run("""
         import json
-        from pipeline.heap_trim import GROWTH_MB, HeapTrimmer
+        from pipeline.heap_trim import GROWTH_MB, IDLE_GROWTH_MB, HeapTrimmer
         from pipeline.resident_map import current_rss_mb
         trimmer = HeapTrimmer()
         start = current_rss_mb()
         chunks = [b"\\x01" * (64 * 1024) for _ in range(2560)]
         del chunks[::2]
         freed = current_rss_mb()
-        given = trimmer.maybe_trim()
-        print(json.dumps({"grew": freed - start, "given": given, "after": current_rss_mb(),
-                          "freed": freed, "again": trimmer.maybe_trim(), "rule": GROWTH_MB}))
+        busy = trimmer.maybe_trim(alone=False)
+        given = trimmer.maybe_trim(alone=True)
+        print(json.dumps({"grew": freed - start, "busy": busy, "given": given, "after": current_rss_mb(),
+                          "freed": freed, "again": trimmer.maybe_trim(alone=True),
+                          "rule": GROWTH_MB, "idle_rule": IDLE_GROWTH_MB}))
     """)
-    assert r["rule"] <= r["grew"] < 256
+    assert r["idle_rule"] <= r["grew"] < r["rule"]
+    assert r["busy"] == 0.0
     assert r["given"] >= 60 and r["after"] < r["freed"] - 60
     assert r["again"] == 0.0  # the trim's result is the new floor: no second walk
