@@ -82,7 +82,7 @@ class PrefixCache:
 
     @property
     def bytes(self) -> int:
-        return sum(n for _, n in self._entries.values())
+        return self.usage()[1]
 
     def usage(self) -> tuple[int, int]:
         """(entries, bytes) from any thread: the entries are copied in one step under the

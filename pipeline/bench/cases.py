@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 import traceback
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -31,7 +30,7 @@ import msgspec
 from pipeline import engine_hooks as hooks
 from pipeline.bench.spec import Case, Result, backend, engine_dict, prompt_ids
 from pipeline.bench.speculative import spec_derived, spec_result_fields
-from pipeline.bench.warm_pairs import Pairs, pair_fields, paired, wants_resident
+from pipeline.bench.warm_pairs import Pairs, finished, pair_fields, paired, wants_resident
 
 __all__ = ["Case", "Report", "Result", "engine_dict", "machine_info", "prompt_ids", "run_case"]
 
@@ -97,17 +96,12 @@ async def measure_engine(case: Case) -> Result:
         before = engine.counters()
         params = SamplingParams(temperature=1.0, seed=case.seed, max_tokens=case.max_tokens)
         prompt = prompt_ids(case.prompt_tokens, facts.vocab_size, case.seed)
-        done: Done | None = None
         with timeline.recording(case.trace), engine.watch_tokens(first_decode):
-            async with aclosing(engine.generate(prompt, params)) as it:
-                async for event in it:
-                    if isinstance(event, Done):
-                        done = event
+            done: Done = await finished(engine, prompt, params)
         end, cpu_end = engine.counters(), cpu_sample()
         read_path = between(at_decode[0] if at_decode else None, end, facts.expert_stride)
         if at_decode:
             read_path.thread_cpu_s = cpu_between(cpu_at_decode, cpu_end)
-        assert done is not None
         s = done.stats
         pairs = await paired(engine, case, prompt, params)
         decoded = max(s.completion_tokens - 1, 0)
@@ -151,14 +145,7 @@ _COLD_PASS_WARMUP = 8  # tokens of a cold case's warm-up generations (each reads
 
 async def _tokens(engine: Any, prompt: list[int], params: Any) -> list[int]:
     """One generation's tokens (run to the end)."""
-    from pipeline.events import Done
-
-    tokens: list[int] = []
-    async with aclosing(engine.generate(prompt, params)) as it:
-        async for event in it:
-            if isinstance(event, Done):
-                tokens = list(event.token_ids)
-    return tokens
+    return list((await finished(engine, prompt, params)).token_ids)
 
 
 async def _warm_passes(engine: Any, case: Case, prompt: list[int], params: Any,

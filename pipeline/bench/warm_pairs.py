@@ -83,7 +83,8 @@ async def alternate(engine: Any, model: Path, prompt: list[int], params: Any, se
     resident_tok_s: list[float] = []
     for i in range(pairs):
         resident_tok_s.append(decode_resident(resident, prompt, params.max_tokens, seed + i).decode_tok_s)
-        engine_tok_s.append(await _decode_tok_s(engine, prompt, msgspec.structs.replace(params, seed=seed + i)))
+        run = msgspec.structs.replace(params, seed=seed + i)
+        engine_tok_s.append((await finished(engine, prompt, run)).stats.decode_tok_s)
     del resident
     return Pairs(engine_tok_s, resident_tok_s)
 
@@ -94,12 +95,13 @@ async def against_plain(engine: Any, prompt: list[int], params: Any, pairs: int 
     spec_tok_s: list[float] = []
     plain_tok_s: list[float] = []
     for _ in range(pairs):
-        plain_tok_s.append(await _decode_tok_s(engine, prompt, plain))
-        spec_tok_s.append(await _decode_tok_s(engine, prompt, params))
+        plain_tok_s.append((await finished(engine, prompt, plain)).stats.decode_tok_s)
+        spec_tok_s.append((await finished(engine, prompt, params)).stats.decode_tok_s)
     return Pairs(spec_tok_s, plain_tok_s, against="plain")
 
 
-async def _decode_tok_s(engine: Any, prompt: list[int], params: Any) -> float:
+async def finished(engine: Any, prompt: list[int], params: Any) -> Any:
+    """One generation run to its end: its `Done` event (the bench's cases use it too)."""
     from contextlib import aclosing
 
     from pipeline.events import Done
@@ -107,7 +109,7 @@ async def _decode_tok_s(engine: Any, prompt: list[int], params: Any) -> float:
     async with aclosing(engine.generate(prompt, params)) as it:
         async for event in it:
             if isinstance(event, Done):
-                return float(event.stats.decode_tok_s)
+                return event
     raise RuntimeError("a generation ended without its Done event")
 
 
