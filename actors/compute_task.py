@@ -7,7 +7,9 @@ gone, consumer cancelled) it cancels the job's scope and waits for the job to fi
 cleaning up. Jobs are admitted in submission order (FIFO) while the decode batch has
 room: at most `capacity` run at once, and their model state (`Job.cost` bytes) stays
 within `budget`; the rest wait. Running jobs share the MLX thread turn by turn (prefill
-chunks, batch steps: `actors/decode_batch.py`).
+chunks, batch steps: `actors/decode_batch.py`). When the last running job ends, however
+it ended (done, failed, cancelled), and nothing waits, `on_idle` runs (the engine hands
+freed host memory back then: `pipeline/heap_trim.py`).
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ class Job:
 
 
 class ComputeTask:
-    def __init__(self, capacity: int = 1, budget: int = 0) -> None:
+    def __init__(self, capacity: int = 1, budget: int = 0,
+                 on_idle: Callable[[], Awaitable[object]] | None = None) -> None:
         self.capacity = capacity
         self.budget = budget  # bytes; 0 = no limit
+        self._on_idle = on_idle
         self.running: set[Job] = set()
         self._queue: deque[Job] = deque()
         self._changed = trio.Event()
@@ -84,6 +88,10 @@ class ComputeTask:
             self.running.discard(job)
             job.finished.set()
             self._changed.set()
+        # After the asker was let go: idle work is in nobody's latency. A job queued
+        # meanwhile (a client's next request) waits for it, at most one trim's walk.
+        if self._on_idle is not None and not self.running and not self._queue:
+            await self._on_idle()
 
     def submit(self, job: Job) -> None:
         if self._closed:

@@ -378,11 +378,18 @@ def _core(config: PipelineConfig, container: Container, worker: MlxWorker,
     # Speculation's guard: a pass's experts within what the pool can pin.
     batch.speculation = policy_for(router.table.layer_slots, manifest.top_k,
                                    config.compute.draft_tokens)
+    trimmer = HeapTrimmer()
+
+    async def idle() -> None:
+        # However the last generation ended (a cancel too): what is free now is all the
+        # traffic left, and a server's holes go back (`heap_trim`).
+        await worker.run(trimmer.maybe_trim, True)
+
     return EngineCore(
         config=config, container=container, worker=worker, model=model, storage=storage,
         router=router, compute=compute, tokenizer=tokenizer, prefix_cache=prefix_cache,
-        heap_trimmer=HeapTrimmer(), lock=lock, batch=batch,
+        heap_trimmer=trimmer, lock=lock, batch=batch,
         compute_task=ComputeTask(
-            max_batch, batch_budget(config.compute.batch_memory_mb, dense_bytes)),
+            max_batch, batch_budget(config.compute.batch_memory_mb, dense_bytes), idle),
         sampling=SamplingTask(), max_batch=max_batch, facts=facts,
     )

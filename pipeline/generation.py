@@ -291,8 +291,7 @@ class Generation:
             decode_tok_s=round(stats.decode_tok_s, 2),
             hit_rate=round(stats.hit_rate, 3),
         )
-        # Between generations, not in anyone's latency: see `heap_trim`. Alone (nothing
-        # else running, nothing waiting), what is free now is all the traffic left.
-        alone = len(core.compute_task.running) <= 1 and not core.waiting
-        await worker.run(core.heap_trimmer.maybe_trim, alone)
+        # A busy server's growth (`heap_trim`); the engine going idle, however this
+        # generation ends, is the compute task's `on_idle` (engine_open).
+        await worker.run(core.heap_trimmer.maybe_trim)
         await events.send(Done(finish, "".join(text_parts), tuple(generated), stats))

@@ -7,8 +7,11 @@ compiling and 2.5 GB in the next process, which loaded the same kernels from the
 A long-lived server would hold those gigabytes for its whole life. `malloc_trim(0)`
 returns free arena pages; it walks every arena (5-45 ms for 100-300 MiB of holes on the
 project VM), so it runs only when it has something to give:
-- after a generation that ran alone (nothing else running or waiting), once RSS is
-  IDLE_GROWTH_MB above what the last such trim left. A server's steady traffic leaves
+- when the engine goes idle (its last running generation ended, done, failed or
+  cancelled, and nothing waits: `ComputeTask`'s `on_idle`), once RSS is IDLE_GROWTH_MB
+  above what the last such trim left. Until session 30 only a generation that finished
+  alone trimmed, so a server whose clients often went away mid-generation (the soak's
+  cancels) kept its idle holes. A server's steady traffic leaves
   holes in the arenas (buffers of every size under glibc's mmap threshold,
   pipeline/memory_malloc.py): in 22-25 minute soaks of the demo server (2026-12-05,
   benchmarks/results/soak/) RSS rose 200-450 MiB/hour while the live memory stayed flat
@@ -34,7 +37,7 @@ from pipeline.resident_map import current_rss_mb
 log = structlog.get_logger(__name__)
 
 GROWTH_MB = 256.0  # trim once RSS is this far above what the last trim left ...
-IDLE_GROWTH_MB = 16.0  # ... or, after a generation that ran alone, above the last such trim's
+IDLE_GROWTH_MB = 16.0  # ... or, the engine gone idle, above the last such trim's
 
 
 def malloc_trim() -> Callable[..., int] | None:

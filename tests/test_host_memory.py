@@ -96,3 +96,43 @@ def test_trim_returns_a_servers_holes_when_a_generation_ends_alone():
     assert r["busy"] == 0.0
     assert r["given"] >= 60 and r["after"] < r["freed"] - 60
     assert r["again"] == 0.0  # the trim's result is the new floor: no second walk
+
+
+@linux_only
+def test_a_cancelled_generation_that_leaves_the_engine_idle_gives_the_holes_back(tiny_bench: Path):
+    # Soaks' clients go away mid-generation; such a generation never reached its own end,
+    # so until the compute task's `on_idle` its holes stayed (the soak's slope FAILed).
+    # 160 MiB of 64 KiB chunks, every other one freed, then a generation cancelled after
+    # its first text: the engine, idle again, hands them back.
+    r = _run(f"""
+        import json, trio
+        from actors.sampling_params import SamplingParams
+        from pipeline.config.loading import config_from_dict
+        from pipeline.engine import open_engine
+        from pipeline.resident_map import current_rss_mb
+
+        async def main():
+            config = config_from_dict({{"model": {{"path": {str(tiny_bench)!r}}},
+                                        "pool": {{"slots": 64}}}})
+            async with open_engine(config) as engine:
+                chunks = [b"\\x01" * (64 * 1024) for _ in range(2560)]
+                del chunks[::2]
+                freed = current_rss_mb()
+                events = 0
+                with trio.move_on_after(60) as scope:
+                    async for _ in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=200)):
+                        events += 1
+                        scope.cancel()  # the client goes away after the first event
+                while engine.trimmed_mb == 0 and engine.busy:
+                    await trio.sleep(0.01)
+                with trio.move_on_after(10):
+                    while engine.trimmed_mb == 0:
+                        await trio.sleep(0.01)
+                print(json.dumps({{"events": events, "freed": freed, "after": current_rss_mb(),
+                                  "given": engine.trimmed_mb,
+                                  "generations": engine.generations}}))
+
+        trio.run(main)
+    """)
+    assert r["events"] == 1 and r["generations"] == 1
+    assert r["given"] >= 60 and r["after"] < r["freed"] - 60
