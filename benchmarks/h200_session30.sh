@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Session 30 (2026-12-05): no device was lent; these steps are for the next lease. On the GPU
+# host, after the bundle (carry .gpu2 and .ptx: ptx-cache.tgz):
+#   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session30.sh STEP
+# (logs and JSON: bench-out/, kept in benchmarks/results/h200/session30/)
+# graphs (issue 31, every expert pooled against resident mlx-lm; the fast disk): MLX's CUDA
+#   backend records its kernels into CUDA graphs of up to 100 nodes on an H100/H200 and keeps
+#   their executables in an LRU of 400 keyed by the graph's shape; a graph holding a node
+#   of another kind (a memcpy) is instantiated anew at every launch, and an update that
+#   fails re-instantiates. Resident mlx-lm sped up pair after pair in session 29 (27-34 ->
+#   44-56 tok/s) while the engine did not: warm-all's 5 pairs with CUDA graphs off
+#   (MLX_USE_CUDA_GRAPHS=0), at a larger cache (MLX_CUDA_GRAPH_CACHE_SIZE=4000) and as
+#   shipped, then the page cache's default case (waited tokens) likewise. If the gap moves
+#   with graphs off, the engine's graphs are the per-token cost to find (then
+#   MLX_SAVE_CUDA_GRAPHS_DOT_FILE on a 2-token run says which nodes).
+# pairs (issue 24): h200_session29.sh pairs (warm speculation paired with plain decode).
+set -uo pipefail
+. "$(dirname "$0")/h200_lib.sh"
+step=$1
+ptx_restore
+{
+case $step in
+  graphs)
+    paged c35
+    TAIL=1 bench 200 graphs-default c35 "${warm[@]}" --warm --cases warm-all
+    MLX_USE_CUDA_GRAPHS=0 TAIL=1 bench 200 graphs-off c35 "${warm[@]}" --warm --cases warm-all
+    MLX_CUDA_GRAPH_CACHE_SIZE=4000 TAIL=1 bench 200 graphs-4000 c35 "${warm[@]}" --warm --cases warm-all
+    TAIL=1 bench 100 graphs-fast-default c35 "${warm[@]}" --warm --cases default
+    MLX_USE_CUDA_GRAPHS=0 TAIL=1 bench 100 graphs-fast-off c35 "${warm[@]}" --warm --cases default
+    same "$OUT"/graphs-*.json
+    python3 - "$OUT"/graphs-*.json <<'PY'
+import json, sys
+for p in sys.argv[1:]:
+    for r in json.load(open(p))["results"]:
+        print(p.rsplit("/", 1)[-1], r["name"], round(r["decode_tok_s"], 2),
+              [round(x, 1) for x in r.get("paired_engine_tok_s", [])],
+              [round(x, 1) for x in r.get("paired_resident_tok_s", [])])
+PY
+    ptx_save
+    pack ;;
+  pairs)
+    bash "$(dirname "$0")/h200_session29.sh" pairs ;;
+  *) echo "unknown step $step: graphs or pairs" >&2 ;;
+esac
+} 2>&1 | tee -a "$OUT/$step.log"
