@@ -1,7 +1,7 @@
 """Ollama's API driven by the official `ollama` client: chat and generate, streamed
 (NDJSON) and not, `options`, `format` (json and a schema), tools in the prompt, tool
-results, raw prompts and `context`, the model list, show and version, and errors in
-Ollama's shape."""
+results, raw prompts and `context`, the model list, show, the running model, version and
+the root's ping, model management refused in one line, and errors in Ollama's shape."""
 
 from __future__ import annotations
 
@@ -31,6 +31,21 @@ async def test_ollama_client(container: Path) -> None:
         assert "tools" in shown.capabilities and shown.template
         async with httpx2.AsyncClient(base_url=base, timeout=60) as http:
             assert (await http.get("/api/version")).json()["version"]
+            # Ollama's CLI pings the root before anything else.
+            assert (await http.head("/")).status_code == 200
+            assert (await http.get("/")).text == "moestream is running"
+        running_models = (await client.ps()).models
+        assert [m.model for m in running_models] == ["tiny"]
+        facts = engine.facts
+        assert running_models[0].size == facts.dense_bytes + facts.pool_bytes
+        assert running_models[0].size_vram == 0  # MLX's CPU backend: nothing on a GPU
+        assert running_models[0].expires_at.year > 2300  # loaded for good: "Forever"
+        with pytest.raises(ollama.ResponseError) as refused:
+            await client.pull("qwen3:30b")
+        assert refused.value.status_code == 400 and "moestream pack" in refused.value.error
+        with pytest.raises(ollama.ResponseError) as refused:
+            await client.delete("tiny")
+        assert refused.value.status_code == 400 and "/api/delete" in refused.value.error
 
         opts = {"temperature": 0, "num_predict": 4}
         one = await client.chat(model="tiny", messages=USER, options=opts)

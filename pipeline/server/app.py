@@ -168,7 +168,11 @@ def create_app(engine: Engine, settings: ServerSettings | None = None,
         return Response(api.metrics.render(engine),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    own = {"health": health, "metrics": metrics_text}
+    async def root(request: Request) -> Response:
+        # Ollama's CLI and libraries check a server with GET or HEAD / before anything else.
+        return Response("moestream is running", media_type="text/plain; charset=utf-8")
+
+    own = {"health": health, "metrics": metrics_text, "root": root}
 
     def handler_of(spec: RouteSpec) -> Callable[[Request], Awaitable[Response]]:
         if spec.handler in own:

@@ -34,7 +34,14 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/api/generate", "POST", "routes_ollama.generate", "Ollama generate", v1=False),
     RouteSpec("/api/tags", "GET", "routes_ollama.tags", "Ollama model list", v1=False),
     RouteSpec("/api/show", "POST", "routes_ollama.show", "Ollama model details", v1=False),
+    RouteSpec("/api/ps", "GET", "routes_ollama.ps", "Ollama running models", v1=False),
     RouteSpec("/api/version", "GET", "routes_ollama.version", "Ollama version", v1=False),
+    *(RouteSpec(f"/api/{verb}", method, "routes_ollama.not_managed",
+                "Ollama model management: refused in one line", v1=False)
+      for verb, method in (("pull", "POST"), ("push", "POST"), ("create", "POST"),
+                           ("copy", "POST"), ("delete", "DELETE"))),
+    RouteSpec("/", "GET", "root", "200 'moestream is running' (Ollama's clients ping it)",
+              v1=False),
     RouteSpec("/health", "GET", "health", "503 when the container is damaged or the server "
               "stops", v1=False),
     RouteSpec("/metrics", "GET", "metrics", "Prometheus metrics", v1=False),

@@ -1,5 +1,5 @@
-"""Ollama's API (`/api/chat`, `/api/generate`, `/api/tags`, `/api/show`, `/api/version`),
-what Open WebUI, many editors and the `ollama` client libraries speak.
+"""Ollama's API (`/api/chat`, `/api/generate`, `/api/tags`, `/api/show`, `/api/ps`,
+`/api/version`), what Open WebUI, many editors and the `ollama` client libraries speak.
 
 A request is translated into an OpenAI chat (or, for a raw `/api/generate`, completion)
 request and runs through the same checks, grammar and generation: `options` become
@@ -16,7 +16,7 @@ import json
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from importlib import metadata
 from typing import Any, Literal
 
@@ -356,6 +356,39 @@ async def show(api: Api, request: Request) -> Response:
                           "details": details, "model_info": info,
                           "capabilities": capabilities,
                           "modified_at": _model_entry(api, api.engine.name)["modified_at"]})
+
+
+# Ollama's `expires_at` for a model kept loaded for good (keep_alive < 0): Go's
+# now + the longest duration, ~292 years; `ollama ps` shows it as "Forever".
+_FOREVER_DAYS = 292 * 365
+
+
+async def ps(api: Api, request: Request) -> Response:
+    """The running model: always this one, loaded for the server's life. `size` is what
+    it holds in memory (the dense core and the expert pool, not the container on disk);
+    `size_vram` the same where those live on a GPU (0 on MLX's CPU backend)."""
+    api.check_auth(request)
+    import mlx.core as mx
+
+    facts = api.engine.facts
+    held = facts.dense_bytes + facts.pool_bytes
+    on_gpu = mx.default_device() == mx.gpu
+    expires = datetime.now(UTC) + timedelta(days=_FOREVER_DAYS)
+    stamp = expires.isoformat().replace("+00:00", "Z")
+    models = [{**_model_entry(api, n), "size": held, "size_vram": held if on_gpu else 0,
+               "expires_at": stamp, "context_length": api.engine.context_limit}
+              for n in api.listed_names()]
+    return json_response({"models": models})
+
+
+async def not_managed(api: Api, request: Request) -> Response:
+    """/api/pull, /api/push, /api/create, /api/copy, /api/delete: a server runs the one
+    container it was started with; say so, and how to get another, in one line."""
+    api.check_auth(request)
+    raise s.APIError(400, f"moestream serves the container it was started with "
+                          f"({api.engine.name}): {request.url.path} manages no models; pack "
+                          "a checkpoint with `moestream pack REPO -o MODEL.qpack` and serve it "
+                          "with `moestream serve MODEL.qpack`")
 
 
 async def version(api: Api, request: Request) -> Response:
