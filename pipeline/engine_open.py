@@ -74,6 +74,7 @@ from pipeline.memory_facts import OpenMarks
 from pipeline.memory_malloc import map_large_blocks
 from pipeline.models.dense import held_bytes, load_dense
 from pipeline.models.file_embedding import wants_file
+from pipeline.models.kv_quant import kv_quant_for
 from pipeline.models.mtp import head_bytes
 from pipeline.models.mtp_experts import StreamedExperts
 from pipeline.models.streamed import StreamedModel, activation_dtype
@@ -169,6 +170,8 @@ async def open_core(
             storage.prefetch_copy = await MlxWorker.staging(0).run(prefetch_usable)
         model = (stage.model if stage else StreamedModel)(
             dense, fmt, storage.arrays, dtype, views=storage.view)
+        model.kv_quant = kv_quant_for(config.compute.kv_bits, config.compute.kv_group_size,
+                                      model.family, model.parts)
         async with trio.open_nursery() as nursery:
             core = _start_actors(
                 config, container, worker, nursery, model, storage, tokenizer, slots,
@@ -347,6 +350,8 @@ def _core(config: PipelineConfig, container: Container, worker: MlxWorker,
     # A batch step pins the union of its rows' experts for a layer at once: at most
     # slots // top_k rows fit for sure, whatever they route to.
     max_batch = max(1, min(config.compute.max_batch, router.table.num_slots // manifest.top_k))
+    if model.kv_quant is not None:  # mlx-lm has no batched quantized KV cache
+        max_batch = 1
     facts = ModelFacts(
         name=Path(container.root).stem,
         root=Path(container.root),

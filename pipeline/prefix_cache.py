@@ -25,6 +25,8 @@ from typing import Any
 import mlx.core as mx
 import structlog
 
+from pipeline.models.kv_quant import kv_parts, set_kv_parts
+
 log = structlog.get_logger("moestream.prefix_cache")
 
 DEFAULT_MAX_BYTES = 1 << 30
@@ -34,8 +36,8 @@ DEFAULT_INTERVAL = 1024  # tokens between mid-prompt checkpoints (each one is a 
 def _arrays(cache: list[Any]) -> list[mx.array]:
     out: list[mx.array] = []
     for c in cache:
-        if getattr(c, "keys", None) is not None and hasattr(c, "offset"):
-            out += [c.keys, c.values]
+        if hasattr(c, "offset"):
+            out += kv_parts(c)
         for a in getattr(c, "cache", None) or []:
             if isinstance(a, mx.array):
                 out.append(a)
@@ -45,17 +47,16 @@ def _arrays(cache: list[Any]) -> list[mx.array]:
 def snapshot(cache: list[Any]) -> list[Any]:
     """A copy of a model cache that later updates of either side leave alone.
 
-    KV caches (mlx-lm's `KVCache`) are written in place, so their arrays are copied up to
-    the filled length; recurrent caches (`ArraysCache`) replace their arrays on every
+    KV caches (mlx-lm's `KVCache`, `QuantizedKVCache`) are written in place, so their
+    arrays are copied up to the filled length; recurrent caches (`ArraysCache`) replace their arrays on every
     step, so a new list of the same arrays is enough.
     """
     out = []
     for c in cache:
         new = copy.copy(c)
         if hasattr(c, "offset") and hasattr(c, "keys"):
-            if c.keys is not None:
-                new.keys = mx.contiguous(c.keys[..., : c.offset, :])
-                new.values = mx.contiguous(c.values[..., : c.offset, :])
+            if c.keys is not None:  # a quantized cache's (data, scales, biases) alike
+                set_kv_parts(new, [mx.contiguous(a) for a in kv_parts(c, filled=True)])
         elif isinstance(getattr(c, "cache", None), list):
             new.cache = list(c.cache)
         else:

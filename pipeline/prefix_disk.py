@@ -39,6 +39,7 @@ import msgspec
 import numpy as np
 import structlog
 
+from pipeline.models.kv_quant import is_quantized, kv_parts, set_kv_parts
 from pipeline.prefix_cache import PrefixCache
 
 log = structlog.get_logger("moestream.prefix_cache")
@@ -50,7 +51,8 @@ _PREFIX = struct.Struct("<4sIQI")  # magic, version, header length, header crc32
 _MAX_HEADER = 64 << 20  # a header this long is damage, not a prompt
 _PENDING = 2  # states waiting for the writer; a newer one pushes out the oldest
 # Dtypes a state may hold, by name; stored as unsigned integers of the same width.
-_DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+_DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32,
+           "uint32": mx.uint32}  # a quantized KV cache's packed data
 _RAW = {2: (mx.uint16, np.uint16), 4: (mx.uint32, np.uint32)}
 
 
@@ -62,13 +64,17 @@ class ArrayRef(msgspec.Struct, frozen=True):
 
 
 class LayerState(msgspec.Struct, frozen=True):
-    kind: str  # "kv" (mlx-lm KVCache) or "arrays" (ArraysCache: DeltaNet conv + state)
+    # "kv" (mlx-lm KVCache), "qkv" (QuantizedKVCache: keys' data, scales, biases, then the
+    # values') or "arrays" (ArraysCache: DeltaNet conv + state)
+    kind: str
     offset: int = 0  # a KV cache's filled length
     arrays: tuple[ArrayRef | None, ...] = ()
     # A ring's (RotatingKVCache: gpt-oss's sliding layers) next write position, `_idx`: its
     # buffer is stored as it lies (oldest entry wherever the ring wrapped), so reloaded it
     # continues bit for bit. -1: not a ring.
     wrap: int = -1
+    bits: int = 0  # a quantized cache's bits and group size (its file is only for the same)
+    group_size: int = 0
 
 
 class Header(msgspec.Struct, frozen=True):
@@ -102,7 +108,11 @@ def encode_state(fingerprint: str, tokens: Sequence[int], cache: list[Any]) -> l
 
     layers = []
     for c in cache:
-        if hasattr(c, "offset") and hasattr(c, "keys"):
+        if is_quantized(c):
+            arrays = tuple(ref(a) for a in kv_parts(c, filled=True))
+            layers.append(LayerState("qkv", int(c.offset), arrays, bits=int(c.bits),
+                                     group_size=int(c.group_size)))
+        elif hasattr(c, "offset") and hasattr(c, "keys"):
             arrays = () if c.keys is None else (ref(c.keys[..., : c.offset, :]),
                                                  ref(c.values[..., : c.offset, :]))
             ring = hasattr(c, "max_size")
@@ -162,7 +172,20 @@ def load_state(path: Path, header: Header, start: int, fresh: list[Any]) -> list
         return mx.array(raw.reshape(ref.shape)).view(dtype)
 
     for i, (c, state) in enumerate(zip(fresh, header.layers, strict=True)):
-        if state.kind == "kv" and hasattr(c, "offset") and hasattr(c, "keys"):
+        if state.kind == "qkv" and is_quantized(c):
+            if (state.bits, state.group_size) != (c.bits, c.group_size):
+                raise Damaged(f"layer {i}: a {state.bits}-bit KV state (groups of "
+                              f"{state.group_size}) for a {c.bits}-bit cache (of {c.group_size})")
+            if state.arrays:
+                if len(state.arrays) != 6:
+                    raise Damaged(f"layer {i}: a quantized KV state needs 6 arrays")
+                parts = [array(a) for a in state.arrays]
+                if any(a is None for a in parts):
+                    raise Damaged(f"layer {i}: a quantized KV state with an array missing")
+                set_kv_parts(c, [a for a in parts if a is not None])
+            c.offset = state.offset
+        elif state.kind == "kv" and hasattr(c, "offset") and hasattr(c, "keys") \
+                and not is_quantized(c):
             if (state.wrap >= 0) != hasattr(c, "max_size"):
                 raise Damaged(f"layer {i}: a {'ring' if state.wrap >= 0 else 'KV'} state for a {type(c).__name__}")
             if state.wrap >= 0:
@@ -182,7 +205,7 @@ def load_state(path: Path, header: Header, start: int, fresh: list[Any]) -> list
         else:
             raise Damaged(f"layer {i}: a {state.kind} state for a {type(c).__name__}")
     mx.eval([a for c in fresh for a in (
-        [c.keys, c.values] if hasattr(c, "keys") else c.cache) if a is not None])
+        kv_parts(c) if hasattr(c, "keys") else c.cache) if a is not None])
     return fresh
 
 

@@ -60,6 +60,9 @@ def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) ->
     g.add_argument("--speculative", choices=["auto", "mtp", "ngram", "off"],
                    help="speculative decoding (compute.speculative; same tokens, docs/speculative.md)")
     g.add_argument("--draft-tokens", type=int, help="most drafted tokens per verify pass")
+    g.add_argument("--kv-bits", type=int, choices=[0, 4, 8],
+                   help="attention keys and values at 4 or 8 bits: a long context in less "
+                   "memory, the logits mlx-lm's with that cache (compute.kv_bits; default 0)")
     g.add_argument("--verify", choices=["off", "first-use", "full", "always"],
                    help="expert checksums: at first read (default), all at open, every read, or off")
     g.add_argument("--distributed", action="store_true", default=None,
@@ -90,6 +93,7 @@ _FLAG_KEYS = {
     "prefill_chunk": ("compute", "prefill_chunk"),
     "speculative": ("compute", "speculative"),
     "draft_tokens": ("compute", "draft_tokens"),
+    "kv_bits": ("compute", "kv_bits"),
     "verify": ("model", "verify"),
     **{knob: ("sampling", knob) for knob in SAMPLING_FLAGS},
     "enable_thinking": ("chat", "enable_thinking"),

@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from pipeline.distributed.plan import StagePlan
 from pipeline.models.batch_caches import BatchCaches
+from pipeline.models.run_ahead import state_arrays
 from pipeline.models.streamed import ForwardStep, StreamedModel
 
 
@@ -139,7 +140,7 @@ class StageStep:
         return self.inner.advance(*args)
 
     def _evaluated_stream(self) -> mx.array:
-        states = [a for c in self.cache for a in c.state if a is not None]
+        states = [a for c in self.cache for a in state_arrays(c.state)]  # nested: quantized KV
         mx.eval(self.inner.h, states)
         return self.inner.h
 

@@ -20,6 +20,7 @@ from mlx_lm.models.base import create_ssm_mask
 from actors.forward import Presync, Routing
 from pipeline.models.batch_caches import BatchCaches
 from pipeline.models.file_embedding import FileEmbedding, embedding_dtype
+from pipeline.models.kv_quant import KVQuant, quantize_caches
 from pipeline.models.moe import routed_experts
 from pipeline.models.routing_override import RoutingOverride
 from pipeline.models.run_ahead import (
@@ -48,6 +49,7 @@ class StreamedModel:
     # `behind`: tokens the caches already hold past this forward's (a paired step's: its
     # partner wrote them first; actors/pair_step.py).
     hidden_sink: Callable[[list[Any], mx.array, int], None] | None = None
+    kv_quant: KVQuant | None = None  # attention's keys and values quantized (compute.kv_bits)
 
     def __init__(
         self,
@@ -98,8 +100,14 @@ class StreamedModel:
         keys and values per attention layer (allocated 256 positions at a time), a fixed
         state per recurrent layer (the family's `state_bytes`)."""
         positions = -(-tokens // 256) * 256
-        return sum(self.family.state_bytes(block, self.parts.args, positions, self._itemsize())
-                   for block in self.parts.layers)
+        itemsize, quant, family = self._itemsize(), self.kv_quant, self.family
+        total = 0
+        for block in self.parts.layers:
+            n = family.state_bytes(block, self.parts.args, positions, itemsize)
+            if quant is not None and not family.is_linear(block) and not family.is_sliding(block):
+                n = int(n * quant.element_bytes(itemsize) / itemsize)
+            total += n
+        return total
 
     def moe_token_bytes(self) -> int:
         """Temporaries a prompt token adds to a MoE layer (pipeline/prefill_slices.py)."""
@@ -122,6 +130,8 @@ class StreamedModel:
 
     def make_cache(self) -> list[Any]:
         cache = self.parts.make_cache()
+        if self.kv_quant is not None:
+            quantize_caches(cache, self.kv_quant)
         return cache if self.routing is None else self.routing.tag(cache)
 
     def router_logits(self, layer: int, hidden: mx.array) -> mx.array:

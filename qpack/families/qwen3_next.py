@@ -96,8 +96,13 @@ def small_presets(family: str, vocab: int, tokenizer: TokenizerFacts) -> dict[st
     tiny's cut to its first BPE ranks, `TINY_BPE_RANKS`)."""
     tiny = ModelDims(family=family, name="tiny", vocab_size=small_vocab(tokenizer),
                      bpe_ranks=TINY_BPE_RANKS, **_TINY)  # type: ignore[arg-type]
-    return {"tiny": tiny} | {name: ModelDims(family=family, name=name, vocab_size=vocab, **dims)  # type: ignore[arg-type]
-                             for name, dims in (("demo", _DEMO), ("cpu-bench", _CPU_BENCH))}
+    # tiny with attention heads 64 wide: a quantized KV cache's default groups (64) fit
+    # (compute.kv_bits; tests/test_kv_quant.py).
+    tiny_kv = ModelDims(family=family, name="tiny-kv", vocab_size=small_vocab(tokenizer),
+                        bpe_ranks=TINY_BPE_RANKS, **(_TINY | {"head_dim": 64}))  # type: ignore[arg-type]
+    return {"tiny": tiny, "tiny-kv": tiny_kv} | {
+        name: ModelDims(family=family, name=name, vocab_size=vocab, **dims)  # type: ignore[arg-type]
+        for name, dims in (("demo", _DEMO), ("cpu-bench", _CPU_BENCH))}
 
 
 def flatten_rope_parameters(cfg: dict) -> None:

@@ -18,6 +18,10 @@ from mlx_lm.models.activations import swiglu
 
 
 class ForwardFamily:
+    # Its attention reads a quantized KV cache through mlx-lm's SDPA (compute.kv_bits:
+    # pipeline/models/kv_quant.py); not with attention sinks or latent attention.
+    quantized_kv = True
+
     def text_model(self, model: nn.Module) -> nn.Module:
         """The text model inside mlx-lm's Model (a multimodal one nests it as language_model)."""
         return model.language_model if "language_model" in model else model

@@ -15,6 +15,8 @@ from pipeline.models.families.glm4_moe import Glm4Moe
 
 
 class DeepseekV3(Glm4Moe):
+    quantized_kv = False  # latent attention caches a compressed KV, not keys and values
+
     def attention_mask(self, h: mx.array, cache: Any) -> Any:
         from mlx_lm.models.base import create_attention_mask
 

@@ -22,6 +22,8 @@ from pipeline.models.families.base import ForwardFamily, keep_graph
 
 
 class GptOss(ForwardFamily):
+    quantized_kv = False  # attention sinks: mlx-lm's quantized SDPA has none
+
     def text_model(self, model: nn.Module) -> nn.Module:
         inner = model.model
         for block, kind in zip(inner.layers, inner.layer_types, strict=True):

@@ -1,0 +1,92 @@
+"""Quantized KV caches (`compute.kv_bits`): attention keys and values held at 4 or 8 bits.
+
+A long context's state is mostly its attention layers' keys and values (the Gated
+DeltaNet layers' state is fixed-size): at the 80B's dimensions 24 KiB a token at bf16,
+768 MiB at 32k tokens, most of a small machine's budget after the dense core and the pool.
+mlx-lm's `QuantizedKVCache` holds them as `mx.quantize` groups (data, scales, biases) and
+its attention (`scaled_dot_product_attention` in mlx_lm.models.base) then runs the
+quantized kernels; the engine uses both unchanged, so its logits with `kv_bits = N` are
+mlx-lm's with the same cache (bit-identical on MLX's CPU backend, tests/test_kv_quant.py),
+not those of the unquantized model: an opt-in trade, as llama.cpp's `--cache-type-k` and
+mlx-lm's `--kv-bits`. The caches are quantized from the first token (llama.cpp's way; mlx-lm
+converts its caches once they pass `--quantized-kv-start`).
+
+Every plain KV layer of a family whose attention goes through mlx-lm's SDPA gets one
+(`ForwardFamily.quantized_kv`); sliding-window rings, Gated DeltaNet states and the MTP
+head's own cache stay as they are. mlx-lm has no batched form of the quantized cache, so an
+engine with it decodes one sequence at a time (`engine_open`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+
+from pipeline.config.errors import ConfigError
+
+GROUP_SIZES = (32, 64, 128)  # what mx.quantize groups by (compute.kv_group_size)
+
+
+class KVQuant(NamedTuple):
+    bits: int
+    group_size: int
+
+    def element_bytes(self, itemsize: int) -> float:
+        """Bytes a key or value element costs: its bits, and a scale and a bias (at the
+        activations' width) per group."""
+        return self.bits / 8 + 2 * itemsize / self.group_size
+
+
+def kv_quant_for(bits: int, group_size: int, family: Any, parts: Any) -> KVQuant | None:
+    """The setting for a model (None: off); a family or head size it cannot serve is
+    refused in one line."""
+    if not bits:
+        return None
+    name = type(family).__name__
+    if not family.quantized_kv:
+        raise ConfigError(f"compute.kv_bits = {bits}: the {name} family's attention cannot "
+                          "read a quantized KV cache (sinks or latent attention); use 0")
+    args = parts.args
+    dim = int(getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
+    if dim % group_size:
+        fit = [str(g) for g in GROUP_SIZES if dim % g == 0]
+        if not fit:
+            raise ConfigError(f"compute.kv_bits = {bits}: this model's attention heads are "
+                              f"{dim} wide, narrower than any quantization group "
+                              f"({', '.join(map(str, GROUP_SIZES))}); use 0")
+        raise ConfigError(f"compute.kv_group_size = {group_size} does not divide the "
+                          f"attention's head size ({dim}); use {' or '.join(fit)}")
+    return KVQuant(bits, group_size)
+
+
+def quantize_caches(caches: list[Any], quant: KVQuant) -> list[Any]:
+    """A model's fresh caches with each plain KV cache a quantized one (in place)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    for i, c in enumerate(caches):
+        if type(c) is KVCache:  # not a ring (RotatingKVCache), not a DeltaNet state
+            caches[i] = QuantizedKVCache(group_size=quant.group_size, bits=quant.bits)
+    return caches
+
+
+def is_quantized(cache: Any) -> bool:
+    return hasattr(cache, "bits") and hasattr(cache, "offset")
+
+
+def kv_parts(cache: Any, filled: bool = False) -> list[mx.array]:
+    """A KV cache's arrays: keys and values, or a quantized cache's (data, scales, biases)
+    of each; `filled`: cut to the positions it holds."""
+    if getattr(cache, "keys", None) is None:
+        return []
+    parts = [*cache.keys, *cache.values] if is_quantized(cache) else [cache.keys, cache.values]
+    return [a[..., : cache.offset, :] for a in parts] if filled else parts
+
+
+def set_kv_parts(cache: Any, arrays: list[mx.array]) -> None:
+    """Put `kv_parts`' arrays back (the same kind of cache)."""
+    half = len(arrays) // 2
+    if is_quantized(cache):
+        cache.keys, cache.values = tuple(arrays[:half]), tuple(arrays[half:])
+    else:
+        cache.keys, cache.values = arrays
