@@ -171,7 +171,7 @@ async def open_core(
         model = (stage.model if stage else StreamedModel)(
             dense, fmt, storage.arrays, dtype, views=storage.view)
         model.kv_quant = kv_quant_for(config.compute.kv_bits, config.compute.kv_group_size,
-                                      model.family, model.parts)
+                                      model.family, model.parts, manifest.model_type)
         async with trio.open_nursery() as nursery:
             core = _start_actors(
                 config, container, worker, nursery, model, storage, tokenizer, slots,

@@ -146,7 +146,7 @@ async def test_a_quantized_state_file_loads_back_only_into_the_same_cache(kv_pai
 async def test_a_family_or_head_size_it_cannot_serve_is_refused_in_one_line(
         synth_checkpoint, packed, kv_pair):
     gpt = packed(synth_checkpoint("gpt_oss"), bits=None)
-    with pytest.raises(ConfigError, match="kv_bits = 4: the GptOss family's attention"):
+    with pytest.raises(ConfigError, match="kv_bits = 4: gpt_oss's attention cannot"):
         async with open_engine(engine_config(gpt, compute={"kv_bits": 4})):
             pass
     _src, qpack = kv_pair

@@ -38,14 +38,13 @@ class KVQuant(NamedTuple):
         return self.bits / 8 + 2 * itemsize / self.group_size
 
 
-def kv_quant_for(bits: int, group_size: int, family: Any, parts: Any) -> KVQuant | None:
-    """The setting for a model (None: off); a family or head size it cannot serve is
-    refused in one line."""
+def kv_quant_for(bits: int, group_size: int, family: Any, parts: Any, name: str) -> KVQuant | None:
+    """The setting for a model of family `name` (None: off); a family or head size it
+    cannot serve is refused in one line."""
     if not bits:
         return None
-    name = type(family).__name__
     if not family.quantized_kv:
-        raise ConfigError(f"compute.kv_bits = {bits}: the {name} family's attention cannot "
+        raise ConfigError(f"compute.kv_bits = {bits}: {name}'s attention cannot "
                           "read a quantized KV cache (sinks or latent attention); use 0")
     args = parts.args
     dim = int(getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
