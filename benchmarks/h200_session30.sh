@@ -14,6 +14,9 @@
 #   with graphs off, the engine's graphs are the per-token cost to find (then
 #   MLX_SAVE_CUDA_GRAPHS_DOT_FILE on a 2-token run says which nodes).
 # pairs (issue 24): h200_session29.sh pairs (warm speculation paired with plain decode).
+# kv (compute.kv_bits, session 30): a 4096-token prompt on the 35B in the page cache, 1 GiB pool,
+#   unquantized against 8 and 4 bits: device memory at the peak and while decoding, prefill
+#   and decode tok/s (the quantized attention's cost on CUDA), in one lease.
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
@@ -40,6 +43,21 @@ PY
     pack ;;
   pairs)
     bash "$(dirname "$0")/h200_session29.sh" pairs ;;
-  *) echo "unknown step $step: graphs or pairs" >&2 ;;
+  kv)
+    paged c35
+    for bits in 0 8 4; do
+      TAIL=1 bench 300 kv-$bits c35 --pool-mb 1024 --max-tokens 32 --warm --cases long-prompt \
+        --long-prompt 4096 --kv-bits $bits
+    done
+    python3 - "$OUT"/kv-*.json <<'PY'
+import json, sys
+for p in sys.argv[1:]:
+    for r in json.load(open(p))["results"]:
+        print(p.rsplit("/", 1)[-1], r["name"], "prefill", round(r["prefill_tok_s"], 1), "decode",
+              round(r["decode_tok_s"], 2), "device MB peak/decode", round(r["peak_device_mb"]),
+              round(r["decode_device_mb"]))
+PY
+    pack ;;
+  *) echo "unknown step $step: graphs, pairs or kv" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
