@@ -14,6 +14,12 @@
 #   with graphs off, the engine's graphs are the per-token cost to find (then
 #   MLX_SAVE_CUDA_GRAPHS_DOT_FILE on a 2-token run says which nodes).
 # pairs (issue 24): h200_session29.sh pairs (warm speculation paired with plain decode).
+# deep (issue 31, the fast disk): a waited token's reads are issued one layer ahead (the gate's
+#   prediction at layer l for l+1), ~7.6 reads of 1.69 MB a layer at ~2 in flight, so the disk
+#   idles between layers (busy 0.66-0.70, in flight 1.2-2.9 with 8 in the ring) and only 3-13 %
+#   of the layers find their experts ready when published. The page cache reads 36-49 GB/s:
+#   bytes read in vain are cheap there, latency is not. Predicting 2-3 layers ahead
+#   (lookahead) with the ring at 8-16 in flight, against the default, in one lease.
 # kv (compute.kv_bits, session 30): a 4096-token prompt on the 35B in the page cache, 1 GiB pool,
 #   unquantized against 8 and 4 bits: device memory at the peak and while decoding, prefill
 #   and decode tok/s (the quantized attention's cost on CUDA), in one lease.
@@ -43,6 +49,20 @@ PY
     pack ;;
   pairs)
     bash "$(dirname "$0")/h200_session29.sh" pairs ;;
+  deep)
+    paged c35
+    TAIL=1 bench 100 deep-default c35 "${warm[@]}" --warm --cases default
+    TAIL=1 bench 100 deep-r8 c35 "${warm[@]}" --warm --cases default --io uring --readers 8
+    for depth in 2 3; do
+      TAIL=1 bench 100 deep-d$depth c35 "${warm[@]}" --warm --cases default --strategy lookahead --depth $depth
+      TAIL=1 bench 100 deep-d$depth-r8 c35 "${warm[@]}" --warm --cases default --strategy lookahead \
+        --depth $depth --io uring --readers 8
+    done
+    TAIL=1 bench 100 deep-d2-r16 c35 "${warm[@]}" --warm --cases default --strategy lookahead --depth 2 \
+      --io uring --readers 16
+    python3 benchmarks/read_path_summary.py "$OUT"/deep-*.json
+    same "$OUT"/deep-*.json
+    pack ;;
   kv)
     paged c35
     for bits in 0 8 4; do
@@ -58,6 +78,6 @@ for p in sys.argv[1:]:
               round(r["decode_device_mb"]))
 PY
     pack ;;
-  *) echo "unknown step $step: graphs, pairs or kv" >&2 ;;
+  *) echo "unknown step $step: graphs, deep, pairs or kv" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
