@@ -155,3 +155,20 @@ async def test_a_family_or_head_size_it_cannot_serve_is_refused_in_one_line(
         async with open_engine(engine_config(tiny, compute={"kv_bits": 8})):
             pass
 
+
+
+@pytest.mark.parametrize(("compute", "counter"), [({"run_ahead": "on"}, "run_ahead_misses"),
+                                                  ({"device_wait": "emulate"}, "awaited_tokens")])
+async def test_a_token_undone_after_a_miss_restores_the_quantized_cache(kv_pair, compute, counter):
+    # 8 slots: run-ahead tokens miss an expert and are redone from that layer on, the
+    # caches put back from the snapshot (the quantized ones' offsets); waited tokens
+    # (emulated) snapshot them the same way.
+    src, qpack = kv_pair
+    want, _ = _reference(src, 4)
+    config = engine_config(qpack, compute={"kv_bits": 4, **compute})
+    async with open_engine(config) as engine:
+        done = await generate(engine, PROMPT, MAX_TOKENS)
+        assert getattr(engine.counters(), counter) > 0
+    eos = set(engine.tokenizer.eos_token_ids)
+    cut = next((i + 1 for i, t in enumerate(want) if t in eos), len(want))
+    assert list(done.token_ids) == want[:cut]
