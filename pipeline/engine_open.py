@@ -350,8 +350,6 @@ def _core(config: PipelineConfig, container: Container, worker: MlxWorker,
     # A batch step pins the union of its rows' experts for a layer at once: at most
     # slots // top_k rows fit for sure, whatever they route to.
     max_batch = max(1, min(config.compute.max_batch, router.table.num_slots // manifest.top_k))
-    if model.kv_quant is not None:  # mlx-lm has no batched quantized KV cache
-        max_batch = 1
     facts = ModelFacts(
         name=Path(container.root).stem,
         root=Path(container.root),

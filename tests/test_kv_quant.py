@@ -12,6 +12,7 @@ import mlx.core as mx
 import msgspec
 import numpy as np
 import pytest
+import trio
 from helpers_engine import engine_config, forward_logits, generate, greedy
 from helpers_forward import Reference, greedy_reference
 from mlx_lm.generate import maybe_quantize_kv_cache
@@ -36,21 +37,23 @@ def kv_pair(synth_checkpoint, packed) -> tuple[Path, Path]:
     return src, packed(src, bits=16)
 
 
-def _reference(src: Path, bits: int) -> tuple[list[int], list[np.ndarray]]:
-    """mlx-lm's greedy tokens and its logits over PROMPT in chunks of 2 then DECODE, its
-    caches quantized by its own conversion from the first token (`--quantized-kv-start 0`)."""
+def _reference(src: Path, bits: int, prompt: list[int] = PROMPT) -> tuple[list[int], list[np.ndarray]]:
+    """mlx-lm's greedy tokens and its logits over `prompt` in chunks of 2 then DECODE, its
+    caches quantized by its own conversion from the first token (`--quantized-kv-start 0`;
+    0 bits: not quantized)."""
     ref = Reference(src)
     original = ref.make_cache
 
     def make_cache() -> list:
         cache = original()
-        maybe_quantize_kv_cache(cache, 0, 64, bits)
+        if bits:
+            maybe_quantize_kv_cache(cache, 0, 64, bits)
         return cache
 
     ref.make_cache = make_cache  # type: ignore[method-assign]
-    tokens = greedy_reference(ref, PROMPT, MAX_TOKENS, set(), chunk=2)
+    tokens = greedy_reference(ref, prompt, MAX_TOKENS, set(), chunk=2)
     cache = make_cache()
-    logits = [np.array(ref.logits(PROMPT[i : i + 2], cache)) for i in range(0, len(PROMPT), 2)]
+    logits = [np.array(ref.logits(prompt[i : i + 2], cache)) for i in range(0, len(prompt), 2)]
     logits += [np.array(ref.logits([t], cache)) for t in DECODE]
     return tokens, logits
 
@@ -59,11 +62,11 @@ def _reference(src: Path, bits: int) -> tuple[list[int], list[np.ndarray]]:
 async def test_tokens_and_logits_are_mlx_lms_with_its_quantized_cache(kv_pair, bits):
     src, qpack = kv_pair
     want_tokens, want_logits = _reference(src, bits)
-    plain_tokens, plain_logits = _reference_plain(src)
+    plain_tokens, plain_logits = _reference(src, 0)
     async with open_engine(engine_config(qpack, compute={"kv_bits": bits}, pool={"slots": 32})) as engine:
         cache = engine._core.model.make_cache()
         assert type(cache[3]).__name__ == "QuantizedKVCache" and cache[3].bits == bits
-        assert engine.facts.context_limit > 0 and engine._core.max_batch == 1
+        assert engine.facts.context_limit > 0
         done = await generate(engine, PROMPT, MAX_TOKENS)
         eos = set(engine.tokenizer.eos_token_ids)
         cut = next((i + 1 for i, t in enumerate(want_tokens) if t in eos), len(want_tokens))
@@ -104,15 +107,6 @@ async def generate_with(engine, params) -> Done:
     events = [e async for e in engine.generate(PROMPT, params)]
     assert isinstance(events[-1], Done)
     return events[-1]
-
-
-def _reference_plain(src: Path) -> tuple[list[int], list[np.ndarray]]:
-    ref = Reference(src)
-    tokens = greedy_reference(ref, PROMPT, MAX_TOKENS, set(), chunk=2)
-    cache = ref.make_cache()
-    logits = [np.array(ref.logits(PROMPT[i : i + 2], cache)) for i in range(0, len(PROMPT), 2)]
-    logits += [np.array(ref.logits([t], cache)) for t in DECODE]
-    return tokens, logits
 
 
 async def test_a_quantized_state_file_loads_back_only_into_the_same_cache(kv_pair, tmp_path):
@@ -172,3 +166,39 @@ async def test_a_token_undone_after_a_miss_restores_the_quantized_cache(kv_pair,
     eos = set(engine.tokenizer.eos_token_ids)
     cut = next((i + 1 for i, t in enumerate(want) if t in eos), len(want))
     assert list(done.token_ids) == want[:cut]
+
+
+PROMPTS = {"a": [40, 1079, 264, 8, 3, 7000, 512], "b": PROMPT, "c": [5, 6, 7]}  # odd lengths
+
+
+async def test_rows_decoded_together_get_the_tokens_each_gets_alone(kv_pair):
+    # Rows of different lengths (left padding), one joining while two decode, rows
+    # leaving as they end: the batched quantized cache's merge, extend, filter and extract.
+    src, qpack = kv_pair
+    want = {k: _reference(src, 4, p)[0] for k, p in PROMPTS.items()}
+    config = engine_config(qpack, compute={"kv_bits": 4}, pool={"slots": 16},
+                           reader={"concurrency": 4})
+    async with open_engine(config) as engine:
+        assert engine.max_batch == 4
+        eos = set(engine.tokenizer.eos_token_ids)
+        got: dict[str, Done] = {}
+        a_decoding = trio.Event()
+
+        async def run(name: str, after: trio.Event | None = None) -> None:
+            if after is not None:
+                await after.wait()
+            events = []
+            async for event in engine.generate(PROMPTS[name], greedy(MAX_TOKENS)):
+                events.append(event)
+                if len(events) == 3 and name == "a":
+                    a_decoding.set()
+            got[name] = events[-1]
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "a")
+            nursery.start_soon(run, "b")
+            nursery.start_soon(run, "c", a_decoding)
+        assert engine.largest_batch >= 2
+        for name, tokens in want.items():
+            cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+            assert list(got[name].token_ids) == tokens[:cut], name

@@ -231,7 +231,7 @@ class ComputeConfig(_Section, frozen=True):
     # Attention keys and values held at 4 or 8 bits (0: the activations' dtype): a long
     # context's state in ~0.28x / ~0.53x the memory (pipeline/models/kv_quant.py; mlx-lm's
     # QuantizedKVCache: the logits are mlx-lm's with that cache, not the unquantized
-    # model's). One sequence decodes at a time with it (no batched quantized cache).
+    # model's; rows decoded together get the tokens each gets alone).
     kv_bits: Literal[0, 4, 8] = 0
     kv_group_size: Literal[32, 64, 128] = 64  # elements sharing a scale and a bias
 

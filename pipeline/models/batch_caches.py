@@ -22,9 +22,11 @@ from mlx_lm.models.cache import (
     BatchKVCache,
     BatchRotatingKVCache,
     KVCache,
+    QuantizedKVCache,
     RotatingKVCache,
 )
 
+from pipeline.models.batch_quant_cache import BatchQuantizedKVCache
 from pipeline.models.routing_override import Routed, requests_of, tagged
 
 
@@ -34,6 +36,8 @@ def _merge_layer(caches: Sequence[Any]) -> Any:
         return ArraysCache.merge(list(caches))
     if isinstance(first, KVCache):
         return BatchKVCache.merge(list(caches))
+    if isinstance(first, QuantizedKVCache):  # compute.kv_bits
+        return BatchQuantizedKVCache.merge(list(caches))
     if isinstance(first, RotatingKVCache):  # gpt-oss's sliding-window layers
         return BatchRotatingKVCache.merge(list(caches))
     raise TypeError(f"cannot batch a {type(first).__name__}")

@@ -13,8 +13,8 @@ converts its caches once they pass `--quantized-kv-start`).
 
 Every plain KV layer of a family whose attention goes through mlx-lm's SDPA gets one
 (`ForwardFamily.quantized_kv`); sliding-window rings, Gated DeltaNet states and the MTP
-head's own cache stay as they are. mlx-lm has no batched form of the quantized cache, so an
-engine with it decodes one sequence at a time (`engine_open`).
+head's own cache stay as they are. A decode batch holds its rows' in one
+`BatchQuantizedKVCache` (pipeline/models/batch_quant_cache.py: mlx-lm has none).
 """
 
 from __future__ import annotations
