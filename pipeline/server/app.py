@@ -41,7 +41,13 @@ from pipeline.config.errors import ConfigError
 from pipeline.container_damage import damage_log
 from pipeline.distributed.errors import RankLost
 from pipeline.engine import Engine
-from pipeline.server import routes_anthropic, routes_ollama, routes_openai, routes_responses
+from pipeline.server import (
+    routes_anthropic,
+    routes_ollama,
+    routes_ollama_models,
+    routes_openai,
+    routes_responses,
+)
 from pipeline.server import schema as s
 from pipeline.server.api import Api
 from pipeline.server.drain import Drain
@@ -60,7 +66,8 @@ __all__ = ["ServerSettings", "create_app", "serve_engine"]
 
 # The modules the route table names its handlers in.
 _HANDLER_MODULES = {"routes_openai": routes_openai, "routes_responses": routes_responses,
-                    "routes_anthropic": routes_anthropic, "routes_ollama": routes_ollama}
+                    "routes_anthropic": routes_anthropic, "routes_ollama": routes_ollama,
+                    "routes_ollama_models": routes_ollama_models}
 
 
 ErrorBody = Callable[[s.APIError], dict[str, Any]]
