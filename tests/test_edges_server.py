@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx2
 import pytest
 import trio
+from helpers_server import serving
 from test_server_errors import CHAT, body, error_of, no_eos, running_server, sse_chunks, until
 
 from qpack.writer import pack
@@ -126,3 +127,33 @@ async def test_shutdown_503s_the_queue_and_ends_running_streams_with_an_error_ev
         assert all("choices" in e for e in events[:-1])
         assert time.monotonic() - started >= 2  # the grace period was given
     assert engine.waiting == 0 and not engine.busy
+
+
+async def _health_on(stream: trio.SocketStream) -> bytes:
+    """One GET /health on an open connection; its status line (b"" if it was closed)."""
+    await stream.send_all(b"GET /health HTTP/1.1\r\nHost: moestream\r\n\r\n")
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        data = await stream.receive_some()
+        if not data:
+            return b""
+        buf += data
+    head, rest = buf.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    while len(rest) < length:
+        rest += await stream.receive_some()
+    return head.split(b"\r\n")[0]
+
+
+async def test_an_idle_keep_alive_connection_outlives_the_clients_own_pool_expiry(
+        container: Path) -> None:
+    # httpx (the openai and anthropic clients) drops a pooled connection idle for 5 s; a
+    # server that closed its end at the same moment failed a request sent on it (session
+    # 30's soak). The server keeps it longer, so the client always closes first.
+    async with serving(container) as (_, port):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            assert (await _health_on(stream)).startswith(b"HTTP/1.1 200")
+            await trio.sleep(5.5)
+            assert (await _health_on(stream)).startswith(b"HTTP/1.1 200")

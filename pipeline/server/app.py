@@ -72,6 +72,13 @@ _HANDLER_MODULES = {"routes_openai": routes_openai, "routes_responses": routes_r
 
 ErrorBody = Callable[[s.APIError], dict[str, Any]]
 
+# An idle keep-alive connection is closed by the client first: httpx (the openai and
+# anthropic clients) drops its pooled ones after 5 s, hypercorn's own default. At equal
+# timeouts a request sent as the server closed its connection failed ("Connection error":
+# one of 1,105 requests in session 30's 50-minute soak, clients without retries); a server
+# behind a proxy wants its idle timeout above the proxy's (60 s for many).
+KEEP_ALIVE_S = 75.0
+
 # Route prefix -> the shape of that API's error bodies (OpenAI's everywhere else).
 ERROR_BODIES: dict[str, ErrorBody] = {"/messages": s.APIError.anthropic_body,
                                       "/api/": s.APIError.ollama_body}
@@ -224,6 +231,7 @@ async def serve_engine(
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
     config.graceful_timeout = settings.shutdown_grace_s
+    config.keep_alive_timeout = KEEP_ALIVE_S
 
     async def started(binds: list[str]) -> None:
         bound = int(binds[0].rsplit(":", 1)[1])
