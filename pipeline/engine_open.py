@@ -344,8 +344,8 @@ def _core(config: PipelineConfig, container: Container, worker: MlxWorker,
     # Distributed ranks keep their own states (pipeline/distributed/prefixes.py).
     disk = None if config.distributed.enabled else server.prefix_cache_dir
     prefix_cache = prefix_cache_for(
-        disk, container.root, model.make_cache,
-        disk_mb=server.prefix_cache_disk_mb, min_tokens=server.prefix_cache_min_tokens)
+        disk, container.root, model.make_cache, disk_mb=server.prefix_cache_disk_mb,
+        min_tokens=server.prefix_cache_min_tokens, variant=model.state_variant())
     lock = trio.Lock()
     # A batch step pins the union of its rows' experts for a layer at once: at most
     # slots // top_k rows fit for sure, whatever they route to.

@@ -177,12 +177,10 @@ def load_state(path: Path, header: Header, start: int, fresh: list[Any]) -> list
                 raise Damaged(f"layer {i}: a {state.bits}-bit KV state (groups of "
                               f"{state.group_size}) for a {c.bits}-bit cache (of {c.group_size})")
             if state.arrays:
-                if len(state.arrays) != 6:
-                    raise Damaged(f"layer {i}: a quantized KV state needs 6 arrays")
-                parts = [array(a) for a in state.arrays]
-                if any(a is None for a in parts):
+                parts = [a for a in map(array, state.arrays) if a is not None]
+                if len(parts) != 6:
                     raise Damaged(f"layer {i}: a quantized KV state with an array missing")
-                set_kv_parts(c, [a for a in parts if a is not None])
+                set_kv_parts(c, parts)
             c.offset = state.offset
         elif state.kind == "kv" and hasattr(c, "offset") and hasattr(c, "keys") \
                 and not is_quantized(c):
@@ -388,11 +386,14 @@ def _alive(pid: int) -> bool:
 
 
 def prefix_cache_for(dir: str | None, root: Path, make_cache: Callable[[], list[Any]], *,
-                     disk_mb: int, min_tokens: int) -> PrefixCache:
-    """The engine's prefix cache: in memory, plus on disk under `dir` when one is set."""
+                     disk_mb: int, min_tokens: int, variant: str = "") -> PrefixCache:
+    """The engine's prefix cache: in memory, plus on disk under `dir` when one is set.
+    `variant`: what else a state depends on (the activations' dtype, a quantized KV cache);
+    a file of another is stale (a CPU's float32 state is not a GPU's bfloat16 one)."""
     if not dir:
         return PrefixCache()
     from pipeline.fingerprint import fingerprint
 
-    return DiskPrefixCache(Path(dir).expanduser(), fingerprint(root), make_cache,
+    mark = fingerprint(root) + (f"-{variant}" if variant else "")
+    return DiskPrefixCache(Path(dir).expanduser(), mark, make_cache,
                            max_bytes=disk_mb << 20, min_tokens=min_tokens)

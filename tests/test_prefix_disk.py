@@ -120,3 +120,22 @@ async def test_the_directory_stays_within_its_budget(container: Path, tmp_path: 
         for c in (disk, reopened):
             c.close()
         assert isinstance(read_header(tmp_path / names[0])[0], Header)
+
+
+async def test_a_state_of_another_activation_dtype_is_stale(container: Path, tmp_path: Path) -> None:
+    # The CPU's float32 states and a bfloat16 engine's differ in their bits: sharing a
+    # directory, neither loads the other's (each would compute other logits than its own
+    # prefill); the same dtype again loads them.
+    where = tmp_path / "prefixes"
+    await _first_run(container, where)
+    config = engine_config(container, pool={"slots": 16},
+                           compute={"prefill_chunk": 8, "dtype": "bfloat16"},
+                           server={"prefix_cache_dir": str(where), "prefix_cache_min_tokens": 8})
+    with capture_logs() as logs:
+        async with open_engine(config) as engine:
+            other = await generate(engine, PROMPT, 4)
+    assert other.stats.cached_tokens == 0
+    assert any(e["event"] == "prefix_cache.disk_stale" for e in logs)
+    async with open_engine(_config(container, where)) as engine:
+        again = await generate(engine, PROMPT, 4)
+    assert again.stats.cached_tokens == len(PROMPT) - 1

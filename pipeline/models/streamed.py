@@ -115,6 +115,13 @@ class StreamedModel:
         inter = getattr(args, "moe_intermediate_size", None) or args.intermediate_size
         return moe_token_bytes(self.top_k, args.hidden_size, inter, self._itemsize())
 
+    def state_variant(self) -> str:
+        """What a state's bits depend on beyond the container and the code: the
+        activations' dtype and the KV cache's quantization ("float32", "bfloat16-kv4g64")."""
+        dtype = str(self.activation_dtype or embedding_dtype(self.parts.embed_tokens))
+        kv = f"-kv{self.kv_quant.bits}g{self.kv_quant.group_size}" if self.kv_quant else ""
+        return dtype.rsplit(".", 1)[-1] + kv
+
     def _itemsize(self) -> int:
         """Bytes of an activation's element: the compute dtype, else the embedding's."""
         return (self.activation_dtype or embedding_dtype(self.parts.embed_tokens)).size
