@@ -62,6 +62,8 @@ async def loaded_engine(cfg: PipelineConfig, **kwargs: Any) -> AsyncIterator[Eng
             f" within a memory budget of {plan.budget_mb:,.0f} MiB, context up to "
             f"{engine.context_limit:,} tokens"
             + ("; the default: --memory-mb or --pool-mb to change" if cfg.memory.budget_mb is None else ""))
+        bits = cfg.compute.kv_bits
+        kv = f"; keys and values at {bits} bits" if bits else ""
         err.print(f"[dim]loaded {engine.name} in {time.perf_counter() - started:.1f} s "
-                  f"(expert pool {engine.pool_bytes / 2**20:,.1f} MiB{budget})[/dim]")
+                  f"(expert pool {engine.pool_bytes / 2**20:,.1f} MiB{budget}{kv})[/dim]")
         yield engine
