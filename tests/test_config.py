@@ -136,7 +136,9 @@ def test_wrong_type_bool_for_int_and_table_for_value(tmp_path: Path) -> None:
         ('[pool]\neviction = "lfuu"', 4, "pool.eviction must be one of 'lfu', 'lru', 'slru'"),
         ('[prefetch]\nstrategy = "nextgate"', 4, "did you mean 'next-gate'?"),
         ('[prefetch]\nstrategy = "combined"', 3, "prefetch.combine must list at least two"),
-        ('[model]\nverify = "sometimes"', 3, "model.verify: invalid value 'sometimes'"),
+        ('[model]\nverify = "sometimes"', 3, "model.verify: invalid value 'sometimes', expected "
+         "one of "),
+        ("[compute]\nkv_bits = 5", 4, "compute.kv_bits: invalid value 5, expected one of 0, 4, 8"),
         ('[log]\nlevel = "loud"', 4, "log.level must be one of"),
     ],
 )

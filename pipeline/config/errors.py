@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import msgspec.inspect as mi
 
-from actors.bounds import range_at
+from actors.bounds import range_at, type_at
 from pipeline.config.toml import dumps_value
 
 
@@ -115,12 +116,25 @@ class Locator:
             full = (*key, unknown.group(1))
             return f"{self.source}: unknown key {_dotted(full)!r}{self.at(full)}"
         if enum := re.match(r"Invalid enum value (.*)", msg):
-            return f"{self.source}: {_dotted(key)}: invalid value {enum.group(1)}{self.at(key)}"
+            allowed = _choices(root, key) if root is not None else ""
+            return (f"{self.source}: {_dotted(key)}: invalid value {enum.group(1)}{allowed}"
+                    f"{self.at(key)}")
         # A ValueError from a section's __post_init__: it starts with the field's name.
         first = msg.split(" ", 1)[0]
         if key and isinstance(_lookup(raw, key), dict) and first.isidentifier():
             return f"{self.source}: {_dotted(key)}.{msg}{self.at((*key, first))}"
         return f"{self.source}: {_dotted(key) or 'config'}: {msg}{self.at(key)}"
+
+
+def _choices(root: type, key: tuple[str, ...]) -> str:
+    """", expected one of ..." for a key whose annotation lists its values (a Literal)."""
+    t = type_at(root, key)
+    while isinstance(t, mi.UnionType):  # an optional Literal: its values, not None
+        inner = [u for u in t.types if not isinstance(u, mi.NoneType)]
+        t = inner[0] if len(inner) == 1 else None
+    if isinstance(t, mi.LiteralType):
+        return ", expected one of " + ", ".join(repr(v) for v in t.values)
+    return ""
 
 
 def _dotted(key: tuple[str, ...]) -> str:
