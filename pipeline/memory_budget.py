@@ -233,9 +233,11 @@ def attach_memory(core: EngineCore, nursery: trio.Nursery, plan: MemoryPlan | No
 
     mem = core.config.memory
     core.memory_plan, core.memory_marks = plan, marks
-    core.model.slice_tokens = slice_tokens(core.model.parts.layers, mem.temporaries_mb * 2**20,
-                                           core.config.compute.prefill_max_tokens)
-    core.model.moe_slice_tokens = tokens_within(core.model.moe_token_bytes(), mem.temporaries_mb * 2**20)
+    share, model = mem.temporaries_mb * 2**20, core.model
+    chunk = model.chunk_bytes(core.facts.prefill_chunk)  # the longest chunk's own arrays
+    model.slice_tokens = slice_tokens(model.parts.layers, share,
+                                      core.config.compute.prefill_max_tokens, chunk)
+    model.moe_slice_tokens = tokens_within(model.moe_token_bytes(), share, chunk)
     if plan is not None:
         # Half the state reserve for the sequences decoding, half for the prefix cache's
         # copies (1 GiB by default otherwise: outside any budget).

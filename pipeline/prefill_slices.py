@@ -32,6 +32,12 @@ MIB = 2**20
 # mixers, the lm_head (62 MiB at a 248k vocabulary on the CPU, its scales cast to float32).
 HEAD_RESERVE = 64 * MIB
 MIN_SLICE = 16
+# Arrays as long as the whole chunk that live beside a slice: the residual stream, its
+# sum after the mixer, the normed input, and the mixer's or MoE half's output being put
+# together (`residual_bytes`). Not counted, a 512-token prompt's temporaries at the 35B's
+# dims were 155 MiB against the 150 share (session 30: 43-token DeltaNet slices of 90 MiB
+# beside 20-50 MiB of the chunk's own arrays and states).
+CHUNK_ARRAYS = 4
 
 
 def per_token_bytes(layers: list[Any], context: int) -> int:
@@ -53,16 +59,22 @@ def per_token_bytes(layers: list[Any], context: int) -> int:
     return max(worst, 1)
 
 
-def slice_tokens(layers: list[Any], temporaries_bytes: int, context: int) -> int:
+def slice_tokens(layers: list[Any], temporaries_bytes: int, context: int, chunk_bytes: int = 0) -> int:
     """Tokens per mixer slice for the temporaries' share (memory.temporaries_mb)."""
-    return tokens_within(per_token_bytes(layers, context), temporaries_bytes)
+    return tokens_within(per_token_bytes(layers, context), temporaries_bytes, chunk_bytes)
 
 
-def tokens_within(token_bytes: int, temporaries_bytes: int) -> int:
+def tokens_within(token_bytes: int, temporaries_bytes: int, chunk_bytes: int = 0) -> int:
     """Tokens whose temporaries (`token_bytes` each) fit the temporaries' share, less the
-    head's reserve: a mixer's slice, or a MoE half's (`moe_token_bytes`)."""
-    room = max(temporaries_bytes - HEAD_RESERVE, temporaries_bytes // 4)
+    head's reserve and the longest chunk's own arrays (`chunk_bytes`: `residual_bytes`):
+    a mixer's slice, or a MoE half's (`moe_token_bytes`)."""
+    room = max(temporaries_bytes - HEAD_RESERVE - chunk_bytes, temporaries_bytes // 4)
     return max(MIN_SLICE, room // max(token_bytes, 1))
+
+
+def residual_bytes(tokens: int, hidden: int, itemsize: int) -> int:
+    """What a chunk of `tokens` holds whole beside its slices (CHUNK_ARRAYS of [T, hidden])."""
+    return CHUNK_ARRAYS * tokens * hidden * itemsize
 
 
 def moe_token_bytes(top_k: int, hidden: int, intermediate: int, itemsize: int) -> int:

@@ -258,6 +258,15 @@ def test_a_long_chunks_moe_slices_fit_the_temporaries_share() -> None:
     n = tokens_within(per_token, 150 * 2**20)
     assert n * per_token <= 150 * 2**20 - HEAD_RESERVE < (n + 1) * per_token
     assert 300 < n < 400 and tokens_within(per_token, 2**20) == 16  # never below MIN_SLICE
+    # The chunk's own arrays (residual stream and the like, whole beside the slices) come
+    # out of the share too: a 1024-token chunk at these dims holds 32 MiB of them.
+    from pipeline.prefill_slices import residual_bytes
+
+    chunk = residual_bytes(1024, 2048, 4)
+    assert chunk == 32 * 2**20
+    m = tokens_within(per_token, 150 * 2**20, chunk)
+    assert m * per_token <= 150 * 2**20 - HEAD_RESERVE - chunk < (m + 1) * per_token
+    assert 37.5 * 2**20 // per_token == tokens_within(per_token, 150 * 2**20, 10**9)  # a quarter at least
 
 
 PRESSED = ("some avg10=35.20 avg60=12.00 avg300=3.10 total=9123456\n"

@@ -31,7 +31,7 @@ from pipeline.models.run_ahead import (
     state_arrays,
 )
 from pipeline.models.text_parts import TextParts, moe_layers, text_parts
-from pipeline.prefill_slices import mix, moe, moe_token_bytes
+from pipeline.prefill_slices import mix, moe, moe_token_bytes, residual_bytes
 from qpack.spec import ExpertFormat
 
 # (layer, ids, hidden) -> the ids' pool slots, lazily (`ForwardStep.launch_with`).
@@ -114,6 +114,10 @@ class StreamedModel:
         args = self.parts.args
         inter = getattr(args, "moe_intermediate_size", None) or args.intermediate_size
         return moe_token_bytes(self.top_k, args.hidden_size, inter, self._itemsize())
+
+    def chunk_bytes(self, tokens: int) -> int:
+        """What a prefill chunk of `tokens` holds whole beside its slices."""
+        return residual_bytes(tokens, self.parts.args.hidden_size, self._itemsize())
 
     def state_variant(self) -> str:
         """What a state's bits depend on beyond the container and the code: the
