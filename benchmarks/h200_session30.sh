@@ -14,6 +14,9 @@
 #   with graphs off, the engine's graphs are the per-token cost to find (then
 #   MLX_SAVE_CUDA_GRAPHS_DOT_FILE on a 2-token run says which nodes).
 # pairs (issue 24): h200_session29.sh pairs (warm speculation paired with plain decode).
+# prefill (issues 31, 25): h200_session29.sh prefill: the prefill slices leave room for the
+#   chunk's own arrays since session 30 (on CUDA ~445-token MoE slices, was 710): the
+#   1024-token prefill's share of one pass (0.97 in session 29) and its device peak.
 # deep (issue 31, the fast disk): a waited token's reads are issued one layer ahead (the gate's
 #   prediction at layer l for l+1), ~7.6 reads of 1.69 MB a layer at ~2 in flight, so the disk
 #   idles between layers (busy 0.66-0.70, in flight 1.2-2.9 with 8 in the ring) and only 3-13 %
@@ -48,8 +51,8 @@ for p in sys.argv[1:]:
 PY
     ptx_save
     pack ;;
-  pairs)
-    bash "$(dirname "$0")/h200_session29.sh" pairs ;;
+  pairs|prefill)
+    bash "$(dirname "$0")/h200_session29.sh" "$step" ;;
   deep)
     paged c35
     TAIL=1 bench 100 deep-default c35 "${warm[@]}" --warm --cases default
@@ -79,6 +82,6 @@ for p in sys.argv[1:]:
               round(r["decode_device_mb"]))
 PY
     pack ;;
-  *) echo "unknown step $step: graphs, deep, pairs or kv" >&2 ;;
+  *) echo "unknown step $step: graphs, deep, pairs, prefill or kv" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
