@@ -113,8 +113,7 @@ def encode_state(fingerprint: str, tokens: Sequence[int], cache: list[Any]) -> l
             layers.append(LayerState("qkv", int(c.offset), arrays, bits=int(c.bits),
                                      group_size=int(c.group_size)))
         elif hasattr(c, "offset") and hasattr(c, "keys"):
-            arrays = () if c.keys is None else (ref(c.keys[..., : c.offset, :]),
-                                                 ref(c.values[..., : c.offset, :]))
+            arrays = tuple(ref(a) for a in kv_parts(c, filled=True))
             ring = hasattr(c, "max_size")
             layers.append(LayerState("kv", int(c.offset), arrays, int(c._idx) if ring else -1))
         elif isinstance(getattr(c, "cache", None), list):

@@ -113,14 +113,18 @@ async def finished(engine: Any, prompt: list[int], params: Any) -> Any:
     raise RuntimeError("a generation ended without its Done event")
 
 
+def _speculates(case: Any) -> bool:
+    return case.config.get("compute", {}).get("speculative", "off") != "off"
+
+
 def wants_resident(case: Any) -> bool:
     """The case compares itself with resident mlx-lm: warm-all without speculation."""
-    return bool(case.warm_all) and case.config.get("compute", {}).get("speculative", "off") == "off"
+    return bool(case.warm_all) and not _speculates(case)
 
 
 def wants_plain(case: Any) -> bool:
     """The case speculates with every expert pooled (`warm-spec-*`): compared with plain."""
-    return bool(case.warm_all) and case.config.get("compute", {}).get("speculative", "off") != "off"
+    return bool(case.warm_all) and _speculates(case)
 
 
 async def paired(engine: Any, case: Any, prompt: list[int], params: Any) -> Pairs | None:

@@ -56,8 +56,8 @@ class BatchQuantizedKVCache(BatchKVCache):
                 if prev % self.step != 0:
                     self.keys = _each(lambda x: x[..., :prev, :], self.keys)
                     self.values = _each(lambda x: x[..., :prev, :], self.values)
-                self.keys = _join(self.keys, new_k)
-                self.values = _join(self.values, new_v)
+                self.keys = _join(self.keys, new_k, axis=2)
+                self.values = _join(self.values, new_v, axis=2)
             else:
                 self.keys, self.values = new_k, new_v
         self.offset = self.offset + steps
@@ -133,8 +133,8 @@ class BatchQuantizedKVCache(BatchKVCache):
             return k, v, c.offset, c.left_padding + left
 
         (k1, v1, o1, l1), (k2, v2, o2, l2) = pad(self), pad(other)
-        self.keys = _join_rows(k1, k2)
-        self.values = _join_rows(v1, v2)
+        self.keys = _join(k1, k2, axis=0)
+        self.values = _join(v1, v2, axis=0)
         self.offset = mx.concatenate([o1, o2])
         self.left_padding = mx.concatenate([l1, l2])
         self._idx = idx
@@ -178,12 +178,8 @@ class BatchQuantizedKVCache(BatchKVCache):
         return merged
 
 
-def _join(old: Triple, new: Triple) -> Triple:
-    """Buffers grown along positions."""
-    a, b, c = (mx.concatenate([x, y], axis=2) for x, y in zip(old, new, strict=True))
-    return a, b, c
-
-
-def _join_rows(top: Triple, bottom: Triple) -> Triple:
-    a, b, c = (mx.concatenate([x, y]) for x, y in zip(top, bottom, strict=True))
+def _join(first: Triple, second: Triple, axis: int) -> Triple:
+    """Each array of `first` followed by its twin of `second` along `axis` (2: buffers
+    grown along positions; 0: rows appended)."""
+    a, b, c = (mx.concatenate([x, y], axis=axis) for x, y in zip(first, second, strict=True))
     return a, b, c

@@ -28,17 +28,22 @@ def _details(api: Api) -> dict[str, Any]:
             "parameter_size": "", "quantization_level": quant}
 
 
-def _model_entry(api: Api, name: str) -> dict[str, Any]:
+def _modified(api: Api) -> str:
     root = api.engine.container.root
-    size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
-    stamp = datetime.fromtimestamp(root.stat().st_mtime, UTC).isoformat().replace("+00:00", "Z")
-    return {"name": name, "model": name, "modified_at": stamp, "size": size,
+    return datetime.fromtimestamp(root.stat().st_mtime, UTC).isoformat().replace("+00:00", "Z")
+
+
+def _model_entry(api: Api, name: str, size: int) -> dict[str, Any]:
+    return {"name": name, "model": name, "modified_at": _modified(api), "size": size,
             "digest": api.fingerprint.removeprefix("fp_"), "details": _details(api)}
 
 
 async def tags(api: Api, request: Request) -> Response:
+    """`size`: the container on disk (its files summed once, whatever the aliases)."""
     api.check_auth(request)
-    return json_response({"models": [_model_entry(api, n) for n in api.listed_names()]})
+    root = api.engine.container.root
+    size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    return json_response({"models": [_model_entry(api, n, size) for n in api.listed_names()]})
 
 
 class ShowBody(msgspec.Struct, kw_only=True):
@@ -60,7 +65,7 @@ async def show(api: Api, request: Request) -> Response:
     return json_response({"modelfile": "", "parameters": "", "template": template,
                           "details": details, "model_info": info,
                           "capabilities": capabilities,
-                          "modified_at": _model_entry(api, api.engine.name)["modified_at"]})
+                          "modified_at": _modified(api)})
 
 
 # Ollama's `expires_at` for a model kept loaded for good (keep_alive < 0): Go's
@@ -80,7 +85,7 @@ async def ps(api: Api, request: Request) -> Response:
     on_gpu = mx.default_device() == mx.gpu
     expires = datetime.now(UTC) + timedelta(days=_FOREVER_DAYS)
     stamp = expires.isoformat().replace("+00:00", "Z")
-    models = [{**_model_entry(api, n), "size": held, "size_vram": held if on_gpu else 0,
+    models = [{**_model_entry(api, n, held), "size_vram": held if on_gpu else 0,
                "expires_at": stamp, "context_length": api.engine.context_limit}
               for n in api.listed_names()]
     return json_response({"models": models})
