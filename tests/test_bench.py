@@ -280,6 +280,13 @@ def test_a_failing_case_is_one_line_and_finished_cases_are_on_disk(tiny_bench: P
     assert missing.error is not None and "\n" not in missing.error
     assert "gone.qpack" in missing.error and "Traceback" not in missing.error
     assert 'File "' not in missing.error
+    # A failure inside the engine's nursery arrives wrapped in groups: the worker reports
+    # the leaf (on the H200, a kv_bits case said only "Exceptions from Trio nursery").
+    from pipeline.failures import one_line
+
+    wrapped = ExceptionGroup("Exceptions from Trio nursery", [ExceptionGroup(
+        "inner", [RuntimeError("[quantized_matmul] No implementation for problem shape")])])
+    assert one_line(wrapped) == "RuntimeError: [quantized_matmul] No implementation for problem shape"
 
     # The JSON is rewritten after every case: a bench stopped (a time limit, a lost
     # machine) while its second case runs keeps its first.

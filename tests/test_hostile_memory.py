@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from actors.pool.storage import PoolAllocationError, PoolStorage, slot_bytes
-from pipeline.cli.failures import one_line
+from pipeline.failures import one_line
 from qpack.reader import Container
 
 

@@ -294,6 +294,10 @@ def test_auto_asks_a_costly_drafter_for_one_trial_then_as_rarely_as_its_cost_all
     # A trial costs 0.56 of a step: >= 28 steps apart once it is priced, then doubling.
     gaps = [b - a for a, b in zip(steps[1:], steps[2:], strict=False)]
     assert gaps and all(g >= 28 for g in gaps) and len(steps) <= 8
+    # A new generation's first trial: where it fits 2 % of the generation's plain decode
+    # (0.100 s against 0.180 x 0.02 a token: 28 tokens or more), or before it is priced.
+    assert not policy.new_text_trial(27) and policy.new_text_trial(28)
+    assert SpeculationPolicy().new_text_trial(1)
     # A trial that hits (the text began to repeat) lets a pass be tried at once.
     for _ in range(6):
         policy.after_shadow(True)

@@ -62,7 +62,8 @@ class RowSpeculation:
     verify_step: MakeVerifyStep  # the model's verify pass
     stats: SpecStats = field(default_factory=SpecStats)  # this row's passes
     # `auto` has compared this row's drafter with a token of its own: a new text is tried
-    # once, whatever the engine's policy learnt from the texts before.
+    # once, whatever the engine's policy learnt from the texts before (a costly drafter
+    # where the trial fits the generation: `SpeculationPolicy.new_text_trial`).
     tried: bool = False
     # Where the row's final hidden states go, from every forward it is in (its own and a
     # decode batch's): an MTP drafter's `sink` (position after the forward, h [1, T, H]).
@@ -114,7 +115,8 @@ class SpeculativeDecoder:
             guess: list[int] = []
             trial_s: float | None = None  # what asking a costly drafter took
             if (shadow is not None and not k and self.spec.left > 1
-                    and (self.policy.shadow_wanted(shadow == "free") or not self.spec.tried)):
+                    and (self.policy.shadow_wanted(shadow == "free")
+                         or not self.spec.tried and self.policy.new_text_trial(self.spec.left))):
                 asked = time.perf_counter()
                 guess = await self._propose(1)
                 self.spec.tried = self.spec.tried or bool(guess)

@@ -16,8 +16,9 @@ with the token the step gives: a trial of the acceptance that costs no pass (for
 sampled row, the chance that they agree is p(draft), the chance that speculative
 sampling would keep it). Prompt lookup costs a few dictionary look-ups and is asked at
 every plain step; an MTP head runs its layer to answer, so it is asked at each
-generation's first token (a new text) and then only when a trial is due (at the probes'
-intervals, at least its cost over 2 % of a plain step apart). The first trial is the
+generation's first token (a new text; where that costs within 2 % of the generation's
+plain decode) and then only when a trial is due (at the probes' intervals, at least its
+cost over 2 % of a plain step apart). The first trial is the
 first token's (drawn from the prompt's logits, never a pass), and no pass is tried
 while the trials say that even a pass as cheap as a plain step could not pay (a = 0: a
 pass gives one token). On MLX's CPU a pass of 2 positions costs ~1.8 plain steps, and
@@ -203,6 +204,16 @@ class SpeculationPolicy:
         """Whether to ask the drafter at this plain step: always where it is `free`, else
         for the first trial and when a trial is due."""
         return free or self._shadow_due
+
+    def new_text_trial(self, left: int) -> bool:
+        """Whether a costly drafter is tried at a new generation's first token, however
+        long the engine's trials wait: where that trial costs within `_PROBE_BUDGET` of the
+        generation's plain decode (`left` tokens), or is not priced yet. A short
+        generation skips it (H200, session 31: an MTP trial at each 32-token generation's
+        start cost 5-7 %, `auto` at 0.93 / 0.95x plain); the due trials still come."""
+        if self.trial_s is None or self.plain_s is None:
+            return True
+        return self.trial_s <= _PROBE_BUDGET * self.plain_s * left
 
     def after_shadow(self, kept: bool, seconds: float | None = None) -> None:
         """A shadow draft's first token was (`kept`) or was not the token a plain step gave;

@@ -368,6 +368,7 @@ def machine_info() -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     """Worker entry: one Case as JSON in argv[1]; one Result as JSON on stdout's last line."""
+    from pipeline.failures import one_line
     from pipeline.logging_setup import configure_logging
 
     configure_logging("warning", False)
@@ -376,7 +377,7 @@ def main(argv: list[str]) -> int:
         result = measure(case)
     except Exception as e:  # noqa: BLE001 - the worker reports one line per case, not a traceback
         traceback.print_exc()  # to stderr, which the parent keeps only on a crash
-        result = Result(name=case.name, kind=case.kind, error=f"{type(e).__name__}: {e}")
+        result = Result(name=case.name, kind=case.kind, error=one_line(e))
     sys.stdout.write("\n" + json.dumps(msgspec.to_builtins(result)) + "\n")
     sys.stdout.flush()
     return 0

@@ -3,7 +3,7 @@
 Every module here only declares its arguments; what a subcommand runs is imported when
 it runs, so `moestream --help` and argument errors never load MLX or the engine.
 `main` turns whatever a command raises into one `error: <message>` line and exit 1
-(pipeline.cli.failures); Ctrl-C exits 130 and a closed stdout pipe 141, both quietly.
+(pipeline.failures); Ctrl-C exits 130 and a closed stdout pipe 141, both quietly.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 # First: a rank must learn which process started it before that one can be gone.
 import pipeline.distributed.launcher_watch  # noqa: F401, I001
 from pipeline.cli import bench, commands, config, launch, pack, replay, serve, synth
-from pipeline.cli.failures import EXIT_INTERRUPTED, broken_pipe, interrupted_by, report
+from pipeline.failures import EXIT_INTERRUPTED, broken_pipe, interrupted_by, report
 from pipeline.logging_setup import configure_logging, debug_enabled
 
 __all__ = ["build_parser", "main"]

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.cli.failures import refused
+from pipeline.failures import refused
 from qpack.spec import QpackError
 
 if TYPE_CHECKING:

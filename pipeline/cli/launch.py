@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline.cli.failures import refused
+from pipeline.failures import refused
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:

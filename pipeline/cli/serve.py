@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from pipeline.cli.commands import add_engine_flags, engine_config
-from pipeline.cli.failures import refused
+from pipeline.failures import refused
 from pipeline.cli.term import err
 from pipeline.server.route_table import describe as describe_routes
 
