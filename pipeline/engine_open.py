@@ -74,7 +74,7 @@ from pipeline.memory_facts import OpenMarks
 from pipeline.memory_malloc import map_large_blocks
 from pipeline.models.dense import held_bytes, load_dense
 from pipeline.models.file_embedding import wants_file
-from pipeline.models.kv_quant import kv_quant_for
+from pipeline.models.kv_quant import kv_quant_for, probe_kernels
 from pipeline.models.mtp import head_bytes
 from pipeline.models.mtp_experts import StreamedExperts
 from pipeline.models.streamed import StreamedModel, activation_dtype
@@ -109,8 +109,8 @@ async def open_core(
     # held; an untied lm_head's scales widened to the activations' dtype (pipeline/models/dense.py).
     worker = MlxWorker.shared()
     dtype = await worker.run(activation_dtype, config.compute.dtype)
-    on_file = stage is None and wants_file(config.memory.embedding,
-                                           await worker.run(lambda: mx.default_device() == mx.cpu))
+    on_cpu = await worker.run(lambda: mx.default_device() == mx.cpu)
+    on_file = stage is None and wants_file(config.memory.embedding, on_cpu)
     dense_bytes = stage.dense_bytes if stage else held_bytes(
         container.dense_path, manifest.dense_bytes, embedding_on_file=on_file, head_dtype=dtype)
     # The MTP head, when it drafts: its dense part held like the dense core, its routed
@@ -172,6 +172,8 @@ async def open_core(
             dense, fmt, storage.arrays, dtype, views=storage.view)
         model.kv_quant = kv_quant_for(config.compute.kv_bits, config.compute.kv_group_size,
                                       model.family, model.parts, manifest.model_type)
+        if model.kv_quant is not None and not on_cpu:  # MLX's CPU has every kernel
+            await worker.run(probe_kernels, model.kv_quant, model.parts, model.compute_dtype())
         async with trio.open_nursery() as nursery:
             core = _start_actors(
                 config, container, worker, nursery, model, storage, tokenizer, slots,

@@ -21,7 +21,7 @@ from pipeline.config.errors import ConfigError
 from pipeline.engine import open_engine
 from pipeline.engine_hooks import emulate_drafts
 from pipeline.events import Done
-from pipeline.models.kv_quant import KVQuant
+from pipeline.models.kv_quant import PROBE_CALLS, KVQuant, probe_kernels
 from pipeline.prefix_disk import Damaged, encode_state, load_state, read_header
 from pipeline.speculation import EmulatedDrafts
 
@@ -149,6 +149,40 @@ async def test_a_family_or_head_size_it_cannot_serve_is_refused_in_one_line(
         async with open_engine(engine_config(tiny, compute={"kv_bits": 8})):
             pass
 
+
+
+async def test_a_backend_without_the_quantized_kernels_is_refused_at_start_in_one_line(kv_pair):
+    """On a GPU the engine runs the model's attention over a quantized cache at its head
+    geometry before serving (MLX's CUDA backend lacks kernels for some shapes): here the
+    probe itself, on the CPU, at the model's shapes, and with an attention that fails as
+    CUDA's did."""
+    _src, qpack = kv_pair
+    async with open_engine(engine_config(qpack, compute={"kv_bits": 4})) as engine:
+        model = engine._core.model
+        quant = model.kv_quant
+        assert quant == KVQuant(4, 64)
+        seen: list[tuple[int, ...]] = []
+
+        def attend(queries, keys, values, cache, scale, mask):
+            from mlx_lm.models.base import scaled_dot_product_attention
+            seen.append((queries.shape[2], keys[0].shape[2]))
+            return scaled_dot_product_attention(queries, keys, values, cache, scale, mask)
+
+        probe_kernels(quant, model.parts, model.compute_dtype(), attend)
+        # Each call as a generation makes it: its new tokens over everything cached.
+        ends = np.cumsum(PROBE_CALLS).tolist()
+        assert seen == [(n, e) for n, e in zip(PROBE_CALLS, ends, strict=True)]
+
+        def no_kernel(queries, keys, values, cache, scale, mask):
+            if queries.shape[2] == 1:
+                raise RuntimeError("[quantized_matmul] No implementation for\nproblem shape: 1x129x256x8")
+            return attend(queries, keys, values, cache, scale, mask)
+
+        with pytest.raises(ConfigError) as refused:
+            probe_kernels(quant, model.parts, model.compute_dtype(), no_kernel)
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith("compute.kv_bits = 4: MLX ")
+    assert "No implementation for problem shape: 1x129x256x8" in line and line.endswith("use 0")
 
 
 @pytest.mark.parametrize(("compute", "counter"), [({"run_ahead": "on"}, "run_ahead_misses"),

@@ -19,6 +19,8 @@ head's own cache stay as they are. A decode batch holds its rows' in one
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from importlib.metadata import version
 from typing import Any, NamedTuple
 
 import mlx.core as mx
@@ -57,6 +59,44 @@ def kv_quant_for(bits: int, group_size: int, family: Any, parts: Any, name: str)
         raise ConfigError(f"compute.kv_group_size = {group_size} does not divide the "
                           f"attention's head size ({dim}); use {' or '.join(fit)}")
     return KVQuant(bits, group_size)
+
+
+# The attention calls a generation makes, as the new tokens of each (cached before them:
+# 0, 128, 129, 133): a prefill chunk whose keys fill whole 128-column tiles, a decode step
+# and a 3-draft verify pass past them (odd lengths: a kernel's residue), a second chunk. MLX's CUDA backend picks a
+# quantized_matmul kernel by shape and has none for some (mflux-community/mflux#563);
+# on the H200, session 31, a 4096-token prompt with kv_bits = 4 failed after a minute.
+PROBE_CALLS = (128, 1, 4, 61)
+
+
+def probe_kernels(quant: KVQuant, parts: Any, dtype: mx.Dtype,
+                  attend: Callable[..., mx.array] | None = None) -> None:
+    """On the MLX thread, before the engine serves (a GPU backend): the model's attention
+    over a quantized cache at its head geometry and `PROBE_CALLS`' shapes, so a backend
+    without the kernels refuses the setting at start in one line, not a generation minutes
+    in. `attend`: mlx-lm's `scaled_dot_product_attention` unless given."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    args = parts.args
+    heads = int(args.num_attention_heads)
+    kv_heads = int(getattr(args, "num_key_value_heads", None) or heads)
+    dim = int(getattr(args, "head_dim", None) or args.hidden_size // heads)
+    cache = QuantizedKVCache(group_size=quant.group_size, bits=quant.bits)
+    call: Callable[..., mx.array] = attend or scaled_dot_product_attention
+    try:
+        key = mx.random.key(0)  # its own: the process's random state stays the sampler's
+        for new in PROBE_CALLS:
+            keys, values = (mx.random.normal((1, kv_heads, new, dim), key=key).astype(dtype) for _ in "kv")
+            queries = mx.random.normal((1, heads, new, dim), key=key).astype(dtype)
+            k, v = cache.update_and_fetch(keys, values)
+            mx.eval(call(queries, k, v, cache=cache, scale=dim**-0.5,
+                         mask="causal" if new > 1 else None))
+    except (RuntimeError, ValueError) as e:
+        text = " ".join(str(e).split())
+        raise ConfigError(f"compute.kv_bits = {quant.bits}: MLX {version('mlx')} on "
+                          f"{mx.default_device()} cannot attend over a quantized cache at this "
+                          f"model's shapes ({text}); use 0") from e
 
 
 def quantize_caches(caches: list[Any], quant: KVQuant) -> list[Any]:

@@ -123,15 +123,15 @@ class StreamedModel:
         """What a state's bits depend on beyond the container and the code: the
         activations' dtype and the KV cache's quantization ("float32", "bfloat16-kv4g64")."""
         kv = f"-kv{self.kv_quant.bits}g{self.kv_quant.group_size}" if self.kv_quant else ""
-        return str(self._dtype()).rsplit(".", 1)[-1] + kv
+        return str(self.compute_dtype()).rsplit(".", 1)[-1] + kv
 
-    def _dtype(self) -> mx.Dtype:
+    def compute_dtype(self) -> mx.Dtype:
         """The activations' dtype: the compute dtype, else the embedding's."""
         return self.activation_dtype or embedding_dtype(self.parts.embed_tokens)
 
     def _itemsize(self) -> int:
         """Bytes of an activation's element."""
-        return self._dtype().size
+        return self.compute_dtype().size
 
     def step_from(self, hidden: mx.array, cache: list[Any]) -> ForwardStep:
         """A forward over `self.layers` that starts from the residual stream `hidden`
