@@ -1,0 +1,99 @@
+"""What one decode token asks MLX to run: the engine's (every expert pooled, the run-ahead's
+whole token) against mlx-lm's resident forward, counted by op from MLX's graph export.
+
+    python benchmarks/token_graph.py C.qpack [--dtype bfloat16]
+
+Issue 31 (session 31): on the H200 the resident model gains from MLX's CUDA graphs and the
+engine does not (0.66x with graphs, 0.80x without). A token with more nodes launches more
+kernels and fills more 100-node graphs; this counts them on any backend (views such as
+Reshape or Broadcast cost no kernel; the rest, roughly, one each). CPU-side, no device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+VIEWS = {"Broadcast", "Reshape", "ExpandDims", "Squeeze", "Slice", "Transpose", "AsStrided"}
+
+
+def ops(outputs: list[mx.array]) -> Counter[str]:
+    with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+        mx.export_to_dot(f.name, *outputs)
+        return Counter(re.findall(r'label ="([A-Za-z_]+)"', Path(f.name).read_text()))
+
+
+def engine_token(path: str, dtype: str) -> tuple[Counter[str], int]:
+    from helpers_engine import engine_config, generate
+
+    import actors.decode as decode
+    from pipeline.engine import open_engine
+
+    seen: list[tuple[int, Counter[str]]] = []  # (outputs, ops) of each evaluation queued
+    real = mx.async_eval
+
+    def grab(*arrays: object) -> None:
+        outputs = [a for a in arrays if isinstance(a, mx.array)]
+        seen.append((len(outputs), ops(outputs)))  # before it runs: then the graph is gone
+        real(*arrays)
+
+    decode.mx.async_eval = grab  # type: ignore[attr-defined]
+
+    async def run() -> None:
+        config = engine_config(path, compute={"dtype": dtype, "run_ahead": "on"},
+                               pool={"slots": None, "budget_mb": 1 << 20})
+        async with open_engine(config) as engine:
+            await generate(engine, [200, 201, 202], 5)
+            seen.clear()
+            await generate(engine, [300], 4)
+
+    trio.run(run)
+    decode.mx.async_eval = real  # type: ignore[attr-defined]
+    outputs, counted = max(seen, key=lambda s: s[0])  # a decode token's: ids, flags, streams
+    return counted, outputs
+
+
+def resident_token(path: str, dtype: str) -> Counter[str]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from pipeline.bench.refs import resident_model
+
+    model, _, _ = resident_model(path)
+    if dtype != "float32":
+        model.set_dtype(getattr(mx, dtype), lambda d: mx.issubdtype(d, mx.floating))
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[200, 201, 202]]), cache=cache))
+    logits = model(mx.array([[300]]), cache=cache)
+    token = mx.argmax(logits[:, -1, :], axis=-1)
+    return ops([token, *[a for c in cache for a in c.state if isinstance(a, mx.array)]])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("container")
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args()
+    engine, outputs = engine_token(args.container, args.dtype)
+    resident = resident_token(args.container, args.dtype)
+    for name, c in (("engine", engine), ("resident", resident)):
+        work = sum(n for op, n in c.items() if op not in VIEWS)
+        print(f"{name}: {sum(c.values())} nodes, {work} not views"
+              + (f" ({outputs} outputs)" if name == "engine" else ""))
+    print("op: engine / resident (not views, where they differ)")
+    for op in sorted(set(engine) | set(resident), key=lambda o: -(engine[o] - resident[o])):
+        if op not in VIEWS and engine[op] != resident[op]:
+            print(f"  {op}: {engine[op]} / {resident[op]}")
+
+
+if __name__ == "__main__":
+    main()
