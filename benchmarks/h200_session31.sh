@@ -15,20 +15,7 @@ c35m() { container c35m qwen3.6-35b-a3b --mtp; }
 case $step in
   a)
     paged c35m
-    TAIL=1 bench 200 graphs-default c35m "${warm[@]}" --warm --cases warm-all
-    MLX_USE_CUDA_GRAPHS=0 TAIL=1 bench 200 graphs-off c35m "${warm[@]}" --warm --cases warm-all
-    MLX_CUDA_GRAPH_CACHE_SIZE=4000 TAIL=1 bench 200 graphs-4000 c35m "${warm[@]}" --warm --cases warm-all
-    TAIL=1 bench 100 graphs-fast-default c35m "${warm[@]}" --warm --cases default
-    MLX_USE_CUDA_GRAPHS=0 TAIL=1 bench 100 graphs-fast-off c35m "${warm[@]}" --warm --cases default
-    same "$OUT"/graphs-*.json
-    python3 - "$OUT"/graphs-*.json <<'PY'
-import json, sys
-for p in sys.argv[1:]:
-    for r in json.load(open(p))["results"]:
-        print(p.rsplit("/", 1)[-1], r["name"], round(r["decode_tok_s"], 2),
-              [round(x, 1) for x in r.get("paired_engine_tok_s", [])],
-              [round(x, 1) for x in r.get("paired_resident_tok_s", [])])
-PY
+    graphs_step c35m
     ptx_save
     pack ;;
   b)
