@@ -6,6 +6,15 @@
 # a: graphs (warm-all and the page cache's default, CUDA graphs on/off/larger cache)
 # b: deep (lookahead 2-3, io_uring 8-16 in flight) and pairs (warm speculation, two pairs)
 # c: prefill (1024 tokens, cold) and kv (4096-token prompt, 0/8/4 bits)
+# limits (for the next lease): MLX's CUDA graphs commit when a graph passes 100 ops or its
+#   inputs pass 1000 << 20 *elements* (MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER on
+#   cc 9.0; set_input_array adds each input's data_size, persistent weights included). Every
+#   expert pooled, a MoE layer's three gathers read bank slices of 2,048 slots, 491,520
+#   elements a slot (weights, scales, biases; counted on this VM): 1.007G a layer, so the
+#   engine's graph commits about once a MoE layer on inputs alone, mlx-lm's (256 experts,
+#   126M a layer) once in ~8. At ~100 ops a layer both also commit on the op count, so the
+#   arm raising both is the test. warm-all and the page cache with the element cap out of the
+#   way (and 400 ops a graph), against the default, alternating; `same` checks the tokens.
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
@@ -43,6 +52,27 @@ case $step in
         --long-prompt 4096 --kv-bits $bits
     done
     pack ;;
-  *) echo "unknown step $step: a, b or c" >&2 ;;
+  limits)
+    paged c35m
+    for i in 1 2; do
+      TAIL=1 bench 150 limits-default-$i c35m "${warm[@]}" --warm --cases warm-all
+      MLX_MAX_MB_PER_BUFFER=1000000 TAIL=1 bench 150 limits-mb-$i c35m "${warm[@]}" --warm --cases warm-all
+      MLX_MAX_MB_PER_BUFFER=1000000 MLX_MAX_OPS_PER_BUFFER=400 TAIL=1 bench 150 limits-mb-ops-$i c35m \
+        "${warm[@]}" --warm --cases warm-all
+    done
+    TAIL=1 bench 60 limits-fast-default c35m "${warm[@]}" --warm --cases default
+    MLX_MAX_MB_PER_BUFFER=1000000 TAIL=1 bench 60 limits-fast-mb c35m "${warm[@]}" --warm --cases default
+    same "$OUT"/limits-*.json
+    python3 benchmarks/read_path_summary.py "$OUT"/limits-fast-*.json
+    python3 - "$OUT"/limits-*.json <<'PY'
+import json, sys
+for p in sys.argv[1:]:
+    for r in json.load(open(p))["results"]:
+        print(p.rsplit("/", 1)[-1], r["name"], round(r["decode_tok_s"], 2), round(r["peak_device_mb"]),
+              [round(x, 1) for x in r.get("paired_engine_tok_s", [])],
+              [round(x, 1) for x in r.get("paired_resident_tok_s", [])])
+PY
+    pack ;;
+  *) echo "unknown step $step: a, b, c or limits" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
