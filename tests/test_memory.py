@@ -20,9 +20,9 @@ import trio
 from helpers_engine import engine_config, forward_logits
 
 from pipeline.cli.commands import budget_arg
-from pipeline.failures import one_line
 from pipeline.config.schema import MemoryConfig
 from pipeline.engine import open_engine
+from pipeline.failures import one_line
 from pipeline.memory_budget import AUTO_SHARE, PoolBudgetError, plan_memory
 from pipeline.resident_map import current_rss_mb
 

@@ -12,8 +12,8 @@ import json
 from typing import Any
 
 from pipeline.cli.commands import add_engine_flags, engine_config
-from pipeline.failures import refused
 from pipeline.cli.term import err
+from pipeline.failures import refused
 from pipeline.server.route_table import describe as describe_routes
 
 _SERVER_FLAGS = ("host", "port", "api_key", "max_queue", "max_body_bytes", "context_limit",
