@@ -28,8 +28,10 @@ from typing import Any
 import mlx.core as mx
 
 MIB = 2**20
-# What stays out of the slices' share: the largest single op of a step outside the
-# mixers, the lm_head (62 MiB at a 248k vocabulary on the CPU, its scales cast to float32).
+# What stays out of the slices' share: sized for the lm_head when its scales were cast to
+# float32 at every step (62 MiB at a 248k vocabulary on the CPU). They are widened once at
+# load now (pipeline/models/dense.py `widen_head`), so this is headroom the measured
+# temporaries (docs/memory.md) were taken with; lowering it widens the slices.
 HEAD_RESERVE = 64 * MIB
 MIN_SLICE = 16
 # Arrays as long as the whole chunk that live beside a slice: the residual stream, its
