@@ -36,7 +36,6 @@ def ops(outputs: list[mx.array]) -> Counter[str]:
 def engine_token(path: str, dtype: str) -> tuple[Counter[str], int]:
     from helpers_engine import engine_config, generate
 
-    import actors.decode as decode
     from pipeline.engine import open_engine
 
     seen: list[tuple[int, Counter[str]]] = []  # (outputs, ops) of each evaluation queued
@@ -47,8 +46,6 @@ def engine_token(path: str, dtype: str) -> tuple[Counter[str], int]:
         seen.append((len(outputs), ops(outputs)))  # before it runs: then the graph is gone
         real(*arrays)
 
-    decode.mx.async_eval = grab  # type: ignore[attr-defined]
-
     async def run() -> None:
         config = engine_config(path, compute={"dtype": dtype, "run_ahead": "on"},
                                pool={"slots": None, "budget_mb": 1 << 20})
@@ -57,8 +54,13 @@ def engine_token(path: str, dtype: str) -> tuple[Counter[str], int]:
             seen.clear()
             await generate(engine, [300], 4)
 
-    trio.run(run)
-    decode.mx.async_eval = real  # type: ignore[attr-defined]
+    # MLX's own function, for the process (the engine queues each token through it), put
+    # back however the run ends.
+    mx.async_eval = grab
+    try:
+        trio.run(run)
+    finally:
+        mx.async_eval = real
     outputs, counted = max(seen, key=lambda s: s[0])  # a decode token's: ids, flags, streams
     return counted, outputs
 

@@ -48,8 +48,7 @@ def kv_quant_for(bits: int, group_size: int, family: Any, parts: Any, name: str)
     if not family.quantized_kv:
         raise ConfigError(f"compute.kv_bits = {bits}: {name}'s attention cannot "
                           "read a quantized KV cache (sinks or latent attention); use 0")
-    args = parts.args
-    dim = int(getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
+    _heads, _kv_heads, dim = _attention_shape(parts.args)
     if dim % group_size:
         fit = [str(g) for g in GROUP_SIZES if dim % g == 0]
         if not fit:
@@ -61,11 +60,19 @@ def kv_quant_for(bits: int, group_size: int, family: Any, parts: Any, name: str)
     return KVQuant(bits, group_size)
 
 
+def _attention_shape(args: Any) -> tuple[int, int, int]:
+    """(query heads, KV heads, head size) of a model's attention."""
+    heads = int(args.num_attention_heads)
+    kv_heads = int(getattr(args, "num_key_value_heads", None) or heads)
+    return heads, kv_heads, int(getattr(args, "head_dim", None) or args.hidden_size // heads)
+
+
 # The attention calls a generation makes, as the new tokens of each (cached before them:
-# 0, 128, 129, 133): a prefill chunk whose keys fill whole 128-column tiles, a decode step
-# and a 3-draft verify pass past them (odd lengths: a kernel's residue), a second chunk. MLX's CUDA backend picks a
-# quantized_matmul kernel by shape and has none for some (mflux-community/mflux#563);
-# on the H200, session 31, a 4096-token prompt with kv_bits = 4 failed after a minute.
+# 0, 128, 129, 133): a prefill chunk whose keys fill whole 128-column tiles, a decode
+# step and a 3-draft verify pass past them (odd lengths: a kernel's residue), a second
+# chunk. MLX's CUDA backend picks a quantized_matmul kernel by shape and has none for
+# some (mflux-community/mflux#563); on the H200, session 31, a 4096-token prompt with
+# kv_bits = 4 failed after a minute.
 PROBE_CALLS = (128, 1, 4, 61)
 
 
@@ -78,10 +85,7 @@ def probe_kernels(quant: KVQuant, parts: Any, dtype: mx.Dtype,
     from mlx_lm.models.base import scaled_dot_product_attention
     from mlx_lm.models.cache import QuantizedKVCache
 
-    args = parts.args
-    heads = int(args.num_attention_heads)
-    kv_heads = int(getattr(args, "num_key_value_heads", None) or heads)
-    dim = int(getattr(args, "head_dim", None) or args.hidden_size // heads)
+    heads, kv_heads, dim = _attention_shape(parts.args)
     cache = QuantizedKVCache(group_size=quant.group_size, bits=quant.bits)
     call: Callable[..., mx.array] = attend or scaled_dot_product_attention
     try:
