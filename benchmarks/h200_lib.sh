@@ -71,3 +71,16 @@ for p in sys.argv[1:]:
               [round(x, 1) for x in r.get("paired_resident_tok_s", [])])
 PY
 }
+deep_step() {  # deep_step CONTAINER: the page cache's waited token, lookahead 2-3 and io_uring at 8-16 in flight
+  local c=$1
+  TAIL=1 bench 100 deep-default "$c" "${warm[@]}" --warm --cases default
+  TAIL=1 bench 100 deep-r8 "$c" "${warm[@]}" --warm --cases default --io uring --readers 8
+  for depth in 2 3; do
+    TAIL=1 bench 100 deep-d$depth-r8 "$c" "${warm[@]}" --warm --cases default --strategy lookahead \
+      --depth $depth --io uring --readers 8
+  done
+  TAIL=1 bench 100 deep-d2-r16 "$c" "${warm[@]}" --warm --cases default --strategy lookahead --depth 2 \
+    --io uring --readers 16
+  python3 benchmarks/read_path_summary.py "$OUT"/deep-*.json
+  same "$OUT"/deep-*.json
+}

@@ -42,17 +42,7 @@ case $step in
     bash "$(dirname "$0")/h200_session29.sh" "$step" ;;
   deep)
     paged c35
-    TAIL=1 bench 100 deep-default c35 "${warm[@]}" --warm --cases default
-    TAIL=1 bench 100 deep-r8 c35 "${warm[@]}" --warm --cases default --io uring --readers 8
-    for depth in 2 3; do
-      TAIL=1 bench 100 deep-d$depth c35 "${warm[@]}" --warm --cases default --strategy lookahead --depth $depth
-      TAIL=1 bench 100 deep-d$depth-r8 c35 "${warm[@]}" --warm --cases default --strategy lookahead \
-        --depth $depth --io uring --readers 8
-    done
-    TAIL=1 bench 100 deep-d2-r16 c35 "${warm[@]}" --warm --cases default --strategy lookahead --depth 2 \
-      --io uring --readers 16
-    python3 benchmarks/read_path_summary.py "$OUT"/deep-*.json
-    same "$OUT"/deep-*.json
+    deep_step c35
     pack ;;
   kv)  # kv BITS... (one call each if the quantized kernels compile: minutes a new shape)
     paged c35

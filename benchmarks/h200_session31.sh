@@ -29,16 +29,7 @@ case $step in
     pack ;;
   b)
     paged c35m
-    TAIL=1 bench 100 deep-default c35m "${warm[@]}" --warm --cases default
-    TAIL=1 bench 100 deep-r8 c35m "${warm[@]}" --warm --cases default --io uring --readers 8
-    for depth in 2 3; do
-      TAIL=1 bench 100 deep-d$depth-r8 c35m "${warm[@]}" --warm --cases default --strategy lookahead \
-        --depth $depth --io uring --readers 8
-    done
-    TAIL=1 bench 100 deep-d2-r16 c35m "${warm[@]}" --warm --cases default --strategy lookahead --depth 2 \
-      --io uring --readers 16
-    python3 benchmarks/read_path_summary.py "$OUT"/deep-*.json
-    same "$OUT"/deep-*.json
+    deep_step c35m
     for i in 1 2; do
       TAIL=1 bench 250 pairs-$i c35m "${warm[@]}" --cases warm-all,warm-spec-auto,warm-spec-auto-a0.8,warm-spec-k2-a0.8
     done
