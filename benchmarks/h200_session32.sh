@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Session 32 (2026-12-05): the container of session 31 (c35m: the 35B with its MTP layer).
+#   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session32.sh STEP
+# g: CUDA graph commits per decode token, engine (every expert pooled) against resident
+#    mlx-lm (benchmarks/graph_commits.py), by default and with the element cap out of the
+#    way (MLX_MAX_MB_PER_BUFFER; h200_session31.sh `limits` says why): the hypothesis
+#    checked without timing noise, before the timed pairs.
+# l: the timed pairs, default against the raised limits, alternating, and the page cache.
+# p: warm speculation pairs (issue 24's `auto` after its new-text trial rule) and kv_bits on
+#    CUDA (issue 25: the start-time probe refuses or the case runs).
+set -uo pipefail
+. "$(dirname "$0")/h200_lib.sh"
+step=$1
+ptx_restore
+c35m() { container c35m qwen3.6-35b-a3b --mtp; }
+commits() {  # commits NAME [ENV...]
+  local name=$1; shift
+  echo "== $(date -u +%T) commits $name: $*"
+  env "$@" timeout 400 python3 benchmarks/graph_commits.py "$DATA/c35m.qpack" "$DATA/dots-$name" 4 2>&1 | tail -1 \
+    | tee "$OUT/commits-$name.json"
+  ls "$DATA/dots-$name" | wc -l; du -sh "$DATA/dots-$name"
+  echo "== $(date -u +%T) commits $name rc ${PIPESTATUS[0]}"
+}
+{
+case $step in
+  g)
+    paged c35m
+    commits default
+    commits mb MLX_MAX_MB_PER_BUFFER=1000000
+    ptx_save ;;
+  g2)
+    commits mb-ops MLX_MAX_MB_PER_BUFFER=1000000 MLX_MAX_OPS_PER_BUFFER=400
+    commits ops MLX_MAX_OPS_PER_BUFFER=400 ;;
+  l)
+    for i in 1 2; do
+      TAIL=1 bench 150 limits-default-$i c35m "${warm[@]}" --warm --cases warm-all
+      (export "${@:2}"; TAIL=1 bench 150 limits-raised-$i c35m "${warm[@]}" --warm --cases warm-all)
+    done
+    TAIL=1 bench 60 limits-fast-default c35m "${warm[@]}" --warm --cases default
+    (export "${@:2}"; TAIL=1 bench 60 limits-fast-raised c35m "${warm[@]}" --warm --cases default)
+    same "$OUT"/limits-*.json
+    python3 benchmarks/read_path_summary.py "$OUT"/limits-fast-*.json
+    python3 - "$OUT"/limits-*.json <<'PY'
+import json, sys
+for p in sys.argv[1:]:
+    for r in json.load(open(p))["results"]:
+        print(p.rsplit("/", 1)[-1], r["name"], round(r["decode_tok_s"], 2), round(r["peak_device_mb"]),
+              [round(x, 1) for x in r.get("paired_engine_tok_s", [])],
+              [round(x, 1) for x in r.get("paired_resident_tok_s", [])])
+PY
+    pack ;;
+  p)
+    TAIL=1 bench 250 pairs c35m "${warm[@]}" --cases warm-all,warm-spec-auto,warm-spec-auto-a0.8
+    for bits in 0 4; do
+      TAIL=2 bench 200 kv-$bits c35m --pool-mb 1024 --max-tokens 16 --warm --cases long-prompt \
+        --long-prompt 1024 --kv-bits $bits
+    done
+    pack ;;
+  *) echo "unknown step $step: g, g2, l or p" >&2 ;;
+esac
+} 2>&1 | tee -a "$OUT/$step.log"
