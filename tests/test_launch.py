@@ -190,19 +190,33 @@ def test_sigkill_to_the_launcher_stops_every_rank(fork_server, container) -> Non
 
 
 def test_sigterm_to_the_launcher_is_forwarded_and_waited_for(fork_server, container) -> None:
-    # 3 s: the second SIGTERM must land while rank 0 still drains.
-    job, port = _job(fork_server, container, 3)
+    # As a service manager that signals the launcher and then its group: a second SIGTERM
+    # while rank 0 drains must not cut the drain short. The drain is held open by a reply
+    # this test streams (a 30 s grace, thousands of tokens to go) until the test lets it
+    # go, so the second SIGTERM lands in it however late a loaded machine lets the test
+    # send it (a 3 s grace once ended first: rank 0 was gone, the SIGTERM too late).
+    job, port = _job(fork_server, container, 30)
     try:
-        def twice() -> None:  # as a service manager that signals the launcher and its group
-            job.proc.terminate()
-            # Once rank 0 took the first (signals that arrive together count once).
-            job.wait_for("server.shutdown", GONE_S)
-            job.proc.terminate()
-
-        _stopped_as_on_sigterm(job, port, twice, container)
+        conn, resp = stream(port, 8000, eos_of(container))
+        first = read_events(resp, 3)
+        job.proc.terminate()
+        job.wait_for("server.shutdown", GONE_S)  # rank 0 took it (signals together count once)
+        job.proc.terminate()
+        job.wait_for("server.shutdown_repeated", GONE_S)  # absorbed by rank 0, still draining
+        assert _post_status(port) == 503
+        more = read_events(resp, 3)  # the reply goes on: nothing was cut
+        check_events(first + more)
+        assert [json.loads(e)["object"] for e in more] == ["chat.completion.chunk"] * 3, more
+        conn.close()  # the reply ends (its client is gone), and with it the drain
+        assert job.gone_within(GONE_S), job.output()[-4000:]
         assert job.proc.exitcode == 0, job.output()[-4000:]  # the ranks drained and ended 0
+        check_bindable("127.0.0.1", port)  # raises PortInUse if anything still holds it
         log = job.output()
-        assert "server.shutdown_repeated" in log, log  # the second SIGTERM did not cut the drain
-        assert log.count("launch.rank_done") == 2
+        assert "distributed.stage_done" in log and "Traceback" not in log, log[-4000:]
+        # The second SIGTERM came while rank 0 drained, and the drain ran to its end: no
+        # reply left unfinished (none was cut at the grace either).
+        assert re.search(r"server\.drained\s+unfinished=0", log), log[-4000:]
+        assert log.index("server.shutdown_repeated") < log.index("server.drained"), log[-4000:]
+        assert log.count("launch.rank_done") == 2, log[-4000:]
     finally:
         job.kill()
