@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 ROOT, OUT = Path(sys.argv[1]), Path(sys.argv[2])
@@ -36,7 +38,18 @@ def kernels(names: set[str]) -> int:
     return sum((OUT / n).read_text(errors="replace").count("KERNEL") for n in names)
 
 
-def per_token(run: object) -> dict[str, float]:
+def labels(names: set[str]) -> Counter[str]:
+    """The dumped graphs' node labels, numbers and addresses dropped: which kernels (and
+    nodes of other kinds: a memcpy or a clustered kernel makes MLX instantiate the graph
+    at every commit instead of updating a cached one) each side's graphs hold."""
+    seen: Counter[str] = Counter()
+    for n in names:
+        for label in re.findall(r'label="(.*?)"\]', (OUT / n).read_text(errors="replace")):
+            seen[re.sub(r"0x[0-9a-f]+|\d+", "#", label)[:160]] += 1
+    return seen
+
+
+def per_token(run: object) -> dict[str, object]:
     """(commits, kernels) of one decode token: a 2+TOKENS run less a 2-token run."""
     before = dumped()
     run(2)  # type: ignore[operator]
@@ -45,7 +58,9 @@ def per_token(run: object) -> dict[str, float]:
     long = dumped() - before - short
     return {"commits_per_token": (len(long) - len(short)) / TOKENS,
             "kernels_per_token": (kernels(long) - kernels(short)) / TOKENS,
-            "commits_2_tokens": len(short)}
+            "commits_2_tokens": len(short),
+            "labels_per_token": {k: round(v / (2 + TOKENS), 2) for k, v in labels(long).most_common(60)},
+            "a_graph": (OUT / max(long, key=lambda n: (OUT / n).stat().st_size)).read_text()[:6000] if long else ""}
 
 
 def main() -> None:

@@ -1,0 +1,99 @@
+"""Host CPU per decode token, every expert pooled: the engine's MLX thread against mlx-lm's
+resident forward on its calling thread, the same container, one process (issue 31).
+
+On the H200 (session 31's `pairs-1`, warm-all) the engine's MLX thread spent 0.81 s of CPU
+over a 0.91 s decode: the token is bound by the host thread that builds and launches it,
+not by the GPU, so CUDA graphs (which cut the GPU's launch gaps) gained it nothing while the
+resident model gained 20-40 %. This says how much host CPU each side spends per token, and
+on which thread, on any backend: on MLX's CPU backend the arithmetic runs on MLX's own
+stream threads, so a Python thread's CPU time is its graph building and MLX's bookkeeping.
+
+    python benchmarks/host_cpu_token.py CONTAINER [--tokens 16] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+
+def engine_side(path: str, tokens: int, dtype: str, profile: int = 0) -> dict[str, float]:
+    import cProfile
+    import pstats
+
+    import trio
+    from helpers_engine import engine_config, generate
+
+    from actors.mlx_worker import MlxWorker
+    from pipeline.bench.thread_cpu import between, sample
+    from pipeline.engine import open_engine
+
+    out: dict[str, float] = {}
+
+    async def run() -> None:
+        config = engine_config(path, compute={"dtype": dtype}, pool={"slots": None, "budget_mb": 1 << 20})
+        async with open_engine(config) as engine:
+            await engine.warm()
+            await generate(engine, [200, 201, 202], 4)  # compiled, warmed
+            for n in (2, 2 + tokens):
+                start, t0 = sample(), time.perf_counter()
+                await generate(engine, [300, 301], n)
+                wall, spent = time.perf_counter() - t0, between(start, sample())
+                out.update({f"{k}_{n}": v for k, v in spent.items()}, **{f"wall_{n}": wall})
+            if profile:  # the MLX thread's own functions (a profiler set on it stays on it)
+                prof = cProfile.Profile()
+                await trio.to_thread.run_sync(MlxWorker.shared().call, prof.enable)
+                await generate(engine, [300, 301], 2 + tokens)
+                await trio.to_thread.run_sync(MlxWorker.shared().call, prof.disable)
+                pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(profile)
+
+    trio.run(run)
+    return {"per_token_" + k[:-len(f"_{2 + tokens}")]: (v - out.get(k[:-len(f"_{2 + tokens}")] + "_2", 0.0)) / tokens
+            for k, v in out.items() if k.endswith(f"_{2 + tokens}")}
+
+
+def resident_side(path: str, tokens: int, dtype: str) -> dict[str, float]:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    from pipeline.bench.refs import resident_model
+
+    model, _, _ = resident_model(path)
+    if dtype != "float32":
+        model.set_dtype(getattr(mx, dtype), lambda d: mx.issubdtype(d, mx.floating))
+    sampler = make_sampler(temp=0.0)
+
+    def run(n: int) -> tuple[float, float]:
+        c0, t0 = time.thread_time(), time.perf_counter()
+        for _ in generate_step(mx.array([300, 301]), model, max_tokens=n, sampler=sampler):
+            pass
+        return time.thread_time() - c0, time.perf_counter() - t0
+
+    run(4)
+    (c2, w2), (cn, wn) = run(2), run(2 + tokens)
+    return {"per_token_calling_thread": (cn - c2) / tokens, "per_token_wall": (wn - w2) / tokens,
+            "thread": threading.current_thread().name == "MainThread"}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("container")
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--profile", type=int, default=0, help="print the MLX thread's top N functions (stderr)")
+    args = p.parse_args()
+    result = {"engine": engine_side(args.container, args.tokens, args.dtype, args.profile),
+              "resident": resident_side(args.container, args.tokens, args.dtype)}
+    print(json.dumps({k: {n: round(v, 5) for n, v in d.items()} for k, d in result.items()}))
+
+
+if __name__ == "__main__":
+    main()
