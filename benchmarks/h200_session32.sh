@@ -5,6 +5,9 @@
 #    mlx-lm (benchmarks/graph_commits.py), by default and with the element cap out of the
 #    way (MLX_MAX_MB_PER_BUFFER; h200_session31.sh `limits` says why): the hypothesis
 #    checked without timing noise, before the timed pairs.
+# g2: the same with the element cap raised, and host CPU per token on each side
+#    (benchmarks/host_cpu_token.py: session 31's warm-all engine spent 0.81 s of MLX-thread
+#    CPU in a 0.91 s decode, so the token is host-bound), by default and raised.
 # l: the timed pairs, default against the raised limits, alternating, and the page cache.
 # p: warm speculation pairs (issue 24's `auto` after its new-text trial rule) and kv_bits on
 #    CUDA (issue 25: the start-time probe refuses or the case runs).
@@ -18,19 +21,27 @@ commits() {  # commits NAME [ENV...]
   echo "== $(date -u +%T) commits $name: $*"
   env "$@" timeout 400 python3 benchmarks/graph_commits.py "$DATA/c35m.qpack" "$DATA/dots-$name" 4 2>&1 | tail -1 \
     | tee "$OUT/commits-$name.json"
-  ls "$DATA/dots-$name" | wc -l; du -sh "$DATA/dots-$name"
-  echo "== $(date -u +%T) commits $name rc ${PIPESTATUS[0]}"
+  local rc=${PIPESTATUS[0]}
+  echo "dot files $(ls "$DATA/dots-$name" | wc -l), $(du -sh "$DATA/dots-$name" | cut -f1)"
+  echo "== $(date -u +%T) commits $name rc $rc"
+}
+hostcpu() {  # hostcpu NAME [ENV...]: host CPU per token, engine's MLX thread against resident's
+  local name=$1; shift
+  echo "== $(date -u +%T) hostcpu $name: $*"
+  env "$@" timeout 250 python3 benchmarks/host_cpu_token.py "$DATA/c35m.qpack" --tokens 24 --profile 25 2>&1 \
+    | grep -v "Z \[" | tail -45 | tee "$OUT/hostcpu-$name.txt"
+  echo "== $(date -u +%T) hostcpu $name rc ${PIPESTATUS[0]}"
 }
 {
 case $step in
   g)
     paged c35m
     commits default
-    commits mb MLX_MAX_MB_PER_BUFFER=1000000
     ptx_save ;;
   g2)
-    commits mb-ops MLX_MAX_MB_PER_BUFFER=1000000 MLX_MAX_OPS_PER_BUFFER=400
-    commits ops MLX_MAX_OPS_PER_BUFFER=400 ;;
+    commits mb MLX_MAX_MB_PER_BUFFER=1000000
+    hostcpu default
+    hostcpu mb MLX_MAX_MB_PER_BUFFER=1000000 ;;
   l)
     for i in 1 2; do
       TAIL=1 bench 150 limits-default-$i c35m "${warm[@]}" --warm --cases warm-all
