@@ -33,20 +33,24 @@ def dumped() -> set[str]:
     return {p.name for p in OUT.glob("g*")}
 
 
+def nodes(names: set[str]) -> list[str]:
+    """The dumped graphs' nodes, each as its label's second line (cudaGraphDebugDotPrint
+    writes "N\\n<what>": a kernel's mangled name, EMPTY, or the child graph's name)."""
+    out: list[str] = []
+    for n in names:
+        for label in re.findall(r'label="(\d+)\n(.*?)\n"\]', (OUT / n).read_text(errors="replace"), re.S):
+            out.append(label[1])
+    return out
+
+
 def kernels(names: set[str]) -> int:
-    """Kernel nodes in the dumped graphs (cudaGraphDebugDotPrint labels them KERNEL)."""
-    return sum((OUT / n).read_text(errors="replace").count("KERNEL") for n in names)
+    """Kernel nodes in the dumped graphs (not EMPTY, not a child graph's node)."""
+    return sum(1 for k in nodes(names) if k != "EMPTY" and not k.startswith("graph_"))
 
 
 def labels(names: set[str]) -> Counter[str]:
-    """The dumped graphs' node labels, numbers and addresses dropped: which kernels (and
-    nodes of other kinds: a memcpy or a clustered kernel makes MLX instantiate the graph
-    at every commit instead of updating a cached one) each side's graphs hold."""
-    seen: Counter[str] = Counter()
-    for n in names:
-        for label in re.findall(r'label="(.*?)"\]', (OUT / n).read_text(errors="replace")):
-            seen[re.sub(r"0x[0-9a-f]+|\d+", "#", label)[:160]] += 1
-    return seen
+    """Which kernels (and nodes of other kinds) each side's graphs hold, numbers dropped."""
+    return Counter("graph" if k.startswith("graph_") else re.sub(r"\d+", "#", k)[:160] for k in nodes(names))
 
 
 def per_token(run: object) -> dict[str, object]:

@@ -9,8 +9,8 @@
 #    (benchmarks/host_cpu_token.py: session 31's warm-all engine spent 0.81 s of MLX-thread
 #    CPU in a 0.91 s decode, so the token is host-bound), by default and raised.
 # l: the timed pairs, default against the raised limits, alternating, and the page cache.
-# p: warm speculation pairs (issue 24's `auto` after its new-text trial rule) and kv_bits on
-#    CUDA (issue 25: the start-time probe refuses or the case runs).
+# p: warm speculation pairs (issue 24's `auto` after its new-text trial rule), then host CPU
+#    per token. kv: kv_bits on CUDA (issue 25: the start-time probe refuses or the case runs).
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
@@ -61,12 +61,20 @@ for p in sys.argv[1:]:
 PY
     pack ;;
   p)
+    c35m
     TAIL=1 bench 250 pairs c35m "${warm[@]}" --cases warm-all,warm-spec-auto,warm-spec-auto-a0.8
+    python3 - "$OUT"/pairs.json <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    print(r["name"], round(r["decode_tok_s"], 2), {k: v for k, v in r.items() if "over" in k or k.startswith("paired")})
+PY
+    hostcpu default ;;
+  kv)
+    c35m
     for bits in 0 4; do
       TAIL=2 bench 200 kv-$bits c35m --pool-mb 1024 --max-tokens 16 --warm --cases long-prompt \
         --long-prompt 1024 --kv-bits $bits
-    done
-    pack ;;
-  *) echo "unknown step $step: g, g2, l or p" >&2 ;;
+    done ;;
+  *) echo "unknown step $step: g, g2, l, p or kv" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
