@@ -28,7 +28,7 @@ commits() {  # commits NAME [ENV...]
 hostcpu() {  # hostcpu NAME [ENV...]: host CPU per token, engine's MLX thread against resident's
   local name=$1; shift
   echo "== $(date -u +%T) hostcpu $name: $*"
-  env "$@" timeout 250 python3 benchmarks/host_cpu_token.py "$DATA/c35m.qpack" --tokens 24 --profile 25 2>&1 \
+  env "$@" timeout 250 python3 benchmarks/host_cpu_token.py "$DATA/${C:-c35m}.qpack" --tokens 24 --profile 25 2>&1 \
     | grep -v "Z \[" | tail -45 | tee "$OUT/hostcpu-$name.txt"
   echo "== $(date -u +%T) hostcpu $name rc ${PIPESTATUS[0]}"
 }
@@ -69,12 +69,15 @@ for r in json.load(open(sys.argv[1]))["results"]:
     print(r["name"], round(r["decode_tok_s"], 2), {k: v for k, v in r.items() if "over" in k or k.startswith("paired")})
 PY
     hostcpu default ;;
+  h)  # host CPU per token on a 10-layer cut (a lease too short for the full container)
+    container c35x10 qwen3.6-35b-a3b --max-layers 10
+    C=c35x10 hostcpu cut ;;
   kv)
     c35m
     for bits in 0 4; do
       TAIL=2 bench 200 kv-$bits c35m --pool-mb 1024 --max-tokens 16 --warm --cases long-prompt \
         --long-prompt 1024 --kv-bits $bits
     done ;;
-  *) echo "unknown step $step: g, g2, l, p or kv" >&2 ;;
+  *) echo "unknown step $step: g, g2, l, p, h or kv" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
