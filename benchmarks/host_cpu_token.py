@@ -24,6 +24,27 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
+ASYNC_EVAL_S: dict[str, float] = {}  # thread name -> CPU seconds inside mx.async_eval
+
+
+def time_async_eval() -> None:
+    """Count each thread's CPU time inside `mx.async_eval` (MLX's C++: the graph's
+    encoding and, on CUDA, its launches), apart from the Python that built the graph."""
+    import mlx.core as mx
+
+    real = mx.async_eval
+
+    def timed(*arrays: object) -> None:
+        t = time.thread_time()
+        try:
+            real(*arrays)
+        finally:
+            name = threading.current_thread().name
+            ASYNC_EVAL_S[name] = ASYNC_EVAL_S.get(name, 0.0) + time.thread_time() - t
+
+    mx.async_eval = timed
+
+
 def engine_side(path: str, tokens: int, dtype: str, profile: int = 0) -> dict[str, float]:
     import cProfile
     import pstats
@@ -43,10 +64,12 @@ def engine_side(path: str, tokens: int, dtype: str, profile: int = 0) -> dict[st
             await engine.warm()
             await generate(engine, [200, 201, 202], 4)  # compiled, warmed
             for n in (2, 2 + tokens):
+                ASYNC_EVAL_S.clear()
                 start, t0 = sample(), time.perf_counter()
                 await generate(engine, [300, 301], n)
                 wall, spent = time.perf_counter() - t0, between(start, sample())
-                out.update({f"{k}_{n}": v for k, v in spent.items()}, **{f"wall_{n}": wall})
+                out.update({f"{k}_{n}": v for k, v in spent.items()}, **{f"wall_{n}": wall},
+                           **{f"async_eval_{k}_{n}": v for k, v in ASYNC_EVAL_S.items()})
             if profile:  # the MLX thread's own functions (a profiler set on it stays on it)
                 prof = cProfile.Profile()
                 await trio.to_thread.run_sync(MlxWorker.shared().call, prof.enable)
@@ -71,16 +94,17 @@ def resident_side(path: str, tokens: int, dtype: str) -> dict[str, float]:
         model.set_dtype(getattr(mx, dtype), lambda d: mx.issubdtype(d, mx.floating))
     sampler = make_sampler(temp=0.0)
 
-    def run(n: int) -> tuple[float, float]:
+    def run(n: int) -> tuple[float, float, float]:
+        ASYNC_EVAL_S.clear()
         c0, t0 = time.thread_time(), time.perf_counter()
         for _ in generate_step(mx.array([300, 301]), model, max_tokens=n, sampler=sampler):
             pass
-        return time.thread_time() - c0, time.perf_counter() - t0
+        return time.thread_time() - c0, time.perf_counter() - t0, sum(ASYNC_EVAL_S.values())
 
     run(4)
-    (c2, w2), (cn, wn) = run(2), run(2 + tokens)
+    (c2, w2, a2), (cn, wn, an) = run(2), run(2 + tokens)
     return {"per_token_calling_thread": (cn - c2) / tokens, "per_token_wall": (wn - w2) / tokens,
-            "thread": threading.current_thread().name == "MainThread"}
+            "per_token_async_eval": (an - a2) / tokens}
 
 
 def main() -> None:
@@ -90,6 +114,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--profile", type=int, default=0, help="print the MLX thread's top N functions (stderr)")
     args = p.parse_args()
+    time_async_eval()
     result = {"engine": engine_side(args.container, args.tokens, args.dtype, args.profile),
               "resident": resident_side(args.container, args.tokens, args.dtype)}
     print(json.dumps({k: {n: round(v, 5) for n, v in d.items()} for k, d in result.items()}))
