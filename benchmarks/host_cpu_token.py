@@ -59,7 +59,8 @@ def engine_side(path: str, tokens: int, dtype: str, profile: int = 0) -> dict[st
     out: dict[str, float] = {}
 
     async def run() -> None:
-        config = engine_config(path, compute={"dtype": dtype}, pool={"slots": None, "budget_mb": 1 << 20})
+        compute = {} if dtype == "model" else {"dtype": dtype}
+        config = engine_config(path, compute=compute, pool={"slots": None, "budget_mb": 1 << 20})
         async with open_engine(config) as engine:
             await engine.warm()
             await generate(engine, [200, 201, 202], 4)  # compiled, warmed
@@ -90,7 +91,7 @@ def resident_side(path: str, tokens: int, dtype: str) -> dict[str, float]:
     from pipeline.bench.refs import resident_model
 
     model, _, _ = resident_model(path)
-    if dtype != "float32":
+    if dtype not in ("float32", "model"):  # "model": as `bench` loads it (pipeline/bench/refs.py)
         model.set_dtype(getattr(mx, dtype), lambda d: mx.issubdtype(d, mx.floating))
     sampler = make_sampler(temp=0.0)
 
@@ -111,7 +112,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("container")
     p.add_argument("--tokens", type=int, default=16)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", help='"model": each side as it loads by default')
     p.add_argument("--profile", type=int, default=0, help="print the MLX thread's top N functions (stderr)")
     args = p.parse_args()
     time_async_eval()
