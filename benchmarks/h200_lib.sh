@@ -54,6 +54,16 @@ old_bench() {  # old_bench ARCHIVE LIMIT NAME ARGS...: `bench` with the code in 
   (cd "$code" && PYTHONPATH=/tmp/site:$code OUT=$OUT DATA=$DATA bash -c '. benchmarks/h200_lib.sh
     bench "$@"' _ "$@")
 }
+pairs_table() {  # pairs_table JSON...: each case's tok/s, device peak and its alternating pairs
+  python3 - "$@" <<'PY'
+import json, sys
+for p in sys.argv[1:]:
+    for r in json.load(open(p))["results"]:
+        print(p.rsplit("/", 1)[-1], r["name"], round(r["decode_tok_s"], 2), round(r.get("peak_device_mb", 0)),
+              [round(x, 1) for x in r.get("paired_engine_tok_s", [])],
+              [round(x, 1) for x in r.get("paired_resident_tok_s", [])])
+PY
+}
 graphs_step() {  # graphs_step CONTAINER: warm-all and the page cache, CUDA graphs on / off / a larger cache
   local c=$1
   TAIL=1 bench 200 graphs-default "$c" "${warm[@]}" --warm --cases warm-all
@@ -62,14 +72,7 @@ graphs_step() {  # graphs_step CONTAINER: warm-all and the page cache, CUDA grap
   TAIL=1 bench 100 graphs-fast-default "$c" "${warm[@]}" --warm --cases default
   MLX_USE_CUDA_GRAPHS=0 TAIL=1 bench 100 graphs-fast-off "$c" "${warm[@]}" --warm --cases default
   same "$OUT"/graphs-*.json
-  python3 - "$OUT"/graphs-*.json <<'PY'
-import json, sys
-for p in sys.argv[1:]:
-    for r in json.load(open(p))["results"]:
-        print(p.rsplit("/", 1)[-1], r["name"], round(r["decode_tok_s"], 2),
-              [round(x, 1) for x in r.get("paired_engine_tok_s", [])],
-              [round(x, 1) for x in r.get("paired_resident_tok_s", [])])
-PY
+  pairs_table "$OUT"/graphs-*.json
 }
 deep_step() {  # deep_step CONTAINER: the page cache's waited token, lookahead 2-3 and io_uring at 8-16 in flight
   local c=$1

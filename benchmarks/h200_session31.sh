@@ -55,14 +55,7 @@ case $step in
     MLX_MAX_MB_PER_BUFFER=1000000 TAIL=1 bench 60 limits-fast-mb c35m "${warm[@]}" --warm --cases default
     same "$OUT"/limits-*.json
     python3 benchmarks/read_path_summary.py "$OUT"/limits-fast-*.json
-    python3 - "$OUT"/limits-*.json <<'PY'
-import json, sys
-for p in sys.argv[1:]:
-    for r in json.load(open(p))["results"]:
-        print(p.rsplit("/", 1)[-1], r["name"], round(r["decode_tok_s"], 2), round(r["peak_device_mb"]),
-              [round(x, 1) for x in r.get("paired_engine_tok_s", [])],
-              [round(x, 1) for x in r.get("paired_resident_tok_s", [])])
-PY
+    pairs_table "$OUT"/limits-*.json
     pack ;;
   *) echo "unknown step $step: a, b, c or limits" >&2 ;;
 esac
