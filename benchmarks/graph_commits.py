@@ -19,6 +19,7 @@ import os
 import re
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT, OUT = Path(sys.argv[1]), Path(sys.argv[2])
@@ -43,27 +44,30 @@ def nodes(names: set[str]) -> list[str]:
     return out
 
 
-def kernels(names: set[str]) -> int:
-    """Kernel nodes in the dumped graphs (not EMPTY, not a child graph's node)."""
-    return sum(1 for k in nodes(names) if k != "EMPTY" and not k.startswith("graph_"))
+def kernels(found: list[str]) -> int:
+    """Kernel nodes among `nodes`' (not EMPTY, not a child graph's node)."""
+    return sum(1 for k in found if k != "EMPTY" and not k.startswith("graph_"))
 
 
-def labels(names: set[str]) -> Counter[str]:
-    """Which kernels (and nodes of other kinds) each side's graphs hold, numbers dropped."""
-    return Counter("graph" if k.startswith("graph_") else re.sub(r"\d+", "#", k)[:160] for k in nodes(names))
+def labels(found: list[str]) -> Counter[str]:
+    """Which kernels (and nodes of other kinds) `nodes` holds, numbers dropped."""
+    return Counter("graph" if k.startswith("graph_") else re.sub(r"\d+", "#", k)[:160] for k in found)
 
 
-def per_token(run: object) -> dict[str, object]:
-    """(commits, kernels) of one decode token: a 2+TOKENS run less a 2-token run."""
+def per_token(run: Callable[[int], None]) -> dict[str, object]:
+    """One decode token's commits, kernels and kernels by name: a 2+TOKENS run less a
+    2-token run, over TOKENS; each run's dumps read once."""
     before = dumped()
-    run(2)  # type: ignore[operator]
+    run(2)
     short = dumped() - before
-    run(2 + TOKENS)  # type: ignore[operator]
+    run(2 + TOKENS)
     long = dumped() - before - short
+    short_nodes, long_nodes = nodes(short), nodes(long)
     return {"commits_per_token": (len(long) - len(short)) / TOKENS,
-            "kernels_per_token": (kernels(long) - kernels(short)) / TOKENS,
+            "kernels_per_token": (kernels(long_nodes) - kernels(short_nodes)) / TOKENS,
             "commits_2_tokens": len(short),
-            "labels_per_token": {k: round(v / (2 + TOKENS), 2) for k, v in labels(long).most_common(60)},
+            "labels_per_token": {k: round(v / TOKENS, 2)
+                                 for k, v in (labels(long_nodes) - labels(short_nodes)).most_common(60)},
             "a_graph": (OUT / max(long, key=lambda n: (OUT / n).stat().st_size)).read_text()[:6000] if long else ""}
 
 

@@ -56,7 +56,7 @@ def engine_side(path: str, tokens: int, dtype: str, profile: int = 0) -> dict[st
     from pipeline.bench.thread_cpu import between, sample
     from pipeline.engine import open_engine
 
-    out: dict[str, float] = {}
+    runs: dict[int, dict[str, float]] = {}  # generated tokens -> wall and CPU seconds
 
     async def run() -> None:
         compute = {} if dtype == "model" else {"dtype": dtype}
@@ -69,8 +69,7 @@ def engine_side(path: str, tokens: int, dtype: str, profile: int = 0) -> dict[st
                 start, t0 = sample(), time.perf_counter()
                 await generate(engine, [300, 301], n)
                 wall, spent = time.perf_counter() - t0, between(start, sample())
-                out.update({f"{k}_{n}": v for k, v in spent.items()}, **{f"wall_{n}": wall},
-                           **{f"async_eval_{k}_{n}": v for k, v in ASYNC_EVAL_S.items()})
+                runs[n] = {**spent, "wall": wall, **{f"async_eval_{k}": v for k, v in ASYNC_EVAL_S.items()}}
             if profile:  # the MLX thread's own functions (a profiler set on it stays on it)
                 prof = cProfile.Profile()
                 await trio.to_thread.run_sync(MlxWorker.shared().call, prof.enable)
@@ -79,20 +78,16 @@ def engine_side(path: str, tokens: int, dtype: str, profile: int = 0) -> dict[st
                 pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(profile)
 
     trio.run(run)
-    return {"per_token_" + k[:-len(f"_{2 + tokens}")]: (v - out.get(k[:-len(f"_{2 + tokens}")] + "_2", 0.0)) / tokens
-            for k, v in out.items() if k.endswith(f"_{2 + tokens}")}
+    return {f"per_token_{k}": (v - runs[2].get(k, 0.0)) / tokens for k, v in runs[2 + tokens].items()}
 
 
 def resident_side(path: str, tokens: int, dtype: str) -> dict[str, float]:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
+    from token_graph import resident_as
 
-    from pipeline.bench.refs import resident_model
-
-    model, _, _ = resident_model(path)
-    if dtype not in ("float32", "model"):  # "model": as `bench` loads it (pipeline/bench/refs.py)
-        model.set_dtype(getattr(mx, dtype), lambda d: mx.issubdtype(d, mx.floating))
+    model = resident_as(path, dtype)
     sampler = make_sampler(temp=0.0)
 
     def run(n: int) -> tuple[float, float, float]:

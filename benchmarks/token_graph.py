@@ -17,6 +17,7 @@ import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import trio
@@ -65,14 +66,21 @@ def engine_token(path: str, dtype: str) -> tuple[Counter[str], int]:
     return counted, outputs
 
 
-def resident_token(path: str, dtype: str) -> Counter[str]:
-    from mlx_lm.models.cache import make_prompt_cache
-
+def resident_as(path: str, dtype: str) -> Any:
+    """mlx-lm's resident model with its floating parameters cast to `dtype`; "float32" or
+    "model" leave it as it loads (`bench`'s reference, pipeline/bench/refs.py)."""
     from pipeline.bench.refs import resident_model
 
     model, _, _ = resident_model(path)
-    if dtype != "float32":
+    if dtype not in ("float32", "model"):
         model.set_dtype(getattr(mx, dtype), lambda d: mx.issubdtype(d, mx.floating))
+    return model
+
+
+def resident_token(path: str, dtype: str) -> Counter[str]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = resident_as(path, dtype)
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([[200, 201, 202]]), cache=cache))
     logits = model(mx.array([[300]]), cache=cache)
