@@ -25,10 +25,12 @@ commits() {  # commits NAME [ENV...]
   echo "dot files $(ls "$DATA/dots-$name" | wc -l), $(du -sh "$DATA/dots-$name" | cut -f1)"
   echo "== $(date -u +%T) commits $name rc $rc"
 }
-hostcpu() {  # hostcpu NAME [ENV...]: host CPU per token, engine's MLX thread against resident's
+hostcpu() {  # hostcpu NAME [ENV...]: host CPU per token, engine's MLX thread against resident's,
+  # each loaded as `bench` loads it (session 32's `h` cast the resident to bf16: not comparable)
   local name=$1; shift
   echo "== $(date -u +%T) hostcpu $name: $*"
-  env "$@" timeout 250 python3 benchmarks/host_cpu_token.py "$DATA/${C:-c35m}.qpack" --tokens 24 --profile 25 2>&1 \
+  env "$@" timeout 250 python3 benchmarks/host_cpu_token.py "$DATA/${C:-c35m}.qpack" --tokens 24 --profile 25 \
+    --dtype model 2>&1 \
     | grep -v "Z \[" | tail -45 | tee "$OUT/hostcpu-$name.txt"
   echo "== $(date -u +%T) hostcpu $name rc ${PIPESTATUS[0]}"
 }
@@ -39,10 +41,12 @@ case $step in
     commits default
     ptx_save ;;
   g2)
+    c35m
     commits mb MLX_MAX_MB_PER_BUFFER=1000000
     hostcpu default
     hostcpu mb MLX_MAX_MB_PER_BUFFER=1000000 ;;
   l)
+    paged c35m
     for i in 1 2; do
       TAIL=1 bench 150 limits-default-$i c35m "${warm[@]}" --warm --cases warm-all
       (export "${@:2}"; TAIL=1 bench 150 limits-raised-$i c35m "${warm[@]}" --warm --cases warm-all)
