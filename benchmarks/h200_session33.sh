@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Session 33 (2026-12-05): the container of sessions 31-32 (c35m: the 35B with its MTP layer).
+#   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session33.sh STEP
+# k: issue 31's warm-all gap split on the GPU: every CUDA kernel per decode token, engine
+#    (every expert pooled) against resident mlx-lm (benchmarks/gpu_kernels.py: kernel count,
+#    summed kernel time, GPU busy, wall), then host CPU per token on the full depth
+#    (host_cpu_token.py --dtype model, which session 32's lease did not reach).
+# p: issue 24's `auto` with a head that never hits, after its new-text trial rule, and the
+#    warm speculation pairs; kv: issue 25's kv_bits on CUDA (refused at start, or it runs).
+# l: the timed warm-all pairs, MLX's graph limits as shipped against raised.
+set -uo pipefail
+. "$(dirname "$0")/h200_lib.sh"
+step=$1
+ptx_restore
+c35m() { container c35m qwen3.6-35b-a3b --mtp; }
+kernels() {  # kernels NAME [ENV...]
+  local name=$1; shift
+  echo "== $(date -u +%T) kernels $name: $*"
+  env "$@" timeout 300 python3 benchmarks/gpu_kernels.py "$DATA/${C:-c35m}.qpack" --tokens 16 2>&1 \
+    | grep -v "Z \[" | tail -4 | tee "$OUT/kernels-$name.json"
+  echo "== $(date -u +%T) kernels $name rc ${PIPESTATUS[0]}"
+}
+hostcpu() {  # hostcpu NAME [ENV...]
+  local name=$1; shift
+  echo "== $(date -u +%T) hostcpu $name: $*"
+  env "$@" timeout 250 python3 benchmarks/host_cpu_token.py "$DATA/${C:-c35m}.qpack" --tokens 24 --profile 20 \
+    --dtype model 2>&1 | grep -v "Z \[" | tail -40 | tee "$OUT/hostcpu-$name.txt"
+  echo "== $(date -u +%T) hostcpu $name rc ${PIPESTATUS[0]}"
+}
+{
+case $step in
+  k)
+    python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda, torch.cuda.is_available())'
+    c35m
+    kernels default
+    hostcpu default
+    ptx_save ;;
+  p)
+    c35m
+    TAIL=1 bench 250 pairs c35m "${warm[@]}" --cases warm-all,warm-spec-auto,warm-spec-auto-a0.8
+    pairs_table "$OUT"/pairs.json
+    python3 - "$OUT"/pairs.json <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    print(r["name"], {k: v for k, v in r.items() if "over" in k})
+PY
+    ;;
+  kv)
+    c35m
+    for bits in 0 4; do
+      TAIL=2 bench 200 kv-$bits c35m --pool-mb 1024 --max-tokens 16 --warm --cases long-prompt \
+        --long-prompt 1024 --kv-bits $bits
+    done ;;
+  l)
+    paged c35m
+    for i in 1 2; do
+      TAIL=1 bench 150 limits-default-$i c35m "${warm[@]}" --warm --cases warm-all
+      (export "${@:2}"; TAIL=1 bench 150 limits-raised-$i c35m "${warm[@]}" --warm --cases warm-all)
+    done
+    pairs_table "$OUT"/limits-*.json ;;
+  *) echo "unknown step $step: k, p, kv or l" >&2 ;;
+esac
+} 2>&1 | tee -a "$OUT/$step.log"
