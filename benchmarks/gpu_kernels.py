@@ -79,7 +79,10 @@ def per_token(short: Kernels, long: Kernels, tokens: int, top: int) -> dict[str,
     names = Counter({n: (long.by_name[n] - short.by_name.get(n, 0.0)) / tokens for n in long.by_name})
     return {**{f"per_token_{k}": round((b[k] - a[k]) / tokens, 4) for k in a},
             "top_us": [[n[:90], round(us, 1), round((long.count[n] - short.count.get(n, 0)) / tokens, 2)]
-                       for n, us in names.most_common(top)]}
+                       for n, us in names.most_common(top)],
+            # every kernel's launches per token (by name): what one side runs that the other does not
+            "count": {n[:120]: round((long.count[n] - short.count.get(n, 0)) / tokens, 2) for n in long.count
+                      if long.count[n] != short.count.get(n, 0)}}
 
 
 def engine_runs(path: str, tokens: int, dtype: str) -> list[Kernels]:
