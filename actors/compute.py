@@ -34,6 +34,7 @@ from actors.prefetch.strategies import as_prediction
 from actors.router import ExpertRouter
 from actors.routing_trace import TraceRecorder
 from actors.run_ahead import RunAheadPolicy
+from actors.slot_map import SlotMap
 
 Phase = Literal["prefill", "decode"]
 Predictions = list[tuple[int, list[int]]]
@@ -120,7 +121,7 @@ class Compute:
         # Decode tokens queued whole, the GPU waiting for their reads (actors/awaited.py):
         # set by the engine where the probe passed (CUDA's direct path) or emulated.
         self.device_wait: Mailboxes | None = None
-        self._map: mx.array | None = None
+        self._map: SlotMap | None = None
         self._map_version = -1
         # Strategies that read the model (next-gate, lookahead, a combination holding one)
         # predict on the MLX thread, in the routing's own sync; the others in the
@@ -177,8 +178,8 @@ class Compute:
         finally:
             self.stats.mlx_seconds += time.perf_counter() - start
 
-    def _slot_map(self) -> mx.array:
-        """The device-side expert -> slot map of the ready experts (rebuilt on change)."""
+    def _slot_map(self) -> SlotMap:
+        """The ready experts' slots for a run-ahead (rebuilt when the pool's table changes)."""
         table = self.router.table
         if self._map is None or self._map_version != table.version:
             host = np.full((len(self._row_of), self.router.num_experts), -1, dtype=np.int32)
@@ -186,12 +187,12 @@ class Compute:
                 row = self._row_of.get(layer)
                 if row is not None:
                     host[row, expert] = slot
-            self._map, self._map_version = mx.array(host), table.version
+            self._map, self._map_version = SlotMap(host, self._row_of), table.version
         return self._map
 
     def _run_ahead(self, tokens: Tokens, cache: list[Any]) -> tuple[ForwardStepper, Any]:
         step = self.model.step(_ids(tokens), cache)
-        return step, step.run_ahead(self._slot_map(), self._row_of)
+        return step, step.run_ahead(self._slot_map())
 
     def _resume(
         self, step: ForwardStepper, layer: int, phase: Phase

@@ -75,7 +75,7 @@ class Decoder:
         """Queue the forward of lazy `tokens` and the draw of the tokens after them."""
         c = self.compute
         step = c.model.step(rows_of(tokens), self.cache)
-        lazy = step.launch(c._slot_map(), c._row_of)
+        lazy = step.launch(c._slot_map())
         key = self.sampler.key
         drawn = self.sampler.draw(lazy.logits)
         mx.async_eval(drawn, *lazy.arrays())

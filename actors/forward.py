@@ -13,6 +13,8 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 
+from actors.slot_map import SlotMap
+
 # presync(layer, hidden) -> more lazy arrays to evaluate with a layer's routing.
 Presync = Callable[[int, mx.array], Sequence[mx.array]]
 
@@ -60,9 +62,9 @@ class ForwardStepper(Protocol):
 
     # The whole decode token in one evaluation (experts looked up on the device), and
     # stepping on per layer from the layer a run-ahead missed at.
-    def run_ahead(self, slot_map: mx.array, row_of: dict[int, int]) -> RunAheadResult: ...
+    def run_ahead(self, slot_map: SlotMap) -> RunAheadResult: ...
 
-    def launch(self, slot_map: mx.array, row_of: dict[int, int]) -> LaunchedRunAhead: ...
+    def launch(self, slot_map: SlotMap) -> LaunchedRunAhead: ...
 
     def resume(self, layer: int, presync: Presync | None = None) -> Routing | None: ...
 

@@ -38,7 +38,7 @@ def _start(c: Compute, make: MakeVerifyStep, tokens: list[int],
 def _run_ahead(c: Compute, make: MakeVerifyStep, tokens: list[int],
                cache: list[Any]) -> tuple[VerifyStepper, Any]:
     step = make(tokens, cache)
-    return step, step.run_ahead(c._slot_map(), c._row_of)
+    return step, step.run_ahead(c._slot_map())
 
 
 async def verify_pass(c: Compute, make: MakeVerifyStep, tokens: list[int],

@@ -9,6 +9,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from actors.slot_map import SlotMap
+
 
 @dataclass
 class RunAhead:
@@ -30,15 +32,21 @@ class LazyRunAhead:
 
     layers: list[int]
     ids: mx.array
-    present: mx.array
+    # [moe layers] "every expert there" flags on the device, or the table the slots came
+    # from (the host answers from it once the ids are read: actors/slot_map.py)
+    present: mx.array | SlotMap
     logits: mx.array
     keep: list[mx.array]  # evaluated with it: residual streams for `resume`, cache states
 
     def arrays(self) -> list[mx.array]:
-        return [self.logits, self.ids, self.present, *self.keep]
+        flags = [self.present] if isinstance(self.present, mx.array) else []
+        return [self.logits, self.ids, *flags, *self.keep]
 
     def result(self) -> RunAhead:
-        return RunAhead(self.layers, np.asarray(self.ids), np.asarray(self.present), self.logits)
+        ids = np.asarray(self.ids)
+        if isinstance(self.present, SlotMap):
+            return RunAhead(self.layers, ids, self.present.present(self.layers, ids), self.logits)
+        return RunAhead(self.layers, ids, np.asarray(self.present), self.logits)
 
 
 def state_arrays(state: Any) -> list[mx.array]:

@@ -18,6 +18,7 @@ import numpy as np
 from mlx_lm.models.base import create_ssm_mask
 
 from actors.forward import Presync, Routing
+from actors.slot_map import SlotMap
 from pipeline.models.batch_caches import BatchCaches
 from pipeline.models.file_embedding import FileEmbedding, embedding_dtype
 from pipeline.models.kv_quant import KVQuant, quantize_caches
@@ -261,7 +262,8 @@ class ForwardStep:
         self._pending = None
         block = self.m.parts.layers[self.layer]
         arrays, fmt, first = self.m.experts(self.layer)
-        slots = mx.array((slot_of - first).astype(np.int32))[inds]
+        # uint32, MLX's index type for `gather_qmm`: int32 slots cost a cast per projection
+        slots = mx.array(np.where(slot_of >= 0, slot_of - first, 0).astype(np.uint32))[inds]
 
         def part(x: mx.array, slots: mx.array, scores: mx.array) -> mx.array:
             routed = routed_experts(arrays, fmt, x, slots, self.m.family.activation)
@@ -271,25 +273,42 @@ class ForwardStep:
         self.layer += 1
         return self.run_to_routing(presync)
 
-    def run_ahead(self, slot_map: mx.array, row_of: dict[int, int]) -> RunAhead:
+    def run_ahead(self, slot_map: SlotMap) -> RunAhead:
         """`launch` then evaluate at once (see `launch`)."""
-        lazy = self.launch(slot_map, row_of)
+        lazy = self.launch(slot_map)
         mx.eval(lazy.arrays())
         return lazy.result()
 
-    def launch(self, slot_map: mx.array, row_of: dict[int, int]) -> LazyRunAhead:
-        """`launch_with` the device-side map: `slot_map[row_of[layer], e]` is expert e's
-        pool slot, or -1 when it is not ready."""
-        return self.launch_with(lambda layer, inds, _hidden: slot_map[row_of[layer]][inds])
+    def launch(self, slot_map: SlotMap) -> LazyRunAhead:
+        """The whole token from the pool's table of ready experts (see `_launch`): each
+        layer's slots one gather from `slot_map`, "every expert present" answered on the
+        host from the same table once the ids are read (actors/slot_map.py: no kernel)."""
+        def first_of(layer: int) -> int:
+            return self.m.experts(layer)[2]
+
+        return self._launch(lambda layer, inds, _hidden: slot_map.lookup(layer, inds, first_of), slot_map)
 
     def launch_with(self, lookup: Lookup) -> LazyRunAhead:
-        """The whole token in one evaluation, each MoE layer's slots from `lookup(layer,
-        ids, hidden)` (lazy; -1 = absent; `hidden`: the residual stream after its attention,
-        [rows * tokens, H]): the device-side map, or a wait for the host (actors/device_wait.py).
-        A missing expert reads slot 0: its output is wrong and is thrown away. The logits,
-        every MoE layer's ids and "all present" flag, and the residual stream entering each
-        MoE layer are evaluated together: the token's one host sync. The caches are
-        snapshotted first, so `resume(layer)` can restart exactly at the first layer that missed."""
+        """The whole token, each MoE layer's absolute slots from `lookup(layer, ids,
+        hidden)` (lazy; -1 = absent; `hidden`: the residual stream after its attention,
+        [rows * tokens, H]): a wait for the host (actors/device_wait.py), whose answer
+        also says on the device whether every expert was there."""
+        def relative(layer: int, inds: mx.array, hidden: mx.array) -> tuple[mx.array, mx.array]:
+            found = lookup(layer, inds, hidden)
+            return mx.maximum(found - self.m.experts(layer)[2], 0), found
+
+        return self._launch(relative, None)
+
+    def _launch(self, slots_of: Callable[[int, mx.array, mx.array], Any],
+                table: SlotMap | None) -> LazyRunAhead:
+        """The whole token in one evaluation. `slots_of(layer, ids, hidden)`: the ids'
+        slots relative to the layer's first (lazy), with `table` the map they came from;
+        without one, (those slots, the absolute slots with -1 = absent). A missing expert
+        reads slot 0: its output is wrong and is thrown away. The logits, every MoE
+        layer's ids (and "all present" flags, without a table) and the residual stream
+        entering each MoE layer are evaluated together: the token's one host sync. The
+        caches are snapshotted first, so `resume(layer)` can restart exactly at the first
+        layer that missed."""
         self._snapshot = [snapshot_cache(c) for c in self.cache]
         ids: list[mx.array] = []
         found_all: list[mx.array] = []
@@ -297,20 +316,25 @@ class ForwardStep:
         while (block := self._to_next_moe()) is not None:
             self._h_in[self.layer] = self.h
             h_mid, x, inds, scores = self._mix_and_route(block)
-            found = lookup(self.layer, inds, h_mid.reshape(-1, h_mid.shape[-1]))
-            arrays, fmt, first = self.m.experts(self.layer)
-            routed = routed_experts(arrays, fmt, x, mx.maximum(found - first, 0), self.m.family.activation)
+            slots = slots_of(self.layer, inds, h_mid.reshape(-1, h_mid.shape[-1]))
+            if table is None:
+                slots, found = slots
+                found_all.append(found)
+            arrays, fmt, _ = self.m.experts(self.layer)
+            routed = routed_experts(arrays, fmt, x, slots, self.m.family.activation)
             self.h = h_mid + self.m.family.moe_output(block.mlp, x, routed, scores)
             ids.append(inds.reshape(-1, inds.shape[-1]))
-            found_all.append(found)
             layers.append(self.layer)
             self.layer += 1
         states = [a for c in self.cache for a in state_arrays(c.state)]
         self._to_sink()
-        # "All present" per layer from one stack of the layers' slots: three kernels a
-        # token, not two a layer (a decode step is kernel-launch bound on a GPU).
-        slots = mx.stack(found_all).reshape(len(found_all), -1)
-        present = (slots >= 0).all(axis=1)
+        present: mx.array | SlotMap
+        if table is not None:
+            present = table
+        else:
+            # "All present" per layer from one stack of the layers' slots: three kernels a
+            # token, not two a layer (a decode step is kernel-launch bound on a GPU).
+            present = (mx.stack(found_all).reshape(len(found_all), -1) >= 0).all(axis=1)
         return LazyRunAhead(layers, mx.stack(ids), present, self._last_logits(),
                             [*self._h_in.values(), *states])
 

@@ -1,0 +1,55 @@
+"""Which pool slot holds each ready expert: what a run-ahead token computes from.
+
+The compute actor builds one `SlotMap` per version of the pool's table (rebuilt only
+when an expert becomes ready or leaves) and hands it to every run-ahead launched before
+the next change. On the device a layer's experts are looked up with one gather from a
+row already relative to the layer's bank and already `uint32`, the index type MLX's
+`gather_qmm` takes: on the H100 (session 33, docs/results.md) the engine's token ran ~10
+kernels a MoE layer more than resident mlx-lm (the row's lookup, its offset and clamp,
+three `int32 -> uint32` casts, a stack of "found" flags), each costing the host ~11 us to
+encode in a token whose GPU was busy 6 of 37 ms. Whether every chosen expert was there
+is answered on the host from the same table, once the token's ids are read back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass(eq=False)
+class SlotMap:
+    """`host[rows[layer], e]`: expert e of MoE layer `layer`'s absolute pool slot, -1
+    where it is not ready. Immutable once built: a launched token keeps the map it used."""
+
+    host: np.ndarray  # [moe layers, experts] int32
+    rows: dict[int, int]  # MoE layer -> row
+    _relative: mx.array | None = field(default=None, repr=False)
+
+    def relative(self, first_of: Callable[[int], int]) -> mx.array:
+        """The device table [moe layers, experts] uint32: each ready expert's slot less
+        its layer's first slot (`first_of(layer)`, its bank's), 0 where not ready (a
+        missing expert computes from slot 0; `present` throws that layer's output away).
+        Built once per map, on the thread that launches from it."""
+        if self._relative is None:
+            firsts = np.zeros((len(self.host), 1), dtype=np.int64)
+            for layer, row in self.rows.items():
+                firsts[row, 0] = first_of(layer)
+            rel = np.where(self.host >= 0, self.host - firsts, 0).astype(np.uint32)
+            self._relative = mx.array(rel)
+        return self._relative
+
+    def lookup(self, layer: int, ids: mx.array, first_of: Callable[[int], int]) -> mx.array:
+        """`ids`' slots relative to `layer`'s first slot, lazily: one gather (a row is a
+        slice of the table, a view; an integer index would be a gather of its own)."""
+        row = self.rows[layer]
+        return self.relative(first_of)[row : row + 1].reshape(-1)[ids]
+
+    def present(self, layers: list[int], ids: np.ndarray) -> np.ndarray:
+        """[len(layers)] bool: every id of each layer (`ids` [layers, ...]) ready here."""
+        rows = np.array([self.rows[layer] for layer in layers], dtype=np.int64)
+        flat = ids.reshape(len(layers), -1).astype(np.int64)
+        return np.asarray((self.host[rows[:, None], flat] >= 0).all(axis=1))
