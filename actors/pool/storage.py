@@ -93,6 +93,8 @@ class PoolStorage:
         # Set by the engine before any compute when the pool is larger than the expert
         # kernels index safely (actors/pool/banks.py).
         self.banks: Banks | None = None
+        self._views: dict[int, tuple[dict[str, mx.array], ExpertFormat, int]] = {}  # `view`'s
+        self._views_of: Banks | None = None  # the banks they were cut for
         # How a reader's staging thread moves blobs to the GPU (`reader.device_copy`), or
         # (`direct`) how installs write the staging buffers into the slots by DMA.
         self.prefetch_copy = False
@@ -123,12 +125,23 @@ class PoolStorage:
     def view(self, layer: int) -> tuple[dict[str, mx.array], ExpertFormat, int]:
         """`layer`'s experts for compute: tensor name -> slot array, their format, and the
         slot the arrays start at. With banks, the arrays are the layer's bank's slice of
-        the pool's (an offset, not a copy) and a slot s is row s - start of them."""
-        fmt, names = self.layout.layer(layer)
-        if self.banks is None:
-            return {t: self.arrays[a] for t, a in names.items()}, fmt, 0
-        bank = self.banks.of_layer(layer)
-        return {t: self.arrays[a][bank.start:bank.stop] for t, a in names.items()}, fmt, bank.start
+        the pool's (an offset, not a copy) and a slot s is row s - start of them.
+
+        Made once per layer and kept: a token's graph otherwise holds nine new slices a
+        MoE layer (views, but nodes MLX walks and encodes, and Python that builds them),
+        until the pool's arrays are replaced (`install`'s scatter) or the banks set."""
+        if self._views_of is not self.banks:
+            self._views, self._views_of = {}, self.banks
+        view = self._views.get(layer)
+        if view is None:
+            fmt, names = self.layout.layer(layer)
+            if self.banks is None:
+                view = {t: self.arrays[a] for t, a in names.items()}, fmt, 0
+            else:
+                bank = self.banks.of_layer(layer)
+                view = {t: self.arrays[a][bank.start:bank.stop] for t, a in names.items()}, fmt, bank.start
+            self._views[layer] = view
+        return view
 
     def _layer_format(self, slot: int) -> tuple[ExpertFormat, dict[str, str]]:
         if not self.layout.mixed:
@@ -238,6 +251,9 @@ class PoolStorage:
         """
         if not items:
             return
+        # The scatter below replaces the arrays: views of the old ones would keep them
+        # alive (and make MLX copy the whole pool rather than update it in place).
+        self._views.clear()
         groups: dict[int, tuple[ExpertFormat, dict[str, str], list[tuple[int, np.ndarray | mx.array]]]] = {}
         for slot, blob in items:
             fmt, names = self._layer_format(slot)
