@@ -58,6 +58,12 @@ PY
       (export "${@:2}"; TAIL=1 bench 150 limits-raised-$i c35m "${warm[@]}" --warm --cases warm-all)
     done
     pairs_table "$OUT"/limits-*.json ;;
-  *) echo "unknown step $step: k, p, kv or l" >&2 ;;
+  ab)  # warm-all, this code against the code before the kernel census's fixes (.ptx/old33.tgz:
+    # `git archive 74785e0`), one run each in one lease
+    paged c35m
+    TAIL=1 bench 170 ab-new c35m "${warm[@]}" --warm --cases warm-all
+    TAIL=1 old_bench old33 170 ab-old c35m "${warm[@]}" --warm --cases warm-all
+    pairs_table "$OUT"/ab-*.json ;;
+  *) echo "unknown step $step: k, p, kv, l or ab" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
