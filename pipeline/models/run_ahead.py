@@ -31,7 +31,9 @@ class LazyRunAhead:
     """A launched run-ahead: still lazy, so the host can queue the next step first."""
 
     layers: list[int]
-    ids: mx.array
+    # each MoE layer's ids [tokens, top_k], read back one by one: stacked on the device they
+    # were a copy kernel a layer (the host stacks them in microseconds)
+    ids: list[mx.array]
     # [moe layers] "every expert there" flags on the device, or the table the slots came
     # from (the host answers from it once the ids are read: actors/slot_map.py)
     present: mx.array | SlotMap
@@ -40,10 +42,10 @@ class LazyRunAhead:
 
     def arrays(self) -> list[mx.array]:
         flags = [self.present] if isinstance(self.present, mx.array) else []
-        return [self.logits, self.ids, *flags, *self.keep]
+        return [self.logits, *self.ids, *flags, *self.keep]
 
     def result(self) -> RunAhead:
-        ids = np.asarray(self.ids)
+        ids = np.stack([np.asarray(a) for a in self.ids])
         if isinstance(self.present, SlotMap):
             return RunAhead(self.layers, ids, self.present.present(self.layers, ids), self.logits)
         return RunAhead(self.layers, ids, np.asarray(self.present), self.logits)

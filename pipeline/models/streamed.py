@@ -335,7 +335,7 @@ class ForwardStep:
             # "All present" per layer from one stack of the layers' slots: three kernels a
             # token, not two a layer (a decode step is kernel-launch bound on a GPU).
             present = (mx.stack(found_all).reshape(len(found_all), -1) >= 0).all(axis=1)
-        return LazyRunAhead(layers, mx.stack(ids), present, self._last_logits(),
+        return LazyRunAhead(layers, ids, present, self._last_logits(),
                             [*self._h_in.values(), *states])
 
     def _last_logits(self) -> mx.array:
