@@ -87,18 +87,13 @@ def per_token(short: Kernels, long: Kernels, tokens: int, top: int) -> dict[str,
 
 def engine_runs(path: str, tokens: int, dtype: str) -> list[Kernels]:
     import trio
-    from helpers_engine import engine_config, generate
-
-    from pipeline.engine import open_engine
+    from helpers_engine import generate
+    from token_graph import warm_all_engine
 
     out: list[Kernels] = []
 
     async def run() -> None:
-        compute = {} if dtype == "model" else {"dtype": dtype}
-        config = engine_config(path, compute=compute, pool={"slots": None, "budget_mb": 1 << 20})
-        async with open_engine(config) as engine:
-            await engine.warm()
-            await generate(engine, [200, 201, 202], 4)  # compiled, warmed
+        async with warm_all_engine(path, dtype) as engine:
             for n in (2, 2 + tokens):
                 with profiled(out):
                     await generate(engine, [300, 301], n)

@@ -39,6 +39,7 @@ container() {  # container NAME PRESET [bench-container ARGS...]: $DATA/NAME.qpa
   [ -f "$DATA/$name.qpack/manifest.json" ] || $B bench-container --preset "$preset" "$@" -o "$DATA/$name.qpack" 2>&1 | tail -1
 }
 c35() { container c35 qwen3.6-35b-a3b; }
+c35m() { container c35m qwen3.6-35b-a3b --mtp; }  # with its MTP layer (sessions 31-33)
 c35x4() { container c35x4 qwen3.6-35b-a3b --max-layers 4; }
 c80() { container c80 qwen3-next-80b-a3b; }
 only() {  # only CONTAINER: remove the other bench containers (the disk holds one big one)
@@ -86,4 +87,12 @@ deep_step() {  # deep_step CONTAINER: the page cache's waited token, lookahead 2
     --io uring --readers 16
   python3 benchmarks/read_path_summary.py "$OUT"/deep-*.json
   same "$OUT"/deep-*.json
+}
+hostcpu() {  # hostcpu NAME [ENV...]: host CPU per token, the engine's MLX thread against the
+  # resident's, each loaded as `bench` loads it (benchmarks/host_cpu_token.py), on $C (c35m)
+  local name=$1; shift
+  echo "== $(date -u +%T) hostcpu $name: $*"
+  env "$@" timeout 250 python3 benchmarks/host_cpu_token.py "$DATA/${C:-c35m}.qpack" --tokens 24 --profile 25 \
+    --dtype model 2>&1 | grep -v "Z \[" | tail -45 | tee "$OUT/hostcpu-$name.txt"
+  echo "== $(date -u +%T) hostcpu $name rc ${PIPESTATUS[0]}"
 }

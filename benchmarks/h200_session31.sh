@@ -19,7 +19,6 @@ set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
 ptx_restore
-c35m() { container c35m qwen3.6-35b-a3b --mtp; }
 {
 case $step in
   a)

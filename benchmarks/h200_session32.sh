@@ -15,7 +15,6 @@ set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
 ptx_restore
-c35m() { container c35m qwen3.6-35b-a3b --mtp; }
 commits() {  # commits NAME [ENV...]
   local name=$1; shift
   echo "== $(date -u +%T) commits $name: $*"
@@ -24,15 +23,6 @@ commits() {  # commits NAME [ENV...]
   local rc=${PIPESTATUS[0]}
   echo "dot files $(ls "$DATA/dots-$name" | wc -l), $(du -sh "$DATA/dots-$name" | cut -f1)"
   echo "== $(date -u +%T) commits $name rc $rc"
-}
-hostcpu() {  # hostcpu NAME [ENV...]: host CPU per token, engine's MLX thread against resident's,
-  # each loaded as `bench` loads it (session 32's `h` cast the resident to bf16: not comparable)
-  local name=$1; shift
-  echo "== $(date -u +%T) hostcpu $name: $*"
-  env "$@" timeout 250 python3 benchmarks/host_cpu_token.py "$DATA/${C:-c35m}.qpack" --tokens 24 --profile 25 \
-    --dtype model 2>&1 \
-    | grep -v "Z \[" | tail -45 | tee "$OUT/hostcpu-$name.txt"
-  echo "== $(date -u +%T) hostcpu $name rc ${PIPESTATUS[0]}"
 }
 {
 case $step in

@@ -12,20 +12,12 @@ set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
 ptx_restore
-c35m() { container c35m qwen3.6-35b-a3b --mtp; }
 kernels() {  # kernels NAME [ENV...]
   local name=$1; shift
   echo "== $(date -u +%T) kernels $name: $*"
   env "$@" timeout 300 python3 benchmarks/gpu_kernels.py "$DATA/${C:-c35m}.qpack" --tokens 16 2>&1 \
     | grep -v "Z \[" | tail -4 | tee "$OUT/kernels-$name.json"
   echo "== $(date -u +%T) kernels $name rc ${PIPESTATUS[0]}"
-}
-hostcpu() {  # hostcpu NAME [ENV...]
-  local name=$1; shift
-  echo "== $(date -u +%T) hostcpu $name: $*"
-  env "$@" timeout 250 python3 benchmarks/host_cpu_token.py "$DATA/${C:-c35m}.qpack" --tokens 24 --profile 20 \
-    --dtype model 2>&1 | grep -v "Z \[" | tail -40 | tee "$OUT/hostcpu-$name.txt"
-  echo "== $(date -u +%T) hostcpu $name rc ${PIPESTATUS[0]}"
 }
 {
 case $step in

@@ -50,20 +50,16 @@ def engine_side(path: str, tokens: int, dtype: str, profile: int = 0) -> dict[st
     import pstats
 
     import trio
-    from helpers_engine import engine_config, generate
+    from helpers_engine import generate
+    from token_graph import warm_all_engine
 
     from actors.mlx_worker import MlxWorker
     from pipeline.bench.thread_cpu import between, sample
-    from pipeline.engine import open_engine
 
     runs: dict[int, dict[str, float]] = {}  # generated tokens -> wall and CPU seconds
 
     async def run() -> None:
-        compute = {} if dtype == "model" else {"dtype": dtype}
-        config = engine_config(path, compute=compute, pool={"slots": None, "budget_mb": 1 << 20})
-        async with open_engine(config) as engine:
-            await engine.warm()
-            await generate(engine, [200, 201, 202], 4)  # compiled, warmed
+        async with warm_all_engine(path, dtype) as engine:
             for n in (2, 2 + tokens):
                 ASYNC_EVAL_S.clear()
                 start, t0 = sample(), time.perf_counter()

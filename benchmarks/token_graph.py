@@ -16,6 +16,8 @@ import re
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,23 @@ def engine_token(path: str, dtype: str) -> tuple[Counter[str], int]:
         mx.async_eval = real
     outputs, counted = max(seen, key=lambda s: s[0])  # a decode token's: ids, flags, streams
     return counted, outputs
+
+
+@asynccontextmanager
+async def warm_all_engine(path: str, dtype: str) -> AsyncIterator[Any]:
+    """The engine as `bench`'s warm-all case has it: a pool of every expert, read in and
+    warmed, and a first generation run (its kernels compiled). `dtype`: "model" for the
+    engine's default, else `compute.dtype`."""
+    from helpers_engine import engine_config, generate
+
+    from pipeline.engine import open_engine
+
+    compute = {} if dtype == "model" else {"dtype": dtype}
+    config = engine_config(path, compute=compute, pool={"slots": None, "budget_mb": 1 << 20})
+    async with open_engine(config) as engine:
+        await engine.warm()
+        await generate(engine, [200, 201, 202], 4)
+        yield engine
 
 
 def resident_as(path: str, dtype: str) -> Any:
