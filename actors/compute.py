@@ -67,6 +67,7 @@ class ComputeStats:
     mlx_seconds: float = 0.0
     run_ahead_tokens: int = 0  # decode tokens that tried the one-sync path
     run_ahead_misses: int = 0  # ... and fell back at their first missing layer
+    ahead_steps: int = 0  # decode steps queued second, while the host did the last token's bookkeeping
     paired_prompts: int = 0  # prompts whose last chunk and last token stepped together
     awaited_tokens: int = 0  # decode tokens queued whole, waiting on the GPU for reads
     awaited_given_up: int = 0  # ... redone per layer from a layer the wait gave up
@@ -114,6 +115,9 @@ class Compute:
         self.tick = 0
         self.stats = ComputeStats()
         self.run_ahead = run_ahead or RunAheadPolicy("off")
+        # A lone row's decode may queue a second step where every expert is ready
+        # (actors/decode.py); `compute.decode_ahead`.
+        self.decode_ahead = True
         # Called with the phase as each forward starts (a benchmark splits prefill from
         # decode there); the engine adds and removes them (`Engine.watch_tokens`).
         self.token_hooks: list[Callable[[Phase], None]] = []

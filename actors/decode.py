@@ -18,6 +18,14 @@ Speculation is undone exactly:
 The pool sees exactly the demand sequence of the unpipelined loop: a step's bookkeeping
 happens when its token is consumed, never for a step that is rolled back.
 
+Where the host is what a token waits for (every expert pooled: on the H100 the GPU was
+busy 6 ms of a 37 ms token, session 33, docs/results.md), the host's bookkeeping of token
+t (pool, prefetcher, text) ran in series with the MLX thread's building of step t+2. With
+every expert ready and nothing that undoes queued steps (a lone row, no speculation), a
+second step is queued as soon as a step is read, by a job of its own on the MLX thread,
+so that building runs while the event loop does the bookkeeping (`compute.decode_ahead`).
+A miss cannot happen there; a generation's end or a park undoes both queued steps.
+
 The decoder works on rows: one sequence, or a batch whose caches were merged
 (`DecodeBatch`); every token is a list with one id per row, and each row has its own
 sampler (`RowSamplers`). `park` undoes a queued step and leaves each row's last token to
@@ -31,6 +39,7 @@ is sample + forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -58,15 +67,22 @@ class Decoder:
     holds_tokens = False  # tokens drawn ahead of `next` (actors/speculative/decoder.py)
 
     def __init__(self, compute: Compute, cache: list[Any], sampler: RowSamplers,
-                 logits: mx.array | None = None, feed: list[int] | None = None):
+                 logits: mx.array | None = None, feed: list[int] | None = None,
+                 ahead_ok: bool = True):
         """Start from `logits` ([rows, vocab], evaluated, not yet sampled) or from `feed`
-        (a token per row, sampled and recorded, not yet run through the model)."""
+        (a token per row, sampled and recorded, not yet run through the model).
+        `ahead_ok`: a second step may be queued (see the module's docstring)."""
         self.compute = compute
         self.cache = cache
         self.sampler = sampler
         self.logits: mx.array | None = logits
         self.feed: list[int] | None = feed
         self.launched: _Launched | None = None
+        # The step queued on `launched`'s tokens by a job of its own (depth two), or the
+        # error that job met; both only ever touched on the MLX thread.
+        self.ahead: _Launched | None = None
+        self._ahead_error: BaseException | None = None
+        self.ahead_ok = ahead_ok
         self.last: list[int] | None = None  # the tokens `next` returned last
 
     # -- on the MLX thread ------------------------------------------------------------------
@@ -87,17 +103,45 @@ class Decoder:
         launched = self._launch(tokens) if more else None
         return int_list(tokens), launched
 
-    def _step(self, current: _Launched, more: bool) -> tuple[Any, list[int], _Launched | None]:
-        """Queue the next step, then read this one: its routing, flags and tokens (the
-        tokens are meaningless when the step missed; reading them costs nothing more).
+    def _step(self, current: _Launched, more: int) -> tuple[Any, list[int], _Launched | None]:
+        """Queue the next step (unless queued already), then read this one: its routing,
+        flags and tokens (the tokens are meaningless when the step missed; reading them
+        costs nothing more); after a hit, where it may, queue the one after (`_ahead_ok`).
         A model that reads its tokens on the host waits for this step's anyway: then this
         one is read first and the next queued only after a hit (a miss would waste it)."""
         if self.compute.model.tokens_on_host:
             result = current.lazy.result()
             launched = self._launch(current.tokens) if more and result.first_miss() is None else None
             return result, int_list(current.tokens), launched
-        launched = self._launch(current.tokens) if more else None
-        return current.lazy.result(), int_list(current.tokens), launched
+        launched = self._take_ahead()
+        if launched is None and more:
+            launched = self._launch(current.tokens)
+        result = current.lazy.result()
+        if launched is not None and more > 1 and result.first_miss() is None and self._may_queue_ahead():
+            self.compute.worker.submit(partial(self._launch_ahead, launched))
+        return result, int_list(current.tokens), launched
+
+    def _may_queue_ahead(self) -> bool:
+        """A second step may be queued: nothing will undo it but an end or a park (a lone
+        row, no speculation, every expert ready: no miss, no install under it)."""
+        c = self.compute
+        return self.ahead_ok and c.decode_ahead and len(self.sampler) == 1 and c._slot_map().complete
+
+    def _launch_ahead(self, launched: _Launched) -> None:
+        """A job of its own on the MLX thread: queue the step after `launched`."""
+        try:
+            self.ahead = self._launch(launched.tokens)
+            self.compute.stats.ahead_steps += 1  # only ever counted on the MLX thread
+        except BaseException as exc:  # the next step or park reports it
+            self._ahead_error = exc
+
+    def _take_ahead(self) -> _Launched | None:
+        """The step queued by `_launch_ahead` (None if none); raises what it met."""
+        error, self._ahead_error = self._ahead_error, None
+        if error is not None:
+            raise error
+        ahead, self.ahead = self.ahead, None
+        return ahead
 
     def _undo_next(self, current: _Launched, nxt: _Launched | None, miss: int) -> None:
         """`current` missed at `miss`: wait for `nxt` (queued on wrong tokens), undo it."""
@@ -113,14 +157,14 @@ class Decoder:
 
     # -- on the trio side -------------------------------------------------------------------
 
-    async def next(self, more: bool) -> list[int]:
-        """The next token of every row (recorded in the samplers). `more`: another step
-        may be wanted after this one (False: nothing is queued behind it)."""
+    async def next(self, more: int) -> list[int]:
+        """The next token of every row (recorded in the samplers). `more`: how many more
+        tokens may be wanted after this one (0: nothing is queued behind it)."""
         tokens = await self._next(more)
         self.last = tokens
         return tokens
 
-    async def _next(self, more: bool) -> list[int]:
+    async def _next(self, more: int) -> list[int]:
         c = self.compute
         if self.launched is not None:
             return await self._consume(self.launched, more)
@@ -138,7 +182,7 @@ class Decoder:
         self.sampler.record(tokens)
         return tokens
 
-    async def _consume(self, current: _Launched, more: bool) -> list[int]:
+    async def _consume(self, current: _Launched, more: int) -> list[int]:
         c = self.compute
         result, tokens, nxt = await c.on_mlx(self._step, current, more)
         await c.begin_token("decode")
@@ -169,6 +213,10 @@ class Decoder:
         generation that ends leaves its caches as the prefix cache expects)."""
         if self.launched is not None:
             launched, self.launched = self.launched, None
+            self._ahead_error = None  # a failed second step: the caches go back below anyway
+            ahead, self.ahead = self.ahead, None
+            if ahead is not None:  # queued on `launched`: waited for, undone with it
+                mx.eval(ahead.tokens, *ahead.lazy.arrays())
             self._rollback(launched)
             self.feed = self.last
 

@@ -49,7 +49,7 @@ class Row:
     cache: list[Any]  # its own caches, while it is not merged into a batch
     logits: mx.array | None  # [vocab]: its first token is still to be drawn from these
     asked: bool = False  # waiting for its next token
-    more: bool = True  # may ask again after this token
+    more: int = 1 << 30  # tokens it may still ask for after this one
     leaving: bool = False
     want_cache: bool = False  # its caches are handed back when it leaves
     token: int | None = None
@@ -110,8 +110,8 @@ class DecodeBatch:
         self.joiners.append(row)
         return row
 
-    async def next(self, row: Row, more: bool) -> int:
-        """`row`'s next token (recorded in its sampler). `more`: it may ask again."""
+    async def next(self, row: Row, more: int) -> int:
+        """`row`'s next token (recorded in its sampler). `more`: how many more it may ask for."""
         if row.leaving:
             raise RuntimeError("next() after leave()")
         row.delivered = trio.Event()
@@ -181,8 +181,7 @@ class DecodeBatch:
             if not self.members or not all(r.asked for r in self.members):
                 return None
             assert self.decoder is not None
-            more = (all(r.more for r in self.members) and not self.prefill_waiting
-                    and not self.joiners)
+            more = 0 if self.prefill_waiting or self.joiners else min(r.more for r in self.members)
             tokens = await self.decoder.next(more)
         except Exception as exc:
             # A failed step (a read that kept failing) leaves the rows' state half

@@ -28,6 +28,14 @@ class SlotMap:
     host: np.ndarray  # [moe layers, experts] int32
     rows: dict[int, int]  # MoE layer -> row
     _relative: mx.array | None = field(default=None, repr=False)
+    _complete: bool | None = field(default=None, repr=False)
+
+    @property
+    def complete(self) -> bool:
+        """Every expert of every MoE layer ready: no token can miss, nothing is installed."""
+        if self._complete is None:
+            self._complete = bool((self.host >= 0).all())
+        return self._complete
 
     def relative(self, first_of: Callable[[int], int]) -> mx.array:
         """The device table [moe layers, experts] uint32: each ready expert's slot less

@@ -51,6 +51,7 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     mlx_seconds: float
     run_ahead_tokens: int
     run_ahead_misses: int
+    ahead_steps: int  # decode steps queued second (actors/decode.py)
     awaited_tokens: int  # decode tokens queued whole, the GPU waiting for their reads
     awaited_layers: int  # ... their MoE layers answered
     awaited_host_seconds: float  # ... the host's time from a layer's publication to its answer

@@ -284,6 +284,7 @@ class Engine:
             "mlx_seconds": counters.mlx_seconds,
             "run_ahead_tokens": counters.run_ahead_tokens,
             "run_ahead_misses": counters.run_ahead_misses,
+            "ahead_steps": counters.ahead_steps,
             "awaited_tokens": counters.awaited_tokens,
             **speculation_snapshot(core.batch.speculation.stats),
             **mtp_snapshot(core.mtp),

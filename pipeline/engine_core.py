@@ -106,7 +106,7 @@ class EngineCore:
             prefetch_hits_waited=rs.prefetch_hits_waited,
             predicted=scores.predicted, correct=scores.correct, actual=scores.actual,
             mlx_seconds=c.mlx_seconds, run_ahead_tokens=c.run_ahead_tokens,
-            run_ahead_misses=c.run_ahead_misses, awaited_tokens=c.awaited_tokens,
+            run_ahead_misses=c.run_ahead_misses, ahead_steps=c.ahead_steps, awaited_tokens=c.awaited_tokens,
             awaited_layers=c.awaited_layers, awaited_host_seconds=c.awaited_host_seconds,
             awaited_gap_seconds=c.awaited_gap_seconds,
             awaited_gpu_gap_seconds=c.awaited_gpu_gap_seconds, awaited_tail_seconds=c.awaited_tail_seconds,

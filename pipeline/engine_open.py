@@ -311,6 +311,7 @@ def _start_actors(
         run_ahead=RunAheadPolicy(run_ahead_mode(config.compute.run_ahead, slots, len(
             model.moe_layers), model.top_k) if overlap else "off"),
     )
+    compute.decode_ahead = config.compute.decode_ahead == "auto"
     nursery.start_soon(compute.prefetcher.run)
     core = _core(config, container, worker, model, storage, router, compute, tokenizer,
                  strategy_name, dense_bytes)

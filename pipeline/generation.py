@@ -258,7 +258,7 @@ class Generation:
         try:
             while len(generated) < max_tokens:
                 with timeline.span("compute", "decode-step", index=len(generated)):
-                    token = await batch.next(row, more=len(generated) + 1 < max_tokens)
+                    token = await batch.next(row, more=max_tokens - len(generated) - 1)
                 generated.append(token)
                 reason = await core.sampling.add(stream, token, emit)
                 if reason is not None:

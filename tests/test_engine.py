@@ -307,6 +307,38 @@ async def test_pipelined_decode_draws_the_same_sampled_tokens_as_one_step_at_a_t
     assert results["on"] == results["off"]
 
 
+async def test_a_second_queued_step_with_every_expert_pooled_draws_the_same_tokens(pair):
+    """Every expert pooled, a lone row: decode queues a second step while the host does the
+    last token's bookkeeping (`compute.decode_ahead`). Seeded sampling gives the tokens of
+    one queued step; a stop token cuts a run with two steps queued, both undone (a follow-up
+    resuming from the prefix cache gets the same tokens too); a speculating row queues one."""
+    _src, qpack = pair("qwen3_next")
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=10)
+    results: dict[str, list[list[int]]] = {}
+    for mode in ("off", "auto"):
+        # the embedding resident, as on GPUs (a table on file reads each token on the host first)
+        config = engine_config(qpack, pool={"slots": 64}, compute={"decode_ahead": mode},
+                               memory={"embedding": "resident"})
+        async with open_engine(config) as engine:
+            await engine.warm()
+            before = engine.counters()
+            runs = [list((await _last(engine.generate(p, params))).token_ids) for p in (PROMPT, PROMPT_B)]
+            stop = runs[0][5]
+            cut = msgspec.structs.replace(params, stop_token_ids=(stop,))
+            runs.append(list((await _last(engine.generate(PROMPT, cut))).token_ids))
+            assert runs[-1][-1] == stop and len(runs[-1]) < params.max_tokens
+            done = await _last(engine.generate(PROMPT + runs[-1][:-1] + [5], params))
+            assert done.stats.cached_tokens == len(PROMPT) + len(runs[-1]) - 1
+            runs.append(list(done.token_ids))
+            spent = engine.counters() - before
+            assert spent.run_ahead_misses == 0
+            # a run of n tokens queues its steps 2 .. n-1 second (its last is never queued)
+            assert (spent.ahead_steps > 0) == (mode == "auto"), spent
+            pool_is_clean(engine)
+        results[mode] = runs
+    assert results["auto"] == results["off"]
+
+
 async def _last(events: Any) -> Any:
     return [e async for e in events][-1]
 

@@ -79,7 +79,8 @@ class SpeculativeDecoder:
                  spec: RowSpeculation, policy: SpeculationPolicy,
                  logits: mx.array | None = None, feed: list[int] | None = None) -> None:
         assert len(sampler) == 1, "speculation decodes one row"
-        self.inner = Decoder(compute, cache, sampler, logits=logits, feed=feed)
+        # one step queued at a time: a pass undoes what is queued
+        self.inner = Decoder(compute, cache, sampler, logits=logits, feed=feed, ahead_ok=False)
         self.compute, self.cache, self.sampler = compute, cache, sampler
         self.spec, self.policy = spec, policy
         self._held: list[tuple[int, tuple[TokenLogprob, ...]]] = []
@@ -99,7 +100,7 @@ class SpeculativeDecoder:
     def holds_tokens(self) -> bool:
         return bool(self._held)
 
-    async def next(self, more: bool) -> list[int]:
+    async def next(self, more: int) -> list[int]:
         if self._held:
             return self._give()
         inner = self.inner

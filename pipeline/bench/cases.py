@@ -130,6 +130,7 @@ async def measure_engine(case: Case) -> Result:
             prefill_bytes=prefill.bytes_read if at_decode else 0,
             run_ahead_tokens=spent.run_ahead_tokens,
             run_ahead_misses=spent.run_ahead_misses,
+            ahead_steps=spent.ahead_steps,
             awaited_tokens=spent.awaited_tokens,
             seconds=time.perf_counter() - started, read_path=read_path,
             memory=msgspec.to_builtins(engine.memory_breakdown(

@@ -82,6 +82,7 @@ class Result(msgspec.Struct, kw_only=True):
     prefill_bytes: int = 0  # expert bytes read before the first decode step
     run_ahead_tokens: int = 0  # decode tokens that tried one sync per token ...
     run_ahead_misses: int = 0  # ... and fell back to one per layer
+    ahead_steps: int = 0  # decode steps queued second (every expert pooled, a lone row)
     awaited_tokens: int = 0  # decode tokens queued whole, waiting on the GPU (device_wait)
     resident_decode_tok_s: float = 0.0  # warm-all: mlx-lm resident, same process
     # warm-all: (resident, engine) runs alternating beside each other (bench/warm_pairs.py).

@@ -208,6 +208,9 @@ class ComputeConfig(_Section, frozen=True):
     # waits for. "emulate": the same protocol with the wait on the MLX thread (any backend;
     # no gain: for tests).
     device_wait: Literal["auto", "off", "emulate"] = "auto"
+    # With every expert pooled, a lone sequence's decode queues a second step while the
+    # host does the last token's bookkeeping (actors/decode.py): "auto" there, "off" never.
+    decode_ahead: Literal["auto", "off"] = "auto"
     overlap: bool = True  # false = the serial streamer baseline (no read/compute overlap)
     # Activation dtype. "auto": float32 on MLX's CPU backend (its bfloat16 kernels are ~10x
     # slower than float32 there), the model's own dtype on GPUs; "model": always the model's.
