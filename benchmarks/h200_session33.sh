@@ -56,6 +56,15 @@ PY
     TAIL=1 bench 170 ab-new c35m "${warm[@]}" --warm --cases warm-all
     TAIL=1 old_bench old33 170 ab-old c35m "${warm[@]}" --warm --cases warm-all
     pairs_table "$OUT"/ab-*.json ;;
-  *) echo "unknown step $step: k, p, kv, l or ab" >&2 ;;
+  da)  # warm-all with a second step queued (compute.decode_ahead, the default since session 33's
+    # lease ended) against one, alternating, twice; then the GPU's busy time per token with it
+    paged c35m
+    for i in 1 2; do
+      TAIL=1 bench 150 da-auto-$i c35m "${warm[@]}" --warm --cases warm-all
+      TAIL=1 bench 150 da-off-$i c35m "${warm[@]}" --warm --cases warm-all --decode-ahead off
+    done
+    pairs_table "$OUT"/da-*.json
+    kernels ahead ;;
+  *) echo "unknown step $step: k, p, kv, l, ab or da" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"

@@ -48,7 +48,7 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
                    "gil_hand_over": args.gil_hand_over == "on"},
         "prefetch": {"strategy": args.strategy, "depth": args.depth, "extra": args.prefetch_extra},
         "compute": {"prefill_chunk": args.prefill_chunk, "device_wait": args.device_wait,
-                    "kv_bits": args.kv_bits},
+                    "kv_bits": args.kv_bits, "decode_ahead": args.decode_ahead},
     }
     common = dict(model=str(args.model), prompt_tokens=args.prompt_tokens,
                   max_tokens=args.max_tokens, cold=not args.warm, seed=args.seed)
@@ -235,6 +235,9 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="decode tokens that read experts queued whole, the GPU waiting for the "
                         "reads (auto, the default: on MLX's CUDA backend where its probe passes "
                         "and the disk reads >= 4 GB/s; off: one host sync per MoE layer)")
+    p.add_argument("--decode-ahead", choices=("auto", "off"), default="auto",
+                   help="with every expert pooled, a lone sequence queues a second decode step "
+                        "(compute.decode_ahead; auto, the default; off: one step queued)")
     p.add_argument("--kv-bits", type=int, choices=(0, 4, 8), default=0,
                    help="attention keys and values at 4 or 8 bits (compute.kv_bits; default 0): "
                         "the long-prompt case's state and memory with a quantized KV cache")
