@@ -56,6 +56,7 @@ from pipeline.engine_parts import (
 from pipeline.engine_sizing import (
     PoolTooSmall,
     carve_head_pool,
+    decode_ahead,
     head_slots,
     num_slots,
     prefill_chunk_for,
@@ -311,7 +312,7 @@ def _start_actors(
         run_ahead=RunAheadPolicy(run_ahead_mode(config.compute.run_ahead, slots, len(
             model.moe_layers), model.top_k) if overlap else "off"),
     )
-    compute.decode_ahead = config.compute.decode_ahead == "auto"
+    compute.decode_ahead = decode_ahead(config.compute.decode_ahead)
     nursery.start_soon(compute.prefetcher.run)
     core = _core(config, container, worker, model, storage, router, compute, tokenizer,
                  strategy_name, dense_bytes)

@@ -65,6 +65,13 @@ def run_ahead_mode(setting: RunAheadMode, slots: int, moe_layers: int, top_k: in
     return setting
 
 
+def decode_ahead(setting: str) -> bool:
+    """`compute.decode_ahead` on this machine: "auto" queues a second step on GPUs only."""
+    import mlx.core as mx
+
+    return setting == "on" or (setting == "auto" and mx.default_device() != mx.cpu)
+
+
 def head_slots(configured: int | None, slots: int, moe_layers: int, num_experts: int,
                top_k: int) -> int:
     """The MTP head's pool (actors/pool/head_pool.py): `pool.mtp_slots`, else the share of

@@ -315,7 +315,7 @@ async def test_a_second_queued_step_with_every_expert_pooled_draws_the_same_toke
     _src, qpack = pair("qwen3_next")
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=10)
     results: dict[str, list[list[int]]] = {}
-    for mode in ("off", "auto"):
+    for mode in ("off", "on"):
         # the embedding resident, as on GPUs (a table on file reads each token on the host first)
         config = engine_config(qpack, pool={"slots": 64}, compute={"decode_ahead": mode},
                                memory={"embedding": "resident"})
@@ -333,10 +333,10 @@ async def test_a_second_queued_step_with_every_expert_pooled_draws_the_same_toke
             spent = engine.counters() - before
             assert spent.run_ahead_misses == 0
             # a run of n tokens queues its steps 2 .. n-1 second (its last is never queued)
-            assert (spent.ahead_steps > 0) == (mode == "auto"), spent
+            assert (spent.ahead_steps > 0) == (mode == "on"), spent
             pool_is_clean(engine)
         results[mode] = runs
-    assert results["auto"] == results["off"]
+    assert results["on"] == results["off"]
 
 
 async def _last(events: Any) -> Any:

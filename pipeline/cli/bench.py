@@ -235,9 +235,9 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="decode tokens that read experts queued whole, the GPU waiting for the "
                         "reads (auto, the default: on MLX's CUDA backend where its probe passes "
                         "and the disk reads >= 4 GB/s; off: one host sync per MoE layer)")
-    p.add_argument("--decode-ahead", choices=("auto", "off"), default="auto",
+    p.add_argument("--decode-ahead", choices=("auto", "on", "off"), default="auto",
                    help="with every expert pooled, a lone sequence queues a second decode step "
-                        "(compute.decode_ahead; auto, the default; off: one step queued)")
+                        "(compute.decode_ahead; auto, the default: on GPUs; on; off: one step queued)")
     p.add_argument("--kv-bits", type=int, choices=(0, 4, 8), default=0,
                    help="attention keys and values at 4 or 8 bits (compute.kv_bits; default 0): "
                         "the long-prompt case's state and memory with a quantized KV cache")

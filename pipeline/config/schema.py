@@ -209,8 +209,10 @@ class ComputeConfig(_Section, frozen=True):
     # no gain: for tests).
     device_wait: Literal["auto", "off", "emulate"] = "auto"
     # With every expert pooled, a lone sequence's decode queues a second step while the
-    # host does the last token's bookkeeping (actors/decode.py): "auto" there, "off" never.
-    decode_ahead: Literal["auto", "off"] = "auto"
+    # host does the last token's bookkeeping (actors/decode.py): "auto" on GPUs (where the
+    # host is what a token waits for; on MLX's CPU backend it competed with the compute:
+    # 5 % slower on this project's 2-core VM), "on" on any backend, "off" never.
+    decode_ahead: Literal["auto", "on", "off"] = "auto"
     overlap: bool = True  # false = the serial streamer baseline (no read/compute overlap)
     # Activation dtype. "auto": float32 on MLX's CPU backend (its bfloat16 kernels are ~10x
     # slower than float32 there), the model's own dtype on GPUs; "model": always the model's.
