@@ -129,7 +129,7 @@ def test_wrong_type_bool_for_int_and_table_for_value(tmp_path: Path) -> None:
     ("section", "line", "expected"),
     [
         ("[reader]\nconcurrency = 0", 4, "reader.concurrency: expected int in [1, 256], got 0"),
-        ("[server]\nport = 70000", 4, "server.port: expected int in [1, 65535], got 70000"),
+        ("[server]\nport = 70000", 4, "server.port: expected int in [0, 65535], got 70000"),
         ("[server]\nshutdown_grace_s = -1", 4, "server.shutdown_grace_s: expected float in [0, 3600], got -1"),
         ("[pool]\nlfu_decay = 1.5", 4, "pool.lfu_decay: expected float in (0, 1], got 1.5"),
         ("[sampling]\ntemperature = 5", 4, "sampling.temperature must be in [0, 2], got 5"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -306,21 +307,19 @@ def _post(port: int, body: dict) -> tuple[int, dict]:
 def test_two_ranks_serve_and_a_killed_rank_ends_with_503(fork_server, containers) -> None:
     # The job as a service manager runs it: `moestream launch` (tests/forked_launch.py).
     from forked_launch import Launched
-    from forked_ranks import free_ports
 
     from pipeline.server.serve import check_bindable
 
     container = containers[1]
-    port = free_ports(1)[0]
     tok = TokenizerSpec("qwen3_5_moe", ranks=get_preset("qwen3_5_moe", "tiny").bpe_ranks)
-    argv = ["--log-level", "info", "serve", str(container), "--distributed", "--port", str(port),
-            "--slots", "8", "--prefill-chunk", "2"]
+    argv = ["--log-level", "info", "serve", str(container), "--distributed", "--port", "0",
+            "--slots", "8", "--prefill-chunk", "2"]  # any free port, read from server.listening
     job = Launched(fork_server, 2, argv)
     try:
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": GREEDY, "temperature": 0,
                 "logprobs": 3}
         expected = trio.run(_served_by_one_process, container, body)
-        job.wait_for("server.listening", TIMEOUT)
+        port = int(re.search(r"port=(\d+)", job.wait_for("server.listening", TIMEOUT))[1])
         status, reply = _post(port, body)
         assert status == 200, reply
         assert reply["usage"]["completion_tokens"] == GREEDY

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 from forked_launch import Launched, alive
-from forked_ranks import free_ports
 from test_shutdown import check_events, eos_of, read_events, stream
 
 from pipeline.cli import main
@@ -141,14 +140,15 @@ def test_launch_forwards_a_sigint_no_terminal_delivered() -> None:
 
 def _job(fork_server, container: Path, grace_s: float, max_tokens: int = 8192,
          ) -> tuple[Launched, int]:
-    """A two-rank serving job; a reply still running at shutdown decodes for `grace_s`."""
-    port = free_ports(1)[0]
-    argv = ["--log-level", "info", "serve", str(container), "--distributed", "--port", str(port),
+    """A two-rank serving job; a reply still running at shutdown decodes for `grace_s`. Its
+    port is any free one, read from `server.listening` (a port chosen here and bound later
+    could be taken in between, by the other test worker or a connection's source port)."""
+    argv = ["--log-level", "info", "serve", str(container), "--distributed", "--port", "0",
             "--slots", "8", "--prefill-chunk", "2", "--set", f"server.shutdown_grace_s={grace_s}",
             "--set", f"server.max_tokens_limit={max_tokens}"]
     job = Launched(fork_server, 2, argv)
-    job.wait_for("server.listening", 120)
-    return job, port
+    listening = job.wait_for("server.listening", 120)
+    return job, int(re.search(r"port=(\d+)", listening)[1])
 
 
 def _post_status(port: int) -> int:

@@ -75,7 +75,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     h = p.add_argument_group("server")
     h.add_argument("--host", help="address to bind (default 127.0.0.1; binding another host "
                    "without --api-key logs a warning)")
-    h.add_argument("--port", type=int, help="port to bind (default 8000)")
+    h.add_argument("--port", type=int, help="port to bind (default 8000; 0: any free one, "
+                   "logged by the server.listening event)")
     h.add_argument("--api-key", help="require `Authorization: Bearer <key>` (or `x-api-key`) "
                    "on every route but /health, and on /metrics unless --metrics-without-key; "
                    "/health then names unreadable files only to callers with the key")

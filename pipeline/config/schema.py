@@ -257,7 +257,9 @@ class RunConfig(_Section, frozen=True):
 
 class ServerConfig(_Section, frozen=True):
     host: str = "127.0.0.1"
-    port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8000
+    # 0: any free port, the one bound said by the `server.listening` event (no window
+    # between choosing a port and binding it for another process to take it in)
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     api_key: str | None = None  # when set, requests need `Authorization: Bearer <key>`
     max_queue: Annotated[int, within(1, 4096)] = 16  # requests waiting beyond this get 429
     max_body_bytes: Annotated[int, within(1, 1 << 30)] = 1 << 20
