@@ -291,15 +291,7 @@ async def test_pipelined_decode_draws_the_same_sampled_tokens_as_one_step_at_a_t
     for mode in ("off", "on"):
         config = engine_config(qpack, pool={"slots": 12}, compute={"run_ahead": mode})
         async with open_engine(config) as engine:
-            runs = [list((await _last(engine.generate(p, params))).token_ids)
-                    for p in (PROMPT, PROMPT_B)]
-            stop = runs[0][4]
-            cut = msgspec.structs.replace(params, stop_token_ids=(stop,))
-            runs.append(list((await _last(engine.generate(PROMPT, cut))).token_ids))
-            assert runs[-1][-1] == stop and len(runs[-1]) < params.max_tokens
-            done = await _last(engine.generate(PROMPT + runs[-1][:-1] + [5], params))
-            assert done.stats.cached_tokens == len(PROMPT) + len(runs[-1]) - 1
-            runs.append(list(done.token_ids))
+            runs = await _runs_with_a_stop(engine, params, 4)
             if mode == "on":
                 assert engine.counters().run_ahead_misses > 0  # roll-backs happened
             pool_is_clean(engine)
@@ -311,7 +303,7 @@ async def test_a_second_queued_step_with_every_expert_pooled_draws_the_same_toke
     """Every expert pooled, a lone row: decode queues a second step while the host does the
     last token's bookkeeping (`compute.decode_ahead`). Seeded sampling gives the tokens of
     one queued step; a stop token cuts a run with two steps queued, both undone (a follow-up
-    resuming from the prefix cache gets the same tokens too); a speculating row queues one."""
+    resuming from the prefix cache gets the same tokens too)."""
     _src, qpack = pair("qwen3_next")
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=10)
     results: dict[str, list[list[int]]] = {}
@@ -322,14 +314,7 @@ async def test_a_second_queued_step_with_every_expert_pooled_draws_the_same_toke
         async with open_engine(config) as engine:
             await engine.warm()
             before = engine.counters()
-            runs = [list((await _last(engine.generate(p, params))).token_ids) for p in (PROMPT, PROMPT_B)]
-            stop = runs[0][5]
-            cut = msgspec.structs.replace(params, stop_token_ids=(stop,))
-            runs.append(list((await _last(engine.generate(PROMPT, cut))).token_ids))
-            assert runs[-1][-1] == stop and len(runs[-1]) < params.max_tokens
-            done = await _last(engine.generate(PROMPT + runs[-1][:-1] + [5], params))
-            assert done.stats.cached_tokens == len(PROMPT) + len(runs[-1]) - 1
-            runs.append(list(done.token_ids))
+            runs = await _runs_with_a_stop(engine, params, 5)
             spent = engine.counters() - before
             assert spent.run_ahead_misses == 0
             # a run of n tokens queues its steps 2 .. n-1 second (its last is never queued)
@@ -337,6 +322,21 @@ async def test_a_second_queued_step_with_every_expert_pooled_draws_the_same_toke
             pool_is_clean(engine)
         results[mode] = runs
     assert results["on"] == results["off"]
+
+
+async def _runs_with_a_stop(engine: Any, params: SamplingParams, at: int) -> list[list[int]]:
+    """Two prompts' tokens; the first again, cut by a stop token at its `at`-th (a step
+    queued behind the stop is undone); then a prompt resuming from the cut run's cached
+    state (the prefix cache holds every token the cut run fed)."""
+    runs = [list((await _last(engine.generate(p, params))).token_ids) for p in (PROMPT, PROMPT_B)]
+    stop = runs[0][at]
+    cut = msgspec.structs.replace(params, stop_token_ids=(stop,))
+    runs.append(list((await _last(engine.generate(PROMPT, cut))).token_ids))
+    assert runs[-1][-1] == stop and len(runs[-1]) < params.max_tokens
+    done = await _last(engine.generate(PROMPT + runs[-1][:-1] + [5], params))
+    assert done.stats.cached_tokens == len(PROMPT) + len(runs[-1]) - 1
+    runs.append(list(done.token_ids))
+    return runs
 
 
 async def _last(events: Any) -> Any:
