@@ -106,7 +106,7 @@ class Decoder:
     def _step(self, current: _Launched, more: int) -> tuple[Any, list[int], _Launched | None]:
         """Queue the next step (unless queued already), then read this one: its routing,
         flags and tokens (the tokens are meaningless when the step missed; reading them
-        costs nothing more); after a hit, where it may, queue the one after (`_ahead_ok`).
+        costs nothing more); after a hit, where it may, queue the one after (`_may_queue_ahead`).
         A model that reads its tokens on the host waits for this step's anyway: then this
         one is read first and the next queued only after a hit (a miss would waste it)."""
         if self.compute.model.tokens_on_host:
