@@ -37,6 +37,8 @@ from qpack.spec import ExpertFormat
 
 # (layer, ids, hidden) -> the ids' pool slots, lazily (`ForwardStep.launch_with`).
 Lookup = Callable[[int, mx.array, mx.array], mx.array]
+# ... -> (slots relative to the layer's first, absolute slots or None: `ForwardStep._launch`)
+SlotsOf = Callable[[int, mx.array, mx.array], tuple[mx.array, mx.array | None]]
 
 
 class StreamedModel:
@@ -286,24 +288,23 @@ class ForwardStep:
         def first_of(layer: int) -> int:
             return self.m.experts(layer)[2]
 
-        return self._launch(lambda layer, inds, _hidden: slot_map.lookup(layer, inds, first_of), slot_map)
+        return self._launch(lambda layer, inds, _hidden: (slot_map.lookup(layer, inds, first_of), None), slot_map)
 
     def launch_with(self, lookup: Lookup) -> LazyRunAhead:
         """The whole token, each MoE layer's absolute slots from `lookup(layer, ids,
         hidden)` (lazy; -1 = absent; `hidden`: the residual stream after its attention,
         [rows * tokens, H]): a wait for the host (actors/device_wait.py), whose answer
         also says on the device whether every expert was there."""
-        def relative(layer: int, inds: mx.array, hidden: mx.array) -> tuple[mx.array, mx.array]:
+        def relative(layer: int, inds: mx.array, hidden: mx.array) -> tuple[mx.array, mx.array | None]:
             found = lookup(layer, inds, hidden)
             return mx.maximum(found - self.m.experts(layer)[2], 0), found
 
         return self._launch(relative, None)
 
-    def _launch(self, slots_of: Callable[[int, mx.array, mx.array], Any],
-                table: SlotMap | None) -> LazyRunAhead:
+    def _launch(self, slots_of: SlotsOf, table: SlotMap | None) -> LazyRunAhead:
         """The whole token in one evaluation. `slots_of(layer, ids, hidden)`: the ids'
-        slots relative to the layer's first (lazy), with `table` the map they came from;
-        without one, (those slots, the absolute slots with -1 = absent). A missing expert
+        slots relative to the layer's first (lazy), and with no `table` (the map they came
+        from) their absolute slots, -1 = absent, for the device's flags. A missing expert
         reads slot 0: its output is wrong and is thrown away. The logits, every MoE
         layer's ids (and "all present" flags, without a table) and the residual stream
         entering each MoE layer are evaluated together: the token's one host sync. The
@@ -316,9 +317,8 @@ class ForwardStep:
         while (block := self._to_next_moe()) is not None:
             self._h_in[self.layer] = self.h
             h_mid, x, inds, scores = self._mix_and_route(block)
-            slots = slots_of(self.layer, inds, h_mid.reshape(-1, h_mid.shape[-1]))
-            if table is None:
-                slots, found = slots
+            slots, found = slots_of(self.layer, inds, h_mid.reshape(-1, h_mid.shape[-1]))
+            if found is not None:
                 found_all.append(found)
             arrays, fmt, _ = self.m.experts(self.layer)
             routed = routed_experts(arrays, fmt, x, slots, self.m.family.activation)
