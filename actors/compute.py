@@ -105,6 +105,7 @@ class Compute:
         *,
         moe_layers: Sequence[int] = (),
         run_ahead: RunAheadPolicy | None = None,
+        decode_ahead: bool = True,
     ) -> None:
         self.worker = worker
         self.model = model
@@ -117,7 +118,7 @@ class Compute:
         self.run_ahead = run_ahead or RunAheadPolicy("off")
         # A lone row's decode may queue a second step where every expert is ready
         # (actors/decode.py); `compute.decode_ahead`.
-        self.decode_ahead = True
+        self.decode_ahead = decode_ahead
         # Called with the phase as each forward starts (a benchmark splits prefill from
         # decode there); the engine adds and removes them (`Engine.watch_tokens`).
         self.token_hooks: list[Callable[[Phase], None]] = []

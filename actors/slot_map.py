@@ -20,6 +20,13 @@ import mlx.core as mx
 import numpy as np
 
 
+def relative_slots(absolute: np.ndarray, first: np.ndarray | int) -> np.ndarray:
+    """Absolute pool slots (-1: not ready) as the expert kernels index them: less their
+    layer's first slot (its bank's), 0 where not ready, uint32 (MLX's index type for
+    `gather_qmm`: int32 slots cost a cast per projection)."""
+    return np.where(absolute >= 0, absolute - first, 0).astype(np.uint32)
+
+
 @dataclass(eq=False)
 class SlotMap:
     """`host[rows[layer], e]`: expert e of MoE layer `layer`'s absolute pool slot, -1
@@ -46,8 +53,7 @@ class SlotMap:
             firsts = np.zeros((len(self.host), 1), dtype=np.int64)
             for layer, row in self.rows.items():
                 firsts[row, 0] = first_of(layer)
-            rel = np.where(self.host >= 0, self.host - firsts, 0).astype(np.uint32)
-            self._relative = mx.array(rel)
+            self._relative = mx.array(relative_slots(self.host, firsts))
         return self._relative
 
     def lookup(self, layer: int, ids: mx.array, first_of: Callable[[int], int]) -> mx.array:

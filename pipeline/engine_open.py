@@ -311,8 +311,8 @@ def _start_actors(
         # The serial streamer baseline keeps one sync per layer, as it always had.
         run_ahead=RunAheadPolicy(run_ahead_mode(config.compute.run_ahead, slots, len(
             model.moe_layers), model.top_k) if overlap else "off"),
+        decode_ahead=decode_ahead(config.compute.decode_ahead),
     )
-    compute.decode_ahead = decode_ahead(config.compute.decode_ahead)
     nursery.start_soon(compute.prefetcher.run)
     core = _core(config, container, worker, model, storage, router, compute, tokenizer,
                  strategy_name, dense_bytes)

@@ -18,7 +18,7 @@ import numpy as np
 from mlx_lm.models.base import create_ssm_mask
 
 from actors.forward import Presync, Routing
-from actors.slot_map import SlotMap
+from actors.slot_map import SlotMap, relative_slots
 from pipeline.models.batch_caches import BatchCaches
 from pipeline.models.file_embedding import FileEmbedding, embedding_dtype
 from pipeline.models.kv_quant import KVQuant, quantize_caches
@@ -264,8 +264,7 @@ class ForwardStep:
         self._pending = None
         block = self.m.parts.layers[self.layer]
         arrays, fmt, first = self.m.experts(self.layer)
-        # uint32, MLX's index type for `gather_qmm`: int32 slots cost a cast per projection
-        slots = mx.array(np.where(slot_of >= 0, slot_of - first, 0).astype(np.uint32))[inds]
+        slots = mx.array(relative_slots(slot_of, first))[inds]
 
         def part(x: mx.array, slots: mx.array, scores: mx.array) -> mx.array:
             routed = routed_experts(arrays, fmt, x, slots, self.m.family.activation)
