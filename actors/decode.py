@@ -21,8 +21,8 @@ happens when its token is consumed, never for a step that is rolled back.
 Where the host is what a token waits for (every expert pooled: on the H100 the GPU was
 busy 6 ms of a 37 ms token, session 33, docs/results.md), the host's bookkeeping of token
 t (pool, prefetcher, text) ran in series with the MLX thread's building of step t+2. With
-every expert ready and nothing that undoes queued steps (a lone row, no speculation), a
-second step is queued as soon as a step is read, by a job of its own on the MLX thread,
+every expert ready and nothing likely to undo queued steps (a lone row, not speculating or
+with `auto` backed off: actors/speculative/decoder.py), a second step is queued as soon as a step is read, by a job of its own on the MLX thread,
 so that building runs while the event loop does the bookkeeping (`compute.decode_ahead`).
 A miss cannot happen there; a generation's end or a park undoes both queued steps.
 
@@ -123,7 +123,8 @@ class Decoder:
 
     def _may_queue_ahead(self) -> bool:
         """A second step may be queued: nothing will undo it but an end or a park (a lone
-        row, no speculation, every expert ready: no miss, no install under it)."""
+        row, every expert ready: no miss, no install under it; `ahead_ok`: no speculation,
+        or `auto` backed off, whose probe pass parks both)."""
         c = self.compute
         return self.ahead_ok and c.decode_ahead and len(self.sampler) == 1 and c._slot_map().complete
 

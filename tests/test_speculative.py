@@ -162,20 +162,25 @@ async def test_greedy_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_
             engine.prefix_cache.clear()
 
 
-async def _auto_on_emulated(container: Any, acceptance: float, hits_before: int = 0,
-                            **compute: Any) -> tuple[list[int], Done, Any]:
-    """Plain greedy decode's 24 tokens, then `auto` on drafts from them at `acceptance`
+async def _auto_on_emulated(container: Any, acceptance: float, hits_before: int = 0, warm: bool = False,
+                            tokens: int = 24, **compute: Any) -> tuple[list[int], Done, Any, Any]:
+    """Plain greedy decode's `tokens`, then `auto` on drafts from them at `acceptance`
     (the same engine), after `hits_before` shadow trials that hit: (plain tokens, auto's
-    Done, the engine's policy)."""
-    config = engine_config(container, pool={"slots": 64}, compute=compute)
+    Done, the engine's policy, auto's counters). `warm`: every expert pooled, the embedding
+    resident (as on GPUs: a second step may be queued)."""
+    memory = {"embedding": "resident"} if warm else {}
+    config = engine_config(container, pool={"slots": 64}, compute=compute, memory=memory)
     async with open_engine(config) as engine:
-        greedy = SamplingParams(temperature=0.0, max_tokens=24, speculative="off")
-        tokens = list(_done(await _run(engine, greedy)).token_ids)
+        if warm:
+            await engine.warm()
+        greedy = SamplingParams(temperature=0.0, max_tokens=tokens, speculative="off")
+        plain = list(_done(await _run(engine, greedy)).token_ids)
         for _ in range(hits_before):
             engine._core.batch.speculation.after_shadow(True)
-        emulate_drafts(engine, EmulatedDrafts(tokens, acceptance, seed=1))
+        emulate_drafts(engine, EmulatedDrafts(plain, acceptance, seed=1))
+        before = engine.counters()
         done = _done(await _run(engine, msgspec.structs.replace(greedy, speculative="auto")))
-        return tokens, done, engine._core.batch.speculation
+        return plain, done, engine._core.batch.speculation, engine.counters() - before
 
 
 async def test_auto_prices_plain_decode_by_its_pipelined_steps_not_the_restart_after_a_pass(container):
@@ -184,7 +189,7 @@ async def test_auto_prices_plain_decode_by_its_pipelined_steps_not_the_restart_a
     and costs more: `auto` must not take it as plain decode's price."""
     # Trials that hit earlier (another text) let the first step pass; its drafts are all
     # rejected, and the plain steps after it follow whatever the prices say.
-    tokens, done, policy = await _auto_on_emulated(container, 0.0, hits_before=10, run_ahead="on")
+    tokens, done, policy, _ = await _auto_on_emulated(container, 0.0, hits_before=10, run_ahead="on")
     assert list(done.token_ids) == tokens and done.stats.verify_passes >= 1
     # One plain step restarted the pipeline after each pass that plain steps followed.
     assert 1 <= policy.plain_priced < policy.stats.plain_steps
@@ -194,10 +199,23 @@ async def test_auto_on_drafts_that_never_hit_makes_no_pass_and_the_tokens_of_pla
     """A text that does not repeat (every draft wrong): `auto` learns it from shadow
     drafts at plain steps and never pays for a verify pass (on MLX's CPU the first pass
     and two probes cost 16 % of a 48-token decode)."""
-    tokens, done, policy = await _auto_on_emulated(container, 0.0)
+    tokens, done, policy, _ = await _auto_on_emulated(container, 0.0)
     assert list(done.token_ids) == tokens
     assert done.stats.verify_passes == 0 and policy.stats.passes == 0
     assert policy.stats.shadowed == 24 - 1  # every token but the last (no room for a draft)
+
+
+@pytest.mark.parametrize("hits_before", [0, 10])
+async def test_auto_backed_off_queues_a_second_step_as_plain_decode_does(container, hits_before):
+    """Every expert pooled, `auto` backed off queues a second step at its plain steps, as
+    plain decode does (`compute.decode_ahead`, `SpeculationPolicy.quiet`): drafts that never
+    hit, hopeless from the first trial on, or (after trials that hit) losing after passes
+    whose drafts were all rejected, where each probe pass undoes both queued steps."""
+    tokens, done, policy, spent = await _auto_on_emulated(container, 0.0, hits_before, warm=True,
+                                                          tokens=40, decode_ahead="on")
+    assert list(done.token_ids) == tokens
+    assert spent.ahead_steps > 0 and spent.run_ahead_misses == 0
+    assert (done.stats.verify_passes > 0) == (hits_before > 0) and (policy.stats.backoffs > 0) == (hits_before > 0)
 
 
 async def test_bench_warm_ups_pass_every_draft_length_and_a_cold_case_starts_auto_afresh(container):

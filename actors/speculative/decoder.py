@@ -79,7 +79,8 @@ class SpeculativeDecoder:
                  spec: RowSpeculation, policy: SpeculationPolicy,
                  logits: mx.array | None = None, feed: list[int] | None = None) -> None:
         assert len(sampler) == 1, "speculation decodes one row"
-        # one step queued at a time: a pass undoes what is queued
+        # One step queued at a time, as a pass undoes what is queued; two where `auto` has
+        # backed off (`SpeculationPolicy.quiet`), set before each plain step.
         self.inner = Decoder(compute, cache, sampler, logits=logits, feed=feed, ahead_ok=False)
         self.compute, self.cache, self.sampler = compute, cache, sampler
         self.spec, self.policy = spec, policy
@@ -125,6 +126,7 @@ class SpeculativeDecoder:
                     trial_s = time.perf_counter() - asked
             stepped = inner.logits is None  # the first token is drawn from logits at hand
             queued = inner.launched is not None
+            inner.ahead_ok = self.spec.mode == "auto" and self.policy.quiet()
             t0 = time.perf_counter()
             tokens = await inner.next(more)
             if guess and tokens:

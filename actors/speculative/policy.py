@@ -200,6 +200,14 @@ class SpeculationPolicy:
             return _PROBE_FIRST
         return max(_PROBE_FIRST, min(_PROBE_MAX, math.ceil(self.trial_s / (_PROBE_BUDGET * self.plain_s))))
 
+    def quiet(self) -> bool:
+        """Whether the next plain step will ask for no draft unless a trial changes the
+        acceptance: backed off (or hopeless after the first trial) with its next probe or
+        trial not yet due. The decoder then queues a second step as plain decode does
+        (`compute.decode_ahead`); a pass that comes after all undoes it."""
+        hopeless = self.stats.shadowed >= _SHADOW_FIRST and 1.0 + self.acceptance < _WORTH
+        return (self._losing or hopeless) and self._wait >= 1
+
     def shadow_wanted(self, free: bool) -> bool:
         """Whether to ask the drafter at this plain step: always where it is `free`, else
         for the first trial and when a trial is due."""

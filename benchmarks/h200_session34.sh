@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Session 34 (2026-12-05): the container of sessions 31-33 (c35m: the 35B with its MTP layer).
+#   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session34.sh STEP
+# a: issue 24's `auto` at the tokens it does not speculate on (a random MTP head never hits):
+#    benchmarks/auto_plain_cost.py, requests "off" / "auto" alternating in one engine, wall and
+#    host CPU per token by thread; this code (a backed-off `auto` queues a second step, as plain
+#    decode does) against the code before it (.ptx/old34.tgz: `git archive d0c6732`).
+# p: the bench's warm speculation pairs with this code; kv: issue 25's kv_bits on CUDA.
+set -uo pipefail
+. "$(dirname "$0")/h200_lib.sh"
+step=$1
+ptx_restore
+apc() {  # apc NAME [DIR]: auto_plain_cost.py on c35m with the code in DIR (this tree by default)
+  local name=$1 dir=${2:-$PWD}
+  echo "== $(date -u +%T) auto_plain_cost $name"
+  (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 240 python3 benchmarks/auto_plain_cost.py "$DATA/c35m.qpack" \
+    --tokens 32 --rounds 3 2>&1 | grep -v "Z \[" | tee "$OUT/apc-$name.json" | python3 -c '
+import json, sys
+d = json.loads(sys.stdin.read())
+for m, rs in d["ms_per_token"].items():
+    print(m, [{k: round(v, 2) for k, v in r.items()} for r in rs])
+print(d["last_stats"], d["auto_over_plain_tok_s"], "median", d["median"])')
+  echo "== $(date -u +%T) auto_plain_cost $name rc $?"
+}
+{
+case $step in
+  a)
+    paged c35m
+    apc new
+    mkdir -p /tmp/old34 && tar xzf .ptx/old34.tgz -C /tmp/old34 && cp benchmarks/auto_plain_cost.py /tmp/old34/benchmarks/
+    apc old /tmp/old34
+    apc new-2 ;;
+  p)
+    c35m
+    TAIL=1 bench 250 pairs c35m "${warm[@]}" --cases warm-all,warm-spec-auto,warm-spec-auto-a0.8
+    pairs_table "$OUT"/pairs.json
+    python3 - "$OUT"/pairs.json <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    print(r["name"], {k: v for k, v in r.items() if "over" in k or k.startswith("paired_")})
+PY
+    ;;
+  kv)
+    c35m
+    for bits in 0 4; do
+      TAIL=2 bench 200 kv-$bits c35m --pool-mb 1024 --max-tokens 16 --warm --cases long-prompt \
+        --long-prompt 1024 --kv-bits $bits
+    done ;;
+  *) echo "unknown step $step: a, p or kv" >&2 ;;
+esac
+} 2>&1 | tee -a "$OUT/$step.log"
