@@ -221,3 +221,29 @@ def test_a_manifest_whose_head_experts_lie_is_refused_in_one_line(synth_checkpoi
         with pytest.raises(QpackError, match="mtp_experts") as info:
             Container.open(copy)
         assert "\n" not in str(info.value), name
+
+
+async def test_a_long_catch_up_goes_through_the_head_in_pieces_and_predicts_as_one_forward(
+        synth_checkpoint, packed, tmp_path):
+    """A catch-up over 47 positions (pieces of 32, 8, 4, 2 and 1: a few shapes, each
+    compiled once on CUDA) leaves the head's KV cache and its first draft's logits as one
+    forward over all 47 does."""
+    src, qpack = tiny_pair(synth_checkpoint, packed, "qwen3_next")
+    parts = _parts(qpack)
+    head = load_mtp(legacy_container(src, qpack, tmp_path / "legacy.qpack"), parts)
+    tokens = [(7 * i + 3) % parts.args.vocab_size for i in range(48)]
+    embeds, hidden = _inputs(parts, tokens[1:])
+
+    def run() -> tuple[float, float]:
+        drafter = MtpDrafter(head, parts, tokens, mx.float32)
+        drafter.sink(len(tokens) - 1, hidden)
+        inputs = drafter._catch_up()
+        assert inputs is not None and inputs[0].shape[1] == 1  # the last piece: one position
+        got = head(*inputs, drafter.cache, last_only=True)
+        cache = KVCache()
+        want = head(embeds, parts.norm(hidden), cache, last_only=True)
+        keys = mx.abs(drafter.cache.state[0] - cache.state[0]).max().item()
+        return keys, mx.abs(got - want).max().item()
+
+    keys, out = await MlxWorker.shared().run(run)
+    assert keys < 1e-5 and out < 1e-4, (keys, out)

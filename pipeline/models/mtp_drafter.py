@@ -13,6 +13,14 @@ each further draft feeds the head's output back
 as the hidden state, and those speculative positions are cut from its cache again.
 Drafts are argmax (q one-hot), so the row's sampler verifies them exactly.
 
+A catch-up's length is however many positions passed since the last draft (a prompt, or
+the plain steps of an `auto` that drafts now and then), and MLX's CUDA backend compiles
+kernels for each new length: a trial that caught up 40-odd positions stalled a 32-token
+generation ~40 s on the H100 (session 34, `warm-spec-auto`'s second pair, twice). So a
+catch-up goes through the head in pieces whose lengths are powers of two up to `PIECE`
+(the attention alone for all but the last, which predicts): a handful of shapes, each
+compiled once.
+
 Positions whose hidden state the drafter never saw (a prompt resumed from the prefix
 cache, steps decoded in a batch) are skipped: the head's attention then sees fewer
 positions, which may draft worse, never wrong.
@@ -34,6 +42,16 @@ from mlx_lm.models.cache import KVCache
 from pipeline.models.mtp import MtpHead
 from pipeline.models.mtp_experts import StreamedExperts
 from pipeline.models.text_parts import TextParts
+
+PIECE = 32  # the longest catch-up piece (see the module's docstring)
+
+
+def pieces(n: int) -> list[int]:
+    """`n` positions as powers of two of at most `PIECE`, longest first."""
+    out = [PIECE] * (n // PIECE)
+    rest = n % PIECE
+    out += [1 << b for b in range(rest.bit_length() - 1, -1, -1) if rest >> b & 1]
+    return out
 
 
 class MtpDrafter:
@@ -84,7 +102,11 @@ class MtpDrafter:
         self.done = last
         for i in [p for p in self._hidden if p < last]:
             del self._hidden[i]
-        return embeds, hidden
+        sizes, start = pieces(len(run)), 0
+        for n in sizes[:-1]:  # their attention fills the head's KV cache (lazily)
+            self.head.attend(embeds[:, start : start + n], hidden[:, start : start + n], self.cache, True)
+            start += n
+        return embeds[:, start:], hidden[:, start:]
 
     def _argmax(self, out: mx.array) -> mx.array:
         return mx.argmax(self.parts.head(out)[0, 0])
