@@ -6,6 +6,8 @@
 #    host CPU per token by thread; this code (a backed-off `auto` queues a second step, as plain
 #    decode does) against the code before it (.ptx/old34.tgz: `git archive d0c6732`).
 # p: the bench's warm speculation pairs with this code; kv: issue 25's kv_bits on CUDA.
+# v: `p` again after the MTP catch-up went in pieces (a 40 s stall in p's second pair, twice),
+#    then `a`'s measure of this code.
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
@@ -40,12 +42,22 @@ for r in json.load(open(sys.argv[1]))["results"]:
     print(r["name"], {k: v for k, v in r.items() if "over" in k or k.startswith("paired_")})
 PY
     ;;
+  v)
+    c35m
+    TAIL=1 bench 250 pairs-v c35m "${warm[@]}" --cases warm-spec-auto,warm-spec-auto-a0.8
+    pairs_table "$OUT"/pairs-v.json
+    python3 - "$OUT"/pairs-v.json <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    print(r["name"], {k: v for k, v in r.items() if "over" in k or k.startswith("paired_")})
+PY
+    apc v ;;
   kv)
     c35m
     for bits in 0 4; do
       TAIL=2 bench 200 kv-$bits c35m --pool-mb 1024 --max-tokens 16 --warm --cases long-prompt \
         --long-prompt 1024 --kv-bits $bits
     done ;;
-  *) echo "unknown step $step: a, p or kv" >&2 ;;
+  *) echo "unknown step $step: a, p, v or kv" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
