@@ -65,8 +65,8 @@ def main() -> None:
         async with open_engine(config) as engine:
             await engine.warm()
             await generate(engine, [200, 201, 202], 4)
-            for _ in range(args.rounds):
-                for mode in ("off", "auto"):
+            for i in range(args.rounds):  # "off" first, every other round "auto" first
+                for mode in ("off", "auto") if i % 2 == 0 else ("auto", "off"):
                     short, _ = await one(engine, mode, 2)
                     long, st = await one(engine, mode, 2 + args.tokens)
                     out[mode].append(per_token(long, short, args.tokens))

@@ -5,9 +5,9 @@ The warm-all target (every expert pooled >= 0.9x resident mlx-lm, issue 31) was 
 as one engine run, the engine closed, then one resident run: on the H200 the ratio moved
 0.48-1.21 between leases, and within one process (session 26: 19.80 against 41.32 tok/s),
 by more than any host change moved it. Here the engine stays open after its measured
-generation, mlx-lm's model is loaded once beside it, and `PAIRS` (resident run, engine run)
-pairs alternate: the ratio is the median of the pairs', so a drift of the machine's speed
-during the case (another tenant, the GPU's clocks) falls on both runs of a pair, and one
+generation, mlx-lm's model is loaded once beside it, and `PAIRS` pairs of runs alternate
+(resident then engine, every other pair engine then resident: `_order`): the ratio is the
+median of the pairs', so a drift of the machine's speed during the case (another tenant, the GPU's clocks) falls on both runs of a pair, and one
 slowed run moves one pair only (the best engine run over the best resident one is reported
 beside it: a shared machine's noise only ever slows a run down). Both models are then held
 at once: only where the memory left holds the resident one too (`fits`); elsewhere the
@@ -19,8 +19,8 @@ their arrays never meet (MLX streams are per thread).
 A `warm-spec-*` case's "x plain" was its one run over `warm-all`'s one run, each in a
 process of its own: on the H200 a 32-token run of either moved +-15 % (session 29: plain
 25.3-30.8 tok/s in four runs of one lease, `auto` with a head that drafts nothing 0.86-1.06x
-it). Here the speculating engine, after its measured generation, alternates `PAIRS` (plain,
-speculative) runs of the same prompt and seed (a request's `speculative = "off"` decodes
+it). Here the speculating engine, after its measured generation, alternates `PAIRS` pairs of
+plain and speculative runs (in `_order`) of the same prompt and seed (a request's `speculative = "off"` decodes
 plainly in the same engine, the same pool, the same compiled kernels; the emulated drafts
 match the seed's tokens), and "x plain" is the median of the pairs' ratios. `auto`'s policy
 is the engine's and learns across the runs, as a server's does.
@@ -82,11 +82,21 @@ async def alternate(engine: Any, model: Path, prompt: list[int], params: Any, se
     engine_tok_s: list[float] = []
     resident_tok_s: list[float] = []
     for i in range(pairs):
-        resident_tok_s.append(decode_resident(resident, prompt, params.max_tokens, seed + i).decode_tok_s)
-        run = msgspec.structs.replace(params, seed=seed + i)
-        engine_tok_s.append((await finished(engine, prompt, run)).stats.decode_tok_s)
+        for side in _order(i):
+            if side == "reference":
+                resident_tok_s.append(decode_resident(resident, prompt, params.max_tokens, seed + i).decode_tok_s)
+            else:
+                run = msgspec.structs.replace(params, seed=seed + i)
+                engine_tok_s.append((await finished(engine, prompt, run)).stats.decode_tok_s)
     del resident
     return Pairs(engine_tok_s, resident_tok_s)
+
+
+def _order(pair: int) -> tuple[str, str]:
+    """Which run of a pair goes first: the reference, then the measured side, every other
+    pair the other way round (a bias of the second run of a pair, e.g. the first run's
+    memory or clocks left behind, falls on each side alike)."""
+    return ("reference", "measured") if pair % 2 == 0 else ("measured", "reference")
 
 
 async def against_plain(engine: Any, prompt: list[int], params: Any, pairs: int = PAIRS) -> Pairs:
@@ -94,9 +104,12 @@ async def against_plain(engine: Any, prompt: list[int], params: Any, pairs: int 
     plain = msgspec.structs.replace(params, speculative="off")
     spec_tok_s: list[float] = []
     plain_tok_s: list[float] = []
-    for _ in range(pairs):
-        plain_tok_s.append((await finished(engine, prompt, plain)).stats.decode_tok_s)
-        spec_tok_s.append((await finished(engine, prompt, params)).stats.decode_tok_s)
+    for i in range(pairs):
+        for side in _order(i):
+            if side == "reference":
+                plain_tok_s.append((await finished(engine, prompt, plain)).stats.decode_tok_s)
+            else:
+                spec_tok_s.append((await finished(engine, prompt, params)).stats.decode_tok_s)
     return Pairs(spec_tok_s, plain_tok_s, against="plain")
 
 
