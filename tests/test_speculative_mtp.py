@@ -85,6 +85,29 @@ async def test_auto_tries_the_head_on_a_new_generation_where_the_trial_fits_its_
     assert dear.stats.verify_passes == cheap.stats.verify_passes == 0
 
 
+async def test_trials_of_a_backed_off_auto_run_beside_a_second_queued_step(synth_checkpoint, packed):
+    """Every expert pooled, `auto` hopeless about the MTP head queues a second step at its
+    plain steps (`compute.decode_ahead`); the trials due meanwhile catch the head up on
+    the hidden states sunk so far, queued steps' included, and the tokens stay plain's."""
+    _src, qpack = tiny_pair(synth_checkpoint, packed, "qwen3_next")
+    config = engine_config(qpack, pool={"slots": 64}, memory={"embedding": "resident"},
+                           compute={"speculative": "auto", "decode_ahead": "on"})
+    long = msgspec.structs.replace(GREEDY, max_tokens=40)
+    async with open_engine(config) as engine:
+        await engine.warm()
+        plain = await _done(engine, long)
+        policy = engine._core.batch.speculation
+        for _ in range(40):  # another text's trials: all missed, each as cheap as 1 % of a step
+            policy.after_shadow(False, seconds=1e-5)
+        policy.after_plain(0.001)
+        before, counters = policy.stats.shadowed, engine.counters()
+        auto = await _done(engine, msgspec.structs.replace(long, speculative="auto"))
+        spent = engine.counters() - counters
+    assert auto.token_ids == plain.token_ids and auto.stats.verify_passes == 0
+    assert policy.stats.shadowed >= before + 2  # the new text's, then one due (8+ steps apart)
+    assert spent.ahead_steps > 0 and spent.run_ahead_misses == 0
+
+
 async def test_a_4_bit_model_streams_its_8_bit_head_through_the_same_reader(synth_checkpoint, packed):
     """The head's blobs are larger than the layers' (8 bits against 4): the reader's
     buffers hold them, and the tokens are still plain decode's."""
