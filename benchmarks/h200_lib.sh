@@ -96,3 +96,17 @@ hostcpu() {  # hostcpu NAME [ENV...]: host CPU per token, the engine's MLX threa
     --dtype model 2>&1 | grep -v "Z \[" | tail -45 | tee "$OUT/hostcpu-$name.txt"
   echo "== $(date -u +%T) hostcpu $name rc ${PIPESTATUS[0]}"
 }
+kv_step() {  # kv_step: issue 25's 1024-token prompt on c35m, kv_bits 0 and 4 (4 is refused at start on CUDA)
+  c35m
+  for bits in 0 4; do
+    TAIL=2 bench 200 kv-$bits c35m --pool-mb 1024 --max-tokens 16 --warm --cases long-prompt \
+      --long-prompt 1024 --kv-bits $bits
+  done
+}
+pairs_over() {  # pairs_over JSON: each case's ratios ("over") and paired runs
+  python3 - "$1" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    print(r["name"], {k: v for k, v in r.items() if "over" in k or k.startswith("paired_")})
+PY
+}

@@ -59,12 +59,7 @@ PY
   h)  # host CPU per token on a 10-layer cut (a lease too short for the full container)
     container c35x10 qwen3.6-35b-a3b --max-layers 10
     C=c35x10 hostcpu cut ;;
-  kv)
-    c35m
-    for bits in 0 4; do
-      TAIL=2 bench 200 kv-$bits c35m --pool-mb 1024 --max-tokens 16 --warm --cases long-prompt \
-        --long-prompt 1024 --kv-bits $bits
-    done ;;
+  kv) kv_step ;;
   *) echo "unknown step $step: g, g2, l, p, h or kv" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"

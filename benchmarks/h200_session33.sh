@@ -37,12 +37,7 @@ for r in json.load(open(sys.argv[1]))["results"]:
     print(r["name"], {k: v for k, v in r.items() if "over" in k})
 PY
     ;;
-  kv)
-    c35m
-    for bits in 0 4; do
-      TAIL=2 bench 200 kv-$bits c35m --pool-mb 1024 --max-tokens 16 --warm --cases long-prompt \
-        --long-prompt 1024 --kv-bits $bits
-    done ;;
+  kv) kv_step ;;
   l)
     paged c35m
     for i in 1 2; do

@@ -36,28 +36,14 @@ case $step in
     c35m
     TAIL=1 bench 250 pairs c35m "${warm[@]}" --cases warm-all,warm-spec-auto,warm-spec-auto-a0.8
     pairs_table "$OUT"/pairs.json
-    python3 - "$OUT"/pairs.json <<'PY'
-import json, sys
-for r in json.load(open(sys.argv[1]))["results"]:
-    print(r["name"], {k: v for k, v in r.items() if "over" in k or k.startswith("paired_")})
-PY
-    ;;
+    pairs_over "$OUT"/pairs.json ;;
   v)
     c35m
     TAIL=1 bench 250 pairs-v c35m "${warm[@]}" --cases warm-spec-auto,warm-spec-auto-a0.8
     pairs_table "$OUT"/pairs-v.json
-    python3 - "$OUT"/pairs-v.json <<'PY'
-import json, sys
-for r in json.load(open(sys.argv[1]))["results"]:
-    print(r["name"], {k: v for k, v in r.items() if "over" in k or k.startswith("paired_")})
-PY
+    pairs_over "$OUT"/pairs-v.json
     apc v ;;
-  kv)
-    c35m
-    for bits in 0 4; do
-      TAIL=2 bench 200 kv-$bits c35m --pool-mb 1024 --max-tokens 16 --warm --cases long-prompt \
-        --long-prompt 1024 --kv-bits $bits
-    done ;;
+  kv) kv_step ;;
   *) echo "unknown step $step: a, p, v or kv" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
