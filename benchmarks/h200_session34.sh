@@ -8,6 +8,9 @@
 # p: the bench's warm speculation pairs with this code; kv: issue 25's kv_bits on CUDA.
 # v: `p` again after the MTP catch-up went in pieces (a 40 s stall in p's second pair, twice),
 #    then `a`'s measure of this code.
+# m: issue 25's 1024-token prompt, this code (DeltaNet slices sized for the five arrays a step
+#    a GPU backend holds until they have run) against the code before (.ptx/old34m.tgz:
+#    `git archive 521dcae`), twice each, alternating: device peak, MLX temporaries, TTFT.
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
@@ -44,6 +47,22 @@ case $step in
     pairs_over "$OUT"/pairs-v.json
     apc v ;;
   kv) kv_step ;;
-  *) echo "unknown step $step: a, p, v or kv" >&2 ;;
+  m)
+    c35m
+    for i in 1 2; do
+      TAIL=2 bench 200 m-new-$i c35m --pool-mb 1024 --max-tokens 16 --warm --cases long-prompt --long-prompt 1024
+      TAIL=2 old_bench old34m 200 m-old-$i c35m --pool-mb 1024 --max-tokens 16 --warm --cases long-prompt \
+        --long-prompt 1024
+    done
+    python3 - "$OUT"/m-*.json <<'PY'
+import json, sys
+for p in sys.argv[1:]:
+    for r in json.load(open(p))["results"]:
+        m = r.get("memory", {})
+        print(p.rsplit("/", 1)[-1], round(r["prefill_tok_s"], 1), round(r["ttft_s"], 2), round(r["peak_device_mb"]),
+              {k: round(m.get(k, 0)) for k in ("temporaries_mb", "dense_mb", "pool_mb", "state_mb")})
+PY
+    same "$OUT"/m-*.json ;;
+  *) echo "unknown step $step: a, p, v, kv or m" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"

@@ -42,15 +42,30 @@ MIN_SLICE = 16
 CHUNK_ARRAYS = 4
 
 
-def per_token_bytes(layers: list[Any], context: int) -> int:
+# On a GPU backend MLX keeps every op's inputs alive until its kernel has run
+# (mlx/backend/cuda/eval.cpp: "Keep used buffers alive until kernel finishes running"), and
+# the host encodes a slice's recurrence far ahead of a GPU busy computing it: each step's
+# state-sized float32 arrays (the decayed state, it times k, the update, the new state, it
+# times q) then stay until the slice completes, where the CPU backend frees each as the
+# next step runs (one state a step, measured: docs/memory.md). On the H100 (session 34) a
+# 1024-token prompt's temporaries were 521 MiB on CUDA against 133 on the CPU, the slices
+# sized for the CPU's one state a step.
+HELD_STEP_ARRAYS = 5
+
+
+def per_token_bytes(layers: list[Any], context: int, held: bool | None = None) -> int:
     """Temporaries one prompt token adds to the largest mixer: a DeltaNet step's state on
-    the ops path (float32), or a row of attention scores over `context` keys."""
-    kernel = mx.default_device() == mx.gpu and mx.metal.is_available()  # mlx-lm's kernel
+    the ops path (float32; `HELD_STEP_ARRAYS` of them where a GPU backend holds a step's
+    arrays until the slice has run: `held`, by default whether the device is a GPU), or a
+    row of attention scores over `context` keys."""
+    gpu = mx.default_device() == mx.gpu
+    kernel = gpu and mx.metal.is_available()  # mlx-lm's kernel
+    held = gpu if held is None else held
     worst = 0
     for block in layers:
         if getattr(block, "is_linear", False):
             la = block.linear_attn
-            step = la.num_v_heads * la.head_v_dim * la.head_k_dim * 4
+            step = la.num_v_heads * la.head_v_dim * la.head_k_dim * 4 * (HELD_STEP_ARRAYS if held else 1)
             worst = max(worst, (la.num_v_heads * la.head_v_dim * 16) if kernel else step)
         else:
             # Families name their attention's head count differently (mlx-lm's modules).

@@ -99,7 +99,22 @@ class Launched(LineLog):
             self.log.append(line)
             if text in line:
                 return line
-        raise AssertionError(f"no {text!r} within {timeout} s:\n{self.output()[-4000:]}")
+        raise AssertionError(f"no {text!r} within {timeout} s:\n{self.output()[-4000:]}\n{self.threads()}")
+
+    def threads(self) -> str:
+        """The launcher's threads: name, state, where each waits, its signal masks."""
+        out = []
+        for pid in [self.proc.pid, *getattr(self, "ranks", [])]:
+            for tid in sorted(os.listdir(f"/proc/{pid}/task")) if os.path.isdir(f"/proc/{pid}/task") else []:
+                base = f"/proc/{pid}/task/{tid}"
+                try:
+                    status = Path(f"{base}/status").read_text().splitlines()
+                    wchan = Path(f"{base}/wchan").read_text()
+                except OSError:
+                    continue
+                keep = [line for line in status if line.startswith(("Name", "State", "Sig", "ShdPnd"))]
+                out.append(f"{pid}/{tid} wchan={wchan} " + " | ".join(keep))
+        return "\n".join(out)
 
     def pids(self) -> list[int]:
         return [self.proc.pid, *self.ranks]

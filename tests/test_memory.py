@@ -303,3 +303,31 @@ def test_the_pool_shrinks_under_memory_pressure_and_grows_back(qwen35: Path, tmp
             assert grown.token_ids == first.token_ids
 
     trio.run(main)
+
+
+def test_a_gpu_backends_deltanet_slices_count_every_array_a_step_holds() -> None:
+    """35B dims (32 value heads of 128 x 128): the CPU frees a step's arrays as the next
+    runs (one 2 MiB float32 state a token); a GPU backend keeps every op's inputs until its
+    kernel has run, five state-sized arrays a step, so its slices are five times shorter
+    (down to the 16-token floor)."""
+    from types import SimpleNamespace
+
+    from pipeline.prefill_slices import HELD_STEP_ARRAYS, MIN_SLICE, per_token_bytes, slice_tokens
+
+    deltanet = SimpleNamespace(is_linear=True, linear_attn=SimpleNamespace(
+        num_v_heads=32, head_v_dim=128, head_k_dim=128))
+    attention = SimpleNamespace(is_linear=False, self_attn=SimpleNamespace(num_attention_heads=16))
+    layers = [deltanet, deltanet, deltanet, attention]
+    state = 32 * 128 * 128 * 4
+    assert per_token_bytes(layers, 1024, held=False) == state
+    assert per_token_bytes(layers, 1024, held=True) == HELD_STEP_ARRAYS * state
+    share = 400 * 2**20
+    cpu, gpu = (tokens_in(layers, share, held) for held in (False, True))
+    assert cpu == (share - 64 * 2**20) // state and gpu == cpu // HELD_STEP_ARRAYS > MIN_SLICE
+    assert slice_tokens(layers, 150 * 2**20, 1024) == tokens_in(layers, 150 * 2**20, False)  # the CPU here
+
+
+def tokens_in(layers: list[object], share: int, held: bool) -> int:
+    from pipeline.prefill_slices import per_token_bytes, tokens_within
+
+    return tokens_within(per_token_bytes(layers, 1024, held=held), share)
