@@ -22,8 +22,9 @@ Where the host is what a token waits for (every expert pooled: on the H100 the G
 busy 6 ms of a 37 ms token, session 33, docs/results.md), the host's bookkeeping of token
 t (pool, prefetcher, text) ran in series with the MLX thread's building of step t+2. With
 every expert ready and nothing likely to undo queued steps (a lone row, not speculating or
-with `auto` backed off: actors/speculative/decoder.py), a second step is queued as soon as a step is read, by a job of its own on the MLX thread,
-so that building runs while the event loop does the bookkeeping (`compute.decode_ahead`).
+with `auto` backed off: actors/speculative/decoder.py), a second step is queued as soon as
+a step is read, by a job of its own on the MLX thread, so that building runs while the
+event loop does the bookkeeping (`compute.decode_ahead`).
 A miss cannot happen there; a generation's end or a park undoes both queued steps.
 
 The decoder works on rows: one sequence, or a batch whose caches were merged

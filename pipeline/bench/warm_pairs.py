@@ -7,8 +7,8 @@ as one engine run, the engine closed, then one resident run: on the H200 the rat
 by more than any host change moved it. Here the engine stays open after its measured
 generation, mlx-lm's model is loaded once beside it, and `PAIRS` pairs of runs alternate
 (resident then engine, every other pair engine then resident: `_order`): the ratio is the
-median of the pairs', so a drift of the machine's speed during the case (another tenant, the GPU's clocks) falls on both runs of a pair, and one
-slowed run moves one pair only (the best engine run over the best resident one is reported
+median of the pairs', so a drift of the machine's speed during the case (another tenant,
+the GPU's clocks) falls on both runs of a pair, and one slowed run moves one pair only (the best engine run over the best resident one is reported
 beside it: a shared machine's noise only ever slows a run down). Both models are then held
 at once: only where the memory left holds the resident one too (`fits`); elsewhere the
 resident model is measured after the engine closes, as before.
@@ -19,9 +19,9 @@ their arrays never meet (MLX streams are per thread).
 A `warm-spec-*` case's "x plain" was its one run over `warm-all`'s one run, each in a
 process of its own: on the H200 a 32-token run of either moved +-15 % (session 29: plain
 25.3-30.8 tok/s in four runs of one lease, `auto` with a head that drafts nothing 0.86-1.06x
-it). Here the speculating engine, after its measured generation, alternates `PAIRS` pairs of
-plain and speculative runs (in `_order`) of the same prompt and seed (a request's `speculative = "off"` decodes
-plainly in the same engine, the same pool, the same compiled kernels; the emulated drafts
+it). Here the speculating engine, after its measured generation, alternates `PAIRS` pairs
+of plain and speculative runs (in `_order`) of the same prompt and seed (a request's
+`speculative = "off"` decodes plainly in the same engine, the same pool, the same compiled kernels; the emulated drafts
 match the seed's tokens), and "x plain" is the median of the pairs' ratios. `auto`'s policy
 is the engine's and learns across the runs, as a server's does.
 """
