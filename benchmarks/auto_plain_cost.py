@@ -53,18 +53,9 @@ def main() -> None:
     stats: dict[str, Any] = {}
 
     async def run() -> None:
-        from helpers_engine import engine_config, generate
+        from token_graph import warm_all_engine
 
-        from pipeline.engine import open_engine
-        from qpack.reader import Container
-
-        with Container.open(args.container, verify="off") as c:
-            total = c.manifest.num_experts * len(c.manifest.layers)
-        compute = {"speculative": "auto", **({} if args.dtype == "model" else {"dtype": args.dtype})}
-        config = engine_config(args.container, compute=compute, pool={"slots": total})
-        async with open_engine(config) as engine:
-            await engine.warm()
-            await generate(engine, [200, 201, 202], 4)
+        async with warm_all_engine(args.container, args.dtype, compute={"speculative": "auto"}) as engine:
             for i in range(args.rounds):  # "off" first, every other round "auto" first
                 for mode in ("off", "auto") if i % 2 == 0 else ("auto", "off"):
                     short, _ = await one(engine, mode, 2)

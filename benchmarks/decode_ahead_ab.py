@@ -19,16 +19,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 async def side(path: str, mode: str, dtype: str, runs: int = 3) -> tuple[list[float], list[int]]:
     """`runs` figures of ms per decode token (a 34-token generation less a 2-token one) and
     the last run's tokens, the embedding resident (on file, no second step is queued)."""
-    from helpers_engine import engine_config, generate
+    from helpers_engine import generate
+    from token_graph import warm_all_engine
 
-    from pipeline.engine import open_engine
-
-    compute = {"decode_ahead": mode, **({} if dtype == "model" else {"dtype": dtype})}
-    config = engine_config(path, compute=compute, pool={"slots": None, "budget_mb": 1 << 20},
-                           memory={"embedding": "resident"})
-    async with open_engine(config) as engine:
-        await engine.warm()
-        await generate(engine, [200, 201, 202], 4)
+    async with warm_all_engine(path, dtype, compute={"decode_ahead": mode},
+                               memory={"embedding": "resident"}) as engine:
         out: list[float] = []
         tokens: list[int] = []
         for _ in range(runs):

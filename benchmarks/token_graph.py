@@ -39,6 +39,7 @@ def ops(outputs: list[mx.array]) -> Counter[str]:
 def engine_token(path: str, dtype: str) -> tuple[Counter[str], int]:
     from helpers_engine import engine_config, generate
 
+    from pipeline.bench.spec import every_expert_slots
     from pipeline.engine import open_engine
 
     seen: list[tuple[int, Counter[str]]] = []  # (outputs, ops) of each evaluation queued
@@ -51,7 +52,7 @@ def engine_token(path: str, dtype: str) -> tuple[Counter[str], int]:
 
     async def run() -> None:
         config = engine_config(path, compute={"dtype": dtype, "run_ahead": "on"},
-                               pool={"slots": None, "budget_mb": 1 << 20})
+                               pool={"slots": every_expert_slots(path)})
         async with open_engine(config) as engine:
             await generate(engine, [200, 201, 202], 5)
             seen.clear()
@@ -69,16 +70,18 @@ def engine_token(path: str, dtype: str) -> tuple[Counter[str], int]:
 
 
 @asynccontextmanager
-async def warm_all_engine(path: str, dtype: str) -> AsyncIterator[Any]:
+async def warm_all_engine(path: str, dtype: str, **sections: dict[str, Any]) -> AsyncIterator[Any]:
     """The engine as `bench`'s warm-all case has it: a pool of every expert, read in and
     warmed, and a first generation run (its kernels compiled). `dtype`: "model" for the
-    engine's default, else `compute.dtype`."""
+    engine's default, else `compute.dtype`; `sections`: more config (a `compute` one
+    merged with the dtype)."""
     from helpers_engine import engine_config, generate
 
+    from pipeline.bench.spec import every_expert_slots
     from pipeline.engine import open_engine
 
-    compute = {} if dtype == "model" else {"dtype": dtype}
-    config = engine_config(path, compute=compute, pool={"slots": None, "budget_mb": 1 << 20})
+    compute = {**({} if dtype == "model" else {"dtype": dtype}), **sections.pop("compute", {})}
+    config = engine_config(path, compute=compute, pool={"slots": every_expert_slots(path)}, **sections)
     async with open_engine(config) as engine:
         await engine.warm()
         await generate(engine, [200, 201, 202], 4)

@@ -129,15 +129,19 @@ def backend() -> str:
     return str(mx.default_device())
 
 
+def every_expert_slots(model: str) -> int:
+    """Pool slots for every routed expert of the container `model` (a warm-all pool)."""
+    from qpack.reader import Container
+
+    with Container.open(model, verify="off") as c:
+        return c.manifest.num_experts * len(c.manifest.layers)
+
+
 def engine_dict(case: Case) -> dict[str, Any]:
     raw: dict[str, Any] = {k: dict(v) for k, v in case.config.items()}
     raw.setdefault("model", {})["path"] = case.model
     raw["model"].setdefault("verify", "off")
     if case.warm_all:
-        from qpack.reader import Container
-
-        with Container.open(case.model, verify="off") as c:
-            total = c.manifest.num_experts * len(c.manifest.layers)
         raw["pool"] = {**{k: v for k, v in raw.get("pool", {}).items() if k != "budget_mb"},
-                       "slots": total}
+                       "slots": every_expert_slots(case.model)}
     return raw
