@@ -27,6 +27,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from pipeline.models import deltanet_kernel
+
 MIB = 2**20
 # What stays out of the slices' share: sized for the lm_head when its scales were cast to
 # float32 at every step (62 MiB at a 248k vocabulary on the CPU). They are widened once at
@@ -59,7 +61,7 @@ def per_token_bytes(layers: list[Any], context: int, held: bool | None = None) -
     arrays until the slice has run: `held`, by default whether the device is a GPU), or a
     row of attention scores over `context` keys."""
     gpu = mx.default_device() == mx.gpu
-    kernel = gpu and mx.metal.is_available()  # mlx-lm's kernel
+    kernel = gpu and (mx.metal.is_available() or deltanet_kernel.enabled())  # mlx-lm's, or ours on CUDA
     held = gpu if held is None else held
     worst = 0
     for block in layers:

@@ -135,8 +135,10 @@ def stacked_experts(container: Container) -> dict[str, mx.array]:
 
 def load_resident(container: Container) -> nn.Module:
     """The full mlx-lm model with every expert resident, loaded as mlx_lm.utils.load_model does."""
+    from pipeline.models import deltanet_kernel
     from qpack.mlx_model import model_classes
 
+    deltanet_kernel.install()  # the streamer's recurrence, so the two compare like for like
     config = container.config
     weights = load_safetensors(container.dense_path)
     weights.update(stacked_experts(container))

@@ -16,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from pipeline.models import deltanet_kernel
 from pipeline.models.families import of_model
 from pipeline.models.file_embedding import move_to_file, table_bytes
 from pipeline.models.text_parts import text_parts
@@ -29,6 +30,7 @@ from qpack.spec import QpackError
 
 def build_model(config: dict[str, Any]) -> nn.Module:
     """Instantiate the mlx-lm model for `config` with the routed experts removed."""
+    deltanet_kernel.install()
     model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     routed = family(config.get("model_type")).routed_module

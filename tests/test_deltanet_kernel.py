@@ -1,0 +1,79 @@
+"""The CUDA Gated DeltaNet kernel's place in mlx-lm's recurrence (pipeline/models/deltanet_kernel.py).
+
+The kernel itself needs a CUDA GPU: its differences from mlx-lm's ops path, its time and
+memory are measured there (`benchmarks/deltanet_kernel_check.py`, docs/results.md). Here:
+installing it reroutes mlx-lm's ops path, which off CUDA must stay mlx-lm's bit for bit,
+masks and grouped heads included, and a model built by the engine takes it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import gated_delta
+
+from pipeline.models import deltanet_kernel
+
+
+def _inputs(b: int, t: int, hk: int, hv: int, d: int) -> list[mx.array]:
+    mx.random.seed(7)
+    q, k = (mx.random.normal((b, t, hk, d)) * 0.1 for _ in range(2))
+    v = mx.random.normal((b, t, hv, d))
+    a, beta_logits = mx.random.normal((b, t, hv)), mx.random.normal((b, t, hv))
+    return [q, k, v, a, beta_logits, mx.random.normal((hv,)), mx.zeros((hv,)), mx.random.normal((b, hv, d, d)) * 0.1]
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_installed_off_cuda_the_recurrence_is_mlx_lms_bit_for_bit(masked: bool) -> None:
+    deltanet_kernel.install()
+    deltanet_kernel.install()  # idempotent: the original is kept once, not wrapped twice
+    original = deltanet_kernel._original
+    assert gated_delta.gated_delta_ops is deltanet_kernel.ops and original is not deltanet_kernel.ops
+    assert original is not None and not deltanet_kernel.enabled()  # this CPU: mlx-lm's ops
+    q, k, v, a, b, a_log, dt_bias, state = _inputs(2, 5, 2, 4, 32)  # two value heads a key head
+    mask = mx.array([[False, True, True, True, True], [True] * 5]) if masked else None
+    y, s = gated_delta.gated_delta_update(q, k, v, a, b, a_log, dt_bias, state, mask)
+    beta, g = mx.sigmoid(b), gated_delta.compute_g(a_log, a, dt_bias)
+    y0, s0 = original(q, k, v, g, beta, state, mask)
+    assert mx.array_equal(y, y0).item() and mx.array_equal(s, s0).item()
+    # The padded step left its row's state as it was: the mask reached the ops.
+    if masked:
+        _, unpadded = original(q, k, v, g, beta, state, None)
+        assert not mx.array_equal(s[0], unpadded[0]).item() and mx.array_equal(s[1], unpadded[1]).item()
+
+
+def test_the_kernel_applies_to_scalar_gates_and_warp_multiples_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    k, scalar, vector = mx.zeros((1, 2, 2, 128)), mx.zeros((1, 2, 4)), mx.zeros((1, 2, 4, 128))
+    monkeypatch.setattr(deltanet_kernel, "enabled", lambda: True)
+    assert deltanet_kernel.applies(k, scalar)
+    assert not deltanet_kernel.applies(k, vector)  # vector gates: mlx-lm's ops
+    assert not deltanet_kernel.applies(mx.zeros((1, 2, 2, 48)), scalar)  # not a warp's multiple
+    assert not deltanet_kernel.applies(mx.zeros((1, 2, 2, 288)), scalar)  # past a lane's registers
+    monkeypatch.setattr(deltanet_kernel, "enabled", lambda: False)
+    assert not deltanet_kernel.applies(k, scalar)
+
+
+def test_the_switch_turns_it_off_whatever_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(deltanet_kernel.ENV, "0")
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    with mx.stream(mx.gpu) if mx.is_available(mx.gpu) else mx.stream(mx.cpu):
+        assert not deltanet_kernel.enabled()
+
+
+def test_an_engine_model_is_built_with_it_installed(tiny_bench: Path) -> None:
+    """In a fresh process: nothing is rerouted before the engine builds its model, and
+    everything after (the bench's resident reference, built in the same process, too)."""
+    script = f"""
+from mlx_lm.models import gated_delta
+from pipeline.models import deltanet_kernel
+from pipeline.models.dense import build_model
+from qpack.reader import Container
+assert gated_delta.gated_delta_ops is not deltanet_kernel.ops
+build_model(Container.open({str(tiny_bench)!r}).config)
+assert gated_delta.gated_delta_ops is deltanet_kernel.ops
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
