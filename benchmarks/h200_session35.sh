@@ -7,6 +7,8 @@
 # b: issue 25/31's 1024-token prompt and warm-all decode on c35m, the kernel on and off
 #    (MOESTREAM_DELTANET_KERNEL=0: mlx-lm's ops, in the engine and the resident reference
 #    alike), alternating: TTFT, device peak, temporaries, decode tok/s.
+# e: where the 1024-token prompt's device peak is reached with the kernel on
+#    (benchmarks/eval_peaks.py: each mx.eval's peak above the memory active at the call).
 set -uo pipefail
 . "$(dirname "$0")/h200_lib.sh"
 step=$1
@@ -39,6 +41,10 @@ PY
     pairs_table "$OUT"/warm-*.json
     pairs_over "$OUT"/warm-on.json
     pairs_over "$OUT"/warm-off.json ;;
-  *) echo "unknown step $step: k or b" >&2 ;;
+  e)
+    c35m
+    timeout 300 python3 benchmarks/eval_peaks.py bench "$DATA/c35m.qpack" --pool-mb 1024 --max-tokens 4 --warm \
+      --cases long-prompt --long-prompt 1024 --json "$OUT/peaks.json" 2>&1 | grep -v "Z \[" | tail -20 ;;
+  *) echo "unknown step $step: k, b or e" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
