@@ -35,3 +35,12 @@ def reset_speculation(engine: Engine) -> None:
     """Forget what `auto` measured (pass prices, acceptance, back-off), as a freshly
     opened engine would, e.g. after a warm-up that compiled the passes."""
     engine._core.batch.speculation = engine._core.batch.speculation.fresh()
+
+
+async def forget_prefixes(engine: Engine) -> None:
+    """Drop every kept prompt state (pipeline/prefix_cache.py), on the MLX thread where the
+    cache's operations run: a measured request after a warm-up then holds what a fresh
+    engine's first request does, not the warm-up's state copies as well (a 1024-token
+    prompt's two were ~170 MiB at the 35B's dims, counted as MLX temporaries)."""
+    core = engine._core
+    await core.worker.run(core.prefix_cache.clear)

@@ -1,10 +1,13 @@
 """Where a process's peak memory went: the issue-25 table, for every bench case.
 
     process (Python + libraries) | tokenizer | dense core | expert pool | model state |
-    staging buffers | MLX temporaries (MLX's peak above dense + pool + state) | other
+    state copies | staging buffers | MLX temporaries (MLX's peak above dense + pool + state
+    + copies) | other
 
 The engine marks RSS as it opens (`OpenMarks`: before anything, after the tokenizer);
-the rest are sizes it knows (manifest, pool, reader) or MLX's own peak. "other" is
+the rest are sizes it knows (manifest, pool, reader, the prefix cache's state copies:
+a prompt's checkpoint is as large as its live state, 86 MiB at 1024 tokens of the 35B)
+or MLX's own peak. "other" is
 what RSS held at its peak beyond all of those (allocator slack, library pages, page
 cache of mapped files); on a GPU MLX's memory is outside RSS and only "MLX peak" and
 the device-side rows apply.
@@ -34,6 +37,7 @@ class MemoryBreakdown(msgspec.Struct, frozen=True):
     temporaries_mb: float
     other_mb: float
     budget_mb: float | None = None  # memory.budget_mb when set
+    copies_mb: float = 0.0  # the prefix cache's state copies beside the live state
 
 
 def breakdown(engine: EngineCore, peak_rss_mb: float, mlx_peak_mb: float, tokens: int,
@@ -46,20 +50,24 @@ def breakdown(engine: EngineCore, peak_rss_mb: float, mlx_peak_mb: float, tokens
     experts = engine.mtp.experts if engine.mtp is not None else None  # the MTP head's pool
     pool = (engine.storage.nbytes + (experts.nbytes if experts is not None else 0)) / MIB
     state = rows * engine.model.state_bytes(tokens) / MIB
+    # A generation's end state goes into the prefix cache itself (`put`, not a copy): what
+    # it holds beyond that was copied (the checkpoint before the last prompt token).
+    copies = max(engine.prefix_cache.bytes / MIB - state, 0.0)
     staging = engine.router.reader.staging_bytes / MIB
-    temporaries = max(mlx_peak_mb - dense - pool - state, 0.0)
-    known = process + tokenizer + dense + pool + state + staging + temporaries
+    temporaries = max(mlx_peak_mb - dense - pool - state - copies, 0.0)
+    known = process + tokenizer + dense + pool + state + copies + staging + temporaries
     plan = engine.memory_plan
     return MemoryBreakdown(
         peak_rss_mb=peak_rss_mb, mlx_peak_mb=mlx_peak_mb, process_mb=process,
         tokenizer_mb=tokenizer, dense_mb=dense, pool_mb=pool, state_mb=state,
-        staging_mb=staging, temporaries_mb=temporaries,
-        other_mb=peak_rss_mb - known, budget_mb=plan.budget_mb if plan else None)
+        staging_mb=staging, temporaries_mb=temporaries, other_mb=peak_rss_mb - known,
+        budget_mb=plan.budget_mb if plan else None, copies_mb=copies)
 
 
 COLUMNS = (("peak RSS", "peak_rss_mb"), ("Python + libs", "process_mb"),
            ("tokenizer", "tokenizer_mb"), ("dense", "dense_mb"), ("pool", "pool_mb"),
-           ("state", "state_mb"), ("staging", "staging_mb"), ("MLX temps", "temporaries_mb"),
+           ("state", "state_mb"), ("copies", "copies_mb"), ("staging", "staging_mb"),
+           ("MLX temps", "temporaries_mb"),
            ("other", "other_mb"), ("budget", "budget_mb"))
 
 

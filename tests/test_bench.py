@@ -91,6 +91,10 @@ def test_bench_end_to_end_writes_json_and_trace(tiny_bench: Path, tmp_path: Path
     assert 0 < default["decode_rss_mb"] <= default["peak_rss_mb"] + 1
     assert default["pool_mb"] <= default["decode_device_mb"] <= default["peak_device_mb"]
     assert report["derived"]["memory_decode_mb"] == default["decode_rss_mb"]
+    # The state copies beside the live state: the measured request's one checkpoint (its
+    # prompt less the last token), not also the warm-up's states (forgotten after it).
+    memory = default["memory"]
+    assert 0 < memory["copies_mb"] <= memory["state_mb"], memory
     assert 0 < default["open_s"] and 0 < default["warmup_s"]
     assert default["open_s"] + default["warmup_s"] < default["seconds"]
     assert default["os_threads"] > 1 if sys.platform.startswith("linux") else True

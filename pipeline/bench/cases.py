@@ -75,6 +75,7 @@ async def measure_engine(case: Case) -> Result:
         reference = await _tokens(engine, warm_prompt, warm)
         if case.emulate is not None:
             await _warm_passes(engine, case, warm_prompt, warm, reference)
+        await hooks.forget_prefixes(engine)  # the warm-up's states: not this request's
         phases["warmup_s"] = time.perf_counter() - started - phases["open_s"]
         if case.cold and not case.warm_all:
             drop_page_cache(case.model)
