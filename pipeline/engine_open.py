@@ -179,6 +179,7 @@ async def open_core(
             core = _start_actors(
                 config, container, worker, nursery, model, storage, tokenizer, slots,
                 record_routing, started, stage_in_threads, readers, dense_bytes, stride,
+                gpu=not on_cpu,
             )
             if stage is None:  # a pipeline rank's forward crosses the boundary per layer
                 core.compute.device_wait = await device_wait_for(config, core.compute, storage, worker)
@@ -246,6 +247,7 @@ def _start_actors(
     readers: int,
     dense_bytes: int,
     stride: int,
+    gpu: bool,
 ) -> EngineCore:
     manifest = container.manifest
     overlap = config.compute.overlap
@@ -311,7 +313,7 @@ def _start_actors(
         # The serial streamer baseline keeps one sync per layer, as it always had.
         run_ahead=RunAheadPolicy(run_ahead_mode(config.compute.run_ahead, slots, len(
             model.moe_layers), model.top_k) if overlap else "off"),
-        decode_ahead=decode_ahead(config.compute.decode_ahead),
+        decode_ahead=decode_ahead(config.compute.decode_ahead, gpu),
     )
     nursery.start_soon(compute.prefetcher.run)
     core = _core(config, container, worker, model, storage, router, compute, tokenizer,

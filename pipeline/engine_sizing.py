@@ -65,11 +65,10 @@ def run_ahead_mode(setting: RunAheadMode, slots: int, moe_layers: int, top_k: in
     return setting
 
 
-def decode_ahead(setting: str) -> bool:
-    """`compute.decode_ahead` on this machine: "auto" queues a second step on GPUs only."""
-    import mlx.core as mx
-
-    return setting == "on" or (setting == "auto" and mx.default_device() != mx.cpu)
+def decode_ahead(setting: str, gpu: bool) -> bool:
+    """`compute.decode_ahead` on this machine (`gpu`: the MLX thread's device is not the
+    CPU, as the open found it): "auto" queues a second step on GPUs only."""
+    return setting == "on" or (setting == "auto" and gpu)
 
 
 def head_slots(configured: int | None, slots: int, moe_layers: int, num_experts: int,
