@@ -15,6 +15,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import gated_delta
 
+from actors.mx_typed import to_float
 from pipeline.models import deltanet_kernel
 
 
@@ -68,6 +69,7 @@ def test_an_engine_model_is_built_with_it_installed(tiny_bench: Path) -> None:
     everything after (the bench's resident reference, built in the same process, too)."""
     script = f"""
 from mlx_lm.models import gated_delta
+from actors.mx_typed import to_float
 from pipeline.models import deltanet_kernel
 from pipeline.models.dense import build_model
 from qpack.reader import Container
@@ -77,3 +79,31 @@ assert gated_delta.gated_delta_ops is deltanet_kernel.ops
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel runs on MLX's CUDA backend")
+def test_on_cuda_the_kernel_is_mlx_lms_ops_within_float32_rounding() -> None:
+    """On a GPU machine (`pytest tests/test_deltanet_kernel.py`): the 35B's DeltaNet heads,
+    a prompt's 64 tokens over two rows (one padded) and a decode step, against mlx-lm's
+    ops (the same float32 arithmetic; only the order of the Dk sums differs)."""
+    from mlx_lm.models.gated_delta import compute_g
+
+    deltanet_kernel.install()
+    original = deltanet_kernel._original
+    assert original is not None
+    mx.random.seed(3)
+    for t in (1, 64):
+        q, k = (mx.random.normal((2, t, 16, 128)) for _ in range(2))
+        q = (q / mx.linalg.norm(q, axis=-1, keepdims=True) / 128**0.5).astype(mx.bfloat16)
+        k = (k / mx.linalg.norm(k, axis=-1, keepdims=True)).astype(mx.bfloat16)
+        v = mx.random.normal((2, t, 32, 128)).astype(mx.bfloat16)
+        g = compute_g(mx.random.normal((32,)) - 2, mx.random.normal((2, t, 32)), mx.zeros((32,)))
+        beta = mx.sigmoid(mx.random.normal((2, t, 32))).astype(mx.bfloat16)
+        state = mx.random.normal((2, 32, 128, 128)) * 0.1
+        mask = mx.arange(t)[None, :] >= mx.array([t // 4, 0])[:, None]
+        y0, s0 = original(q, k, v, g, beta, state, mask)
+        y1, s1 = deltanet_kernel.recurrence(q, k, v, g, beta, state, mask)
+        keep = mask[..., None, None]
+        dy = mx.abs(mx.where(keep, y0, 0).astype(mx.float32) - mx.where(keep, y1, 0).astype(mx.float32))
+        assert to_float(dy.max()) <= 2 ** -8 * to_float(mx.abs(y0).max())  # one bf16 rounding
+        assert to_float(mx.abs(s0 - s1).max()) <= 1e-5
