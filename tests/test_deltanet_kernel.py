@@ -7,8 +7,6 @@ masks and grouped heads included, and a model built by the engine takes it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -64,21 +62,18 @@ def test_the_switch_turns_it_off_whatever_the_device(monkeypatch: pytest.MonkeyP
         assert not deltanet_kernel.enabled()
 
 
-def test_an_engine_model_is_built_with_it_installed(tiny_bench: Path) -> None:
-    """In a fresh process: nothing is rerouted before the engine builds its model, and
-    everything after (the bench's resident reference, built in the same process, too)."""
-    script = f"""
-from mlx_lm.models import gated_delta
-from actors.mx_typed import to_float
-from pipeline.models import deltanet_kernel
-from pipeline.models.dense import build_model
-from qpack.reader import Container
-assert gated_delta.gated_delta_ops is not deltanet_kernel.ops
-build_model(Container.open({str(tiny_bench)!r}).config)
-assert gated_delta.gated_delta_ops is deltanet_kernel.ops
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
+def test_an_engine_model_is_built_with_it_installed(tiny_bench: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing rerouted (mlx-lm as imported), the engine builds its model, and everything
+    after (the bench's resident reference, built in the same process, too) takes it."""
+    from pipeline.models.dense import build_model
+    from qpack.reader import Container
+
+    deltanet_kernel.install()
+    original = deltanet_kernel._original
+    monkeypatch.setattr(gated_delta, "gated_delta_ops", original)  # as mlx-lm defines it
+    monkeypatch.setattr(deltanet_kernel, "_original", None)
+    build_model(Container.open(tiny_bench).config)
+    assert gated_delta.gated_delta_ops is deltanet_kernel.ops and deltanet_kernel._original is original
 
 
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel runs on MLX's CUDA backend")
