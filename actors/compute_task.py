@@ -59,14 +59,7 @@ class ComputeTask:
         try:
             async with trio.open_nursery() as nursery:
                 while True:
-                    while self._queue and (self._queue[0].abandoned or self._fits(self._queue[0])):
-                        job = self._queue.popleft()
-                        if job.abandoned:
-                            job.finished.set()
-                            continue
-                        self.running.add(job)
-                        job.started.set()
-                        nursery.start_soon(self._run_job, job)
+                    self._admit(nursery)
                     await self._changed.wait()
                     self._changed = trio.Event()
         finally:
@@ -76,6 +69,18 @@ class ComputeTask:
                 job = self._queue.popleft()
                 job.error = RuntimeError("the engine closed before this generation ran")
                 job.finished.set()
+
+    def _admit(self, nursery: trio.Nursery) -> None:
+        # Its own frame: a `job` local in `run` kept the last job (its body's generation,
+        # and so its model state) alive while the task waited for the next one.
+        while self._queue and (self._queue[0].abandoned or self._fits(self._queue[0])):
+            job = self._queue.popleft()
+            if job.abandoned:
+                job.finished.set()
+                continue
+            self.running.add(job)
+            job.started.set()
+            nursery.start_soon(self._run_job, job)
 
     async def _run_job(self, job: Job) -> None:
         try:
