@@ -93,6 +93,7 @@ class ComputeTask:
             self.running.discard(job)
             job.finished.set()
             self._changed.set()
+        del job  # the idle work runs without the finished generation (its state) alive
         # After the asker was let go: idle work is in nobody's latency. A job queued
         # meanwhile (a client's next request) waits for it, at most one trim's walk.
         if self._on_idle is not None and not self.running and not self._queue:

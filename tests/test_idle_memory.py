@@ -30,6 +30,15 @@ def _alive(*kinds: type) -> list[object]:
     return [o for o in gc.get_objects() if isinstance(o, kinds)]
 
 
+async def _left_alive(*kinds: type) -> list[object]:
+    """What of `kinds` is still alive once the engine's tasks have wound down (a job's
+    last steps run after its caller has its result): given 5 s, a leak stays."""
+    with trio.move_on_after(5):
+        while _alive(*kinds):
+            await trio.sleep(0.02)
+    return _alive(*kinds)
+
+
 def test_nothing_of_a_finished_generation_stays_alive(qwen35: Path) -> None:
     """Once a generation has ended (and the prefix cache has let its states go), no
     generation, batch row or compute job of it is reachable, so neither is its state."""
@@ -43,6 +52,33 @@ def test_nothing_of_a_finished_generation_stays_alive(qwen35: Path) -> None:
             for first in (100, 200):  # the second replaces what the first left, if anything
                 await generate(engine, list(range(first, first + 40)), 3)
                 await hooks.forget_prefixes(engine)
-                assert engine.prefix_cache.bytes == 0 and _alive(Generation, Row, Job) == []
+                assert engine.prefix_cache.bytes == 0 and await _left_alive(Generation, Row, Job) == []
+
+    trio.run(main)
+
+
+def test_nor_of_batched_speculative_or_cancelled_ones(qwen35: Path) -> None:
+    import msgspec
+    from helpers_engine import greedy
+
+    from actors.compute_task import Job
+    from actors.decode_batch import Row
+    from pipeline.generation import Generation
+
+    async def run(engine: object, prompt: list[int], params: object) -> None:
+        async for _ in engine.generate(prompt, params):  # type: ignore[attr-defined]
+            pass
+
+    async def main() -> None:
+        config = engine_config(qwen35, pool={"slots": 16}, compute={"prefill_chunk": 32, "max_batch": 4})
+        async with open_engine(config) as engine:
+            async with trio.open_nursery() as nursery:  # three rows decoding together
+                for i in range(3):
+                    nursery.start_soon(run, engine, list(range(100 + 50 * i, 140 + 50 * i)), greedy(6))
+            await run(engine, [5, 6, 7, 8] * 10, msgspec.structs.replace(greedy(12), speculative="ngram"))
+            with trio.move_on_after(0.05):  # a caller that goes away mid-generation
+                await run(engine, list(range(300, 360)), greedy(200))
+            await hooks.forget_prefixes(engine)
+            assert await _left_alive(Generation, Row, Job) == []
 
     trio.run(main)
