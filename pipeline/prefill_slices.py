@@ -51,7 +51,9 @@ CHUNK_ARRAYS = 4
 # times q) then stay until the slice completes, where the CPU backend frees each as the
 # next step runs (one state a step, measured: docs/memory.md). On the H100 (session 34) a
 # 1024-token prompt's temporaries were 521 MiB on CUDA against 133 on the CPU, the slices
-# sized for the CPU's one state a step.
+# sized for the CPU's one state a step. Only the ops path holds them: on CUDA the recurrence
+# is one kernel (pipeline/models/deltanet_kernel.py) unless MOESTREAM_DELTANET_KERNEL=0, and
+# sized for five states its slices cost a fifth of the prefill for 24 MiB (session 35).
 HELD_STEP_ARRAYS = 5
 
 
