@@ -17,6 +17,7 @@ import trio
 from helpers_engine import engine_config, generate
 
 from pipeline import engine_hooks as hooks
+from pipeline.bench.spec import every_expert_slots
 from pipeline.engine import open_engine
 
 
@@ -39,7 +40,14 @@ async def _left_alive(*kinds: type) -> list[object]:
     return _alive(*kinds)
 
 
-def test_nothing_of_a_finished_generation_stays_alive(qwen35: Path) -> None:
+# Stepping as this CPU decodes by default, and a GPU's decode: tokens queued whole waiting
+# on their reads (its host side, emulated); with every expert pooled, run ahead with a
+# second step queued. (The counters say each ran.)
+DECODES = {"stepping": {}, "waited": {"device_wait": "emulate"}, "ahead": {"decode_ahead": "on"}}
+
+
+@pytest.mark.parametrize("decode", list(DECODES))
+def test_nothing_of_a_finished_generation_stays_alive(qwen35: Path, decode: str) -> None:
     """Once a generation has ended (and the prefix cache has let its states go), no
     generation, batch row or compute job of it is reachable, so neither is its state."""
     from actors.compute_task import Job
@@ -47,12 +55,20 @@ def test_nothing_of_a_finished_generation_stays_alive(qwen35: Path) -> None:
     from pipeline.generation import Generation
 
     async def main() -> None:
-        config = engine_config(qwen35, pool={"slots": 16}, compute={"prefill_chunk": 32})
+        slots = every_expert_slots(str(qwen35)) if decode == "ahead" else 16
+        config = engine_config(qwen35, pool={"slots": slots}, compute={"prefill_chunk": 32, **DECODES[decode]},
+                               memory={"embedding": "resident"})
         async with open_engine(config) as engine:
+            if decode == "ahead":
+                await engine.warm()  # every expert in: steps queue ahead only then
             for first in (100, 200):  # the second replaces what the first left, if anything
-                await generate(engine, list(range(first, first + 40)), 3)
+                await generate(engine, list(range(first, first + 40)), 6)
                 await hooks.forget_prefixes(engine)
                 assert engine.prefix_cache.bytes == 0 and await _left_alive(Generation, Row, Job) == []
+            spent = engine.counters()
+            ran = {"stepping": spent.awaited_tokens == spent.ahead_steps == 0,
+                   "waited": spent.awaited_tokens > 0, "ahead": spent.ahead_steps > 0}
+            assert ran[decode], spent
 
     trio.run(main)
 
