@@ -55,11 +55,14 @@ def test_the_kernel_applies_to_scalar_gates_and_warp_multiples_on_cuda_only(monk
     assert not deltanet_kernel.applies(k, scalar)
 
 
-def test_the_switch_turns_it_off_whatever_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(deltanet_kernel.ENV, "0")
+@pytest.mark.parametrize("value", ["0", "off", "False", " no "])
+def test_the_switch_turns_it_off_whatever_the_device(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
-    with mx.stream(mx.gpu) if mx.is_available(mx.gpu) else mx.stream(mx.cpu):
-        assert not deltanet_kernel.enabled()
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)  # as on a CUDA machine
+    monkeypatch.setenv(deltanet_kernel.ENV, "1")
+    assert deltanet_kernel.enabled()
+    monkeypatch.setenv(deltanet_kernel.ENV, value)
+    assert not deltanet_kernel.enabled()
 
 
 def test_an_engine_model_is_built_with_it_installed(tiny_bench: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,8 +13,8 @@ at call time for every family that uses it: Qwen3-Next, Qwen3.5/3.6, ...) at `op
 which runs the kernel where it applies (a CUDA GPU, scalar gates, Dk a multiple of 32)
 and mlx-lm's ops otherwise. The process's every model takes it, the resident mlx-lm
 reference of `moestream bench` too, so their comparisons stay like for like.
-`MOESTREAM_DELTANET_KERNEL=0` keeps mlx-lm's ops (as MLX_GDN_PACKED=0 does for mlx-lm's
-packed Metal kernel).
+`MOESTREAM_DELTANET_KERNEL=0` (or off, false, no) keeps mlx-lm's ops (as MLX_GDN_PACKED=0
+does for mlx-lm's packed Metal kernel).
 
 The arithmetic is the ops path's, in float32 (decay, the state's product with k summed
 over Dk, the delta, the update, the output summed over Dk): only the order of the Dk sums
@@ -110,9 +110,13 @@ _kernels: dict[bool, Any] = {}
 _original: Callable[..., tuple[mx.array, mx.array]] | None = None
 
 
+OFF = frozenset({"0", "off", "false", "no"})
+
+
 def enabled() -> bool:
     """Whether this process runs the recurrence as the kernel where it applies."""
-    return os.environ.get(ENV, "1") != "0" and mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return (os.environ.get(ENV, "1").strip().lower() not in OFF and mx.default_device() == mx.gpu
+            and mx.cuda.is_available())
 
 
 def applies(k: mx.array, g: mx.array) -> bool:
