@@ -27,7 +27,6 @@ from actors.cuda_direct import pin
 from actors.cuda_prefetch import usable as prefetch_usable
 from actors.decode_batch import DecodeBatch
 from actors.mlx_worker import MlxWorker
-from actors.pool.banks import Banks, plan_banks, slot_limit
 from actors.pool.eviction import make_policy
 from actors.pool.head_pool import HeadPool
 from actors.pool.layout import PoolLayout, widen_for
@@ -55,10 +54,12 @@ from pipeline.engine_parts import (
 )
 from pipeline.engine_sizing import (
     PoolTooSmall,
+    bank_limit,
     carve_head_pool,
     decode_ahead,
     head_slots,
     num_slots,
+    pool_banks,
     prefill_chunk_for,
     run_ahead_mode,
     smallest_workable_slots,
@@ -162,7 +163,7 @@ async def open_core(
         )
         storage = await worker.run(PoolStorage, layout, slots)
         own = [i for i in container.moe_layers if stage is None or i in stage.plan.layers]
-        storage.banks = _banks(config, layout, slots, own, need)
+        storage.banks = pool_banks(config, layout, slots, own, need)
         mtp_storage = await worker.run(PoolStorage, mtp_layout, mtp_slots) if mtp_layout else None
         stage_in_threads = await staging_probe(config.reader.stage_in_threads, worker)
         if await direct_probe(config.reader.device_copy, worker, storage, mtp_storage):
@@ -194,26 +195,6 @@ async def open_core(
             nursery.cancel_scope.cancel()
     finally:
         container.close()
-
-
-def bank_limit(config: PipelineConfig, layout: PoolLayout) -> int:
-    """Most slots in one bank: the config's, within what the kernels index right."""
-    safe = slot_limit(layout)
-    return min(config.pool.bank_slots or safe, safe)
-
-
-def _banks(config: PipelineConfig, layout: PoolLayout, slots: int, layers: list[int],
-           need: int) -> Banks | None:
-    """The pool's banks (actors/pool/banks.py), each able to pin what one layer needs."""
-    limit = bank_limit(config, layout)
-    banks = plan_banks(slots, layers, limit)
-    if banks is not None:
-        if banks.smallest < need:
-            raise PoolTooSmall(f"pool.bank_slots: a bank of {banks.smallest} slots cannot hold "
-                               f"the {need} one layer needs; raise it or leave it 0")
-        log.info("engine.pool_banks", banks=len(banks), slots=[len(r) for r in banks.ranges],
-                 limit=limit)
-    return banks
 
 
 def _head_experts(core: EngineCore, storage: PoolStorage | None) -> StreamedExperts | None:

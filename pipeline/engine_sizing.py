@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import structlog
+
+from actors.pool.banks import Banks, plan_banks, slot_limit
+from actors.pool.layout import PoolLayout
 from actors.run_ahead import RunAheadMode
 from pipeline.config.schema import PipelineConfig
+
+log = structlog.get_logger("moestream.engine")
 
 
 class PoolTooSmall(ValueError):
@@ -85,3 +91,23 @@ def carve_head_pool(slots: int, need: int, slot_nbytes: int, head_bytes: int) ->
     """The model's slots once the head's pool (`head_bytes`) is taken from the bytes the
     budget gave the pool; never below the smallest workable pool."""
     return max(need, slots - -(-head_bytes // slot_nbytes))
+
+
+def bank_limit(config: PipelineConfig, layout: PoolLayout) -> int:
+    """Most slots in one bank: the config's, within what the kernels index right."""
+    safe = slot_limit(layout)
+    return min(config.pool.bank_slots or safe, safe)
+
+
+def pool_banks(config: PipelineConfig, layout: PoolLayout, slots: int, layers: list[int],
+               need: int) -> Banks | None:
+    """The pool's banks (actors/pool/banks.py), each able to pin what one layer needs."""
+    limit = bank_limit(config, layout)
+    banks = plan_banks(slots, layers, limit)
+    if banks is not None:
+        if banks.smallest < need:
+            raise PoolTooSmall(f"pool.bank_slots: a bank of {banks.smallest} slots cannot hold "
+                               f"the {need} one layer needs; raise it or leave it 0")
+        log.info("engine.pool_banks", banks=len(banks), slots=[len(r) for r in banks.ranges],
+                 limit=limit)
+    return banks
