@@ -160,6 +160,32 @@ async def test_greedy_logprobs_penalties_seeded_sampling_stops_and_prefix_cache_
             for a, b in zip(_arrays(state), _arrays(want_state), strict=True):
                 assert mx.array_equal(a, b).item(), name
             engine.prefix_cache.clear()
+        # A grammar's mask (a constraint advanced by every drawn token, a fresh one per
+        # request): drafts it forbids are rejected, the tokens are plain decode's.
+        emulate_drafts(engine, None)
+        masked = msgspec.structs.replace(cases["seeded"], constraint=_Alternate(engine.facts.vocab_size))
+        plain = await _run(engine, masked)
+        tokens = _done(plain).token_ids
+        assert all(t % 2 == i % 2 for i, t in enumerate(tokens))
+        emulate_drafts(engine, EmulatedDrafts(tokens, 0.8, seed=5))
+        spec = msgspec.structs.replace(masked, speculative="ngram",
+                                       constraint=_Alternate(engine.facts.vocab_size))
+        got = await _run(engine, spec)
+        assert _deltas(got) == _deltas(plain)
+        assert 0 < _done(got).stats.drafts_accepted < _done(got).stats.drafts_proposed
+
+
+class _Alternate:
+    """A grammar of the test's own: even and odd token ids in turn, from an even one."""
+
+    def __init__(self, vocab: int) -> None:
+        self.ids, self.n = np.arange(vocab), 0
+
+    def allowed(self) -> np.ndarray:
+        return self.ids % 2 == self.n % 2
+
+    def advance(self, token: int) -> None:
+        self.n += 1
 
 
 async def _auto_on_emulated(container: Any, acceptance: float, hits_before: int = 0, warm: bool = False,
