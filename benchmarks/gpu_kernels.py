@@ -8,7 +8,9 @@ the slot-map gathers) or because the GPU sits idle between them (the host is lat
 records every CUDA kernel the process runs (CUPTI, through torch's profiler: it sees MLX's
 kernels, graph nodes included) over a 2-token generation and a (2 + N)-token one, and per
 decode token prints the kernels' count, their summed time, the time the GPU had at least
-one kernel running (busy), the wall time, and the kernels that took most.
+one kernel running (busy), the wall time, the kernels that took most, and the CUDA
+API calls (graph instantiations against updates of cached graphs: MLX keys its graph
+cache by each graph's nodes and the dependencies its buffers make between them).
 
     python benchmarks/gpu_kernels.py CONTAINER [--tokens 16] [--dtype model] [--top 12]
 
@@ -35,8 +37,17 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 class Kernels:
     """The kernels one profiled run launched, from the profiler's chrome trace."""
 
-    def __init__(self, events: list[dict[str, Any]], wall: float) -> None:
+    def __init__(self, events: list[dict[str, Any]], wall: float,
+                 api: list[dict[str, Any]] | None = None) -> None:
         self.wall = wall
+        # CUDA runtime and driver calls by name (CUPTI records every thread's, MLX's
+        # included): whether a side instantiates its graphs anew (cudaGraphInstantiate)
+        # where the other updates a cached one (cudaGraphExecUpdate) or launches it.
+        self.api_calls: Counter[str] = Counter()
+        self.api_us: Counter[str] = Counter()
+        for e in api or []:
+            self.api_calls[e["name"]] += 1
+            self.api_us[e["name"]] += float(e["dur"])
         self.spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events)
         self.by_name: Counter[str] = Counter()
         self.count: Counter[str] = Counter()
@@ -71,7 +82,9 @@ def profiled(into: list[Kernels]) -> Iterator[None]:
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))
     events = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
-    into.append(Kernels(events, wall))
+    api = [e for e in trace.get("traceEvents", [])
+           if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e]
+    into.append(Kernels(events, wall, api))
 
 
 def per_token(short: Kernels, long: Kernels, tokens: int, top: int) -> dict[str, Any]:
@@ -82,7 +95,11 @@ def per_token(short: Kernels, long: Kernels, tokens: int, top: int) -> dict[str,
                        for n, us in names.most_common(top)],
             # every kernel's launches per token (by name): what one side runs that the other does not
             "count": {n[:120]: round((long.count[n] - short.count.get(n, 0)) / tokens, 2) for n in long.count
-                      if long.count[n] != short.count.get(n, 0)}}
+                      if long.count[n] != short.count.get(n, 0)},
+            # CUDA API calls per token: name -> [calls, microseconds on the calling thread]
+            "api": {n: [round((long.api_calls[n] - short.api_calls.get(n, 0)) / tokens, 2),
+                        round((long.api_us[n] - short.api_us.get(n, 0.0)) / tokens, 1)]
+                    for n in long.api_calls if long.api_calls[n] != short.api_calls.get(n, 0)}}
 
 
 def engine_runs(path: str, tokens: int, dtype: str) -> list[Kernels]:
