@@ -9,7 +9,13 @@
 #    decode token, engine against resident mlx-lm (benchmarks/gpu_kernels.py's `api` field:
 #    MLX keys its graph cache by nodes and buffer dependencies; the resident model speeds up
 #    pair after pair while the engine does not, docs/results.md nineteenth pass), then the
-#    same with a larger graph cache (MLX_CUDA_GRAPH_CACHE_SIZE=4000).
+#    same with a larger graph cache (MLX_CUDA_GRAPH_CACHE_SIZE=4000) and with MLX's per-graph
+#    input cap raised (MLX_MAX_MB_PER_BUFFER: MLX commits a graph once its kernels' inputs
+#    pass 1000 MB on cc 9.0, and every MoE layer's gathers take a whole pool bank of ~3.5 GB
+#    as input when every expert is pooled: ~one commit a layer; sessions 31-33 scripted this
+#    and never reached it).
+# l: the warm-all pairs (engine against resident mlx-lm) with the cap as shipped and raised,
+#    alternating twice.
 set -uo pipefail
 here=$(dirname "$0")
 step=$1
@@ -39,7 +45,16 @@ case $step in
     c35m
     api default
     api cache4000 MLX_CUDA_GRAPH_CACHE_SIZE=4000
+    api mb MLX_MAX_MB_PER_BUFFER=1000000
     ptx_save ;;
-  *) echo "unknown step $step: n, s or g" >&2 ;;
+  l)
+    c35m
+    for i in 1 2; do
+      TAIL=1 bench 150 l-shipped-$i c35m "${warm[@]}" --cases warm-all
+      MLX_MAX_MB_PER_BUFFER=1000000 TAIL=1 bench 150 l-mb-$i c35m "${warm[@]}" --cases warm-all
+    done
+    pairs_table "$OUT"/l-*.json
+    for f in "$OUT"/l-*.json; do pairs_over "$f"; done ;;
+  *) echo "unknown step $step: n, s, g or l" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
