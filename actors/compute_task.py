@@ -31,6 +31,18 @@ class Job:
     error: BaseException | None = None
     abandoned: bool = False  # left before its turn: skipped, never started
 
+    def end(self) -> None:
+        """Done, run or not: its asker is let go, and its body dropped. The body is the
+        generation's own method (a closure over it), and the generation holds its job, so
+        the two made a cycle that kept the finished generation's model state alive until
+        Python's cyclic collector happened to run (seconds, or never on a quiet server)."""
+        self.body = _spent
+        self.finished.set()
+
+
+async def _spent() -> None:
+    raise RuntimeError("a compute job runs once")
+
 
 class ComputeTask:
     def __init__(self, capacity: int = 1, budget: int = 0,
@@ -68,7 +80,7 @@ class ComputeTask:
             while self._queue:
                 job = self._queue.popleft()
                 job.error = RuntimeError("the engine closed before this generation ran")
-                job.finished.set()
+                job.end()
 
     def _admit(self, nursery: trio.Nursery) -> None:
         # Its own frame: a `job` local in `run` kept the last job (its body's generation,
@@ -76,7 +88,7 @@ class ComputeTask:
         while self._queue and (self._queue[0].abandoned or self._fits(self._queue[0])):
             job = self._queue.popleft()
             if job.abandoned:
-                job.finished.set()
+                job.end()
                 continue
             self.running.add(job)
             job.started.set()
@@ -91,7 +103,7 @@ class ComputeTask:
                     job.error = exc
         finally:
             self.running.discard(job)
-            job.finished.set()
+            job.end()
             self._changed.set()
         del job  # the idle work runs without the finished generation (its state) alive
         # After the asker was let go: idle work is in nobody's latency. A job queued

@@ -9,7 +9,10 @@ and the shapes it evaluated. Each case runs in this process (bench runs each in 
 one). Prints, after bench's own output, the sites by their largest
 such peak, with the calls, the mean and the active memory they started from. A GPU backend
 keeps an op's inputs alive until its kernel has run, so a site's peak is what its whole
-graph held at once; MLX's CPU backend frees each as it goes.
+graph held at once; MLX's CPU backend frees each as it goes. `mx.async_eval` and the
+implicit evaluations (`.item()`, `.tolist()`) are not wrapped: what they take lands in
+the next wrapped eval's peak. Since every eval resets MLX's peak, bench's own peak figures
+(`peak_device_mb`, the memory split) are not valid in these runs; only this report is.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ _eval = mx.eval
 
 def _site() -> str:
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if str(ROOT) in frame.filename and "eval_peaks" not in frame.filename:
+        if (str(ROOT) in frame.filename and "eval_peaks" not in frame.filename
+                and "site-packages" not in frame.filename):  # a venv inside the project
             return f"{Path(frame.filename).relative_to(ROOT)}:{frame.lineno} {frame.name}"
     return "?"
 
@@ -51,7 +55,9 @@ def _peaked_eval(*args: Any) -> None:
         before = mx.get_active_memory()
         mx.reset_peak_memory()
         _eval(*args)
-        peak = (mx.get_peak_memory() - before) / MIB
+        # MLX's reset sets the peak to 0, not to what is active: an eval that allocates
+        # nothing would read as a fall below it.
+        peak = (max(mx.get_peak_memory(), before) - before) / MIB
         site = _site()
         if not _sites[site] or peak > max(_sites[site]):
             _starts[site], _shapes[site] = before / MIB, _shape(args)

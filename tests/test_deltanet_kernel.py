@@ -44,6 +44,28 @@ def test_installed_off_cuda_the_recurrence_is_mlx_lms_bit_for_bit(masked: bool) 
         assert not mx.array_equal(s[0], unpadded[0]).item() and mx.array_equal(s[1], unpadded[1]).item()
 
 
+def test_where_it_applies_the_ops_path_is_the_kernel_and_bad_shapes_are_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    deltanet_kernel.install()
+    q, k, v, a, b, a_log, dt_bias, state = _inputs(1, 3, 2, 4, 32)
+    g, beta = gated_delta.compute_g(a_log, a, dt_bias), mx.sigmoid(b)
+    calls: list[tuple[int, ...]] = []
+
+    def kernel(*args: mx.array) -> tuple[mx.array, mx.array]:
+        calls.append(tuple(args[0].shape))
+        return args[2], args[5]
+
+    monkeypatch.setattr(deltanet_kernel, "applies", lambda k, g: True)
+    monkeypatch.setattr(deltanet_kernel, "recurrence", kernel)
+    y, s = gated_delta.gated_delta_ops(q, k, v, g, beta, state)
+    assert calls == [(1, 3, 2, 32)] and y is v and s is state
+    gated_delta.gated_delta_ops(q, k, v, g, beta, None)  # no state yet: mlx-lm's ops make it
+    assert len(calls) == 1
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="gated delta kernel: shapes"):
+        deltanet_kernel.recurrence(q, k, v, g, beta, state[:, :3])  # a head short
+
+
 def test_the_kernel_applies_to_scalar_gates_and_warp_multiples_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
     k, scalar, vector = mx.zeros((1, 2, 2, 128)), mx.zeros((1, 2, 4)), mx.zeros((1, 2, 4, 128))
     monkeypatch.setattr(deltanet_kernel, "enabled", lambda: True)
@@ -82,7 +104,8 @@ def test_an_engine_model_is_built_with_it_installed(tiny_bench: Path, monkeypatc
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel runs on MLX's CUDA backend")
 def test_on_cuda_the_kernel_is_mlx_lms_ops_within_float32_rounding() -> None:
     """On a GPU machine (`pytest tests/test_deltanet_kernel.py`): the 35B's DeltaNet heads,
-    a prompt's 64 tokens over two rows (one padded) and a decode step, against mlx-lm's
+    one row (the unmasked kernel: decode and a prompt) and two (the masked one, a row
+    padded), and a value width that is not a multiple of a block's rows, against mlx-lm's
     ops (the same float32 arithmetic; only the order of the Dk sums differs)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     from deltanet_kernel_check import differences, inputs, padding
@@ -91,9 +114,9 @@ def test_on_cuda_the_kernel_is_mlx_lms_ops_within_float32_rounding() -> None:
     original = deltanet_kernel._original
     assert original is not None
     mx.random.seed(3)
-    for t in (1, 64):
-        q, k, v, g, beta, state = inputs(2, t, 16, 32, 128, 128, mx.bfloat16)
-        mask = padding(2, t)
+    for b, t, dv in ((1, 1, 128), (1, 16, 128), (2, 1, 128), (2, 64, 128), (1, 9, 66), (2, 9, 66)):
+        q, k, v, g, beta, state = inputs(b, t, 16, 32, 128, dv, mx.bfloat16)
+        mask = padding(b, t)
         y0, s0 = original(q, k, v, g, beta, state, mask)
         y1, s1 = deltanet_kernel.recurrence(q, k, v, g, beta, state, mask)
         dy, ds, y_scale = differences(y0, s0, y1, s1, mask)

@@ -140,8 +140,14 @@ def recurrence(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.arra
                mask: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """The kernel: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; state
     [B, Hv, Dv, Dk]; mask [B, T] or None. Returns y [B, T, Hv, Dv] and the new state."""
-    b, _, hk, dk = k.shape
+    b, t, hk, dk = k.shape
     hv, dv = v.shape[2:]
+    # The kernel reads by these shapes without bounds checks (the ops path would raise).
+    if (q.shape != k.shape or v.shape[:2] != (b, t) or hv % hk or state.shape != (b, hv, dv, dk)
+            or g.shape != (b, t, hv) or beta.shape != (b, t, hv)
+            or (mask is not None and mask.shape != (b, t))):
+        raise ValueError(f"gated delta kernel: shapes q {q.shape} k {k.shape} v {v.shape} g {g.shape} "
+                         f"beta {beta.shape} state {state.shape} mask {None if mask is None else mask.shape}")
     inputs = [q, k, v, g, beta, state] + ([] if mask is None else [mask])
     rows = ROWS_PER_BLOCK if dv % ROWS_PER_BLOCK == 0 else 1
     y, new_state = _kernel(mask is not None)(
