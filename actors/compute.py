@@ -34,7 +34,7 @@ from actors.prefetch.strategies import as_prediction
 from actors.router import ExpertRouter
 from actors.routing_trace import TraceRecorder
 from actors.run_ahead import RunAheadPolicy
-from actors.slot_map import SlotMap
+from actors.slot_map import SlotMap, snapshot
 
 Phase = Literal["prefill", "decode"]
 Predictions = list[tuple[int, list[int]]]
@@ -187,12 +187,7 @@ class Compute:
         """The ready experts' slots for a run-ahead (rebuilt when the pool's table changes)."""
         table = self.router.table
         if self._map is None or self._map_version != table.version:
-            host = np.full((len(self._row_of), self.router.num_experts), -1, dtype=np.int32)
-            for (layer, expert), slot in table.ready_items():
-                row = self._row_of.get(layer)
-                if row is not None:
-                    host[row, expert] = slot
-            self._map, self._map_version = SlotMap(host, self._row_of), table.version
+            self._map, self._map_version = snapshot(table, self._row_of, self.router.num_experts)
         return self._map
 
     def _run_ahead(self, tokens: Tokens, cache: list[Any]) -> tuple[ForwardStepper, Any]:

@@ -15,9 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
+
+
+class ReadyTable(Protocol):
+    """The pool's slot table as a map reads it (actors/pool/slots.py's `SlotTable`)."""
+
+    version: int
+
+    def ready_items(self) -> list[tuple[tuple[int, int], int]]: ...
 
 
 def relative_slots(absolute: np.ndarray, first: np.ndarray | int) -> np.ndarray:
@@ -67,3 +76,24 @@ class SlotMap:
         rows = np.array([self.rows[layer] for layer in layers], dtype=np.int64)
         flat = ids.reshape(len(layers), -1).astype(np.int64)
         return np.asarray((self.host[rows[:, None], flat] >= 0).all(axis=1))
+
+
+def snapshot(table: ReadyTable, rows: dict[int, int], num_experts: int) -> tuple[SlotMap, int]:
+    """The table's ready experts as a `SlotMap`, and the version it is of. Called on the
+    MLX thread while the event loop owns the table: labelled with the version read before
+    the copy and copied again if the table moved meanwhile, since a map labelled newer
+    than its contents would never be rebuilt (and could say an evicted expert is ready in
+    a slot another one is being read into)."""
+    while True:
+        version = table.version
+        try:
+            items = table.ready_items()
+        except RuntimeError:  # the table's dict changed size under the copy
+            continue
+        host = np.full((len(rows), num_experts), -1, dtype=np.int32)
+        for (layer, expert), slot in items:
+            row = rows.get(layer)
+            if row is not None:
+                host[row, expert] = slot
+        if table.version == version:
+            return SlotMap(host, rows), version

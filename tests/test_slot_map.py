@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from actors.slot_map import SlotMap
+from actors.pool.eviction import make_policy
+from actors.pool.slots import SlotTable
+from actors.slot_map import SlotMap, snapshot
 from pipeline.models.moe import lhs_indices, routed_experts
 from qpack.spec import ExpertFormat
 
@@ -33,6 +35,41 @@ def test_lookup_is_relative_to_each_layers_first_slot_and_absent_reads_slot_zero
     assert present.tolist() == [True, True]
     assert table.present([4, 9], np.array([[[3, 6]], [[7, 0]]])).tolist() == [False, True]
     assert table.present([9], np.array([[[7, 2]]])).tolist() == [False]
+
+
+def test_a_snapshot_taken_while_the_table_moves_is_of_the_version_it_copied() -> None:
+    """The MLX thread copies the table the event loop changes: an expert evicted and its
+    slot given to one still loading, under the copy, must not leave a map that says the
+    evicted one is ready there and is labelled as current (it would never be rebuilt)."""
+    table = SlotTable(2, make_policy("lru"))
+    for e in (0, 1):
+        table.acquire((4, e), e, pin=False)
+        table.mark_ready((4, e))
+    real, moves = table.ready_items, []
+
+    def moving() -> list[tuple[tuple[int, int], int]]:
+        items = real()
+        if not moves:  # the event loop's turn, once, between the copy and the label
+            moves.append(table.acquire((4, 5), 9, pin=False))  # evicts expert 0: loading
+        return items
+
+    table.ready_items = moving  # type: ignore[method-assign]
+    slot_map, version = snapshot(table, {4: 0}, 8)
+    assert moves and version == table.version
+    evicted_slot = moves[0][0]
+    assert table.key_at(evicted_slot) == (4, 5) and not table.ready((4, 5))
+    want = [-1] * 8
+    want[1] = table.lookup((4, 1))  # expert 0 gone, 5 not ready yet
+    assert slot_map.host[0].tolist() == want
+
+    def changing() -> list[tuple[tuple[int, int], int]]:
+        if len(moves) < 3:
+            moves.append(moves[0])
+            raise RuntimeError("dictionary changed size during iteration")
+        return real()
+
+    table.ready_items = changing  # type: ignore[method-assign]
+    assert snapshot(table, {4: 0}, 8)[1] == table.version and len(moves) == 3
 
 
 def test_row_indices_are_made_once_per_shape_as_mlx_would() -> None:

@@ -365,6 +365,39 @@ def test_auto_prices_a_length_by_its_second_pass_not_the_first_that_compiled_its
     policy.after_pass(3, 3, seconds=0.016)
     policy.after_pass(3, 3, seconds=0.016)
     assert abs(policy.pass_s[3] - 0.016) < 1e-12  # from the second on, averaged
+    # A longer length's first pass compiled too (only length 1 is probed): priced as the
+    # nearest steady length until its own second pass, not locked out by the compile.
+    policy = SpeculationPolicy(max_draft=3, pinnable_rows=8)
+    policy.after_pass(1, 1, seconds=0.012)
+    policy.after_pass(1, 1, seconds=0.012)
+    policy.after_plain(0.010)
+    assert policy.draft_len("auto", 10) == 3
+    policy.after_pass(3, 3, seconds=0.300)  # compiled: 30 plain steps
+    assert policy.draft_len("auto", 10) == 3  # tried again ...
+    policy.after_pass(3, 3, seconds=0.016)
+    assert policy.pass_s[3] == 0.016 and policy.draft_len("auto", 10) >= 2  # ... and priced
+
+
+def test_a_back_off_after_trials_that_recovered_probes_soon_again():
+    """Costly trials that never hit double their interval; once they hit and passes pay,
+    a later back-off starts probing after the first interval again, not the last one."""
+    policy = SpeculationPolicy(max_draft=3, pinnable_rows=8)
+    for _ in range(3000):  # hopeless: trials at doubling intervals
+        policy.draft_len("auto", 10, shadow="costly")
+        if policy.shadow_wanted(free=False):
+            policy.after_shadow(False, seconds=0.001)
+        policy.after_plain(0.010)
+    assert policy._probe_every == 512
+    for _ in range(40):
+        policy.after_shadow(True)  # the text began to repeat
+    assert policy.draft_len("auto", 10, shadow="costly") == 1
+    policy.after_pass(1, 1, seconds=0.012)
+    policy.after_pass(1, 1, seconds=0.012)
+    assert policy.draft_len("auto", 10, shadow="costly") >= 1  # paying
+    for i in range(40):  # then passes cost 3 plain steps for 1.5 tokens: a back-off
+        policy.after_pass(1, i % 2, seconds=0.030)
+    policy.draft_len("auto", 10, shadow="costly")
+    assert policy.stats.backoffs == 1 and policy._probe_every < 512
 
 
 def test_prompt_lookup_drafts_the_continuation_of_the_latest_longest_match():

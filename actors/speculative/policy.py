@@ -152,8 +152,9 @@ class SpeculationPolicy:
             return 0  # ... then a plain step
         best, gain = self._best(k)
         if gain >= 1.0:
-            if self._losing:
-                self._losing, self._probe_every = False, _PROBE_FIRST
+            # Paying again, from a back-off or after trials that had doubled the wait
+            # (`_probe_due(shadow=True)`): a later back-off probes soon again.
+            self._losing, self._probe_every = False, _PROBE_FIRST
             return best
         if not self._losing:
             self._losing = True
@@ -237,10 +238,15 @@ class SpeculationPolicy:
         assert self.plain_s is not None
         a = self.acceptance
         out = (0, 0.0)
+        # A length whose one pass cost over `_COMPILED` plain steps may have compiled its
+        # kernels (`after_pass`): priced as unmeasured, or it would never get the second
+        # pass that prices it (only length 1 is probed).
+        steady = {n: s for n, s in self.pass_s.items()
+                  if self.passes_of.get(n, 0) != 1 or s <= _COMPILED * self.plain_s} or self.pass_s
         for n in range(1, k + 1):
             # A length not measured yet costs what the nearest measured one did (so a
             # longer draft is tried once it may pay, and then measured).
-            cost = self.pass_s.get(n) or self.pass_s[min(self.pass_s, key=lambda m: abs(m - n))]
+            cost = steady.get(n) or steady[min(steady, key=lambda m: abs(m - n))]
             tokens = sum(a**i for i in range(n + 1))
             gain = tokens * self.plain_s / cost
             if gain > out[1]:
