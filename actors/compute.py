@@ -282,6 +282,8 @@ class Compute:
         was there): the layers' demands then go as one request. Statistics strategies
         predict and prefetch layer by layer as always, so `replay` reruns them exactly.
         """
+        if result.slot_map is not None:  # the table may have moved under a queued step
+            result.present = result.present & result.slot_map.held(self.router.table, result.layers, result.ids)
         miss = result.first_miss()
         done: list[tuple[int, list[int], int, np.ndarray]] = []
         for layer, rows, ok in zip(result.layers, result.ids, result.present, strict=True):

@@ -22,7 +22,9 @@ first, and a decode batch's queued step is parked before any other compute turn:
 never a pinned one) is read by nothing queued; later kernels are queued only after the
 key is marked ready, by which time its bytes are in place. A run-ahead's kernels read any
 ready expert through the slot map, so slots taken while one may be queued are installed
-the synchronized way. A landing read whose key is evicted before it lands is abandoned
+the synchronized way; and since a CPU install is a memcpy that MLX's stream does not
+order, a step's bookkeeping checks that every expert its map gave it is still in that slot
+(`SlotMap.held`), else the layer counts as a miss and is redone. A landing read whose key is evicted before it lands is abandoned
 (under the reader's landing lock for its slot) and set aside until it ends, so its buffer comes back;
 the key, if demanded again, gets a read of its own.
 """

@@ -28,6 +28,10 @@ class ReadyTable(Protocol):
 
     def ready_items(self) -> list[tuple[tuple[int, int], int]]: ...
 
+    def lookup(self, key: tuple[int, int]) -> int | None: ...
+
+    def ready(self, key: tuple[int, int]) -> bool: ...
+
 
 def relative_slots(absolute: np.ndarray, first: np.ndarray | int) -> np.ndarray:
     """Absolute pool slots (-1: not ready) as the expert kernels index them: less their
@@ -43,6 +47,7 @@ class SlotMap:
 
     host: np.ndarray  # [moe layers, experts] int32
     rows: dict[int, int]  # MoE layer -> row
+    version: int = -1  # the table's version it copies (`snapshot`)
     _relative: mx.array | None = field(default=None, repr=False)
     _complete: bool | None = field(default=None, repr=False)
 
@@ -77,6 +82,25 @@ class SlotMap:
         flat = ids.reshape(len(layers), -1).astype(np.int64)
         return np.asarray((self.host[rows[:, None], flat] >= 0).all(axis=1))
 
+    def held(self, table: ReadyTable, layers: list[int], ids: np.ndarray) -> np.ndarray:
+        """[len(layers)] bool: every id of each layer still ready in the table, in the slot
+        this map gave it. On the event loop, once a step launched from this map has run,
+        where the table moved since the map was copied: a queued step's bookkeeping of the
+        token before (its prefetches) may have evicted an expert the step read and given
+        its slot to a read that lands (on the CPU a memcpy, not ordered with MLX's stream),
+        so a layer that found every expert in the map may not have read its weights."""
+        if table.version == self.version:
+            return np.ones(len(layers), dtype=bool)
+        out = np.ones(len(layers), dtype=bool)
+        for i, layer in enumerate(layers):
+            row = self.host[self.rows[layer]]
+            for e in np.unique(ids[i]):
+                key = (layer, int(e))
+                if table.lookup(key) != int(row[int(e)]) or not table.ready(key):
+                    out[i] = False
+                    break
+        return out
+
 
 def snapshot(table: ReadyTable, rows: dict[int, int], num_experts: int) -> tuple[SlotMap, int]:
     """The table's ready experts as a `SlotMap`, and the version it is of. Called on the
@@ -96,4 +120,4 @@ def snapshot(table: ReadyTable, rows: dict[int, int], num_experts: int) -> tuple
             if row is not None:
                 host[row, expert] = slot
         if table.version == version:
-            return SlotMap(host, rows), version
+            return SlotMap(host, rows, version), version

@@ -324,6 +324,66 @@ async def test_a_second_queued_step_with_every_expert_pooled_draws_the_same_toke
     assert results["on"] == results["off"]
 
 
+async def test_a_queued_step_whose_expert_was_evicted_under_it_is_redone(pair, monkeypatch):
+    """A pipelined step reads ready experts through the slot map it was launched from, while
+    the token before's bookkeeping may prefetch: evict a ready expert and land another's
+    read in its slot (on the CPU a memcpy, not ordered with MLX's stream). Here, before each
+    such bookkeeping, an expert the queued step routes to (its first MoE layer's, read
+    early) is evicted and another expert's read lands in its slot, and only then does the
+    queued step run (MLX's async evaluation deferred to its reading, as a busy CPU stream
+    may): that layer must count as a miss and be redone, never computed from the other
+    expert's weights. Greedy tokens as stepping's."""
+    import numpy as np
+
+    import actors.compute as compute_mod
+    import actors.decode as decode_mod
+
+    _src, qpack = pair("qwen3_next")
+    account, step = compute_mod.Compute.account, decode_mod.Decoder._step
+    queued: list[Any] = []
+    moved: list[tuple[int, int]] = []
+
+    def stashing(self: Any, current: Any, more: int) -> Any:
+        out = step(self, current, more)
+        queued[:] = [out[2]]
+        return out
+
+    async def meddling(self: Any, result: Any, phase: str) -> Any:
+        nxt = queued.pop() if queued else None
+        if phase == "decode" and nxt is not None:
+            table, layer = self.router.table, result.layers[0]
+            ids = await self.worker.run(np.asarray, nxt.lazy.ids[0])  # the queued step's routing
+            victims = [(layer, int(e)) for e in np.unique(ids)
+                       if table.ready((layer, int(e))) and table.pin_count((layer, int(e))) == 0]
+            spare = [e for e in range(self.router.num_experts) if (layer, e) not in table]
+            if victims and spare:
+                table.release(victims[0])  # evicted: its slot is free, and taken at once
+                await self.router.prefetch([(layer, [spare[0]])], self.tick)
+                for _ in range(400):
+                    await self.router.install_now()
+                    if not self.router.loads:
+                        break
+                    await trio.sleep(0.005)
+                moved.append(victims[0])
+        return await account(self, result, phase)
+
+    results: dict[str, list[int]] = {}
+    for mode in ("off", "on"):
+        config = engine_config(qpack, pool={"slots": 60}, compute={"run_ahead": mode},
+                               prefetch={"strategy": "none"})
+        with monkeypatch.context() as m:
+            m.setattr(compute_mod.Compute, "account", meddling)
+            m.setattr(decode_mod.Decoder, "_step", stashing)
+            m.setattr(decode_mod.mx, "async_eval", lambda *a: None)
+            async with open_engine(config) as engine:
+                for prompt in (PROMPT, PROMPT_B):  # the first fills the pool
+                    results.setdefault(mode, []).extend((await generate(engine, prompt, 16)).token_ids)
+                if mode == "on":  # queued steps ran, and some found their expert moved
+                    assert engine.counters().run_ahead_misses > 0 and moved
+                pool_is_clean(engine)
+    assert results["on"] == results["off"]  # without the check, 13 moves changed the 23rd token
+
+
 async def _runs_with_a_stop(engine: Any, params: SamplingParams, at: int) -> list[list[int]]:
     """Two prompts' tokens; the first again, cut by a stop token at its `at`-th (a step
     queued behind the stop is undone); then a prompt resuming from the cut run's cached

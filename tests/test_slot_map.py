@@ -72,6 +72,18 @@ def test_a_snapshot_taken_while_the_table_moves_is_of_the_version_it_copied() ->
     assert snapshot(table, {4: 0}, 8)[1] == table.version and len(moves) == 3
 
 
+def test_a_map_says_which_layers_experts_are_still_where_it_put_them() -> None:
+    table = SlotTable(3, make_policy("lru"))
+    for e in (0, 1, 2):
+        table.acquire((4, e), e, pin=False)
+        table.mark_ready((4, e))
+    slot_map, _ = snapshot(table, {4: 0}, 8)
+    ids = np.array([[[0, 1]], [[2, 1]]])
+    assert slot_map.held(table, [4, 4], ids).tolist() == [True, True]  # nothing moved
+    table.acquire((4, 7), 9, pin=False)  # evicts expert 0 (LRU): its slot is 7's, loading
+    assert slot_map.held(table, [4, 4], ids).tolist() == [False, True]
+
+
 def test_row_indices_are_made_once_per_shape_as_mlx_would() -> None:
     a = lhs_indices((1, 1, 1, 1, H), (1, 1, K))
     assert a is lhs_indices((1, 1, 1, 1, H), (1, 1, K))

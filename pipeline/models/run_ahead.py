@@ -20,6 +20,7 @@ class RunAhead:
     ids: np.ndarray  # [moe layers, tokens, top_k]
     present: np.ndarray  # [moe layers] bool: every chosen expert was in the pool
     logits: mx.array  # [vocab], valid only if present.all()
+    slot_map: SlotMap | None = None  # the table the slots came from, if any (`present`'s)
 
     def first_miss(self) -> int | None:
         missing = np.flatnonzero(~self.present)
@@ -47,7 +48,7 @@ class LazyRunAhead:
     def result(self) -> RunAhead:
         ids = np.stack([np.asarray(a) for a in self.ids])
         if isinstance(self.present, SlotMap):
-            return RunAhead(self.layers, ids, self.present.present(self.layers, ids), self.logits)
+            return RunAhead(self.layers, ids, self.present.present(self.layers, ids), self.logits, self.present)
         return RunAhead(self.layers, ids, np.asarray(self.present), self.logits)
 
 
