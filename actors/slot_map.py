@@ -25,6 +25,7 @@ class ReadyTable(Protocol):
     """The pool's slot table as a map reads it (actors/pool/slots.py's `SlotTable`)."""
 
     version: int
+    taken: list[int]  # per slot: how many times it was given to a key
 
     def ready_items(self) -> list[tuple[tuple[int, int], int]]: ...
 
@@ -48,6 +49,7 @@ class SlotMap:
     host: np.ndarray  # [moe layers, experts] int32
     rows: dict[int, int]  # MoE layer -> row
     version: int = -1  # the table's version it copies (`snapshot`)
+    taken: np.ndarray | None = None  # [moe layers, experts]: each ready slot's `taken` count
     _relative: mx.array | None = field(default=None, repr=False)
     _complete: bool | None = field(default=None, repr=False)
 
@@ -91,12 +93,15 @@ class SlotMap:
         so a layer that found every expert in the map may not have read its weights."""
         if table.version == self.version:
             return np.ones(len(layers), dtype=bool)
+        assert self.taken is not None, "a map made by `snapshot`"
         out = np.ones(len(layers), dtype=bool)
         for i, layer in enumerate(layers):
-            row = self.host[self.rows[layer]]
+            row, taken = self.host[self.rows[layer]], self.taken[self.rows[layer]]
             for e in np.unique(ids[i]):
-                key = (layer, int(e))
-                if table.lookup(key) != int(row[int(e)]) or not table.ready(key):
+                key, slot = (layer, int(e)), int(row[int(e)])
+                # The same slot is not enough: evicted, overwritten by another expert's
+                # read and its own again, it held other bytes while the step ran.
+                if table.lookup(key) != slot or not table.ready(key) or table.taken[slot] != taken[int(e)]:
                     out[i] = False
                     break
         return out
@@ -115,9 +120,11 @@ def snapshot(table: ReadyTable, rows: dict[int, int], num_experts: int) -> tuple
         except RuntimeError:  # the table's dict changed size under the copy
             continue
         host = np.full((len(rows), num_experts), -1, dtype=np.int32)
+        taken = np.zeros((len(rows), num_experts), dtype=np.int64)
         for (layer, expert), slot in items:
             row = rows.get(layer)
             if row is not None:
                 host[row, expert] = slot
+                taken[row, expert] = table.taken[slot]
         if table.version == version:
-            return SlotMap(host, rows, version), version
+            return SlotMap(host, rows, version, taken), version

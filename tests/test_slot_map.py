@@ -82,6 +82,14 @@ def test_a_map_says_which_layers_experts_are_still_where_it_put_them() -> None:
     assert slot_map.held(table, [4, 4], ids).tolist() == [True, True]  # nothing moved
     table.acquire((4, 7), 9, pin=False)  # evicts expert 0 (LRU): its slot is 7's, loading
     assert slot_map.held(table, [4, 4], ids).tolist() == [False, True]
+    # 7 evicted in turn, 0 back in its old slot: the same slot, other bytes meanwhile.
+    for e in (1, 2):
+        table.acquire((4, e), 10 + e, pin=False)  # touched: 7 is the least recently used
+    table.mark_ready((4, 7))
+    table.acquire((4, 0), 20, pin=False)
+    table.mark_ready((4, 0))
+    assert table.lookup((4, 0)) == slot_map.host[0, 0]
+    assert slot_map.held(table, [4, 4], ids).tolist() == [False, True]
 
 
 def test_row_indices_are_made_once_per_shape_as_mlx_would() -> None:

@@ -78,6 +78,9 @@ class SlotTable:
         # Bumped whenever which key is ready in which slot changes: the compute actor's
         # device-side expert -> slot map is rebuilt only then.
         self.version = 0
+        # How many times each slot was given to a key: a key evicted and given its old slot
+        # back has the same slot, not the same bytes throughout (`SlotMap.held`).
+        self.taken = [0] * num_slots
         self.hits = 0
         self.misses = 0
         self.evictions = 0
@@ -160,6 +163,7 @@ class SlotTable:
         self.version += 1
         self._slot_of[key] = slot
         self._key_at[slot] = key
+        self.taken[slot] += 1
         self._state[key] = "loading"
         self.policy.insert(key, tick)
         if prefetch:
