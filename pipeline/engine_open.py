@@ -69,6 +69,7 @@ from pipeline.memory_budget import (
     attach_memory,
     batch_budget,
     check_pool_fits,
+    check_state_fits,
     engine_plan,
     staging_buffers,
 )
@@ -153,7 +154,8 @@ async def open_core(
             mtp_slots = head_slots(config.pool.mtp_slots, slots, len(manifest.layers),
                                    manifest.num_experts, manifest.top_k)
             if config.pool.slots is None:  # sized from bytes: the head's pool comes out of them
-                slots = carve_head_pool(slots, need, storage_probe, mtp_slots * mtp_layout.slot_nbytes)
+                slots = carve_head_pool(slots, need, storage_probe, mtp_slots * mtp_layout.slot_nbytes,
+                                        budget_mb=plan.budget_mb if plan else None)
         # Loaded before the actors' nursery opens, so a bad container surfaces as one
         # QpackError naming the file rather than inside an exception group.
         dense = await worker.run(
@@ -176,6 +178,7 @@ async def open_core(
                                       model.family, model.parts, manifest.model_type)
         if model.kv_quant is not None and not on_cpu:  # MLX's CPU has every kernel
             await worker.run(probe_kernels, model.kv_quant, model.parts, model.compute_dtype())
+        check_state_fits(plan, model.state_bytes)
         async with trio.open_nursery() as nursery:
             core = _start_actors(
                 config, container, worker, nursery, model, storage, tokenizer, slots,

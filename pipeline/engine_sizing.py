@@ -8,6 +8,7 @@ from actors.pool.banks import Banks, plan_banks, slot_limit
 from actors.pool.layout import PoolLayout
 from actors.run_ahead import RunAheadMode
 from pipeline.config.schema import PipelineConfig
+from pipeline.memory_budget import PoolBudgetError
 
 log = structlog.get_logger("moestream.engine")
 
@@ -87,10 +88,20 @@ def head_slots(configured: int | None, slots: int, moe_layers: int, num_experts:
     return max(top_k, min(share, num_experts))
 
 
-def carve_head_pool(slots: int, need: int, slot_nbytes: int, head_bytes: int) -> int:
+def carve_head_pool(slots: int, need: int, slot_nbytes: int, head_bytes: int,
+                    budget_mb: float | None = None) -> int:
     """The model's slots once the head's pool (`head_bytes`) is taken from the bytes the
-    budget gave the pool; never below the smallest workable pool."""
-    return max(need, slots - -(-head_bytes // slot_nbytes))
+    pool was given; never below the smallest workable pool, which under a memory budget
+    (`budget_mb`) must then fit beside the head's (else refused, in one line)."""
+    carved = slots - -(-head_bytes // slot_nbytes)
+    if carved < need and budget_mb is not None:
+        raise PoolBudgetError(
+            f"memory budget of {budget_mb:,.0f} MiB is too small: its expert pool "
+            f"({slots * slot_nbytes / 2**20:,.1f} MiB) cannot hold the MTP head's pool "
+            f"({head_bytes / 2**20:,.1f} MiB: pool.mtp_slots) beside the smallest workable pool "
+            f"({need} slots, {need * slot_nbytes / 2**20:,.1f} MiB); raise --memory-mb or lower "
+            "pool.mtp_slots")
+    return max(need, carved)
 
 
 def bank_limit(config: PipelineConfig, layout: PoolLayout) -> int:

@@ -146,12 +146,11 @@ def plan_memory(mem: MemoryConfig, *, process_bytes: int, dense_bytes: int, slot
             raise PoolBudgetError(
                 f"expert pool of {_mib(pool_bytes)} does not fit a memory budget of "
                 f"{_mib(budget)}: {parts}; lower --pool-mb or raise --memory-mb")
-        slots = pool_bytes // slot_nbytes
+        slots = min(pool_bytes // slot_nbytes, max_slots)  # more would hold no expert
     else:
         slots = min(max(rest, 0) // slot_nbytes, max_slots)
     if slots < need_slots:
-        short = need_slots * slot_nbytes - rest
-        enough = -(-(budget + short) // 2**20)
+        enough = _enough_mb(mem, budget - rest - state, need_slots * slot_nbytes)
         if default:
             raise PoolBudgetError(
                 f"the default memory budget of {_mib(budget)} (what the process holds plus "
@@ -162,11 +161,26 @@ def plan_memory(mem: MemoryConfig, *, process_bytes: int, dense_bytes: int, slot
         raise PoolBudgetError(
             f"memory budget of {_mib(budget)} is too small: {parts}, and the smallest workable "
             f"expert pool is {_mib(need_slots * slot_nbytes)} ({need_slots} slots); raise "
-            f"--memory-mb (memory.budget_mb) to at least {enough:,} or lower memory.state_mb")
+            f"--memory-mb (memory.budget_mb) to at least {enough} or lower memory.state_mb")
     return MemoryPlan(
         budget_mb=budget / 2**20, process_mb=process_bytes / 2**20, dense_mb=dense_bytes / 2**20,
         state_mb=state / 2**20, staging_mb=staging / 2**20, temporaries_mb=temporaries / 2**20,
         pool_mb=slots * slot_nbytes / 2**20, slots=slots)
+
+
+def _enough_mb(mem: MemoryConfig, fixed: int, pool: int) -> int:
+    """The smallest budget (MiB) whose rest holds `pool` bytes beside the `fixed` parts; the
+    state reserve, an eighth of the budget unless memory.state_mb says, grows with it."""
+    def fits(mb: int) -> bool:
+        b = mb * 2**20
+        return b - fixed - (mem.state_mb * 2**20 if mem.state_mb else b // 8) >= pool
+
+    mb = -(-(fixed + pool) // 2**20)
+    while not fits(mb):
+        mb += 1 + (mb - 1) // 64  # within ~1.6 % of the first that fits, in a few steps
+    while mb > 1 and fits(mb - 1):
+        mb -= 1
+    return mb
 
 
 CPU_CACHE_BYTES = 8 * 2**20  # MLX's buffer cache on the CPU backend without a budget
@@ -207,6 +221,19 @@ def engine_plan(config: PipelineConfig, *, dense_bytes: int, slot_nbytes: int, s
                        default=config.memory.budget_mb is None)
     log.debug("memory.plan", default=config.memory.budget_mb is None, line=plan.line())
     return plan
+
+
+def check_state_fits(plan: MemoryPlan | None, state_bytes: Callable[[int], int]) -> None:
+    """Refuse (before the engine starts) a budget whose sequences' half of the state
+    reserve (`attach_memory`) cannot hold even one token's state: every request would fail."""
+    if plan is None:
+        return
+    state, one = int(plan.state_mb * 2**20) // 2, state_bytes(1)
+    if one > state:
+        raise PoolBudgetError(
+            f"memory budget of {_mib(int(plan.budget_mb * 2**20))} is too small: half its model "
+            f"state reserve ({_mib(state)}: memory.state_mb) cannot hold one sequence's state "
+            f"({_mib(one)}); raise memory.state_mb or --memory-mb")
 
 
 def context_within(state_bytes: Callable[[int], int], state: int, limit: int) -> int:

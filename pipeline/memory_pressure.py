@@ -86,7 +86,10 @@ class PoolAdapter:
                  read: Callable[[], Pressure | None] = read_pressure) -> None:
         self.engine = engine
         self.read = read
-        self.floor = floor_slots
+        # `floor_slots` in every bank (a layer's keys take slots in their own bank only).
+        self.keep = floor_slots
+        banks = engine.router.table.banks
+        self.floor = floor_slots * (len(banks.ranges) if banks is not None else 1)
         self.step = max(1, int(engine.router.table.num_slots * STEP))
         self.calm = 0
         self.released_bytes = 0
@@ -102,7 +105,7 @@ class PoolAdapter:
             count = min(self.step, table.usable - self.floor)
             if count > 0:
                 async with self.engine.batch.exclusive():  # no forward reads a slot now
-                    slots = table.withdraw(count)
+                    slots = table.withdraw(count, keep=self.keep)
                     freed = await self.engine.worker.run(self.engine.storage.release, slots)
                 self.released_bytes += freed
                 log.info("memory.pool_shrunk", slots=len(slots), usable=table.usable,

@@ -31,6 +31,10 @@ async def test_max_tokens_over_the_limit_is_a_400(container: Path) -> None:
         assert err["param"] == "max_tokens" and "over this server's limit of 3" in err["message"]
         err = error_of(await http.post(CHAT, json=body(max_tokens=None, max_completion_tokens=4)), 400)
         assert err["param"] == "max_completion_tokens"
+        for extra in ({"max_tokens": None}, {"max_tokens": 2}):  # 0 is a bad value, not "unset"
+            err = error_of(await http.post(CHAT, json=body(**extra, max_completion_tokens=0)), 400)
+            assert err["param"] == "max_completion_tokens", err
+            assert err["message"].startswith("max_completion_tokens must be >= 1"), err
         resp = await http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi",
                                                         "max_tokens": 10**9, "stream": True})
         assert error_of(resp, 400)["param"] == "max_tokens"

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import psutil
 import pytest
@@ -209,6 +210,45 @@ def test_a_default_budget_too_small_says_so_and_how_to_set_another() -> None:
     assert line.startswith("the default memory budget of 1,200 MiB (what the process holds plus 80% "
                            "of the memory available) is too small: the process"), line
     assert line.endswith("or --pool-mb, or --memory-mb off for no budget") and "\n" not in line
+
+
+@pytest.mark.parametrize("state_mb", [0, 100])
+def test_the_budget_a_refusal_names_is_enough_and_an_explicit_pool_holds_no_more_than_every_expert(
+        state_mb: int) -> None:
+    """The budget named is the smallest that opens (the state reserve, an eighth of the
+    budget unless memory.state_mb says, grows with it), written as the flag takes it; a
+    --pool-mb beyond every expert is cut to them, as without a budget."""
+    import re
+
+    sizes = {"process_bytes": 300 << 20, "dense_bytes": 1 << 30, "slot_nbytes": 2 << 20,
+             "stride": 2 << 20, "readers": 2, "need_slots": 8, "max_slots": 100}
+    mem = MemoryConfig(budget_mb=1200, state_mb=state_mb)
+    with pytest.raises(PoolBudgetError) as err:
+        plan_memory(mem, **sizes)
+    match = re.search(r"to at least (\d+) or", one_line(err.value))
+    assert match, one_line(err.value)
+    enough = int(match[1])
+    assert plan_memory(msgspec.structs.replace(mem, budget_mb=enough), **sizes).slots >= 8
+    with pytest.raises(PoolBudgetError):
+        plan_memory(msgspec.structs.replace(mem, budget_mb=enough - 1), **sizes)
+    plan = plan_memory(msgspec.structs.replace(mem, budget_mb=4000), pool_bytes=1000 << 20, **sizes)
+    assert plan.slots == 100 and plan.pool_mb == 200
+
+
+def test_a_budget_that_cannot_hold_the_mtp_heads_pool_or_one_sequences_state_is_refused() -> None:
+    from pipeline.engine_sizing import carve_head_pool
+    from pipeline.memory_budget import check_state_fits
+    from pipeline.memory_facts import MemoryPlan
+
+    assert carve_head_pool(20, 8, 1 << 20, 4 << 20, budget_mb=1000) == 16
+    assert carve_head_pool(10, 8, 1 << 20, 4 << 20) == 8  # no budget: the smallest pool
+    with pytest.raises(PoolBudgetError, match="cannot hold the MTP head's pool"):
+        carve_head_pool(10, 8, 1 << 20, 4 << 20, budget_mb=1000)
+    plan = MemoryPlan(budget_mb=1000, process_mb=0, dense_mb=0, state_mb=64, staging_mb=0,
+                      temporaries_mb=0, pool_mb=0, slots=0)
+    check_state_fits(plan, lambda n: n * (1 << 20))
+    with pytest.raises(PoolBudgetError, match="cannot hold one sequence's state"):
+        check_state_fits(plan, lambda n: (40 << 20) + n)
 
 
 def test_prefill_mixers_in_slices_compute_what_a_whole_chunk_does(qwen35: Path) -> None:

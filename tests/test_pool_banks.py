@@ -66,6 +66,9 @@ def test_keys_take_slots_and_victims_only_in_their_layers_bank() -> None:
     assert table.restore(3) == [3, 7, 11]
     slot, _ = table.acquire((1, 99), 99, pin=False)
     assert slot == 7  # the freed slot of layer 1's bank, not another bank's
+    # Under memory pressure every bank keeps what one layer pins, however much is asked.
+    assert len(table.withdraw(12, keep=3)) == 3 and table.usable == 9
+    assert all(sum(1 for s in r if s not in table._withdrawn) == 3 for r in banks.ranges)
 
 
 def test_a_full_bank_drops_only_its_own_layers_predictions() -> None:

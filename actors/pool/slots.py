@@ -252,16 +252,19 @@ class SlotTable:
         """Slots keys may occupy: all of them, less those withdrawn under pressure."""
         return self.num_slots - len(self._withdrawn)
 
-    def withdraw(self, count: int) -> list[int]:
+    def withdraw(self, count: int, keep: int = 0) -> list[int]:
         """Take up to `count` slots out of use, highest first (each bank's in turn): free
         ones, then ones whose key is ready and unpinned (evicted). Slots in use by a pinned
-        or loading key stay (a later call may take them). Returns the slots withdrawn, for
-        their memory."""
+        or loading key stay (a later call may take them), and every bank keeps `keep`
+        usable slots (what one layer pins: its keys take slots in their bank only).
+        Returns the slots withdrawn, for their memory."""
         taken: list[int] = []
+        usable = [sum(1 for s in r if s not in self._withdrawn) for r in self._ranges]
         for slot in self._top_down():
             if len(taken) == count:
                 break
-            if slot in self._withdrawn:
+            bank = self._bank_of_slot(slot)
+            if slot in self._withdrawn or usable[bank] <= keep:
                 continue
             key = self._key_at[slot]
             if key is not None:
@@ -270,6 +273,7 @@ class SlotTable:
                 self._evict(key)
                 self.version += 1
             taken.append(slot)
+            usable[bank] -= 1
         if taken:
             self._withdrawn.update(taken)
             for free in self._free:

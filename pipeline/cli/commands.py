@@ -28,10 +28,15 @@ def budget_arg(text: str) -> int | str:
     """--memory-mb: MiB, "auto" or "off"."""
     if text in ("auto", "off"):
         return text
+    from pipeline.config.schema import MIB_MAX
+
     try:
-        return int(text)
+        mib = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected MiB, auto or off, not {text!r}") from None
+    if not 1 <= mib <= MIB_MAX:  # memory.budget_mb's range, for commands that build no config
+        raise argparse.ArgumentTypeError(f"expected MiB in [1, {MIB_MAX:_}], auto or off, not {text!r}")
+    return mib
 
 
 def add_engine_flags(p: argparse.ArgumentParser, *, config_flag: bool = True) -> None:

@@ -28,6 +28,7 @@ from mlx_lm.models.cache import (
 
 from pipeline.models.batch_quant_cache import BatchQuantizedKVCache
 from pipeline.models.routing_override import Routed, requests_of, tagged
+from pipeline.models.run_ahead import state_arrays
 
 
 def _merge_layer(caches: Sequence[Any]) -> Any:
@@ -73,9 +74,18 @@ class BatchCaches:
             batch.requests += _requests(caches)
 
     def extract(self, batch: list[Any], row: int) -> list[Any]:
-        """Row `row`'s caches, as the plain caches of a sequence decoded alone."""
+        """Row `row`'s caches, as the plain caches of a sequence decoded alone. Copied and
+        evaluated: mlx-lm's `ArraysCache.extract` slices the batch's states (a view keeps
+        the whole [B, ...] buffer alive) and its KV extract is lazy (the graph keeps the
+        batch's keys and values), so a row kept by the prefix cache, charged one row's
+        bytes, held the batch's (8x at a batch of 8)."""
         mine = requests_of(batch)
         caches = [c.extract(row) if self._ours(i) else c for i, c in enumerate(batch)]
+        own = [c for i, c in enumerate(caches) if self._ours(i)]
+        for c in own:
+            if isinstance(c, ArraysCache):
+                c.cache = [None if a is None else mx.contiguous(a) for a in c.cache]
+        mx.eval([a for c in own for a in state_arrays(c.state)])
         return tagged(caches, None if mine is None else [mine[row]])
 
     def keep(self, batch: list[Any], rows: Sequence[int]) -> None:

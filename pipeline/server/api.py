@@ -143,10 +143,10 @@ class Api:
         """Refuse a completion longer than the server allows; cap one that names no length."""
         limit = self.settings.max_tokens_limit
         named = getattr(req, "max_completion_tokens", None)
-        if (named or req.max_tokens) is None:
+        if named is None and req.max_tokens is None:
             return msgspec.structs.replace(params, max_tokens=min(params.max_tokens or limit, limit))
         if params.max_tokens is not None and params.max_tokens > limit:
-            param = "max_completion_tokens" if named else "max_tokens"
+            param = "max_completion_tokens" if named is not None else "max_tokens"
             raise s.APIError(400, f"{param} is {params.max_tokens}, over this server's limit of "
                              f"{limit} tokens per request (server.max_tokens_limit)", param=param)
         return params

@@ -312,7 +312,8 @@ _PARAM_FIELDS = (*SCALAR_KNOBS, "seed", "speculative")
 def sampling_params(req: ChatRequest | CompletionRequest, defaults: SamplingParams) -> SamplingParams:
     """The request's knobs over the server's defaults; a bad value is a 400 naming it."""
     values: dict[str, Any] = {f: getattr(req, f) for f in _PARAM_FIELDS if getattr(req, f) is not None}
-    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    named = getattr(req, "max_completion_tokens", None)  # OpenAI's newer name wins
+    max_tokens = named if named is not None else req.max_tokens
     if max_tokens is not None:
         values["max_tokens"] = max_tokens
     if req.stop is not None:
@@ -322,8 +323,8 @@ def sampling_params(req: ChatRequest | CompletionRequest, defaults: SamplingPara
     except ValueError as exc:
         text = str(exc)
         param = text.split(" ", 1)[0]
-        if param == "max_tokens" and getattr(req, "max_completion_tokens", None):
-            param = "max_completion_tokens"
+        if param == "max_tokens" and named is not None:  # the name the client sent
+            param, text = "max_completion_tokens", text.replace("max_tokens", "max_completion_tokens", 1)
         known = param in values or param in ("max_tokens", "max_completion_tokens", "stop")
         raise APIError(400, text, param=param if known else None) from None
 
