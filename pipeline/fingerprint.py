@@ -23,6 +23,13 @@ def _version(package: str) -> str:
         return "none"
 
 
+def _sources() -> list[tuple[str, Path]]:
+    """The forward pass's source files, by their path under pipeline/models (the
+    families' forward code, in a folder of its own, included)."""
+    models = Path(__file__).parent / "models"
+    return [(p.relative_to(models).as_posix(), p) for p in sorted(models.rglob("*.py"))]
+
+
 @functools.cache
 def _code() -> bytes:
     """The versions, and the source of the forward pass (what computes a state, so a
@@ -30,8 +37,8 @@ def _code() -> bytes:
     digest = hashlib.sha256()
     for package in ("moestream", "mlx", "mlx-lm"):
         digest.update(f"\0{package}={_version(package)}".encode())
-    for source in sorted((Path(__file__).parent / "models").glob("*.py")):
-        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    for name, source in _sources():
+        digest.update(name.encode() + b"\0" + source.read_bytes())
     return digest.digest()
 
 

@@ -139,3 +139,10 @@ async def test_a_state_of_another_activation_dtype_is_stale(container: Path, tmp
     async with open_engine(_config(container, where)) as engine:
         again = await generate(engine, PROMPT, 4)
     assert again.stats.cached_tokens == len(PROMPT) - 1
+
+
+def test_the_code_fingerprint_covers_every_forward_source_the_families_included() -> None:
+    from pipeline.fingerprint import _sources
+
+    names = [name for name, _ in _sources()]
+    assert "streamed.py" in names and "families/base.py" in names and "families/qwen3_next.py" in names
