@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
+import msgspec
 import pytest
 from helpers_conformance import TOOLS, USER, WEATHER, check_weather, client, running
 
@@ -35,6 +36,10 @@ async def test_responses_and_anthropic_messages(container: Path) -> None:
             model="tiny", input="Tell me about Paris.", instructions="Be brief.",
             max_output_tokens=4, temperature=0, stream=True)]
         assert events[0].type == "response.created" and events[-1].type == "response.completed"
+        # A message is announced empty and in progress; its one part comes with its own event.
+        [added] = [e.item for e in events if e.type == "response.output_item.added"]
+        assert added.type == "message" and added.content == [] and added.status == "in_progress"
+        assert sum(e.type == "response.content_part.added" for e in events) == 1
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
             resp.output_text
         assert events[-1].response.output_text == resp.output_text
@@ -57,6 +62,21 @@ async def test_responses_and_anthropic_messages(container: Path) -> None:
              "arguments": fc[0].arguments},
             {"type": "function_call_output", "call_id": fc[0].call_id, "output": "12:00"}])
         assert follow.usage.input_tokens > call.usage.input_tokens
+        # Text and a call of one assistant turn (as agents send them back) render as one
+        # turn, and a tool's output may come as content parts.
+        from pipeline.server.routes_responses import ResponsesRequest, to_chat
+
+        turn = [{"role": "user", "content": "Time?"},
+                {"type": "message", "role": "assistant",
+                 "content": [{"type": "output_text", "text": "Let me check."}]},
+                {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1",
+                 "output": [{"type": "input_text", "text": "12:00"}]}]
+        chat = to_chat(msgspec.convert({"input": turn}, ResponsesRequest))["messages"]
+        assert [m["role"] for m in chat] == ["user", "assistant", "tool"]
+        assert chat[1]["tool_calls"][0]["id"] == "c1" and chat[2]["content"][0]["text"] == "12:00"
+        parts = await v1.responses.create(model="tiny", max_output_tokens=2, tools=rtools, input=turn)
+        assert parts.status in ("completed", "incomplete")
 
         claude = anthropic.AsyncAnthropic(base_url=base, api_key="unused", max_retries=0)
         msg = await claude.messages.create(model="tiny", max_tokens=4, extra_body={"temperature": 0},

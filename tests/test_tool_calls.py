@@ -61,6 +61,18 @@ def test_unclosed_call_at_the_end() -> None:
     assert parse_output('<tool_call>{"name": "f", "arguments": {}}').calls[0].name == "f"
     out = parse_output('x <tool_call>{"name": "f", "argu')
     assert out.calls == [] and out.content == 'x <tool_call>{"name": "f", "argu'
+    # ... unless the output was cut at max_tokens: the unfinished call is dropped, not shown.
+    parser = OutputParser()
+    parts = parser.feed('x <tool_call>{"name": "f", "argu') + parser.finish(cut=True)
+    assert "".join(p.text for p in parts if isinstance(p, Content)) == "x " and not parser.calls
+
+
+def test_a_harmony_call_cut_at_max_tokens_is_dropped_not_shown() -> None:
+    text = "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"city\": \"Par"
+    parser = OutputParser()
+    assert [p for p in parser.feed(text) + parser.finish(cut=True) if isinstance(p, Content)] == []
+    parser = OutputParser()
+    assert "".join(p.text for p in parser.feed(text) + parser.finish() if isinstance(p, Content))
 
 
 def test_tools_off_leaves_calls_as_text() -> None:

@@ -60,8 +60,16 @@ class HarmonyParser:
             ready, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
             self._emit(ready, out)
 
-    def finish(self, out: list[Any]) -> None:
+    def finish(self, out: list[Any], cut: bool = False) -> None:
+        """`cut`: the output ended at max_tokens (an unfinished call is dropped, not shown)."""
         rest, self._buf = self._buf, ""
+        if self._mode == "body" and cut and self._kind == "call":
+            try:
+                args = json.loads(rest) if rest.strip() else None
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                return
         if self._mode == "body":
             self._close(rest, RETURN, out)
         elif self._mode == "header" and (self._header + rest).strip():

@@ -176,7 +176,7 @@ class ChatReply(Reply):
                     for part in parser.feed(event.text):
                         yield part
                 else:
-                    for part in parser.finish():
+                    for part in parser.finish(cut=event.finish_reason == "length"):
                         yield part
                     yield event
 
@@ -193,7 +193,7 @@ class ChatReply(Reply):
                 else:
                     done = event
         assert done is not None
-        parts += parser.finish()
+        parts += parser.finish(cut=done.finish_reason == "length")
         content = "".join(p.text for p in parts if isinstance(p, Content))
         reasoning = "".join(p.text for p in parts if isinstance(p, Reasoning))
         calls = [o.OutToolCall(c.id, o.OutFunction(c.name, c.arguments))
@@ -245,7 +245,7 @@ class ChatReply(Reply):
                             parts = parser.feed(event.text)
                             pending += event.logprobs
                         else:
-                            parts = parser.finish()
+                            parts = parser.finish(cut=event.finish_reason == "length")
                         for part in parts:
                             delta = self.delta(part)
                             if delta is not None:

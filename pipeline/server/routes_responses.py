@@ -36,7 +36,7 @@ class Item(msgspec.Struct, kw_only=True):
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
-    output: str | None = None
+    output: str | list[s.ContentPart] | None = None  # a tool's result: text, or its parts
 
 
 class RTool(msgspec.Struct, kw_only=True):
@@ -95,13 +95,15 @@ def to_chat(req: ResponsesRequest) -> dict[str, Any]:
             call = {"id": item.call_id or f"call_{i}", "type": "function",
                     "function": {"name": item.name or "", "arguments": item.arguments or "{}"}}
             last = messages[-1] if messages else None
-            if last and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
+            if last and last["role"] == "assistant":  # one turn: its text, then its calls
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif item.type == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item.call_id,
-                             "content": item.output or ""})
+            output = item.output
+            if isinstance(output, list):
+                output = [msgspec.to_builtins(p) for p in output]
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output or ""})
         elif item.type == "reasoning":
             continue
         else:
@@ -247,7 +249,11 @@ class ResponsesReply:
                         current = self.item(part)
                         output.append(current)
                         i = len(output) - 1
-                        empty = {**current, "arguments": ""} if kind == "function_call" else current
+                        # Announced empty and in progress: the text comes in its part's deltas
+                        # (a content part here too made a client's snapshot hold two).
+                        empty = ({**current, "arguments": "", "status": "in_progress"} if kind == "function_call"
+                                 else {**current, "content": [], "status": "in_progress"} if kind == "message"
+                                 else current)
                         yield self.event("response.output_item.added", output_index=i, item=empty)
                         if kind == "message":
                             yield self.event("response.content_part.added", item_id=current["id"],

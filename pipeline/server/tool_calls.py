@@ -124,18 +124,21 @@ class OutputParser:
             self._emit(ready, out)
         return out
 
-    def finish(self) -> list[Part]:
-        """End of output: release what was held (an unclosed call is passed through as text)."""
+    def finish(self, cut: bool = False) -> list[Part]:
+        """End of output: release what was held. An unclosed call is passed through as
+        text, unless the output was `cut` (max_tokens): then it is dropped, as a call the
+        length limit cut off (its markup shown as the reply's text is what an agent would
+        then read back or show)."""
         out: list[Part] = []
         if self._harmony is not None:
-            self._harmony.finish(out)
+            self._harmony.finish(out, cut)
             return out
         rest, self._buf = self._buf, ""
         if self._mode == "call":
             parsed = parse_call(rest, self.schemas) if self.tools else None
             if parsed is not None:
                 self._add_call(*parsed, out)
-            else:
+            elif not cut:
                 self._mode = "content"
                 self._emit(self._open + rest, out)
         else:
