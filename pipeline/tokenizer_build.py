@@ -30,12 +30,21 @@ BPE_SETTINGS = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_wor
                 "fuse_unk", "byte_fallback", "ignore_merges")
 
 
+# An added token's fields in tokenizer.json, every one of which the library requires.
+ADDED_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
+ADDED_FIELDS = frozenset({"id", "content", *ADDED_FLAGS})
+
+
 def _merge_pairs(merges: list[Any]) -> list[tuple[str, str]] | None:
     """The merges as pairs: tokenizers writes `[a, b]` (or "a b" in older files, which it
     splits on its one space); None where the library would read them otherwise."""
     pairs: list[tuple[str, str]] = []
+    if len({type(m) for m in merges}) > 1:  # the library refuses a mix of the two forms
+        return None
     for merge in merges:
         if isinstance(merge, str):
+            if merge.startswith("#version"):  # the library skips such lines, wherever they are
+                continue
             parts = merge.split(" ")
         elif isinstance(merge, list):
             parts = merge
@@ -72,11 +81,13 @@ def _build(text: str) -> Any:
     settings = {k: model[k] for k in BPE_SETTINGS if model.get(k) is not None}
     shell.model = BPE(vocab=vocab, merges=pairs, **settings)
     del vocab, pairs
-    # Ids follow the model's vocabulary in the order added; the file's must come out.
-    added = sorted(added, key=lambda e: e["id"])
-    shell.add_tokens([AddedToken(e["content"], single_word=e.get("single_word", False),
-                                 lstrip=e.get("lstrip", False), rstrip=e.get("rstrip", False),
-                                 normalized=e.get("normalized", True), special=e.get("special", False))
+    # Added in the file's order, as the library does (it numbers them so, whatever ids the
+    # file gives); the file's ids must come out, and every field be there as it requires.
+    if not all(isinstance(e, dict) and ADDED_FIELDS <= set(e) and type(e["id"]) is int
+               and all(type(e[f]) is bool for f in ADDED_FLAGS) for e in added):
+        return None
+    shell.add_tokens([AddedToken(e["content"], single_word=e["single_word"], lstrip=e["lstrip"],
+                                 rstrip=e["rstrip"], normalized=e["normalized"], special=e["special"])
                       for e in added])
     if any(shell.token_to_id(e["content"]) != e["id"] for e in added):
         return None

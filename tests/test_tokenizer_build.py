@@ -72,21 +72,67 @@ def test_a_small_bpe_file_with_old_style_merges_builds_the_same(tmp_path: Path) 
     _same(built, path)
 
 
-@pytest.mark.parametrize("case", ["gap in added ids", "word-level model"])
+def _two_added(tmp_path: Path) -> Path:
+    """`_small` with a second added token, listed before the first (ids 5, 4)."""
+    path = _small(tmp_path)
+    data = json.loads(path.read_text())
+    second = {**data["added_tokens"][0], "id": 5, "content": "<bos>"}
+    data["added_tokens"].insert(0, second)
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_version_line_in_old_style_merges_is_skipped_as_the_library_skips_it(tmp_path: Path) -> None:
+    path = _small(tmp_path)
+    data = json.loads(path.read_text())
+    data["model"]["vocab"].update({"#version": 4, "s": 5, "#versions": 6})
+    data["model"]["merges"] = ["#version s", "a b"]
+    data["added_tokens"][0]["id"] = 7
+    path.write_text(json.dumps(data))
+    built = tokenizer_build._build(path.read_text())
+    assert built is not None
+    _same(built, path)
+    assert built.encode("#versions").ids == Tokenizer.from_file(str(path)).encode("#versions").ids
+
+
+CANNOT = ["gap in added ids", "word-level model", "added out of id order", "mixed merge forms",
+          "added token missing a field", "added id a float"]
+
+
+@pytest.mark.parametrize("case", CANNOT)
 def test_what_the_python_path_cannot_read_exactly_goes_to_the_library(tmp_path: Path, case: str) -> None:
-    if case == "gap in added ids":  # id 9 cannot come out of adding after a 4-token vocabulary
+    """To the library's parse: its object, or its error (a file it refuses is refused)."""
+    if case in ("gap in added ids", "mixed merge forms", "added token missing a field", "added id a float"):
         path = _small(tmp_path)
         data = json.loads(path.read_text())
-        data["added_tokens"][0]["id"] = 9
+        if case == "gap in added ids":  # id 9 cannot come out of adding after a 4-token vocabulary
+            data["added_tokens"][0]["id"] = 9
+        elif case == "mixed merge forms":
+            data["model"]["vocab"]["abc"] = 5
+            data["added_tokens"][0]["id"] = 6
+            data["model"]["merges"] = ["a b", ["ab", "c"]]
+        elif case == "added token missing a field":
+            del data["added_tokens"][0]["single_word"]
+        else:
+            data["added_tokens"][0]["id"] = 4.0
         path.write_text(json.dumps(data))
+    elif case == "added out of id order":  # the library numbers them in the file's order
+        path = _two_added(tmp_path)
     else:
         from tokenizers.models import WordLevel
 
         path = tmp_path / "tokenizer.json"
         Tokenizer(WordLevel({"hi": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(path))
     assert tokenizer_build._build(path.read_text()) is None
+    try:
+        library = Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - the library refuses it: so must we
+        with pytest.raises(type(exc)):
+            tokenizer_build.parse(path)
+        return
     parsed = tokenizer_build.parse(path)
-    assert json.loads(parsed.to_str()) == json.loads(Tokenizer.from_file(str(path)).to_str())
+    assert json.loads(parsed.to_str()) == json.loads(library.to_str())
+    assert [parsed.id_to_token(i) for i in range(8)] == [library.id_to_token(i) for i in range(8)]
 
 
 def test_a_broken_file_raises_the_library_error(tmp_path: Path) -> None:
