@@ -65,8 +65,22 @@ def compiled(template: str) -> Any:
                 raise jinja2.exceptions.SecurityError(
                     f"chat templates cannot store underscore-prefixed attributes: {name!r}")
 
+    class Generation(jinja2.ext.Extension):
+        """transformers' `{% generation %}...{% endgeneration %}` (its assistant-token
+        mask's markers): the body, rendered as is."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> Any:
+            return caller()
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+                                        extensions=[jinja2.ext.loopcontrols, Generation])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -103,7 +117,7 @@ def _alias_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def render(template: str, messages: Sequence[Mapping[str, Any]], *,
+def render(template: str, messages: Sequence[Mapping[str, Any]], /, *,
            tools: Sequence[Mapping[str, Any]] | None = None,
            documents: Sequence[Mapping[str, Any]] | None = None,
            add_generation_prompt: bool = False, **variables: Any) -> str:
@@ -112,7 +126,12 @@ def render(template: str, messages: Sequence[Mapping[str, Any]], *,
     for message in chat:
         if not isinstance(message, dict):
             raise TypeError(f"chat messages must be dicts, got {message!r}")
-    return compiled(template).render(
-        messages=_alias_reasoning(chat), tools=plain(list(tools)) if tools is not None else None,
-        documents=plain(list(documents)) if documents is not None else None,
-        add_generation_prompt=add_generation_prompt, **plain(variables))
+    # transformers drops a message's keys whose value is None before rendering: a template
+    # tests `'tool_calls' in message`, and iterates what it finds.
+    chat = [{k: v for k, v in message.items() if v is not None} for message in chat]
+    # One mapping, not keywords: a variable may be named `self` (jinja2's render takes it).
+    return compiled(template).render({
+        **plain(variables), "messages": _alias_reasoning(chat),
+        "tools": plain(list(tools)) if tools is not None else None,
+        "documents": plain(list(documents)) if documents is not None else None,
+        "add_generation_prompt": add_generation_prompt})

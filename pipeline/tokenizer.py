@@ -156,7 +156,7 @@ class Tokenizer:
         """A fresh streaming detokenizer (one per generation)."""
         return StreamDetokenizer(self._tok)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], /, *,
                             tools: Sequence[Mapping[str, Any]] | None = None,
                             add_generation_prompt: bool = False, tokenize: bool = True,
                             **variables: Any) -> str | list[int]:
