@@ -86,9 +86,18 @@ class StreamDetokenizer:
         self.__init__(self._tok)  # type: ignore[misc]
 
     def add_token(self, token: int) -> None:
+        from tokenizers.decoders import DecodeStream
+
         self.tokens.append(token)
         self._pending.append(token)
-        piece = self._stream.step(self._tok, token)
+        try:
+            piece = self._stream.step(self._tok, token)
+        except Exception:  # noqa: BLE001 - the library's stream gave up, not the generation
+            # A byte-fallback tokenizer's stray byte can re-decode text already sent (the
+            # library then raises "Invalid prefix"): the ids not out yet go out as they
+            # decode, and the stream starts again after them.
+            piece = self._tok.decode(self._pending, skip_special_tokens=False)
+            self._stream = DecodeStream(skip_special_tokens=False)
         if piece:
             self._pending.clear()
             self._emit(piece)

@@ -29,3 +29,4 @@ def test_variables_may_take_any_name_the_call_does_not() -> None:
     """chat_template_kwargs named like the render call's own parameters reach the template."""
     assert render("{{ template }}|{{ messages | length }}", [USER], template="t") == "t|1"
     assert "TemplateReference" not in render("{{ messages[0].content }}", [USER], self="s")
+

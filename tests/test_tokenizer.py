@@ -200,3 +200,23 @@ def test_a_tiny_checkpoint_numbers_its_added_tokens_after_its_first_ranks(synth_
     assert max(ids) < dims.bpe_ranks and tok.decode(ids) == SAMPLES[0]
     with pytest.raises(ValueError, match="256 single bytes"):
         TokenizerSpec(family, ranks=255)
+
+
+def test_a_stray_byte_that_redecodes_sent_text_does_not_end_the_stream() -> None:
+    """A byte-fallback tokenizer (Llama / Mistral style): a second continuation byte after a
+    whole "é" makes the library's DecodeStream re-decode what it sent and raise; the text
+    goes on from the ids not yet out."""
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import BPE
+
+    from pipeline.tokenizer import StreamDetokenizer
+
+    vocab = {"<unk>": 0} | {f"<0x{b:02X}>": 1 + b for b in range(256)} | {"▁": 257, "▁hello": 258}
+    tok = Tokenizer(BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    detok = StreamDetokenizer(tok)
+    for token in ("▁", "<0xC3>", "<0xA9>", "<0xA9>", "▁hello"):
+        detok.add_token(tok.token_to_id(token))
+    detok.finalize()
+    assert detok.text.startswith("é") and detok.text.endswith(" hello")
