@@ -317,3 +317,14 @@ def test_verify_reports_progress_up_to_the_whole_container(tiny):
     total = sum(f.size for f in m.files) + sum(e.stride * e.num_experts for e in m.expert_entries)
     assert len(seen) > 4 and all(t == total for _, t in seen)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == total
+
+
+def test_chat_takes_turns_after_its_options(tiny, capsys):
+    """`chat C --max-tokens 2 hi "and then?"`: turns may follow the options (argparse alone
+    takes a positional list only before them); anything else unknown is still refused."""
+    assert main(["chat", str(tiny), *ENGINE, "--max-tokens", "2", "hi", "and then?"]) == 0
+    out = capsys.readouterr().out
+    assert ">>> hi\n" in out and ">>> and then?\n" in out, out  # two turns, in order
+    with pytest.raises(SystemExit):
+        main(["chat", str(tiny), *ENGINE, "hi", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err

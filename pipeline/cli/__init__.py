@@ -41,7 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "chat" and not any(e.startswith("-") for e in extra):
+        args.turns = [*args.turns, *extra]  # turns after options: `chat C --max-tokens 8 hi`
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     configure_logging(args.log_level or "warning", args.log_json)
     try:
         status = int(args.func(args) or 0)
