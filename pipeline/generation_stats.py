@@ -37,13 +37,16 @@ class GenerationMeasure:
 
     @classmethod
     async def start(cls, core: EngineCore) -> GenerationMeasure:
-        """Before the prefill (and before the prefix cache is asked: its time counts)."""
-        counters = await core.settled_counters()
-        return cls(core, counters)
+        """Before the prefill (and before the prefix cache is asked: its time counts, as
+        does the wait for the engine's last bookkeeping to settle)."""
+        t0 = time.perf_counter()
+        measure = cls(core, await core.settled_counters())
+        measure.t0 = measure.t_first = t0
+        return measure
 
     async def reset_peak(self) -> None:
+        """MLX's peak from here (the state restored, the prefill next); the clock runs on."""
         await self.core.worker.run(mx.reset_peak_memory)
-        self.t0 = time.perf_counter()
 
     async def first_token(self) -> None:
         """The prefill is done: its clock, its stall and its device peak end here."""
@@ -62,7 +65,9 @@ class GenerationMeasure:
     async def done(self, prompt_tokens: int, cached: int, completion_tokens: int,
                    seed: int) -> GenerationStats:
         t_end = self.t_end if self.t_end is not None else time.perf_counter()
-        now = self.core.counters()
+        # Settled: the prefetch task's scores of the last tokens, the reads they ordered
+        # (else lost to this generation's counts and, the next start settling, to both).
+        now = await self.core.settled_counters()
         spent = now - self.before
         decode_s = t_end - self.t_first
         decoded = max(completion_tokens - 1, 0)

@@ -104,6 +104,11 @@ async def measure_engine(case: Case) -> Result:
         if at_decode:
             read_path.thread_cpu_s = cpu_between(cpu_at_decode, cpu_end)
         s = done.stats
+        # The split of the measured run's peak, and the process as it was then: the pairs
+        # below add their own states to the prefix cache and load mlx-lm's model beside.
+        memory = msgspec.to_builtins(engine.memory_breakdown(
+            s.peak_rss_mb, s.peak_device_mb, s.prompt_tokens + s.completion_tokens))
+        os_threads, rss_kinds, rss_by_mapping = _os_threads(), resident_kinds(), resident_by_mapping()
         pairs = await paired(engine, case, prompt, params)
         decoded = max(s.completion_tokens - 1, 0)
         decode = end - (at_decode[0] if at_decode else end)
@@ -126,7 +131,7 @@ async def measure_engine(case: Case) -> Result:
             prefetch_precision=s.prefetch_precision, prefetch_recall=s.prefetch_recall,
             stall_fraction=s.stall_fraction, backend=backend(),
             routing=override.label if override is not None else "router",
-            os_threads=_os_threads(), rss_kinds=resident_kinds(), rss_by_mapping=resident_by_mapping(),
+            os_threads=os_threads, rss_kinds=rss_kinds, rss_by_mapping=rss_by_mapping,
             prefill_chunk=facts.prefill_chunk,
             prefill_bytes=prefill.bytes_read if at_decode else 0,
             run_ahead_tokens=spent.run_ahead_tokens,
@@ -134,8 +139,7 @@ async def measure_engine(case: Case) -> Result:
             ahead_steps=spent.ahead_steps,
             awaited_tokens=spent.awaited_tokens,
             seconds=time.perf_counter() - started, read_path=read_path,
-            memory=msgspec.to_builtins(engine.memory_breakdown(
-                s.peak_rss_mb, s.peak_device_mb, s.prompt_tokens + s.completion_tokens)),
+            memory=memory,
             queue_depth_gb_s=_probed(cfg, engine), open_s=phases["open_s"],
             warmup_s=phases["warmup_s"], token_ids=list(done.token_ids),
             **spec_result_fields(s, case), **pair_fields(pairs),
@@ -325,7 +329,10 @@ class Report:
         if agree:
             out["tokens_as_default"] = agree
         if default is not None:
-            budget = self.container["dense_mb"] + default.pool_mb + 256
+            # The dense core held (the measured split's: less a token embedding on file, more
+            # an lm_head widened), not its size on file.
+            dense = (default.memory or {}).get("dense_mb") or self.container["dense_mb"]
+            budget = dense + default.pool_mb + 256
             gpu = "gpu" in default.backend
             total = default.peak_rss_mb + (default.peak_device_mb if gpu else 0.0)
             # On the CPU MLX's memory is the process's: RSS alone is the total. On CUDA,
