@@ -29,7 +29,10 @@ class Job:
     started: trio.Event = field(default_factory=trio.Event)
     finished: trio.Event = field(default_factory=trio.Event)
     error: BaseException | None = None
-    abandoned: bool = False  # left before its turn: skipped, never started
+    abandoned: bool = False  # its asker left: skipped if still queued, else cancelled
+    # Called when the job ends without its body having run (skipped, or the engine closed
+    # first): the body is what ends the asker's stream otherwise (a generation's channel).
+    unrun: Callable[[], object] | None = None
 
     def end(self) -> None:
         """Done, run or not: its asker is let go, and its body dropped. The body is the
@@ -37,6 +40,9 @@ class Job:
         the two made a cycle that kept the finished generation's model state alive until
         Python's cyclic collector happened to run (seconds, or never on a quiet server)."""
         self.body = _spent
+        if not self.started.is_set() and self.unrun is not None:
+            self.unrun()
+        self.unrun = None
         self.finished.set()
 
 
@@ -101,6 +107,12 @@ class ComputeTask:
                     await job.body()
                 except Exception as exc:  # the asker re-raises it
                     job.error = exc
+        except BaseException:
+            # Not its asker's cancel (the job's scope catches that): the engine closing under
+            # it. The asker must not take the cut stream for a whole one.
+            if job.error is None:
+                job.error = RuntimeError("the engine closed during this generation")
+            raise
         finally:
             self.running.discard(job)
             job.end()
@@ -131,6 +143,7 @@ class ComputeTask:
         and waited for (its clean-up hands the pool back)."""
         if self.abandon_now(job):
             return
+        job.abandoned = True
         job.scope.cancel()
         with trio.CancelScope(shield=True):
             await job.finished.wait()

@@ -182,6 +182,7 @@ class DecodeBatch:
             row.deliver(token)
 
     async def _step(self) -> list[int] | None:
+        rows = [*self.members, *self.joiners]  # a failed regroup has taken joiners out of both
         try:
             await self._regroup()
             if not self.members or not all(r.asked for r in self.members):
@@ -195,7 +196,7 @@ class DecodeBatch:
             log.warning("batch.step_failed", rows=len(self.members), error=repr(exc))
             with trio.CancelScope(shield=True):
                 await self.compute.router.drain()
-            for row in [*self.members, *self.joiners]:
+            for row in dict.fromkeys([*rows, *self.members, *self.joiners]):
                 row.deliver(None, exc)
                 row.left.set()
             self.joiners = []

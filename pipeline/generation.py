@@ -158,9 +158,10 @@ class Generation:
             return
         self._send, self._receive = trio.open_memory_channel[Event](self._max_tokens() + 8)
         send = self._send
-        self.job = Job(body=lambda: self._body(send), cost=self.state_bytes())
+        job = Job(body=lambda: self._body(send), cost=self.state_bytes(), unrun=send.close)
+        self.core.compute_task.submit(job)  # a closed engine refuses it: nothing to undo then
+        self.job = job
         self.core.waiting += 1
-        self.core.compute_task.submit(self.job)
 
     async def run(self) -> AsyncGenerator[Event, None]:
         """Submit (if not yet) and stream what the generation produces.

@@ -84,11 +84,11 @@ class Reply:
     async def batched(self) -> AsyncIterator[None]:
         """Submit every choice's generation at once (they decode in one batch, each read
         in turn); whichever way the reply ends, the ones not read to the end are stopped."""
-        if len(self.choices) > 1:
-            for choice in self.choices:
-                self.started[choice.index] = self.engine.start(
-                    choice.tokens, choice.params, admitted=self.admitted)
         try:
+            if len(self.choices) > 1:  # within the try: a later one refused stops the earlier
+                for choice in self.choices:
+                    self.started[choice.index] = self.engine.start(
+                        choice.tokens, choice.params, admitted=self.admitted)
             yield
         finally:
             with trio.CancelScope(shield=True):
@@ -98,9 +98,9 @@ class Reply:
     async def run(self, choice: Choice) -> AsyncGenerator[TextDelta | Done, None]:
         drain = self.drain or Drain()
         drain.started()
-        generation = self.started.get(choice.index) or self.engine.start(
-            choice.tokens, choice.params, admitted=self.admitted)
-        try:
+        try:  # a refused start too ends what the drain counts
+            generation = self.started.get(choice.index) or self.engine.start(
+                choice.tokens, choice.params, admitted=self.admitted)
             async with aclosing(generation.run()) as events:
                 producing = False
                 while True:
