@@ -150,9 +150,19 @@ def sweep(
     strategies: Sequence[str],
     slots: Sequence[int],
 ) -> list[ReplayResult]:
-    """Every policy x strategy x slot count; the live policy keeps its recorded params."""
+    """Every policy x strategy x slot count; the live policy and strategy keep their
+    recorded params (a history's depth and decay, a combination's parts and cap)."""
     results = []
     for n, policy, strategy in itertools.product(slots, policies, strategies):
         params = trace.pool.policy_params if policy == trace.pool.policy else {}
-        results.append(simulate(trace, policy, params, strategy, n))
+        sparams = _recorded_strategy_params(trace) if strategy == trace.pool.strategy else {}
+        results.append(simulate(trace, policy, params, strategy, n, strategy_params=sparams))
     return results
+
+
+def _recorded_strategy_params(trace: RoutingTrace) -> dict[str, Any]:
+    """The live strategy's `params()` as `make_strategy` takes them."""
+    params = dict(trace.pool.strategy_params)
+    if "decay" in params:  # History records its own name for it
+        params["history_decay"] = params.pop("decay")
+    return params

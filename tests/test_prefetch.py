@@ -55,6 +55,18 @@ def test_transition_learns_layer_to_layer_mapping() -> None:
     assert tr.predict(0, [7], None) == []  # expert 7 never seen at layer 0
 
 
+def test_transition_pairs_each_token_of_a_multi_row_step_with_itself() -> None:
+    """A prefill chunk (or a batch, a verify pass) is observed row by row per layer: token
+    i's row at layer 0 leads to token i's at layer 2 (it paired the last with the first)."""
+    tr = Transition(moe_layers=MOE, num_experts=8, top_k=2)
+    for row in ([0, 1], [2, 3], [4, 5]):
+        tr.observe(0, row)
+    for row in ([6, 7], [6, 7], [1, 2]):
+        tr.observe(2, row)
+    assert tr.predict(0, [0, 1], None) == [(2, [6, 7])]
+    assert tr.predict(0, [4], None) == [(2, [1, 2])]
+
+
 def test_transition_does_not_link_across_sequences_or_gaps() -> None:
     tr = Transition(moe_layers=MOE, num_experts=8, top_k=2)
     tr.observe(5, [1])

@@ -7,13 +7,13 @@ import json
 import random
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from actors.pool.driver import PoolDriver
 from actors.pool.eviction import make_policy
 from actors.pool.slots import SlotTable
-from actors.prefetch import Transition
 from actors.routing_trace import (
     RoutingTrace,
     TraceModel,
@@ -142,25 +142,27 @@ def test_transition_beats_no_prefetch_on_deterministic_transitions() -> None:
 
 
 def _recorded_live_run(
-    routing: list[list[list[int]]], num_slots: int
+    routing: list[list[list[int]]], num_slots: int, strategy: str = "transition", **params: Any
 ) -> tuple[RoutingTrace, float]:
     """Drive the pool as the live engine does, recording predictions as it goes."""
+    from actors.prefetch import make_strategy
+
     model = _model()
-    pool = TracePool(num_slots=num_slots, policy="lfu", strategy="transition")
+    live = make_strategy(strategy, moe_layers=model.moe_layers, num_experts=EXPERTS, top_k=TOP_K, **params)
+    pool = TracePool(num_slots=num_slots, policy="lfu", strategy=strategy, strategy_params=live.params())
     rec = TraceRecorder(model, pool)
     table = SlotTable(num_slots, make_policy("lfu"))
     driver = PoolDriver(table)
-    strategy = Transition(moe_layers=model.moe_layers, num_experts=EXPERTS, top_k=TOP_K)
     tick = 0
     for half in (routing[: len(routing) // 2], routing[len(routing) // 2 :]):
         rec.begin_sequence()
-        strategy.reset_sequence()
+        live.reset_sequence()
         for step in half:
             rec.begin_token("decode")
             for layer, ids in enumerate(step):
                 driver.demand(layer, ids, tick)
-                strategy.observe(layer, ids)
-                preds = strategy.predict(layer, ids, None)
+                live.observe(layer, ids)
+                preds = live.predict(layer, ids, None)
                 rec.record(layer, ids, preds)
                 driver.prefetch(preds, tick)
                 tick += 1
@@ -179,6 +181,18 @@ def test_recorded_trace_round_trips_and_replays_the_live_hit_rate(tmp_path: Path
     rerun = simulate(loaded, "lfu", {}, "transition", num_slots=20)
     assert recorded.hit_rate == live_hit_rate
     assert recorded.pool == rerun.pool and recorded.prefetch == rerun.prefetch
+
+
+def test_the_live_strategy_replayed_by_name_keeps_its_recorded_params() -> None:
+    """`replay --strategies history` on a trace of a depth-2 history: the same predictions
+    as recorded (the sweep once rebuilt it at depth 1 and the default decay)."""
+    from pipeline.replay import sweep
+
+    routing = _deterministic_routing(random.Random(5), 80)
+    trace, _ = _recorded_live_run(routing, num_slots=20, strategy="history", depth=2, history_decay=0.8)
+    assert trace.pool.strategy == "history" and trace.pool.strategy_params == {"decay": 0.8, "depth": 2}
+    recorded, by_name = sweep(trace, ["lfu"], ["recorded", "history"], [20])
+    assert by_name.pool == recorded.pool and by_name.prefetch == recorded.prefetch
 
 
 def test_bad_traces_are_refused_with_the_file_named(tmp_path: Path) -> None:

@@ -61,6 +61,22 @@ def test_lfu_old_popularity_fades() -> None:
     assert p.frequency((0, 0), 50) == pytest.approx(0.25)
 
 
+def test_lfu_a_key_touched_on_the_tick_that_renormalises_is_rescaled_too() -> None:
+    """Its old score was read before the rescale and added to the new weight: e^200 too
+    large, never evicted for a whole period (defaults: after ~970k ticks of a server)."""
+    p = LFUDecay(decay=0.5, period=1)  # the exponent passes 200 at tick 289
+    a, b = (0, 1), (0, 2)
+    p.insert(a, 0)
+    p.insert(b, 0)
+    for tick in range(1, 289):
+        p.touch(a, tick)  # used every tick
+    p.touch(b, 287)
+    p.touch(b, 289)  # on the tick that renormalises
+    p.touch(a, 290)
+    assert p.frequency(b, 290) < p.frequency(a, 290) < 3
+    assert p.victim(lambda k: True) == b
+
+
 def test_lfu_matches_brute_force_decayed_counts_across_renormalisation() -> None:
     rng = random.Random(7)
     decay, period = 0.7, 3  # fast growth: forces several renormalisations

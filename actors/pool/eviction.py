@@ -141,7 +141,8 @@ class LFUDecay:
         self._heap.rebuild((self._score[k], seq, k) for k, seq in self._last.items())
 
     def _access(self, key: ExpertKey, tick: int) -> None:
-        self._score[key] = self._score.get(key, 0.0) + self._weight(tick)
+        weight = self._weight(tick)  # first: it may rescale every score, this key's too
+        self._score[key] = self._score.get(key, 0.0) + weight
         self._seq += 1
         self._last[key] = self._seq
         self._heap.push((self._score[key], self._seq, key), self._last)

@@ -61,9 +61,10 @@ class HeadPool:
         self.release()
         self.tick += 1
         loads: list[Load] = []
+        keys = {(self.layer, int(e)) for e in ids}  # a miss never evicts another of the demand
         for e in ids:
             key = (self.layer, int(e))
-            _slot, resident = self.table.acquire(key, self.tick, pin=True)
+            _slot, resident = self.table.acquire(key, self.tick, pin=True, protect=keys)
             self._pinned.append(key)
             if not resident:
                 loads.append(self.reader.submit(key, demand=True))

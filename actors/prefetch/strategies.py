@@ -136,18 +136,26 @@ class Transition:
         # counts[j][i, e]: times layer prev(j) chose i and layer j chose e. Allocated on first
         # use; float32 E x E per layer (1 MiB at 512 experts).
         self._counts: dict[int, np.ndarray] = {}
-        self._prev: tuple[int, np.ndarray] | None = None
+        # A step's rows (tokens: a prefill chunk, a batch, a verify pass) come one by one
+        # per layer: the layer before's rows and this one's so far, so that token i's row
+        # here is paired with token i's there (the last row there was paired with the
+        # first here, and every other pair was lost).
+        self._prev: tuple[int, list[np.ndarray]] | None = None
+        self._cur: tuple[int, list[np.ndarray]] | None = None
 
     def observe(self, layer: int, chosen: Sequence[int]) -> None:
         ids = np.asarray(chosen, dtype=np.int64)
+        if self._cur is None or self._cur[0] != layer:
+            self._prev, self._cur = self._cur, (layer, [])
+        row = len(self._cur[1])
+        self._cur[1].append(ids)
         prev = self._prev
-        if prev is not None and prev[0] == self.order.previous(layer):
+        if prev is not None and prev[0] == self.order.previous(layer) and row < len(prev[1]):
             counts = self._counts.get(layer)
             if counts is None:
                 counts = np.zeros((self.num_experts, self.num_experts), dtype=np.float32)
                 self._counts[layer] = counts
-            counts[np.ix_(prev[1], ids)] += 1.0
-        self._prev = (layer, ids)
+            counts[np.ix_(prev[1][row], ids)] += 1.0
 
     def predict(self, layer: int, chosen: Sequence[int], hidden: mx.array | None) -> Prediction:
         targets = self.order.after(layer, 1)
@@ -158,7 +166,7 @@ class Transition:
         return [(targets[0], ids)] if ids else []
 
     def reset_sequence(self) -> None:
-        self._prev = None  # the last layer of one prompt does not lead into the next
+        self._prev = self._cur = None  # the last layer of one prompt does not lead into the next
 
     def params(self) -> dict[str, Any]:
         return {}
