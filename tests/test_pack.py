@@ -271,3 +271,16 @@ def test_pack_subcommand_with_verify_after(synth_checkpoint, tmp_path, capsys):
     args = parser.parse_args(["pack", str(tmp_path / "no-such-dir"), "-o", str(tmp_path / "y.qpack")])
     assert args.func(args) == 2
     assert "neither a checkpoint directory nor a hub repo id" in capsys.readouterr().err
+
+
+def test_a_finished_container_is_returned_only_to_the_same_pack(synth_checkpoint, tmp_path):
+    """Re-running the same pack finds it done; another source or other bits into the same
+    -o are refused in one line (they got the old container back, silently)."""
+    src = synth_checkpoint("qwen3_next")
+    out = tmp_path / "b16.qpack"
+    pack(src, out, bits=16, progress=False)
+    assert pack(src, out, bits=16, progress=False).bytes_written == 0  # already complete
+    with pytest.raises(QpackError, match=r"other options .*'bits': \(None, 4\)"):
+        pack(src, out, bits=4, progress=False)
+    with pytest.raises(QpackError, match="other options .*'source'"):
+        pack(synth_checkpoint("qwen3_5_moe"), out, bits=16, progress=False)
