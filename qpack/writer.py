@@ -336,7 +336,11 @@ def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: i
             log.info("pack.already_complete", path=str(out))
             return PackResult(manifest, out, 0, 0.0)
         t0 = time.perf_counter()
-        src = open_source(resolve_source(str(source), revision=revision, progress=progress))
+        resolved = resolve_source(str(source), revision=revision, progress=progress)
+        if not Path(str(source)).is_dir():  # a hub repo: its files are one commit's (the
+            # snapshot's name), so a resume after an upstream change starts no mixed container
+            options["commit"] = resolved.name
+        src = open_source(resolved)
         try:
             if src.quantization is not None and bits == 16:
                 raise QpackError(src.root, "source is MLX-quantized; --bits 16 would need dequantizing, which pack does not do")

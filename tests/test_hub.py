@@ -59,3 +59,20 @@ def test_only_needed_files_are_downloaded():
     assert wanted("tokenizer.json") and wanted("model.safetensors.index.json")
     assert not wanted("README.md") and not wanted("pytorch_model.bin")
     assert not wanted("original/model.safetensors")
+
+
+def test_a_hub_pack_resumes_only_from_the_same_commit(hub, tmp_path):
+    """A pack's journal records the commit its files came from: a pack left half done
+    before the repo moved on is not finished from the new commit's files."""
+    import msgspec
+
+    from qpack.writer import JOURNAL, Journal
+
+    out = tmp_path / "moved.qpack"
+    out.mkdir()
+    options = {"source": REPO_ID, "bits": 4, "group_size": 64, "dtype": None, "revision": None,
+               "commit": "f" * 40}  # what a pack of an earlier commit left
+    (out / JOURNAL).write_bytes(msgspec.json.encode(Journal(options)))
+    with pytest.raises(QpackError, match="other options is in progress here .*'commit'"):
+        pack(REPO_ID, out, bits=4, progress=False)
+
