@@ -161,3 +161,24 @@ async def test_an_idle_keep_alive_connection_outlives_the_clients_own_pool_expir
             assert (await _health_on(stream)).startswith(b"HTTP/1.1 200")
             await trio.sleep(5.5)
             assert (await _health_on(stream)).startswith(b"HTTP/1.1 200")
+
+
+async def test_a_body_that_stops_coming_is_a_408_and_its_connection_closes(
+        container: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Headers in, a body that never follows: answered and closed, not held open for good
+    (hypercorn's idle timer stops at the headers; twenty such clients held twenty fds)."""
+    from pipeline.server import api
+
+    monkeypatch.setattr(api, "BODY_TIMEOUT_S", 0.5)
+    async with serving(container) as (_, port):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                  b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                                  b'{"model": ')
+            reply = b""
+            with trio.fail_after(10):
+                while chunk := await stream.receive_some():  # to the server's close
+                    reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert b"request_timeout" in reply and b"did not arrive within" in reply

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,26 @@ async def sse_chunks(lines: AsyncIterator[str], n: int) -> list[dict[str, Any]]:
         if line.startswith("data: "):
             chunks.append(json.loads(line[6:]))
     return chunks
+
+
+async def test_every_choice_a_request_queues_counts_against_the_queue(container: Path) -> None:
+    """n choices (and a completion's prompts) wait as n generations: one request with more
+    of them than the queue has room for is a 429, while an empty queue takes any one."""
+    async with running_server(container, max_queue=3, max_batch=1) as (engine, http):
+        long = body(max_tokens=2000, stream=True, logit_bias=no_eos(engine))
+        async with trio.open_nursery() as nursery:
+            async with http.stream("POST", CHAT, json=long) as a:
+                lines = a.aiter_lines()  # kept: a dropped line iterator closes the stream
+                await sse_chunks(lines, 2)
+                nursery.start_soon(partial(http.post, CHAT, json=body(max_tokens=2)))
+                await until(lambda: engine.waiting == 1)
+                err = error_of(await http.post(CHAT, json=body(n=3)), 429)
+                assert err["code"] == "queue_full"
+                err = error_of(await http.post("/v1/completions", json={
+                    "model": "tiny", "prompt": ["Hi", "Ho"], "n": 2, "max_tokens": 2}), 429)
+                assert err["code"] == "queue_full"
+        ok = await http.post(CHAT, json=body(n=4, max_tokens=2))  # the queue is empty again
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
 
 
 async def test_queue_full_and_disconnects(container: Path) -> None:

@@ -80,11 +80,11 @@ def eos_of(container: Path) -> list[int]:
     return eos_token_ids(container) or []
 
 
-def stream(port: int, max_tokens: int, banned: list[int] | None = None,
+def stream(port: int, max_tokens: int, banned: list[int] | None = None, n: int = 1,
            ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a story"}],
-            "max_tokens": max_tokens, "stream": True,
+            "max_tokens": max_tokens, "stream": True, "n": n,
             "logit_bias": {str(t): -100.0 for t in banned or ()}}
     conn.request("POST", "/v1/chat/completions", json.dumps(body),
                  {"Content-Type": "application/json"})
@@ -143,8 +143,10 @@ def test_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_0(fork_server, con
             with pytest.raises(OSError), socket.create_connection((address, server.port), 2):
                 pass
 
-        # A short answer in flight at SIGTERM finishes within the graceful period.
-        conn, resp = stream(server.port, 12)
+        # A short answer in flight at SIGTERM finishes within the graceful period, every
+        # choice of it (they are read one after the other: the second was taken for a reply
+        # not yet producing, and cut).
+        conn, resp = stream(server.port, 12, n=2)
         first = read_events(resp, 2)
         server.proc.send_signal(signal.SIGTERM)
         rest = read_events(resp)
@@ -152,7 +154,9 @@ def test_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_0(fork_server, con
         events = first + rest
         check_events(events)
         assert events[-1] == "[DONE]", events[-3:]
-        assert json.loads(events[-2])["choices"][0]["finish_reason"] in ("length", "stop")
+        finished = {c["index"]: c["finish_reason"] for e in events[:-1]
+                    for c in json.loads(e)["choices"] if c["finish_reason"]}
+        assert set(finished) == {0, 1} and set(finished.values()) <= {"length", "stop"}, finished
         assert server.proc.wait(60) == 0, "".join(server.log)[-3000:]
     finally:
         server.stop()

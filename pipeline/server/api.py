@@ -31,6 +31,7 @@ from pipeline.server.settings import ServerSettings
 log = structlog.get_logger("moestream.server")
 
 MAX_CHOICES = 32  # n x prompts in one request: each a whole generation, decoded together
+BODY_TIMEOUT_S = 30.0  # for a request's body, once its headers are in (then a 408)
 
 
 class Api:
@@ -89,12 +90,18 @@ class Api:
                                  f"{limit} bytes", code="request_too_large")
         chunks: list[bytes] = []
         total = 0
-        async for chunk in request.stream():
-            total += len(chunk)
-            if total > limit:
-                raise s.APIError(413, f"request body is over the limit of {limit} bytes",
-                                 code="request_too_large")
-            chunks.append(chunk)
+        # hypercorn stops its idle timer once the headers are in: a body that never comes
+        # would hold its connection (and a file descriptor) for good.
+        with trio.move_on_after(BODY_TIMEOUT_S) as waited:
+            async for chunk in request.stream():
+                total += len(chunk)
+                if total > limit:
+                    raise s.APIError(413, f"request body is over the limit of {limit} bytes",
+                                     code="request_too_large")
+                chunks.append(chunk)
+        if waited.cancelled_caught:
+            raise s.APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s "
+                             f"({total} bytes came)", code="request_timeout")
         return b"".join(chunks)
 
     async def decode(self, request: Request, kind: type[Any]) -> Any:
@@ -126,7 +133,10 @@ class Api:
             log.debug("server.model_name_ignored", model=model, serving=self.engine.name)
         return model
 
-    def check_prompt(self, tokens: list[int], params: SamplingParams, param: str) -> None:
+    def check_prompt(self, tokens: list[int], params: SamplingParams, param: str,
+                     generations: int = 1) -> None:
+        """`generations`: how many the request queues (n x prompts): each waits in the
+        engine's queue, so each counts against `server.max_queue`."""
         try:
             self.engine.check(tokens, params)
         except PromptTooLong as exc:
@@ -134,7 +144,9 @@ class Api:
         except ValueError as exc:
             raise s.APIError(400, str(exc), param=param) from None
         self.drain.check_open()
-        if self.engine.waiting >= self.settings.max_queue:
+        # An empty queue takes any one request (MAX_CHOICES bounds it): else one larger
+        # than the queue would be refused for good.
+        if self.engine.waiting and self.engine.waiting + generations > self.settings.max_queue:
             raise s.APIError(429, f"the server is busy: {self.engine.waiting} requests are "
                              "waiting; retry later", type="rate_limit_error", code="queue_full")
 

@@ -79,11 +79,17 @@ class Reply:
         self.texts = TokenTexts(engine.tokenizer)
         self.admitted = trio.Event()  # the first generation left the engine's queue
         self.started: dict[int, Generation] = {}
+        # A choice of this reply produced a token: its later choices (read one after the
+        # other) are a reply producing too, which a shutdown lets finish within its grace.
+        self.producing = False
 
     @asynccontextmanager
     async def batched(self) -> AsyncIterator[None]:
         """Submit every choice's generation at once (they decode in one batch, each read
-        in turn); whichever way the reply ends, the ones not read to the end are stopped."""
+        in turn); whichever way the reply ends, the ones not read to the end are stopped.
+        The drain counts the reply whole (between two choices it is not idle)."""
+        if self.drain is not None:
+            self.drain.started()
         try:
             if len(self.choices) > 1:  # within the try: a later one refused stops the earlier
                 for choice in self.choices:
@@ -94,6 +100,8 @@ class Reply:
             with trio.CancelScope(shield=True):
                 for generation in self.started.values():
                     await generation.close()
+            if self.drain is not None:
+                self.drain.finished()
 
     async def run(self, choice: Choice) -> AsyncGenerator[TextDelta | Done, None]:
         drain = self.drain or Drain()
@@ -102,7 +110,7 @@ class Reply:
             generation = self.started.get(choice.index) or self.engine.start(
                 choice.tokens, choice.params, admitted=self.admitted)
             async with aclosing(generation.run()) as events:
-                producing = False
+                producing = self.producing
                 while True:
                     # Each wait for the next event is cancellable by a shutdown; the yield
                     # stays outside the scope, so a cancel never lands in the consumer.
@@ -116,7 +124,7 @@ class Reply:
                             drain.unwatch(scope)
                     if scope.cancelled_caught:
                         raise shutting_down()
-                    producing = True
+                    producing = self.producing = True
                     if isinstance(event, Done):
                         self.metrics.record_generation(event.stats)
                     yield event

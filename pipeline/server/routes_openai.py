@@ -152,7 +152,7 @@ async def plan_chat(api: Api, req: s.ChatRequest) -> ChatPlan:
         raise s.APIError(400, f"{output[0]} and a forced tool call cannot both constrain "
                          "the reply", param=output[0])
     prompt, tokens = await chat_prompt(api, req)
-    api.check_prompt(tokens, params, "messages")
+    api.check_prompt(tokens, params, "messages", generations=req.n or 1)
     make = None
     if forced:
         parallel = req.parallel_tool_calls is not False
@@ -207,7 +207,8 @@ async def plan_text(api: Api, req: s.CompletionRequest) -> TextReply:
     params = api.params(req)
     prompts = await prompt_tokens(api, req.prompt)
     for i, tokens in enumerate(prompts):
-        api.check_prompt(tokens, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        api.check_prompt(tokens, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]",
+                         generations=(req.n or 1) * len(prompts))
     output = output_grammar(req)
     make = await api.constraint(output[1], output[0]) if output else None
     n = req.n or 1
