@@ -38,6 +38,7 @@ from qpack.mtp import (
 )
 from qpack.output_guard import bytes_under, exclusive_output, require_free_space
 from qpack.pack_files import Done, _fsync_dir, _guard, _milestone, _Out, _pwrite
+from qpack.pack_rerun import finished_differs
 from qpack.quantize import MODE_DEFAULTS, cast, quantize
 from qpack.safetensors_io import data_offsets, mx_to_bytes
 from qpack.source import SourceCheckpoint, open_source
@@ -328,7 +329,7 @@ def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: i
     with exclusive_output(out, "pack"):
         if (out / spec.MANIFEST).exists():
             manifest = spec.decode_manifest((out / spec.MANIFEST).read_bytes(), out / spec.MANIFEST)
-            differ = _finished_differs(manifest, str(source), bits, group_size, mode)
+            differ = finished_differs(manifest, str(source), bits, group_size, mode)
             if differ:  # a re-run with other options must not get the old container
                 raise QpackError(out, f"a finished container of other options is here {differ}; "
                                  "use another -o, or remove it to pack again")
@@ -362,24 +363,6 @@ def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: i
     log.info("pack.done", path=str(out), mb=round(result.bytes_written / 1e6, 2), seconds=round(result.seconds, 2),
              mb_s=round(result.mb_s, 1))
     return result
-
-
-def _finished_differs(manifest: spec.Manifest, source: str, bits: int | None, group_size: int,
-                      mode: str) -> dict[str, tuple[object, object]]:
-    """What a finished container says against what a pack asks: {option: (there, asked)}.
-    The source as given; bits, group size and mode where bits are asked (None keeps a
-    quantized source as it is, which the manifest cannot tell from a default)."""
-    q = manifest.quantization
-    there: dict[str, object] = {"source": manifest.source}
-    asked: dict[str, object] = {"source": source}
-    if Path(source).is_dir() and Path(manifest.source).is_dir():  # ./src and src alike
-        there["source"], asked["source"] = Path(manifest.source).resolve(), Path(source).resolve()
-    if bits == 16:
-        there["bits"], asked["bits"] = q.bits, None
-    elif bits is not None:
-        there.update(bits=q.bits, group_size=q.group_size, mode=q.mode or "affine")
-        asked.update(bits=bits, group_size=group_size, mode=mode)
-    return {k: (there[k], asked[k]) for k in asked if there[k] != asked[k]}
 
 
 def _vocab_size(src: SourceCheckpoint) -> int | None:
