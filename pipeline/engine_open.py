@@ -159,7 +159,7 @@ async def open_core(
         # Loaded before the actors' nursery opens, so a bad container surfaces as one
         # QpackError naming the file rather than inside an exception group.
         dense = await worker.run(
-            guarded, container.dense_path, stage.load_dense if stage else partial(
+            guarded, container.dense_path, partial(stage.load_dense, head_dtype=dtype) if stage else partial(
                 load_dense, embedding_on_file=on_file, head_dtype=dtype),
             container.config, container.dense_path,
         )

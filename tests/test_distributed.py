@@ -72,6 +72,9 @@ def test_layers_split_by_count_weight_or_boundaries() -> None:
     assert with_moe_layers(equal_boundaries(3, 2), 3, [1, 2]) == [2]
     assert with_moe_layers([2, 4], 6, [3, 4, 5]) == [4, 5]
     assert with_moe_layers([20, 40], 61, list(range(3, 61))) == [20, 40]
+    # MoE layers first and dense ones last, or interleaved: boundaries move left too.
+    assert with_moe_layers(equal_boundaries(6, 3), 6, [0, 1, 5]) == [1, 4]
+    assert with_moe_layers([4], 8, [0, 1, 2, 3]) == [3]
     with pytest.raises(PlanError, match="only 2 MoE layers"):
         with_moe_layers([1, 2], 3, [1, 2])
     with pytest.raises(PlanError, match="give rank 0 layers 0-0, none of them a MoE layer"):

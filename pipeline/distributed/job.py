@@ -89,12 +89,20 @@ def run_distributed(cfg: PipelineConfig, face: Callable[[PipelineConfig, Stage],
         if stage.plan.first:
             try:
                 status = face(cfg, stage)
-            finally:
-                # Also after the face failed (a bad prompt, Ctrl-C): the later ranks
-                # then stop cleanly instead of finding rank 0 gone.
+            except BaseException:
+                # Also after the face failed (a bad prompt, Ctrl-C): the later ranks then
+                # stop cleanly instead of finding rank 0 gone. Its own error is the one to
+                # report: a later rank that failed too is lost by then, and that is not news.
                 if stage.link.broken is None:
                     stage.shutdown()
-                    report(finish(stage))
+                    try:
+                        report(finish(stage))
+                    except RankLost:
+                        pass
+                raise
+            if stage.link.broken is None:
+                stage.shutdown()
+                report(finish(stage))
         else:
             # Ctrl-C in a terminal reaches every local rank of an mlx.launch job: rank 0
             # decides (a chat stops its reply, a server drains) and tells the others.

@@ -91,26 +91,29 @@ def with_moe_layers(boundaries: Sequence[int], num_layers: int, moe: Sequence[in
                     given: bool = False) -> list[int]:
     """Boundaries under which every rank runs at least one MoE layer: a rank keeps an
     expert pool and a reader, and a slice of dense layers only (DeepSeek's and GLM's first
-    layers) would have no experts to size them by. A computed split moves a boundary past
-    the next MoE layer; boundaries the user gave (`given`) are refused instead."""
+    layers) would have no experts to size them by. A computed split keeps each boundary
+    where it may and moves it the least otherwise, either way (MoE layers first and dense
+    ones last, or interleaved, as well as dense ones first); boundaries the user gave
+    (`given`) are refused instead."""
     edges = [0, *boundaries, num_layers]
     size = len(edges) - 1
+    moe = sorted(moe)
     if size > len(moe):
         raise PlanError(f"{size} ranks but the model has only {len(moe)} MoE layers: "
                         "each rank needs at least one")
-    for r in range(size):
-        if any(edges[r] <= m < edges[r + 1] for m in moe):
-            continue
-        if given:
-            raise PlanError(f"distributed.boundaries {list(boundaries)} give rank {r} layers "
-                            f"{edges[r]}-{edges[r + 1] - 1}, none of them a MoE layer: "
-                            "each rank needs at least one")
-        nxt = next((m for m in moe if m >= edges[r]), None)
-        if nxt is None or r == size - 1:
-            raise PlanError(f"{size} ranks: no split gives each of them a MoE layer")
-        edges[r + 1] = nxt + 1
-        for j in range(r + 2, size):
-            edges[j] = max(edges[j], edges[j - 1] + 1)
+    if given:
+        for r in range(size):
+            if not any(edges[r] <= m < edges[r + 1] for m in moe):
+                raise PlanError(f"distributed.boundaries {list(boundaries)} give rank {r} layers "
+                                f"{edges[r]}-{edges[r + 1] - 1}, none of them a MoE layer: "
+                                "each rank needs at least one")
+        return edges[1:-1]
+    for r in range(size - 1):
+        # Past this rank's first MoE layer, and no later than the MoE layer that must
+        # open the rest (each later rank needs one of its own).
+        lo = next(m for m in moe if m >= edges[r]) + 1
+        hi = moe[len(moe) - (size - 1 - r)]
+        edges[r + 1] = min(max(edges[r + 1], lo), hi)
     return edges[1:-1]
 
 

@@ -153,8 +153,10 @@ class Stage:
             return self.plan.last
         return True
 
-    def load_dense(self, config: dict[str, Any], path: Path) -> Any:
-        return load_dense(config, path, keep=self.keep)
+    def load_dense(self, config: dict[str, Any], path: Path, head_dtype: Any = None) -> Any:
+        """This rank's dense tensors; the last rank's untied head widened as one process's
+        is (`widen_head`: no cast of its scales per step)."""
+        return load_dense(config, path, keep=self.keep, head_dtype=head_dtype)
 
     def model(self, *args: Any, **kwargs: Any) -> StageModel:
         return StageModel(self, *args, **kwargs)

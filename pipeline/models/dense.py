@@ -97,8 +97,7 @@ def load_dense(config: dict[str, Any], dense_path: Path,
     model.eval()
     mx.eval(model.parameters())
     weights.clear()  # the model holds every tensor: a widened head's narrow ones go at once
-    if keep is None:
-        widen_head(model, head_dtype)
+    widen_head(model, head_dtype)  # a pipeline rank without the head widens an empty one
     return model
 
 
