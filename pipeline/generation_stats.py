@@ -94,7 +94,9 @@ class GenerationMeasure:
             prefetch_wasted_bytes=(spent.predicted - spent.correct) * self.core.facts.expert_stride,
             prefetch_used=spent.prefetch_used,
             prefetch_saved_s=spent.prefetch_used * spent.read_seconds / max(spent.reads, 1),
-            peak_rss_mb=peak_rss_mb(),
+            # The kernel's high-water mark (getrusage) can trail its current count
+            # (statm) by a page or so: the peak is never below what was seen decoding.
+            peak_rss_mb=max(peak_rss_mb(), self.decode_rss),
             peak_device_mb=max(self.prefill_device, decode_device) / 2**20,
             decode_rss_mb=self.decode_rss,
             decode_device_mb=decode_device / 2**20,

@@ -279,6 +279,12 @@ def expert_views(fmt: spec.ExpertFormat, buf: memoryview | np.ndarray) -> dict[s
 def load_manifest(root: Path) -> spec.Manifest:
     path = root / spec.MANIFEST
     if not path.is_file():
+        if ((root / "config.json").is_file() and not (root / spec.JOURNAL).exists()
+                and not (root / spec.DENSE).exists() and not (root / spec.EXPERTS_DIR).exists()):
+            # A checkpoint where a container was meant (a container's own files, or a pack's
+            # journal, mark a partial container).
+            raise QpackError(root, "is a checkpoint directory, not a .qpack container; pack it "
+                             f"first: moestream pack {root} -o {root.name}.qpack")
         raise QpackError(root, "incomplete container (no manifest.json); re-run pack to resume")
     data = path.read_bytes()
     raw = spec.parse_json(data, path, "qpack manifest")

@@ -33,6 +33,7 @@ VERSION = 1
 ALIGNMENT = 16 * 1024
 TENSOR_ALIGNMENT = 64
 MANIFEST = "manifest.json"
+JOURNAL = ".qpack-journal.json"  # a pack in progress (qpack/writer.py): a partial container
 CONFIG = "config.json"
 DENSE = "dense.safetensors"
 EXPERTS_DIR = "experts"

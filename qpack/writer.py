@@ -46,7 +46,7 @@ from qpack.spec import QpackError
 from qpack.tokenizer_convert import tokenizer_outputs
 
 log = structlog.get_logger("qpack.pack")
-JOURNAL = ".qpack-journal.json"
+JOURNAL = spec.JOURNAL
 DENSE_CHUNK = 32 * 1024 * 1024  # bytes of source rows converted at once
 class Journal(msgspec.Struct):
     options: dict[str, str | int | None]

@@ -202,9 +202,17 @@ def test_verify_and_info_subcommands(container, capsys, tmp_path):
 
     missing = tmp_path / "nothing.qpack"
     args = _parser().parse_args(["verify", str(missing)])
-    assert args.func(args) == 1
-    assert "no such container" in capsys.readouterr().err  # problems are diagnostics: stderr
+    assert args.func(args) == 2  # nothing to verify: one line, as `info` gives it
+    err = capsys.readouterr().err
+    assert err == f"error: {missing}: no such container\n", err
     os.makedirs(missing)
     args = _parser().parse_args(["info", str(missing)])
     assert args.func(args) == 2
     assert "incomplete container" in capsys.readouterr().err
+
+
+def test_a_checkpoint_where_a_container_was_meant_says_to_pack_it(synth_checkpoint) -> None:
+    src = synth_checkpoint("qwen3_next")
+    with pytest.raises(QpackError, match=r"is a checkpoint directory, not a .qpack container; pack it first: "
+                                         r"moestream pack .* -o .*\.qpack"):
+        Container.open(src)

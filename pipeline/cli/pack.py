@@ -93,7 +93,10 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from qpack.reader import verify_container
+    from qpack.spec import QpackError
 
+    if not Path(args.container).is_dir():  # nothing to check: one line, as `info` says it
+        return _error(QpackError(args.container, "no such container"))
     report = verify_container(args.container, progress=_verify_progress())
     if report.ok:
         print(f"OK {args.container}: {report.files_checked} files, {report.experts_checked} experts")

@@ -6,6 +6,7 @@ tomllib reads TOML but cannot write it, and this is too small to justify a depen
 
 from __future__ import annotations
 
+import datetime
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -32,7 +33,10 @@ def dumps_value(v: Any) -> str:
             return "nan"
         return repr(v) if math.isfinite(v) else ("inf" if v > 0 else "-inf")
     if isinstance(v, str):
-        return msgspec.json.encode(v).decode()  # JSON string escapes are valid TOML
+        # JSON string escapes are valid TOML; DEL, which JSON leaves as is, TOML forbids.
+        return msgspec.json.encode(v).decode().replace("\x7f", "\\u007f")
+    if isinstance(v, (datetime.date, datetime.time)):  # TOML's own (a datetime is a date)
+        return v.isoformat()
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(dumps_value(x) for x in v) + "]"
     if isinstance(v, dict):
