@@ -248,3 +248,17 @@ def test_cli_config_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture[str
     args = parser.parse_args(["config", str(good), "--set", "pool.slots=0"])
     assert args.func(args) == 2
     assert "pool.slots: expected int in [1, 16_777_216], got 0" in capsys.readouterr().err
+
+
+def test_a_date_where_a_string_belongs_is_one_error_and_odd_strings_round_trip(tmp_path: Path) -> None:
+    """TOML has dates and times of its own: a wrong type like any other (the message's own
+    writing of it crashed); and a string with DEL, which TOML forbids raw, is written escaped."""
+    from pipeline.config.toml import dumps_toml
+
+    path = tmp_path / "date.toml"
+    path.write_text('[model]\npath = "x.qpack"\n[run]\nstats = 2024-01-01\n')
+    with pytest.raises(ConfigError, match=r"run.stats: expected str, got date 2024-01-01 \(line 4\)"):
+        load_config(path, check_paths=False)
+    prompt = "a\x7fb \U0001f916 \\ \""
+    path.write_text(dumps_toml({"model": {"path": "x.qpack"}, "run": {"prompts": [prompt]}}))
+    assert list(load_config(path, check_paths=False).run.prompts) == [prompt]
