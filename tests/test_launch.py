@@ -164,12 +164,12 @@ def _post_status(port: int) -> int:
 def test_sigkill_to_the_launcher_stops_every_rank(fork_server, container) -> None:
     # Nothing of the launcher runs: each rank's watch sees it gone and SIGTERMs its own
     # rank, and rank 0 drains as on any SIGTERM. The reply this test streams holds the
-    # drain open for the whole 15 s grace (LONG tokens to go), so the 503 probe and the
-    # chunks after it land in the drain however late a loaded machine lets the test send
-    # and read them (a 3 s grace once ended first: connection refused; the probe and six
-    # chunks take well under a second). The grace then runs out and cuts the reply, which
-    # ends with the error event: the test only waits for the cut, and when it comes
-    # decides nothing the test checks. (30 s held one of CI's two workers for 30 s.)
+    # drain open (LONG tokens to go, a 15 s grace), so the 503 probe and the chunks after
+    # it land in the drain however late a loaded machine lets the test send and read them
+    # (a 3 s grace once ended first: connection refused; the probe and six chunks take well
+    # under a second). Then the test hangs up, which ends the reply and with it the drain:
+    # a reply cut at the grace's end is test_shutdown.py's (waiting for it here held one
+    # of CI's two workers for the whole grace).
     job, port = _job(fork_server, container, 15, max_tokens=LONG)
     try:
         conn, resp = stream(port, LONG, eos_of(container))
@@ -179,10 +179,8 @@ def test_sigkill_to_the_launcher_stops_every_rank(fork_server, container) -> Non
         assert _post_status(port) == 503
         more = read_events(resp, 3)  # the ranks decode on without their launcher
         assert [json.loads(e)["object"] for e in more] == ["chat.completion.chunk"] * 3, more
-        rest = read_events(resp)  # to the cut, at the end of the grace
-        conn.close()
-        check_events(first + more + rest)
-        assert json.loads(rest[-1])["error"]["code"] == "server_shutting_down", rest[-3:]
+        conn.close()  # the reply ends, the drain with it
+        check_events(first + more)
         assert job.gone_within(GONE_S), job.output()[-4000:]
         check_bindable("127.0.0.1", port)  # raises PortInUse if anything still holds it
         log = job.output()
