@@ -330,3 +330,11 @@ def test_chat_takes_turns_after_its_options(tiny, capsys):
         main(["chat", str(tiny), *ENGINE, "hi", "--bogus"])
     err = capsys.readouterr().err
     assert "unrecognized arguments:" in err and "--bogus" in err, err
+
+
+def test_the_log_flags_work_after_the_subcommand_too(tiny, capsys):
+    """`moestream info C --log-level debug`, as a user adds a flag at the end of a command."""
+    assert main(["info", str(tiny), "--log-level", "debug", "--log-json"]) == 0
+    assert "model type" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--log-level: unknown level 'bogus'"):  # still checked
+        main(["info", str(tiny), "--log-level", "bogus"])

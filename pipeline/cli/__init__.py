@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in COMMAND_MODULES:
         module.register(sub)
+    for command in sub.choices.values():  # after the subcommand too (`run c.toml --log-level debug`)
+        command.add_argument("--log-level", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        command.add_argument("--log-json", action="store_true", default=argparse.SUPPRESS,
+                             help=argparse.SUPPRESS)
     return parser
 
 
