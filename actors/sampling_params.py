@@ -67,8 +67,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(
                 f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}"
             )
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1 or unset, got {self.max_tokens!r}")
+        # 0 only to score a prompt (echo with logprobs: lm-eval-harness's loglikelihood).
+        least = 0 if self.prompt_logprobs is not None else 1
+        if self.max_tokens is not None and self.max_tokens < least:
+            raise ValueError(f"max_tokens must be >= 1 or unset (0 only with prompt logprobs), "
+                             f"got {self.max_tokens!r}")
         for s in self.stop:
             if not s:
                 raise ValueError("stop must not contain an empty string")

@@ -221,7 +221,7 @@ def test_stop_token_ids_and_bad_token_ids() -> None:
         ({"presence_penalty": 3.0}, "presence_penalty must be in [-2, 2]"),
         ({"frequency_penalty": -2.5}, "frequency_penalty must be in [-2, 2]"),
         ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
-        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1 or unset (0 only with prompt logprobs)"),
         ({"stop": ("",)}, "stop must not contain an empty string"),
         ({"stop_token_ids": (-1,)}, "stop_token_ids must be >= 0"),
         ({"logit_bias": ((1, 101.0),)}, "logit_bias must be in [-100, 100]"),

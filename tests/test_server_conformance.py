@@ -133,6 +133,14 @@ async def test_logprobs_echo_and_logit_bias(container: Path) -> None:
                                             max_tokens=1, temperature=0, logprobs=0, echo=True)
         assert again.choices[0].logprobs.token_logprobs[n_prompt] == pytest.approx(
             lp.token_logprobs[n_prompt], abs=2e-3)
+        # Scoring only (lm-eval-harness's loglikelihood): max_tokens=0 with echo and logprobs
+        # gives the prompt's log-probabilities and no completion.
+        scored = await v1.completions.create(model="tiny", prompt=prompt, max_tokens=0,
+                                             temperature=0, logprobs=2, echo=True)
+        assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+        assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n_prompt]
+        with pytest.raises(openai.BadRequestError):  # without logprobs there is nothing to score
+            await v1.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True)
         streamed = [c async for c in await v1.completions.create(
             model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True,
             stream=True)]

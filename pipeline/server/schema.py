@@ -318,6 +318,8 @@ def sampling_params(req: ChatRequest | CompletionRequest, defaults: SamplingPara
         values["max_tokens"] = max_tokens
     if req.stop is not None:
         values["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+    if getattr(req, "echo", False) and getattr(req, "logprobs", None) is not None:
+        values["prompt_logprobs"] = req.logprobs  # scoring: max_tokens may then be 0
     try:
         return msgspec.structs.replace(defaults, **values)
     except ValueError as exc:
