@@ -19,6 +19,7 @@ reader's condition, so every queue change writes an eventfd the ring keeps a rea
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -39,6 +40,7 @@ from qpack.uring import Ring
 
 log = structlog.get_logger("moestream.reader")
 _WAKE = 0  # the eventfd read's tag; reads count up from 1
+_ORPHANED: list[np.ndarray] = []  # buffers of reads a failed ring may still write into
 
 
 def _ring(entries: int) -> Ring | None:
@@ -84,7 +86,22 @@ class RingReads:
         ring = _ring(2)
         if ring is None:
             return False
-        ring.close()
+        # A read, not only the set-up: kernels before 5.6 set a ring up and then fail every
+        # IORING_OP_READ with EINVAL (each read would fall back, one at a time).
+        probe = np.zeros(16, dtype=np.uint8)
+        fd = os.open(container.root / "manifest.json", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            ring.read(fd, probe.ctypes.data, probe.nbytes, 0, 1)
+            ring.enter(1)
+            res = dict(ring.reap()).get(1, -errno.EIO)
+        except OSError as exc:
+            res = -(exc.errno or errno.EIO)
+        finally:
+            os.close(fd)
+            ring.close()
+        if res < 0:
+            log.info("reader.uring_declined", reason=f"a read through the ring failed: {os.strerror(-res)}")
+            return False
         return True
 
     @classmethod
@@ -110,15 +127,19 @@ class RingReads:
         self._arm()
         try:
             while (taken := reader.queue.take_many(len(flying))) is not None:
+                ended: list[Done] = []
                 for load, buffer in taken:
                     tag += 1
-                    fd, offset, want, need = reader.container.expert_extent(*load.key, buffer.nbytes)
-                    flying[tag] = (load, buffer, need)
                     load.t_start = time.perf_counter()
                     reader.meter.begin()
+                    try:  # opens the layer's file the first time: its error is this read's
+                        fd, offset, want, need = reader.container.expert_extent(*load.key, buffer.nbytes)
+                    except OSError:
+                        ended.append(self._ended(load, buffer, 1, -errno.EIO))  # the threads' way
+                        continue
+                    flying[tag] = (load, buffer, need)
                     ring.read(fd, buffer.ctypes.data, want, offset, tag)
                 ring.enter(1)
-                ended: list[Done] = []
                 for done, res in ring.reap():
                     if done == _WAKE:
                         self._arm()
@@ -131,12 +152,20 @@ class RingReads:
             raise
         finally:
             try:
-                # The kernel still writes into the buffers of reads in flight: wait them out.
+                # The kernel still writes into the buffers of reads in flight: wait them out,
+                # and give their buffers back (a reader run again finds them all).
                 while flying:
                     ring.enter(1)
                     for done, _ in ring.reap():
-                        if flying.pop(done, None) is not None:
+                        ended_read = flying.pop(done, None)
+                        if ended_read is not None:
                             reader.meter.end()
+                            reader.queue.give_back(ended_read[1])
+            except OSError:
+                # The ring cannot be waited on: its reads may still land, so their buffers
+                # must outlive this thread (kept for the process's life, never reused).
+                _ORPHANED.extend(buffer for _load, buffer, _need in flying.values())
+                flying.clear()
             finally:
                 with self._lock:
                     self._closed = True

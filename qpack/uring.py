@@ -24,6 +24,7 @@ import os
 import platform
 import struct
 import sys
+import time
 
 _NR_SETUP, _NR_ENTER = 425, 426  # x86-64 (and arm64) system call numbers
 _OP_READ = 22  # IORING_OP_READ
@@ -95,6 +96,11 @@ class Ring:
             if got >= 0:
                 return
             err = ctypes.get_errno()
+            if err in (errno.EAGAIN, errno.EBUSY):
+                # Out of resources for now, or completions to reap first: the caller reaps
+                # what is there and enters again (liburing's answer), after a breath.
+                time.sleep(0.0002)
+                return
             if err != errno.EINTR:  # a signal landed on this thread: enter again
                 raise OSError(err, f"io_uring_enter: {os.strerror(err)}")
 

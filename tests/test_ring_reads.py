@@ -153,3 +153,26 @@ async def test_an_engine_on_the_ring_cancelled_mid_generation_closes_and_frees_i
             pool_is_clean(engine)
             assert reader.io == "uring"
         assert reader.meter.in_flight == 0
+
+
+async def test_a_layer_file_that_cannot_be_opened_fails_its_read_not_the_ring(container, tmp_path):
+    """The ring opens a layer's file at its first read: an error there is that read's (the
+    threads' retries, then its error), and the ring goes on with the others (it died, and
+    every later read waited forever)."""
+    import shutil
+
+    root = tmp_path / "links.qpack"
+    shutil.copytree(container, root, copy_function=os.link)  # hard links: no copy
+    with Container.open(root, verify="off") as c:
+        (root / "experts" / "layer_001.bin").unlink()  # gone after open, before any read of it
+        reader = ExpertReader(c, concurrency=2, io="uring", retries=1, retry_backoff_s=0.001)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.run)
+            bad = reader.submit((1, 0), demand=True)
+            good = [reader.submit((0, e), demand=True) for e in range(4)]
+            with trio.fail_after(10):
+                for load in (bad, *good):
+                    await load.done.wait()
+            assert bad.error is not None and "layer 1" in str(bad.error)
+            assert all(load.error is None for load in good)
+            nursery.cancel_scope.cancel()
