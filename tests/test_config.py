@@ -262,3 +262,12 @@ def test_a_date_where_a_string_belongs_is_one_error_and_odd_strings_round_trip(t
     prompt = "a\x7fb \U0001f916 \\ \""
     path.write_text(dumps_toml({"model": {"path": "x.qpack"}, "run": {"prompts": [prompt]}}))
     assert list(load_config(path, check_paths=False).run.prompts) == [prompt]
+
+
+def test_a_word_where_a_number_or_a_word_belongs_lists_the_words(tmp_path: Path) -> None:
+    path = tmp_path / "m.toml"
+    path.write_text('[model]\npath = "x.qpack"\n[memory]\nbudget_mb = "AUTO"\n')
+    with pytest.raises(ConfigError, match=r"memory.budget_mb: invalid value 'AUTO', expected a number "
+                                          r"or one of 'auto', 'off' \(line 4\)"):
+        load_config(path, check_paths=False)
+

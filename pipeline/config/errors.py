@@ -129,9 +129,13 @@ class Locator:
 def _choices(root: type, key: tuple[str, ...]) -> str:
     """", expected one of ..." for a key whose annotation lists its values (a Literal)."""
     t = type_at(root, key)
-    while isinstance(t, mi.UnionType):  # an optional Literal: its values, not None
-        inner = [u for u in t.types if not isinstance(u, mi.NoneType)]
-        t = inner[0] if len(inner) == 1 else None
+    if isinstance(t, mi.UnionType):  # an optional Literal, or a number or a Literal
+        literals = [u for u in t.types if isinstance(u, mi.LiteralType)]
+        numbers = [u for u in t.types if isinstance(u, mi.IntType | mi.FloatType)]
+        if len(literals) == 1:
+            words = ", ".join(repr(v) for v in literals[0].values)
+            return f", expected {'a number or ' if numbers else ''}one of {words}"
+        return ""
     if isinstance(t, mi.LiteralType):
         return ", expected one of " + ", ".join(repr(v) for v in t.values)
     return ""
