@@ -75,6 +75,13 @@ async def test_ollama_client(container: Path) -> None:
                 {"function": {"name": "get_time", "arguments": {"tz": "UTC"}}}]},
             {"role": "tool", "content": "12:00", "tool_name": "get_time"}])
         assert follow.prompt_eval_count > 0 and follow.done
+        async with httpx2.AsyncClient(base_url=base, timeout=60) as http:  # content: null, as
+            replayed = await http.post("/api/chat", json={  # OpenAI-style clients replay a call
+                "model": "tiny", "stream": False, "options": opts, "messages": [
+                    *USER, {"role": "assistant", "content": None, "tool_calls": [
+                        {"function": {"name": "get_time", "arguments": {"tz": "UTC"}}}]},
+                    {"role": "tool", "content": "12:00", "tool_name": "get_time"}]})
+            assert replayed.status_code == 200 and replayed.json()["done"], replayed.text
 
         # generate: the prompt as a user turn, or raw; `context` carries the tokens on.
         gen = await client.generate(model="tiny", prompt="Tell me about Paris.", options=opts)
@@ -91,6 +98,16 @@ async def test_ollama_client(container: Path) -> None:
         more = await client.generate(model="tiny", prompt=" and", raw=True, options=opts,
                                      context=raw.context)
         assert more.context[:len(raw.context)] == raw.context
+        # A stop string inside the last token: the context holds what the caller got.
+        stop = raw.response[len(raw.response) // 2]
+        cut = await client.generate(model="tiny", prompt="The capital of France is", raw=True,
+                                    options={**opts, "stop": [stop]})
+        assert cut.done_reason == "stop" and stop not in cut.response
+        assert engine.tokenizer.decode(cut.context) == "The capital of France is" + cut.response
+        # num_predict is an upper bound (the server's limit past it), 0 none of its own.
+        long = await client.generate(model="tiny", prompt="Hi", raw=True,
+                                     options={"num_predict": 10**6, "temperature": 0})
+        assert long.done and long.eval_count <= 8192
 
         # Nothing to generate: what clients send to load a model.
         loaded = await client.chat(model="tiny", messages=[])

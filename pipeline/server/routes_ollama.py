@@ -44,7 +44,7 @@ class OToolCall(msgspec.Struct, kw_only=True):
 
 class OMessage(msgspec.Struct, kw_only=True):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
+    content: str | None = ""  # null as Ollama's decoder reads it: "" (a tool-call turn replayed)
     thinking: str | None = None  # earlier reasoning: not replayed into the prompt
     images: list[str] | None = None
     tool_calls: list[OToolCall] | None = None
@@ -98,6 +98,13 @@ _OPTION_FIELDS = {**{OLLAMA_NAMES.get(k, k): k for k in SCALAR_KNOBS},
                   "seed": "seed", "stop": "stop"}
 
 
+def _within(api: Api, body: dict[str, Any]) -> dict[str, Any]:
+    """Ollama's num_predict is an upper bound, never refused: at most the server's limit."""
+    if body.get("max_tokens") is not None:
+        body["max_tokens"] = min(body["max_tokens"], api.settings.max_tokens_limit)
+    return body
+
+
 def _common(req: _Body) -> dict[str, Any]:
     """The OpenAI request fields an Ollama body's shared keys mean."""
     body: dict[str, Any] = {"model": req.model, "stream": req.stream}
@@ -105,7 +112,7 @@ def _common(req: _Body) -> dict[str, Any]:
     for option, field in _OPTION_FIELDS.items():
         if getattr(opts, option) is not None:
             body[field] = getattr(opts, option)
-    if opts.num_predict is not None and opts.num_predict >= 0:
+    if opts.num_predict is not None and opts.num_predict > 0:  # 0, -1, -2: no limit of its own
         body["max_tokens"] = opts.num_predict
     if req.format == "json":
         body["response_format"] = {"type": "json_object"}
@@ -127,7 +134,7 @@ def chat_request(req: ChatBody) -> dict[str, Any]:
     messages: list[dict[str, Any]] = []
     for i, m in enumerate(req.messages):
         _no_images(m.images, f"messages[{i}].images")
-        msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        msg: dict[str, Any] = {"role": m.role, "content": m.content or ""}
         if m.tool_calls:
             msg["tool_calls"] = [{"id": f"call_{i}_{j}", "type": "function", "function": {
                 "name": c.function.name, "arguments": json.dumps(c.function.arguments)}}
@@ -202,7 +209,13 @@ class OllamaReply:
             "prompt_eval_duration": prefill, "eval_count": st.completion_tokens,
             "eval_duration": max(total - prefill, 0)}
         if self.key == "response":  # what a later /api/generate may send back as `context`
-            out["context"] = [*self.choice.tokens, *done.token_ids]
+            ids = list(done.token_ids)
+            tokenizer = self.api.engine.tokenizer
+            if done.finish_reason == "stop" and ids and tokenizer.decode(ids) != done.text:
+                # A stop string cut the reply inside its last token: the context holds the
+                # text the caller got, not what followed it.
+                ids = tokenizer.encode(done.text, add_special_tokens=False) if done.text else []
+            out["context"] = [*self.choice.tokens, *ids]
         return out
 
     async def parts(self) -> AsyncGenerator[tuple[str, str, list[Call], Done | None], None]:
@@ -279,7 +292,7 @@ async def chat(api: Api, request: Request) -> Response:
     body: ChatBody = await api.decode(request, ChatBody)
     if not body.messages:
         return _loaded(api, body, "message")
-    req = s.convert_request(chat_request(body), s.ChatRequest)
+    req = s.convert_request(_within(api, chat_request(body)), s.ChatRequest)
     plan = await plan_chat(api, req)
     return await _respond(request, OllamaReply(api, plan.reply(api, req), plan.name, "message"),
                           body.stream)
@@ -298,11 +311,11 @@ async def generate(api: Api, request: Request) -> Response:
         raise s.APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
     reply: Reply
     if body.raw:
-        text = s.convert_request({**_common(body), "prompt": body.prompt}, s.CompletionRequest)
+        text = s.convert_request(_within(api, {**_common(body), "prompt": body.prompt}), s.CompletionRequest)
         reply = await plan_text(api, text)
         name = reply.model
     else:
-        req = s.convert_request(generate_request(body), s.ChatRequest)
+        req = s.convert_request(_within(api, generate_request(body)), s.ChatRequest)
         plan = await plan_chat(api, req)
         reply, name = plan.reply(api, req), plan.name
     if body.context:
