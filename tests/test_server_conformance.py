@@ -50,6 +50,9 @@ async def test_lenient_requests_names_routes_and_cors(container: Path) -> None:
             assert back["prompt"] == back["content"] == "Hello world"
             chat_tok = (await http.post("/tokenize", json={"messages": USER})).json()
             assert chat_tok["count"] == one.usage.prompt_tokens
+            # With tools, the prompt the chat request would render (the template lists them).
+            with_tools = (await http.post("/tokenize", json={"messages": USER, "tools": TOOLS})).json()
+            assert with_tools["count"] > chat_tok["count"]
 
             # CORS for the listed origin only; preflight needs no key.
             pre = await http.options("/v1/chat/completions", headers={

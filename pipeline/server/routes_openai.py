@@ -223,9 +223,10 @@ async def tokenize(api: Api, request: Request) -> Response:
     req: s.TokenizeRequest = await api.decode(request, s.TokenizeRequest)
     if req.messages is not None:
         messages = template_messages(req.messages)
+        tools = [msgspec.to_builtins(t) for t in req.tools or []]
         kwargs = template_kwargs(api.engine.config.chat, req.chat_template_kwargs)
         text = await api.offload(lambda: check_size(render(
-            api.engine.tokenizer, messages, [], kwargs,
+            api.engine.tokenizer, messages, tools, kwargs,
             add_generation_prompt=req.add_generation_prompt).text, "the rendered chat template",
             "messages"), "rendering the chat template", "messages")
     elif req.prompt is not None or req.content is not None:

@@ -338,6 +338,7 @@ class TokenizeRequest(_Req, kw_only=True):
     prompt: str | None = None
     content: str | None = None
     messages: list[Message] | None = None
+    tools: list[Tool] | None = None  # rendered with `messages`, as the chat request would be
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     with_pieces: bool = False  # llama.cpp: each token as {"id", "piece"}
