@@ -238,11 +238,12 @@ class SpeculationPolicy:
         assert self.plain_s is not None
         a = self.acceptance
         out = (0, 0.0)
-        # A length whose one pass cost over `_COMPILED` plain steps may have compiled its
-        # kernels (`after_pass`): priced as unmeasured, or it would never get the second
-        # pass that prices it (only length 1 is probed).
-        steady = {n: s for n, s in self.pass_s.items()
-                  if self.passes_of.get(n, 0) != 1 or s <= _COMPILED * self.plain_s} or self.pass_s
+        # A length whose one pass cost over `_COMPILED` plain steps, and over twice what a
+        # steady length's price scaled to its positions says, may have compiled its kernels
+        # (`after_pass`): priced as unmeasured, or it would never get the second pass that
+        # prices it (only length 1 is probed). A pass that costs in proportion (MLX's CPU,
+        # where compute grows with the positions) is a price, not a compile.
+        steady = {n: s for n, s in self.pass_s.items() if not self._compiled(n, s)} or self.pass_s
         for n in range(1, k + 1):
             # A length not measured yet costs what the nearest measured one did (so a
             # longer draft is tried once it may pay, and then measured).
@@ -252,6 +253,16 @@ class SpeculationPolicy:
             if gain > out[1]:
                 out = (n, gain)
         return out
+
+    def _compiled(self, n: int, seconds: float) -> bool:
+        assert self.plain_s is not None
+        if self.passes_of.get(n, 0) != 1 or seconds <= _COMPILED * self.plain_s:
+            return False
+        priced = {m: c for m, c in self.pass_s.items() if m != n and self.passes_of.get(m, 0) >= 2}
+        if not priced:
+            return True
+        m = min(priced, key=lambda m: abs(m - n))
+        return seconds > 2 * priced[m] * (n + 1) / (m + 1)
 
     def after_plain(self, seconds: float | None) -> None:
         """A plain step of a speculating row; its seconds, or None when it is no price
