@@ -86,8 +86,6 @@ class StreamDetokenizer:
         self.__init__(self._tok)  # type: ignore[misc]
 
     def add_token(self, token: int) -> None:
-        from tokenizers.decoders import DecodeStream
-
         self.tokens.append(token)
         self._pending.append(token)
         try:
@@ -96,6 +94,8 @@ class StreamDetokenizer:
             # A byte-fallback tokenizer's stray byte can re-decode text already sent (the
             # library then raises "Invalid prefix"): the ids not out yet go out as they
             # decode, and the stream starts again after them.
+            from tokenizers.decoders import DecodeStream  # here: not on every token's path
+
             piece = self._tok.decode(self._pending, skip_special_tokens=False)
             self._stream = DecodeStream(skip_special_tokens=False)
         if piece:

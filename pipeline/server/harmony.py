@@ -63,13 +63,8 @@ class HarmonyParser:
     def finish(self, out: list[Any], cut: bool = False) -> None:
         """`cut`: the output ended at max_tokens (an unfinished call is dropped, not shown)."""
         rest, self._buf = self._buf, ""
-        if self._mode == "body" and cut and self._kind == "call":
-            try:
-                args = json.loads(rest) if rest.strip() else None
-            except ValueError:
-                args = None
-            if not isinstance(args, dict):
-                return
+        if self._mode == "body" and cut and self._kind == "call" and (not rest.strip() or _args(rest) is None):
+            return
         if self._mode == "body":
             self._close(rest, RETURN, out)
         elif self._mode == "header" and (self._header + rest).strip():
@@ -98,11 +93,8 @@ class HarmonyParser:
         self._mode, self._header = "header", (START if tag == START else CHANNEL)
 
     def _call(self, body: str, out: list[Any]) -> None:
-        try:
-            args = json.loads(body) if body.strip() else {}
-        except ValueError:
-            args = None
-        if not isinstance(args, dict):  # not a call after all: the text stays visible
+        args = _args(body)
+        if args is None:  # not a call after all: the text stays visible
             self.parts.content(body, out)
             return
         self.parts.call(self._name, json.dumps(args, ensure_ascii=False), out)
@@ -114,3 +106,12 @@ class HarmonyParser:
             self.parts.reasoning(text, out)
         else:
             self.parts.content(text, out)
+
+
+def _args(body: str) -> dict[str, Any] | None:
+    """A call's arguments (a blank body: none), or None where the body is no JSON object."""
+    try:
+        args = json.loads(body) if body.strip() else {}
+    except ValueError:
+        return None
+    return args if isinstance(args, dict) else None
