@@ -127,7 +127,6 @@ class Compute:
         # set by the engine where the probe passed (CUDA's direct path) or emulated.
         self.device_wait: Mailboxes | None = None
         self._map: SlotMap | None = None
-        self._map_version = -1
         # Strategies that read the model (next-gate, lookahead, a combination holding one)
         # predict on the MLX thread, in the routing's own sync; the others in the
         # prefetch task.
@@ -186,8 +185,8 @@ class Compute:
     def _slot_map(self) -> SlotMap:
         """The ready experts' slots for a run-ahead (rebuilt when the pool's table changes)."""
         table = self.router.table
-        if self._map is None or self._map_version != table.version:
-            self._map, self._map_version = snapshot(table, self._row_of, self.router.num_experts)
+        if self._map is None or self._map.version != table.version:
+            self._map = snapshot(table, self._row_of, self.router.num_experts)
         return self._map
 
     def _run_ahead(self, tokens: Tokens, cache: list[Any]) -> tuple[ForwardStepper, Any]:

@@ -32,12 +32,15 @@ class Inbox:
         self.track = track
         self._send, self._receive = trio.open_memory_channel[_Request](size)
 
+    def _stopped(self) -> RuntimeError:
+        return RuntimeError(f"the {self.track} task has stopped (the engine is closing)")
+
     async def ask(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         reply, answer = trio.open_memory_channel[outcome.Outcome[Any]](1)
         try:
             await self._send.send(_Request(fn, args, reply))
         except trio.BrokenResourceError:  # the serving task has stopped
-            raise RuntimeError(f"the {self.track} task has stopped (the engine is closing)") from None
+            raise self._stopped() from None
         return (await answer.receive()).unwrap()
 
     async def tell(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
@@ -71,7 +74,7 @@ class Inbox:
                         request.reply.send_nowait(result)
                     await after()
             finally:
-                gone = outcome.Error(RuntimeError(f"the {self.track} task has stopped (the engine is closing)"))
+                gone = outcome.Error(self._stopped())
                 while True:
                     try:
                         request = self._receive.receive_nowait()

@@ -107,8 +107,8 @@ class SlotMap:
         return out
 
 
-def snapshot(table: ReadyTable, rows: dict[int, int], num_experts: int) -> tuple[SlotMap, int]:
-    """The table's ready experts as a `SlotMap`, and the version it is of. Called on the
+def snapshot(table: ReadyTable, rows: dict[int, int], num_experts: int) -> SlotMap:
+    """The table's ready experts as a `SlotMap` of one version (its `version`). Called on the
     MLX thread while the event loop owns the table: labelled with the version read before
     the copy and copied again if the table moved meanwhile, since a map labelled newer
     than its contents would never be rebuilt (and could say an evicted expert is ready in
@@ -127,4 +127,4 @@ def snapshot(table: ReadyTable, rows: dict[int, int], num_experts: int) -> tuple
                 host[row, expert] = slot
                 taken[row, expert] = table.taken[slot]
         if table.version == version:
-            return SlotMap(host, rows, version, taken), version
+            return SlotMap(host, rows, version, taken)

@@ -22,15 +22,21 @@ Containers packed before that keep the experts in `mtp.safetensors` as
 
 from __future__ import annotations
 
+import math
 import re
 import zlib
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from qpack import spec
 from qpack.quantize import Rule, quantize
 from qpack.safetensors_io import mx_to_bytes
+
+if TYPE_CHECKING:
+    from qpack.layout import ContainerPlan
+    from qpack.source import SourceCheckpoint
 
 MTP_FILE = "mtp.safetensors"
 MTP_BITS = 8
@@ -49,12 +55,23 @@ def mtp_names(names: Iterable[str]) -> list[str]:
 def packed_bytes(shape: tuple[int, ...], itemsize: int, bits: int | None) -> int:
     """About what one source tensor becomes in `mtp.safetensors` (free-space checks):
     float as it is, or a matrix at 8 bits with a scale and a bias per 64 values."""
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     if bits is None or len(shape) < 2 or shape[-1] % 64:
         return n * itemsize
     return n * max(bits, MTP_BITS) // 8 + 2 * (n // 64) * itemsize
+
+
+def mtp_bytes(src: SourceCheckpoint, plan: ContainerPlan) -> int:
+    """About what the packer writes for the head (0 when the source's is not kept)."""
+    if src.is_mlx or src.fp8 is not None:
+        return 0
+    bits = plan.quant.default.bits if plan.quant.default is not None else None
+    total = 0
+    for name in mtp_names(src.index):
+        info = src.info(name)
+        total += packed_bytes(tuple(info.shape), info.nbytes // max(1, math.prod(info.shape)), bits)
+    # Each expert's blob is padded to the alignment at most once.
+    return total + (src.num_experts * spec.ALIGNMENT if total else 0)
 
 
 def _target(name: str) -> str:

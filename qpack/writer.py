@@ -32,8 +32,8 @@ from qpack.mtp import (
     expert_blobs,
     expert_layout,
     mtp_arrays,
+    mtp_bytes,
     mtp_names,
-    packed_bytes,
     split_experts,
 )
 from qpack.output_guard import bytes_under, exclusive_output, require_free_space
@@ -349,7 +349,7 @@ def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: i
             plan_bits = None if bits == 16 else (bits or default_bits)
             plan = make_plan(src, plan_bits, group_size, dtype, mode)
             total = sum(t.nbytes for t in plan.dense_plan()) + sum(lp.stride * src.num_experts for lp in plan.layers)
-            total += _mtp_bytes(src, plan)
+            total += mtp_bytes(src, plan)
             # Copied as they are, or converted once here (Kimi-K2's tiktoken.model) so that
             # a damaged file is refused before any weight is written.
             tokenizer = tokenizer_outputs(src.root, src.tokenizer_files(), _vocab_size(src))
@@ -369,26 +369,6 @@ def _vocab_size(src: SourceCheckpoint) -> int | None:
     """config.json's vocab_size (the embedding's rows), None where it gives none."""
     value = src.text.get("vocab_size")
     return value if isinstance(value, int) else None
-
-
-def _mtp_bytes(src: SourceCheckpoint, plan: ContainerPlan) -> int:
-    """What `Packer._mtp` will write, about (0 when the source's head is not kept)."""
-    if src.is_mlx or src.fp8 is not None:
-        return 0
-    bits = plan.quant.default.bits if plan.quant.default is not None else None
-    total = 0
-    for name in mtp_names(src.index):
-        info = src.info(name)
-        total += packed_bytes(tuple(info.shape), info.nbytes // max(1, _elements(info.shape)), bits)
-    # Each expert's blob is padded to the alignment at most once.
-    return total + (src.num_experts * spec.ALIGNMENT if total else 0)
-
-
-def _elements(shape: tuple[int, ...] | list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _with_progress(packer: Packer, total: int, progress: bool, out: Path) -> spec.Manifest:

@@ -54,8 +54,8 @@ def test_a_snapshot_taken_while_the_table_moves_is_of_the_version_it_copied() ->
         return items
 
     table.ready_items = moving  # type: ignore[method-assign]
-    slot_map, version = snapshot(table, {4: 0}, 8)
-    assert moves and version == table.version
+    slot_map = snapshot(table, {4: 0}, 8)
+    assert moves and slot_map.version == table.version
     evicted_slot = moves[0][0]
     assert table.key_at(evicted_slot) == (4, 5) and not table.ready((4, 5))
     want = [-1] * 8
@@ -69,7 +69,7 @@ def test_a_snapshot_taken_while_the_table_moves_is_of_the_version_it_copied() ->
         return real()
 
     table.ready_items = changing  # type: ignore[method-assign]
-    assert snapshot(table, {4: 0}, 8)[1] == table.version and len(moves) == 3
+    assert snapshot(table, {4: 0}, 8).version == table.version and len(moves) == 3
 
 
 def test_a_map_says_which_layers_experts_are_still_where_it_put_them() -> None:
@@ -77,7 +77,7 @@ def test_a_map_says_which_layers_experts_are_still_where_it_put_them() -> None:
     for e in (0, 1, 2):
         table.acquire((4, e), e, pin=False)
         table.mark_ready((4, e))
-    slot_map, _ = snapshot(table, {4: 0}, 8)
+    slot_map = snapshot(table, {4: 0}, 8)
     ids = np.array([[[0, 1]], [[2, 1]]])
     assert slot_map.held(table, [4, 4], ids).tolist() == [True, True]  # nothing moved
     table.acquire((4, 7), 9, pin=False)  # evicts expert 0 (LRU): its slot is 7's, loading

@@ -87,22 +87,21 @@ def run_distributed(cfg: PipelineConfig, face: Callable[[PipelineConfig, Stage],
     status = 0
     try:
         if stage.plan.first:
+            failed = True
             try:
                 status = face(cfg, stage)
-            except BaseException:
+                failed = False
+            finally:
                 # Also after the face failed (a bad prompt, Ctrl-C): the later ranks then
-                # stop cleanly instead of finding rank 0 gone. Its own error is the one to
-                # report: a later rank that failed too is lost by then, and that is not news.
+                # stop cleanly instead of finding rank 0 gone. Its own error is then the one
+                # to report: a later rank that failed too is lost by then, and that is not news.
                 if stage.link.broken is None:
                     stage.shutdown()
                     try:
                         report(finish(stage))
                     except RankLost:
-                        pass
-                raise
-            if stage.link.broken is None:
-                stage.shutdown()
-                report(finish(stage))
+                        if not failed:
+                            raise
         else:
             # Ctrl-C in a terminal reaches every local rank of an mlx.launch job: rank 0
             # decides (a chat stops its reply, a server drains) and tells the others.
