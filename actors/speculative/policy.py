@@ -140,7 +140,10 @@ class SpeculationPolicy:
             return 0  # plain steps and trials before the first pass
         if shadow is not None and 1.0 + self.acceptance < _WORTH:
             # No pass could pay, even one as cheap as a plain step (a = 0: one token a
-            # pass): only trials, a costly drafter's now and then, until they hit.
+            # pass): only trials, a costly drafter's now and then, until they hit. After
+            # passes, that is speculation stopping too, as a losing pass's back-off is.
+            if self.pass_s and not self._losing:
+                self._stop()
             self._shadow_due = self._probe_due(shadow=True)
             return 0
         if not self.pass_s:
@@ -157,15 +160,20 @@ class SpeculationPolicy:
             self._losing, self._probe_every = False, _PROBE_FIRST
             return best
         if not self._losing:
-            self._losing = True
             self._probe_every = max(self._probe_every, self._probe_floor())
             self._wait, self._waited = self._probe_every, 0
-            self.stats.backoffs += 1
-            log.info("speculative.backoff", acceptance=round(self.acceptance, 3),
-                     plain_ms=round(self.plain_s * 1e3, 2), probe_every=self._probe_every,
-                     pass_ms={n: round(s * 1e3, 2) for n, s in sorted(self.pass_s.items())})
+            self._stop()
         # A probe: one short pass now and then, to see whether the regime changed.
         return 1 if self._probe_due() else 0
+
+    def _stop(self) -> None:
+        """Speculation stops (a back-off): counted and logged once, until passes pay again."""
+        self._losing = True
+        self.stats.backoffs += 1
+        log.info("speculative.backoff", acceptance=round(self.acceptance, 3),
+                 plain_ms=None if self.plain_s is None else round(self.plain_s * 1e3, 2),
+                 probe_every=self._probe_every,
+                 pass_ms={n: round(s * 1e3, 2) for n, s in sorted(self.pass_s.items())})
 
     def _probe_due(self, shadow: bool = False) -> bool:
         """One plain step nearer the next probe (a pass, or where `shadow`, a costly
