@@ -157,6 +157,21 @@ class ReadQueue:
             self._bulk_cond.notify_all()
         self._poke(True)  # awake or not: it must see `closed` before it blocks again
 
+    def retry(self, loads: list[Load], buffers: list[np.ndarray]) -> None:
+        """From the ring's thread, after the ring failed: `loads` (started, never ended)
+        to the front of their queues, `buffers` in place of theirs, and from now on the
+        disk threads' conditions, not the ring's wake-ups."""
+        with self._cond:
+            self.wake, self.asleep = None, False
+            self.free.extend(buffers)
+            for load in reversed(loads):
+                if load.read_as_demand:
+                    self.demand_reading -= 1
+                load.started = load.read_as_demand = False
+                (self.demand if load.demand else self.prefetch).appendleft(load)
+            for cond in self._conds.values():
+                cond.notify_all()
+
     # -- from the disk threads, or the ring's ---------------------------------------------
 
     def take(self, lane: str) -> tuple[Load, np.ndarray] | None:

@@ -108,14 +108,14 @@ class ExpertReader:
         # Enough staging for installs to come in batches while reads continue.
         count = buffers if buffers is not None else max(4 * concurrency, 16)
         # Page-aligned, so the same buffers serve O_DIRECT reads.
-        free = [aligned_empty(stride) for _ in range(count)]
-        if register is not None:
-            for buffer in free:
-                register(buffer)
+        self._stride, self._register = stride, register
+        free = self._buffers(count)
         self.stats = ReaderStats()
         self.queue = ReadQueue(free, concurrency=concurrency, demand_lane=demand_lane,
                                bulk_lane=bulk_lane, prefetch_yields=prefetch_yields, stats=self.stats)
         self._any_done = trio.Event()
+        self._threads: list[threading.Thread] = []  # the disk threads, or the ring's
+        self._ring: RingReads | None = None  # while the ring's thread reads
         self.finisher = Finisher(max(1, min(MAX_STAGERS, concurrency)), check=self._check,
                                  give_back=self.give_back, complete=self._to_trio,
                                  stage=stage, lander=lander)
@@ -125,6 +125,14 @@ class ExpertReader:
         self._mail: list[tuple[list[Done], float | None]] = []
         self._mail_sent = False
         self.on_done: Callable[[], None] | None = None  # after loads end (once a batch), on trio
+
+    def _buffers(self, count: int) -> list[np.ndarray]:
+        """`count` staging buffers: page-aligned, so they serve O_DIRECT reads too."""
+        free = [aligned_empty(self._stride) for _ in range(count)]
+        if self._register is not None:
+            for buffer in free:
+                self._register(buffer)
+        return free
 
     @property
     def stage(self) -> Callable[[list[np.ndarray]], list[Any]] | None:
@@ -153,18 +161,15 @@ class ExpertReader:
         self.queue.open()
         with self._mail_lock:  # a run before may have ended with its mail undelivered
             self._mail, self._mail_sent = [], False
-        ring = RingReads.open(self) if self.io == "uring" else None  # None: refused after all
+        ring = self._ring = RingReads.open(self) if self.io == "uring" else None  # None: refused
         if ring is not None:
             self.queue.wake = ring.wake
-            threads = [threading.Thread(target=ring.run, args=(token,), daemon=True,
-                                        name="moestream-read-ring")]
+            self._threads = [threading.Thread(target=ring.run, args=(token,), daemon=True,
+                                              name="moestream-read-ring")]
         else:
             self.io, self.queue.wake = "threads", None
-            lanes = [QUEUE] * self.concurrency + [DEMAND] * self.demand_lane + [BULK] * self.bulk_lane
-            threads = [threading.Thread(target=self._disk_thread, args=(i, token, lane),
-                                        daemon=True, name=f"moestream-read-{i}")
-                       for i, lane in enumerate(lanes)]
-        for thread in threads:
+            self._threads = self._disk_threads(token)
+        for thread in self._threads:
             thread.start()
         try:
             with shortened(self.switch_interval_s):
@@ -172,9 +177,29 @@ class ExpertReader:
         finally:
             self.queue.close()
             # A read in flight ends in milliseconds; a hung disk must not hold shutdown.
+            # The ring's thread first: where the ring failed it started disk threads.
             deadline = time.monotonic() + 2.0
-            for thread in threads:
-                thread.join(max(0.0, deadline - time.monotonic()))
+            joined = 0
+            while joined < len(self._threads):
+                self._threads[joined].join(max(0.0, deadline - time.monotonic()))
+                joined += 1
+
+    def _disk_threads(self, token: trio.lowlevel.TrioToken) -> list[threading.Thread]:
+        lanes = [QUEUE] * self.concurrency + [DEMAND] * self.demand_lane + [BULK] * self.bulk_lane
+        return [threading.Thread(target=self._disk_thread, args=(i, token, lane),
+                                 daemon=True, name=f"moestream-read-{i}")
+                for i, lane in enumerate(lanes)]
+
+    def fall_back(self, token: trio.lowlevel.TrioToken, lost: list[Load]) -> None:
+        """On the ring's thread, after the ring itself failed: the reads it lost go back
+        to the front of their queues, each with a fresh buffer in place of one the
+        kernel may still write into, and disk threads take over from here."""
+        self.io, self._ring = "threads", None
+        self.queue.retry(lost, self._buffers(len(lost)))
+        threads = self._disk_threads(token)
+        self._threads.extend(threads)
+        for thread in threads:
+            thread.start()
 
     def submit(self, key: ExpertKey, *, demand: bool, slot: int = -1, land: bool = False) -> Load:
         """Queue a read of `key`; with `land` (and a lander), installed into `slot` where

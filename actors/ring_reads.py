@@ -64,6 +64,7 @@ class ExpertReaderLike(Protocol):
 
     def read(self, key: ExpertKey, buffer: np.ndarray) -> None: ...
     def after_reads(self, token: trio.lowlevel.TrioToken, ended: list[Done]) -> None: ...
+    def fall_back(self, token: trio.lowlevel.TrioToken, lost: list[Load]) -> None: ...
 
 
 class RingReads:
@@ -120,57 +121,95 @@ class RingReads:
         self.ring.read(self.wake_fd, self._word.ctypes.data, 8, 0, _WAKE, on_workers=False)
 
     def run(self, token: trio.lowlevel.TrioToken) -> None:
-        """The ring's thread: until the reader closes, then until its reads have ended."""
-        reader, ring = self.reader, self.ring
+        """The ring's thread: until the reader closes, then until its reads have ended.
+        Where the ring itself fails, the reads it held go to disk threads instead."""
         flying: dict[int, tuple[Load, np.ndarray, int]] = {}
+        failed = False
+        try:
+            self._serve(token, flying)
+        except OSError as exc:  # the ring itself failed: nothing a read's retries can mend
+            log.error("reader.uring_failed", error=str(exc), in_flight=len(flying), fallback="threads")
+            failed = True
+        finally:
+            try:
+                if failed:
+                    self._give_up(token, flying)
+                else:
+                    self._wait_out(flying)
+            finally:
+                with self._lock:
+                    self._closed = True
+                    for close in (self.ring.close, lambda: os.close(self.wake_fd)):
+                        try:
+                            close()
+                        except OSError as exc:  # a failed ring may refuse its own close
+                            log.warning("reader.uring_close_failed", error=str(exc))
+        if failed:
+            self.reader.fall_back(token, [load for load, _buffer, _need in flying.values()])
+
+    def _serve(self, token: trio.lowlevel.TrioToken, flying: dict[int, tuple[Load, np.ndarray, int]]) -> None:
+        reader, ring = self.reader, self.ring
         tag = _WAKE
         self._arm()
-        try:
-            while (taken := reader.queue.take_many(len(flying))) is not None:
-                ended: list[Done] = []
-                for load, buffer in taken:
-                    tag += 1
-                    load.t_start = time.perf_counter()
-                    reader.meter.begin()
-                    try:  # opens the layer's file the first time: its error is this read's
-                        fd, offset, want, need = reader.container.expert_extent(*load.key, buffer.nbytes)
-                    except OSError:
-                        ended.append(self._ended(load, buffer, 1, -errno.EIO))  # the threads' way
-                        continue
-                    flying[tag] = (load, buffer, need)
-                    ring.read(fd, buffer.ctypes.data, want, offset, tag)
+        while (taken := reader.queue.take_many(len(flying))) is not None:
+            ended: list[Done] = []
+            for load, buffer in taken:
+                tag += 1
+                load.t_start = time.perf_counter()
+                reader.meter.begin()
+                try:  # opens the layer's file the first time: its error is this read's
+                    fd, offset, want, need = reader.container.expert_extent(*load.key, buffer.nbytes)
+                except OSError:
+                    ended.append(self._ended(load, buffer, 1, -errno.EIO))  # the threads' way
+                    continue
+                flying[tag] = (load, buffer, need)
+                ring.read(fd, buffer.ctypes.data, want, offset, tag)
+            try:
                 ring.enter(1)
                 for done, res in ring.reap():
                     if done == _WAKE:
                         self._arm()
                         continue
                     ended.append(self._ended(*flying.pop(done), res))
+            finally:  # even where the ring failed: these reads have ended
                 if ended:
                     reader.after_reads(token, ended)
-        except OSError as exc:  # the ring itself failed: nothing the reads can retry
-            log.error("reader.uring_failed", error=str(exc), in_flight=len(flying))
-            raise
-        finally:
-            try:
-                # The kernel still writes into the buffers of reads in flight: wait them out,
-                # and give their buffers back (a reader run again finds them all).
-                while flying:
-                    ring.enter(1)
-                    for done, _ in ring.reap():
-                        ended_read = flying.pop(done, None)
-                        if ended_read is not None:
-                            reader.meter.end()
-                            reader.queue.give_back(ended_read[1])
-            except OSError:
-                # The ring cannot be waited on: its reads may still land, so their buffers
-                # must outlive this thread (kept for the process's life, never reused).
-                _ORPHANED.extend(buffer for _load, buffer, _need in flying.values())
-                flying.clear()
-            finally:
-                with self._lock:
-                    self._closed = True
-                    ring.close()
-                    os.close(self.wake_fd)
+
+    def _wait_out(self, flying: dict[int, tuple[Load, np.ndarray, int]]) -> None:
+        """Closing: the kernel still writes into the buffers of reads in flight, so wait
+        them out and give their buffers back (a reader run again finds them all)."""
+        try:
+            while flying:
+                self.ring.enter(1)
+                for done, _ in self.ring.reap():
+                    ended_read = flying.pop(done, None)
+                    if ended_read is not None:
+                        self.reader.meter.end()
+                        self.reader.queue.give_back(ended_read[1])
+        except OSError:
+            self._give_up(None, flying)
+
+    def _give_up(self, token: trio.lowlevel.TrioToken | None,
+                 flying: dict[int, tuple[Load, np.ndarray, int]]) -> None:
+        """The ring cannot be waited on. Reads it completed are answered (given a token);
+        the others' buffers (and the wake-up's word) may still be written, so they outlive
+        this thread, kept for the process's life and never reused; `flying` keeps their loads."""
+        ended: list[Done] = []
+        for done, res in self.ring.reap():
+            read = flying.pop(done, None)
+            if read is None:
+                continue
+            if token is None:  # closing: nobody waits for it
+                self.reader.meter.end()
+                self.reader.queue.give_back(read[1])
+            else:
+                ended.append(self._ended(*read, res))
+        if ended and token is not None:
+            self.reader.after_reads(token, ended)
+        for _load, buffer, _need in flying.values():
+            self.reader.meter.end()
+            _ORPHANED.append(buffer)
+        _ORPHANED.append(self._word)
 
     def _ended(self, load: Load, buffer: np.ndarray, need: int, res: int) -> Done:
         reader = self.reader

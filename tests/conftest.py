@@ -136,6 +136,22 @@ def _remove_orphans() -> None:
             pass  # alive (another user's run): not ours to remove
 
 
+def _remove_run(base: str) -> None:
+    """The run's files, all but multiprocessing's own temporary directory (`pymp-*`
+    under TMPDIR), which its exit handler removes after this and raised FileNotFoundError
+    at exit when it was gone; the empty directories left are the next run's orphans."""
+    for path in Path(base).iterdir():
+        if path.name == "tmp":
+            for inner in path.iterdir():
+                if not inner.name.startswith("pymp-"):
+                    if inner.is_dir() and not inner.is_symlink():
+                        shutil.rmtree(inner, ignore_errors=True)
+                    else:
+                        inner.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _tmpfs_basetemp(config: pytest.Config) -> None:
     """The run's temporary files on a tmpfs where there is one with room (and O_DIRECT,
     which the reader's direct path opens with): the suite writes some 7 GB of synthetic
@@ -161,7 +177,7 @@ def _tmpfs_basetemp(config: pytest.Config) -> None:
     except (OSError, AttributeError):
         shutil.rmtree(base, ignore_errors=True)
         return
-    config.add_cleanup(lambda: shutil.rmtree(base, ignore_errors=True))
+    config.add_cleanup(lambda: _remove_run(base))
     config.option.basetemp = os.path.join(base, "pytest")
     if "TMPDIR" not in os.environ:
         # What the code itself puts in the temporary directory (a private copy of each

@@ -176,3 +176,48 @@ async def test_a_layer_file_that_cannot_be_opened_fails_its_read_not_the_ring(co
             assert bad.error is not None and "layer 1" in str(bad.error)
             assert all(load.error is None for load in good)
             nursery.cancel_scope.cancel()
+
+
+async def test_a_ring_that_fails_hands_its_reads_to_threads_and_loses_none(container):
+    """The ring itself failing (here its descriptor swapped for one that is no ring: the
+    kernel refuses `io_uring_enter` with EOPNOTSUPP) is no read's error: the reads it held
+    are read again on disk threads, which serve every later read (before, its thread died
+    and every read it held or was yet to take waited forever)."""
+    with Container.open(container, verify="always") as c:
+        reader = ExpertReader(c, concurrency=2, io="uring", buffers=3)
+        keys = [(layer, e) for layer in c.moe_layers for e in range(c.layer(layer).num_experts)]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.run)
+            first = reader.submit(keys[0], demand=True)
+            await first.done.wait()
+            assert first.error is None and reader.io == "uring"
+            reader.give_back(first.buffer)
+            assert reader._ring is not None
+            ring = reader._ring.ring
+            real, ring.fd = ring.fd, os.open(os.devnull, os.O_RDONLY)
+            try:
+                # More reads than buffers: some are taken by the failing ring, the rest wait.
+                loads = [reader.submit(key, demand=i % 2 == 0) for i, key in enumerate(keys[1:])]
+                pending = set(range(len(loads)))
+                with trio.fail_after(10):
+                    while pending:  # each buffer back as soon as its read ends
+                        for i in [i for i in pending if loads[i].done.is_set()]:
+                            load = loads[i]
+                            assert load.error is None, load.error
+                            want = np.empty(c.manifest.max_stride, np.uint8)
+                            c.read_expert(*load.key, want)
+                            assert np.array_equal(load.buffer, want), load.key
+                            reader.give_back(load.buffer)
+                            pending.discard(i)
+                        if pending:
+                            await reader.wait_any()
+                assert reader.io == "threads" and reader._ring is None
+                again = reader.submit(keys[0], demand=True)
+                with trio.fail_after(10):
+                    await again.done.wait()
+                assert again.error is None
+            finally:
+                os.close(real)
+            nursery.cancel_scope.cancel()
+    assert reader.meter.in_flight == 0
+    assert reader.stats.failures == 0 and reader.stats.reads == len(keys) + 1
