@@ -91,14 +91,23 @@ class PrefixCache:
         entries = list(self._entries.values())
         return len(entries), sum(n for _, n in entries)
 
-    def take(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
-        """A copy of the longest stored state whose sequence is a proper prefix of `tokens`
-        (at least one token is left to compute: the next logits come from it)."""
+    def longest(self, tokens: Sequence[int]) -> int:
+        """How many tokens `take` would give back (0: none), without a copy."""
+        best = self._longest(tokens)
+        return 0 if best is None else len(best)
+
+    def _longest(self, tokens: Sequence[int]) -> tuple[int, ...] | None:
         best: tuple[int, ...] | None = None
         for seq in self._entries:
             if len(seq) < len(tokens) and (best is None or len(seq) > len(best)):
                 if tuple(tokens[: len(seq)]) == seq:
                     best = seq
+        return best
+
+    def take(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
+        """A copy of the longest stored state whose sequence is a proper prefix of `tokens`
+        (at least one token is left to compute: the next logits come from it)."""
+        best = self._longest(tokens)
         if best is None:
             return None, 0
         self._entries.move_to_end(best)

@@ -250,7 +250,9 @@ class DiskPrefixCache(PrefixCache):
         log.info("prefix_cache.disk_open", dir=str(self.dir), entries=len(self._index))
 
     def take(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
-        cache, cached = super().take(tokens)
+        # Memory's match is only measured here: copied where no longer file wins (it was
+        # copied, and marked recently used, before a longer file replaced it).
+        cached = self.longest(tokens)
         with self._lock:
             longer = [seq for seq in self._index
                       if cached < len(seq) < len(tokens) and tuple(tokens[: len(seq)]) == seq]
@@ -259,7 +261,7 @@ class DiskPrefixCache(PrefixCache):
             if loaded is not None:
                 PrefixCache.put(self, seq, loaded)  # already on disk: memory only
                 return super().take(tokens)
-        return cache, cached
+        return super().take(tokens)
 
     def _load(self, seq: tuple[int, ...]) -> list[Any] | None:
         with self._lock:

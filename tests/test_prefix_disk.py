@@ -146,3 +146,29 @@ def test_the_code_fingerprint_covers_every_forward_source_the_families_included(
 
     names = [name for name, _ in _sources()]
     assert "streamed.py" in names and "families/base.py" in names and "families/qwen3_next.py" in names
+
+
+def test_a_longer_file_wins_without_taking_the_shorter_match_in_memory(tmp_path: Path) -> None:
+    """A lookup that a longer state on disk serves neither copies memory's shorter match
+    nor marks it recently used (it did both before the file replaced it: the copy was
+    thrown away, and the shorter state outlived entries used since)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    def state(n: int) -> list[KVCache]:
+        c = KVCache()
+        c.update_and_fetch(mx.ones((1, 1, n, 4)), mx.ones((1, 1, n, 4)))
+        return [c]
+
+    tokens = list(range(1, 20))
+    disk = DiskPrefixCache(tmp_path, "fp", lambda: [KVCache()], max_bytes=1 << 20,
+                           min_tokens=8, max_entries=4)
+    disk.put(tokens[:12], state(12))
+    disk.flush()
+    disk.clear()  # the longer state now only on disk
+    disk.put(tokens[:4], state(4))  # shorter than min_tokens: memory only
+    disk.put([7, 7], state(2))
+    cache, cached = disk.take(tokens)
+    assert cached == 12 and cache is not None and cache[0].offset == 12
+    assert list(disk._entries) == [tuple(tokens[:4]), (7, 7), tuple(tokens[:12])]
+    disk.close()
