@@ -182,3 +182,21 @@ async def test_a_body_that_stops_coming_is_a_408_and_its_connection_closes(
                     reply += chunk
         assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
         assert b"request_timeout" in reply and b"did not arrive within" in reply
+
+
+async def test_a_connection_the_client_closes_while_idle_is_closed_at_once(container: Path) -> None:
+    """A client that ends an idle keep-alive connection (here half-closing it, so its end
+    sees the server's close) gets the server's close at once, not after the 75 s
+    keep-alive timer: hypercorn 0.18 waited for that timer before closing its socket, so
+    every connection a client closed sat in CLOSE-WAIT, holding a descriptor, for 75 s."""
+    import socket
+
+    async with serving(container) as (_, port):
+        for _ in range(3):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                assert (await _health_on(stream)).startswith(b"HTTP/1.1 200")
+                await trio.sleep(0.2)  # the server has set its connection idle
+                stream.socket.shutdown(socket.SHUT_WR)
+                with trio.fail_after(5):
+                    assert await stream.receive_some() == b""

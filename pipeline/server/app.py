@@ -51,6 +51,7 @@ from pipeline.server import (
 from pipeline.server import schema as s
 from pipeline.server.api import Api
 from pipeline.server.drain import Drain
+from pipeline.server.hypercorn_fix import close_idle_connections_at_eof
 from pipeline.server.metrics import Metrics
 from pipeline.server.route_table import ROUTES, RouteSpec
 from pipeline.server.route_table import label as route_label
@@ -227,6 +228,7 @@ async def serve_engine(
         settings.defaults.check_vocab(engine.facts.vocab_size)
     except ValueError as exc:
         raise ConfigError(f"sampling.{exc}") from None
+    close_idle_connections_at_eof()
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
