@@ -49,7 +49,7 @@ case $step in
     ptx_save ;;
   l)
     c35m
-    for i in 1 2; do
+    for i in $(seq "${PAIRS:-2}"); do  # PAIRS=1 where the lease is short
       TAIL=1 bench 150 l-shipped-$i c35m "${warm[@]}" --cases warm-all
       MLX_MAX_MB_PER_BUFFER=1000000 TAIL=1 bench 150 l-mb-$i c35m "${warm[@]}" --cases warm-all
     done
