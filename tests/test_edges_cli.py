@@ -332,6 +332,19 @@ def test_chat_takes_turns_after_its_options(tiny, capsys):
     assert "unrecognized arguments:" in err and "--bogus" in err, err
 
 
+def test_generate_takes_prompts_as_arguments_before_or_after_its_options(tiny, tmp_path, capsys):
+    """`generate C "hi there" --max-tokens 2 "and two"` as llama.cpp's and mlx-lm's users
+    type it (it was refused: "unrecognized arguments"); --prompt ones first."""
+    stats = tmp_path / "stats.json"
+    assert main(["generate", str(tiny), "hi there", *ENGINE, "and two", "--prompt", "first",
+                 "--stats", str(stats)]) == 0
+    runs = json.loads(stats.read_text())["runs"]
+    assert [r["prompt"] for r in runs] == ["first", "hi there", "and two"], runs
+    with pytest.raises(SystemExit):
+        main(["generate", str(tiny), "hi", "--bogus"])
+    assert "--bogus" in capsys.readouterr().err
+
+
 def test_the_log_flags_work_after_the_subcommand_too(tiny, capsys):
     """`moestream info C --log-level debug`, as a user adds a flag at the end of a command."""
     assert main(["info", str(tiny), "--log-level", "debug", "--log-json"]) == 0

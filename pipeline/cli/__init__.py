@@ -43,11 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands whose last positional list may also follow their options: its dest.
+TRAILING = {"chat": "turns", "generate": "prompts"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command == "chat" and not any(e.startswith("-") for e in extra):
-        args.turns = [*args.turns, *extra]  # turns after options: `chat C --max-tokens 8 hi`
+    trailing = TRAILING.get(args.command)
+    if extra and trailing and not any(e.startswith("-") for e in extra):
+        # argparse takes a positional list only before the options: `chat C --max-tokens 8 hi`
+        setattr(args, trailing, [*getattr(args, trailing), *extra])
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     configure_logging(args.log_level or "warning", args.log_json)

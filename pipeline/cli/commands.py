@@ -209,7 +209,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         cfg = engine_config(args, args.model)
     except (ConfigError, ValueError) as exc:
         return refused(exc)
-    prompts = tuple(args.prompt or ["Hello"])
+    prompts = tuple([*(args.prompt or []), *args.prompts] or ["Hello"])
     cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(
         cfg.run, prompts=prompts, stats=args.stats, record_routing=args.record_routing))
     try:
@@ -247,9 +247,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_run)
 
     g = sub.add_parser("generate", help="one-shot generation from a container, with stats",
-                       description="Stream a completion for each --prompt and print tok/s, "
+                       description="Stream a completion for each prompt and print tok/s, "
                        "pool hit rate and peak memory.")
     g.add_argument("model", help="path of a .qpack container")
+    g.add_argument("prompts", nargs="*", metavar="PROMPT",
+                   help="prompt text, as --prompt (after the --prompt ones); several run in order")
     g.add_argument("--prompt", action="append", help="prompt text; repeatable")
     g.add_argument("--stats", help="write the stats as JSON here")
     g.add_argument("--record-routing", help="save the routing trace here (for `replay`)")
