@@ -345,6 +345,24 @@ def test_generate_takes_prompts_as_arguments_before_or_after_its_options(tiny, t
     assert "--bogus" in capsys.readouterr().err
 
 
+def test_generate_reads_a_prompt_from_standard_input(tiny, tmp_path, capsys, monkeypatch):
+    """`cat prompt.txt | moestream generate C -` (mlx-lm's `--prompt -`); input that is not
+    UTF-8 text, or none, is one line naming it, before the model loads."""
+    import io
+    import sys
+
+    stats = tmp_path / "stats.json"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("Bonjour à tous\n".encode())))
+    assert main(["generate", str(tiny), "-", "hi", *ENGINE, "--stats", str(stats)]) == 0
+    assert [r["prompt"] for r in json.loads(stats.read_text())["runs"]] == ["Bonjour à tous\n", "hi"]
+    for data, words in ((b"\xff\xfe", "standard input is not UTF-8 text"), (b" \n", "standard input is empty")):
+        capsys.readouterr()
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+        assert main(["generate", str(tiny), "--prompt", "-"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: prompt '-': ") and words in err and err.count("\n") == 1, err
+
+
 def test_the_log_flags_work_after_the_subcommand_too(tiny, capsys):
     """`moestream info C --log-level debug`, as a user adds a flag at the end of a command."""
     assert main(["info", str(tiny), "--log-level", "debug", "--log-json"]) == 0

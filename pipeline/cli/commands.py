@@ -209,7 +209,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         cfg = engine_config(args, args.model)
     except (ConfigError, ValueError) as exc:
         return refused(exc)
-    prompts = tuple([*(args.prompt or []), *args.prompts] or ["Hello"])
+    try:
+        prompts = _prompts([*(args.prompt or []), *args.prompts] or ["Hello"])
+    except ValueError as exc:
+        return refused(exc)
     cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(
         cfg.run, prompts=prompts, stats=args.stats, record_routing=args.record_routing))
     try:
@@ -219,6 +222,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if cfg.distributed.enabled:
         return distributed(cfg, lambda c, s: trio.run(run_pipeline, c, None, "generate", s))
     return trio.run(run_pipeline, cfg, None, "generate")
+
+
+def _prompts(given: list[str]) -> tuple[str, ...]:
+    """`-` is the text on standard input (as mlx-lm's `--prompt -`), read once."""
+    if "-" not in given:
+        return tuple(given)
+    import sys
+
+    try:
+        text = sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"prompt '-': standard input is not UTF-8 text ({exc.reason} at byte "
+                         f"{exc.start})") from None
+    if not text.strip():
+        raise ValueError("prompt '-': standard input is empty")
+    return tuple(text if p == "-" else p for p in given)
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -251,8 +270,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "pool hit rate and peak memory.")
     g.add_argument("model", help="path of a .qpack container")
     g.add_argument("prompts", nargs="*", metavar="PROMPT",
-                   help="prompt text, as --prompt (after the --prompt ones); several run in order")
-    g.add_argument("--prompt", action="append", help="prompt text; repeatable")
+                   help="prompt text, as --prompt (after the --prompt ones); several run in "
+                   "order; - reads standard input")
+    g.add_argument("--prompt", action="append", help="prompt text (- reads standard input); repeatable")
     g.add_argument("--stats", help="write the stats as JSON here")
     g.add_argument("--record-routing", help="save the routing trace here (for `replay`)")
     add_engine_flags(g)
