@@ -363,6 +363,19 @@ def test_generate_reads_a_prompt_from_standard_input(tiny, tmp_path, capsys, mon
         assert err.startswith("error: prompt '-': ") and words in err and err.count("\n") == 1, err
 
 
+def test_generate_sends_prompts_through_the_chat_template_on_request(tiny, tmp_path):
+    """Plain text by default (a completion); `--chat` a user turn through the model's
+    template, `--system` a system message before it (as mlx-lm's --system-prompt)."""
+    counts = {}
+    for name, flags in (("raw", []), ("chat", ["--chat"]), ("system", ["--system", "Be brief."])):
+        stats = tmp_path / f"{name}.json"
+        assert main(["generate", str(tiny), "hi", *ENGINE, "--stats", str(stats), *flags]) == 0
+        (run,) = json.loads(stats.read_text())["runs"]
+        assert run["prompt"] == "hi"
+        counts[name] = run["prompt_tokens"]
+    assert counts["raw"] < counts["chat"] < counts["system"], counts
+
+
 def test_the_log_flags_work_after_the_subcommand_too(tiny, capsys):
     """`moestream info C --log-level debug`, as a user adds a flag at the end of a command."""
     assert main(["info", str(tiny), "--log-level", "debug", "--log-json"]) == 0

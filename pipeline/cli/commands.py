@@ -204,15 +204,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from pipeline.cli.console import run_pipeline
     from pipeline.config.errors import ConfigError
+    from pipeline.config.schema import ChatMessage
 
     try:
         cfg = engine_config(args, args.model)
     except (ConfigError, ValueError) as exc:
         return refused(exc)
     try:
-        prompts = _prompts([*(args.prompt or []), *args.prompts] or ["Hello"])
+        texts = _prompts([*(args.prompt or []), *args.prompts] or ["Hello"])
     except ValueError as exc:
         return refused(exc)
+    prompts: tuple[str | tuple[ChatMessage, ...], ...] = texts
+    if args.chat or args.system is not None:  # each prompt one user turn, through the template
+        system = () if args.system is None else (ChatMessage(role="system", content=args.system),)
+        prompts = tuple((*system, ChatMessage(role="user", content=t)) for t in texts)
     cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(
         cfg.run, prompts=prompts, stats=args.stats, record_routing=args.record_routing))
     try:
@@ -273,6 +278,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prompt text, as --prompt (after the --prompt ones); several run in "
                    "order; - reads standard input")
     g.add_argument("--prompt", action="append", help="prompt text (- reads standard input); repeatable")
+    g.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user turn through the model's chat template "
+                   "(default: the text as it is, a completion)")
+    g.add_argument("--system", help="a system message before each prompt (implies --chat)")
     g.add_argument("--stats", help="write the stats as JSON here")
     g.add_argument("--record-routing", help="save the routing trace here (for `replay`)")
     add_engine_flags(g)
