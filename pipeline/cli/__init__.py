@@ -50,8 +50,7 @@ TRAILING = {"chat": "turns", "generate": "prompts"}
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    # (`launch` keeps its ranks' command line under the same name: a list.)
-    trailing = TRAILING.get(args.command) if isinstance(args.command, str) else None
+    trailing = TRAILING.get(args.command)
     if extra and trailing and not any(e.startswith("-") for e in extra):
         # argparse takes a positional list only before the options: `chat C --max-tokens 8 hi`
         setattr(args, trailing, [*getattr(args, trailing), *extra])

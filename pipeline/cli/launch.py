@@ -15,7 +15,7 @@ from pipeline.failures import refused
 def _cmd_launch(args: argparse.Namespace) -> int:
     from pipeline.distributed.launch import launch
 
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = args.rank_command[1:] if args.rank_command[:1] == ["--"] else args.rank_command
     if args.ranks < 1:
         return refused(ValueError(f"-n: a job needs at least one rank, not {args.ranks}"))
     if not command:
@@ -39,6 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kill-after", type=float, default=30.0, metavar="SECONDS",
                    help="SIGKILL what is left of the job this long after a SIGTERM or a "
                    "failed rank (default 30)")
-    p.add_argument("command", nargs=argparse.REMAINDER,
+    # Not `command`: the subcommand's own name is kept under that name (pipeline/cli).
+    p.add_argument("rank_command", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="the command every rank runs, after --")
     p.set_defaults(func=_cmd_launch)
