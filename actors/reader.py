@@ -177,12 +177,11 @@ class ExpertReader:
         finally:
             self.queue.close()
             # A read in flight ends in milliseconds; a hung disk must not hold shutdown.
-            # The ring's thread first: where the ring failed it started disk threads.
+            # The ring's thread first: where the ring failed it appended disk threads, which
+            # the loop then reaches (a list's iterator sees what is appended meanwhile).
             deadline = time.monotonic() + 2.0
-            joined = 0
-            while joined < len(self._threads):
-                self._threads[joined].join(max(0.0, deadline - time.monotonic()))
-                joined += 1
+            for thread in self._threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def _disk_threads(self, token: trio.lowlevel.TrioToken) -> list[threading.Thread]:
         lanes = [QUEUE] * self.concurrency + [DEMAND] * self.demand_lane + [BULK] * self.bulk_lane

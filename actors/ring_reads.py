@@ -204,7 +204,8 @@ class RingReads:
                 self.reader.queue.give_back(read[1])
             else:
                 ended.append(self._ended(*read, res))
-        if ended and token is not None:
+        if ended:
+            assert token is not None
             self.reader.after_reads(token, ended)
         for _load, buffer, _need in flying.values():
             self.reader.meter.end()

@@ -110,12 +110,11 @@ class Reply:
             generation = self.started.get(choice.index) or self.engine.start(
                 choice.tokens, choice.params, admitted=self.admitted)
             async with aclosing(generation.run()) as events:
-                producing = self.producing
                 while True:
                     # Each wait for the next event is cancellable by a shutdown; the yield
                     # stays outside the scope, so a cancel never lands in the consumer.
                     with trio.CancelScope() as scope:
-                        drain.watch(scope, producing)
+                        drain.watch(scope, self.producing)
                         try:
                             event = await anext(events)
                         except StopAsyncIteration:
@@ -124,7 +123,7 @@ class Reply:
                             drain.unwatch(scope)
                     if scope.cancelled_caught:
                         raise shutting_down()
-                    producing = self.producing = True
+                    self.producing = True
                     if isinstance(event, Done):
                         self.metrics.record_generation(event.stats)
                     yield event
