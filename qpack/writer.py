@@ -46,8 +46,9 @@ from qpack.spec import QpackError
 from qpack.tokenizer_convert import tokenizer_outputs
 
 log = structlog.get_logger("qpack.pack")
-JOURNAL = spec.JOURNAL
 DENSE_CHUNK = 32 * 1024 * 1024  # bytes of source rows converted at once
+
+
 class Journal(msgspec.Struct):
     options: dict[str, str | int | None]
     done: dict[str, Done] = {}
@@ -79,7 +80,7 @@ class Packer:
 
     # -- journal ------------------------------------------------------------
     def _load_journal(self) -> Journal:
-        path = self.out / JOURNAL
+        path = self.out / spec.JOURNAL
         if path.exists():
             try:
                 journal = msgspec.json.decode(path.read_bytes(), type=Journal)
@@ -91,7 +92,7 @@ class Packer:
                 raise QpackError(self.out, f"a pack with other options is in progress here {diff}; "
                                  "re-run with the same options or use another -o")
             return journal
-        if self.out.exists() and any(p.name != JOURNAL + ".tmp" for p in self.out.iterdir()):
+        if self.out.exists() and any(p.name != spec.JOURNAL + ".tmp" for p in self.out.iterdir()):
             raise QpackError(self.out, "output directory exists, is not empty and is not a partial container")
         # The journal goes first, so that whatever a kill leaves behind is a resumable pack.
         self.out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +101,7 @@ class Packer:
         return journal
 
     def _save(self, journal: Journal, step: str) -> None:
-        tmp = self.out / (JOURNAL + ".tmp")
+        tmp = self.out / (spec.JOURNAL + ".tmp")
         data = msgspec.json.encode(journal)
         try:
             _guard(tmp, lambda: tmp.write_bytes(data))
@@ -108,7 +109,7 @@ class Packer:
             tmp.unlink(missing_ok=True)
             raise
         _milestone(f"journal-tmp {step}")
-        os.replace(tmp, self.out / JOURNAL)
+        os.replace(tmp, self.out / spec.JOURNAL)
         _milestone(f"journal {step}")
 
     def _commit(self, rel: str, done: Done) -> None:
@@ -302,7 +303,7 @@ class Packer:
         data = json.dumps(json.loads(spec.encode_manifest(manifest)), indent=2, sort_keys=True).encode() + b"\n"
         with _Out(self.out, spec.MANIFEST) as o:
             o.write(data)
-        (self.out / JOURNAL).unlink(missing_ok=True)
+        (self.out / spec.JOURNAL).unlink(missing_ok=True)
         return manifest
 
 
@@ -333,7 +334,7 @@ def pack(source: str | os.PathLike[str], out: str | os.PathLike[str], *, bits: i
             if differ:  # a re-run with other options must not get the old container
                 raise QpackError(out, f"a finished container of other options is here {differ}; "
                                  "use another -o, or remove it to pack again")
-            (out / JOURNAL).unlink(missing_ok=True)
+            (out / spec.JOURNAL).unlink(missing_ok=True)
             log.info("pack.already_complete", path=str(out))
             return PackResult(manifest, out, 0, 0.0)
         t0 = time.perf_counter()

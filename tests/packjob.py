@@ -25,8 +25,8 @@ import structlog
 
 from qpack.milestones import PAUSE_ENV
 from qpack.reader import Container, verify_container
-from qpack.spec import QpackError
-from qpack.writer import JOURNAL, Journal, pack
+from qpack.spec import JOURNAL, QpackError
+from qpack.writer import Journal, pack
 
 # What the fork server imports once; its children (which import this module to find
 # `_child`) then find all of it loaded.

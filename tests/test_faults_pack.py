@@ -22,8 +22,8 @@ from packjob import PackJob, check_half_written, files
 
 from qpack import spec
 from qpack.reader import Container
-from qpack.spec import QpackError
-from qpack.writer import JOURNAL, pack
+from qpack.spec import JOURNAL, QpackError
+from qpack.writer import pack
 
 SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)
 EXIT_CODES = {signal.SIGKILL: -9, signal.SIGTERM: -15, signal.SIGINT: 128 + signal.SIGINT}

@@ -66,7 +66,8 @@ def test_a_hub_pack_resumes_only_from_the_same_commit(hub, tmp_path):
     before the repo moved on is not finished from the new commit's files."""
     import msgspec
 
-    from qpack.writer import JOURNAL, Journal
+    from qpack.spec import JOURNAL
+    from qpack.writer import Journal
 
     out = tmp_path / "moved.qpack"
     out.mkdir()

@@ -20,8 +20,8 @@ from packjob import PackJob, check_half_written, files, pack_on_a_full_disk
 from qpack import spec
 from qpack.mlx_model import model_classes
 from qpack.reader import Container
-from qpack.spec import QpackError
-from qpack.writer import JOURNAL, pack
+from qpack.spec import JOURNAL, QpackError
+from qpack.writer import pack
 
 
 def _source_weights(src: Path) -> dict[str, mx.array]:
