@@ -40,6 +40,8 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
     pool: dict[str, Any] = {"slots": args.slots} if args.slots else {"budget_mb": args.pool_mb or DEFAULT_POOL_MB}
     if args.eviction:
         pool["eviction"] = args.eviction
+    if args.bank_slots:
+        pool["bank_slots"] = args.bank_slots
     base: dict[str, Any] = {
         "pool": pool,
         "reader": {"concurrency": args.readers, "o_direct": args.o_direct, "demand_lane": args.demand_lane,
@@ -209,6 +211,9 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help=f"expert pool budget in MiB (default {DEFAULT_POOL_MB})")
     p.add_argument("--slots", type=int, default=None, help="expert pool size in experts (instead of --pool-mb)")
     p.add_argument("--eviction", default=None, help="pool eviction policy (default: the config's, reuse)")
+    p.add_argument("--bank-slots", type=int, default=0,
+                   help="at most this many slots per pool bank (pool.bank_slots; default 0: the most "
+                        "the expert kernels index right)")
     p.add_argument("--readers", type=readers_arg, default="auto",
                    help="expert reads in flight: a number or auto (the queue depth measured at start; default)")
     p.add_argument("--demand-lane", type=int, default=1,
