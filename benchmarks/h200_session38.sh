@@ -9,6 +9,7 @@
 # gathers' inputs the resident model's size; the raised cap is the same lever from MLX's side.
 # a: the container and the shipped warm-all pair (compiles the kernels; saves the PTX cache).
 # b: warm-all with one layer a bank, and with the cap raised.
+# p: the engine's MLX thread profiled against resident mlx-lm's host CPU a token.
 set -uo pipefail
 here=$(dirname "$0")
 step=$1
@@ -29,6 +30,11 @@ case $step in
     TAIL=3 bench 200 w-shipped-2 c35m "${warm[@]}" --cases warm-all
     TAIL=3 bench 200 w-bank256-2 c35m "${warm[@]}" --cases warm-all --bank-slots 256
     pairs_table "$OUT"/w-*.json ;;
-  *) echo "unknown step $step: a, b or c" >&2 ;;
+  p)  # where the engine's host time a token goes, every expert pooled (MLX thread, cProfile)
+    c35m
+    timeout 400 python3 benchmarks/host_cpu_token.py "$DATA/c35m.qpack" --tokens 24 --profile 45 \
+      2> "$OUT/p-profile.txt" | tail -1
+    grep -v "Z \[" "$OUT/p-profile.txt" | head -60 ;;
+  *) echo "unknown step $step: a, b, c or p" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
