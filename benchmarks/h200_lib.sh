@@ -21,7 +21,13 @@ bench() {  # bench LIMIT_S NAME CONTAINER ARGS...
 # decode, it left the 1024-token prefill's first run at 135 s, 178 in session 15 without it;
 # run again in the same lease, 33 s: save it after the step that compiled what you need).
 ptx_save() { tar czf "$OUT/ptx-cache.tgz" -C "$DATA" ptx-cache && du -h "$OUT/ptx-cache.tgz"; }
-ptx_restore() { [ -f .ptx/ptx-cache.tgz ] && tar xzf .ptx/ptx-cache.tgz -C "$DATA" && echo "ptx cache restored"; true; }
+# A fresh VM has no .ptx/: the newest cache a session committed beside its results
+# (benchmarks/results/h200/session*/ptx-cache.tgz; MLX 0.32.4, sm_90) stands in for it.
+ptx_restore() {
+  local saved=.ptx/ptx-cache.tgz
+  [ -f "$saved" ] || saved=$(ls -1 benchmarks/results/h200/session*/ptx-cache.tgz 2>/dev/null | sort -V | tail -1)
+  [ -n "$saved" ] && [ -f "$saved" ] && tar xzf "$saved" -C "$DATA" && echo "ptx cache restored from $saved"; true
+}
 same() {  # every case's tokens against the first case's, within one or more JSON files
   python3 - "$@" <<'PY'
 import json, sys
