@@ -247,6 +247,14 @@ def test_bench_routing_cases_are_named_labelled_and_checked(tiny_bench: Path, ca
     capsys.readouterr()
     assert moestream_bench.main(["bench", str(tiny_bench), "--routing", "calibrated,nope"]) == 2
     assert capsys.readouterr().err.startswith("error: unknown routing ['nope']")
+    # A flag out of its config key's range: one line before any case runs (each case's
+    # process found it before, after the cases ahead of it had run).
+    json_out = tiny_bench.parent / "never.json"
+    assert moestream_bench.main(["bench", str(tiny_bench), "--cases", "io,warm-all", "--bank-slots",
+                                 "-1", "--json", str(json_out)]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: <bench io>: pool.bank_slots: expected int in [0, 16_777_216], "
+                   "got -1\n") and not json_out.exists()
 
 
 def test_batch_cases_decode_rows_together_under_calibrated_routing(tiny_bench: Path) -> None:

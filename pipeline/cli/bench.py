@@ -101,6 +101,23 @@ def _cases(args: argparse.Namespace, base: dict[str, Any], common: dict[str, Any
     return cases
 
 
+def first_bad_config(cases: list[Case]) -> str | None:
+    """What is wrong with the first case whose engine config does not validate (a flag out
+    of its key's range, e.g. --bank-slots -1), or None: refused before any case runs, not
+    found by each case's own process."""
+    from pipeline.bench.spec import engine_dict
+    from pipeline.config.loading import ConfigError, config_from_dict
+
+    for case in cases:
+        if case.kind == "resident":
+            continue
+        try:
+            config_from_dict(engine_dict(case), source=f"<bench {case.name}>")
+        except ConfigError as exc:
+            return str(exc)
+    return None
+
+
 def run_bench(args: argparse.Namespace, command: str) -> dict[str, Any]:
     from rich.console import Console
 
@@ -158,6 +175,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         except QpackError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    if (wrong := first_bad_config(plan_cases(args))) is not None:
+        print(f"error: {wrong}", file=sys.stderr)
+        return 2
     report = run_bench(args, "moestream bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []))
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 220)
     console.print(results_table(report))
