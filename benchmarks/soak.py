@@ -222,8 +222,33 @@ async def _sample(proc: psutil.Process, port: int, t0: float) -> dict[str, Any]:
     return {"minute": round((time.monotonic() - t0) / 60, 2),
             "rss_mb": round(proc.memory_info().rss / 2**20, 1),
             "open_files": fds - sockets, "sockets": sockets, "threads": proc.num_threads(),
+            "fd_kinds": _fd_kinds(proc.pid),
             "health": await trio.to_thread.run_sync(_health, port),
             **{g: m.get(g) for g in GAUGES}}
+
+
+def _fd_kinds(pid: int) -> dict[str, int]:
+    """The process's descriptors by what they point at (Linux: /proc/PID/fd), so that a
+    count that grew says what grew: a file by its path, else its kind (socket, pipe,
+    anon_inode:[eventfd], ...). {} where /proc is not there."""
+    kinds: Counter[str] = Counter()
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return {}
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:  # closed since the listing
+            continue
+        kinds[target.split(":[", 1)[0] if ":[" in target else target] += 1
+    return dict(sorted(kinds.items()))
+
+
+def _fd_change(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """What a later sample holds more (or fewer) of than an earlier one."""
+    return {k: after.get(k, 0) - before.get(k, 0) for k in sorted(before.keys() | after.keys())
+            if after.get(k, 0) != before.get(k, 0)}
 
 
 def _grows(values: list[float]) -> bool:
@@ -320,6 +345,9 @@ async def soak(args: argparse.Namespace, proc: psutil.Process, port: int) -> dic
                              "prefix_cache_mb_max": round(max((s.get("prefix_cache_bytes") or 0)
                                                               for s in warm) / 2**20, 1),
                              "growing": growing,
+                             # what the last sample holds beyond the first one after warm-up
+                             "fd_change": _fd_change(warm[0].get("fd_kinds", {}),
+                                                     warm[-1].get("fd_kinds", {})),
                              **flat},
             "verdict": "PASS" if ok else "FAIL"}
 
