@@ -109,8 +109,6 @@ def first_bad_config(cases: list[Case]) -> str | None:
     from pipeline.config.loading import ConfigError, config_from_dict
 
     for case in cases:
-        if case.kind == "resident":
-            continue
         try:
             config_from_dict(engine_dict(case), source=f"<bench {case.name}>")
         except ConfigError as exc:
@@ -118,7 +116,7 @@ def first_bad_config(cases: list[Case]) -> str | None:
     return None
 
 
-def run_bench(args: argparse.Namespace, command: str) -> dict[str, Any]:
+def run_bench(args: argparse.Namespace, cases: list[Case], command: str) -> dict[str, Any]:
     from rich.console import Console
 
     from pipeline.bench.refs import container_summary
@@ -126,7 +124,7 @@ def run_bench(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
     err = Console(stderr=True)
     report = Report(machine_info(), container_summary(args.model), command)
-    for case in with_references(plan_cases(args)):
+    for case in with_references(cases):
         if case.reference:
             suffix = case.name.partition("@")[2]
             ref = report.by_name(case.reference + (f"@{suffix}" if suffix else ""))
@@ -175,10 +173,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         except QpackError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    if (wrong := first_bad_config(plan_cases(args))) is not None:
+    cases = plan_cases(args)
+    if (wrong := first_bad_config(cases)) is not None:
         print(f"error: {wrong}", file=sys.stderr)
         return 2
-    report = run_bench(args, "moestream bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []))
+    report = run_bench(args, cases, "moestream bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 else []))
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 220)
     console.print(results_table(report))
     if (reads := read_path_table(report)) is not None:
