@@ -26,7 +26,7 @@ ptx_save() { tar czf "$OUT/ptx-cache.tgz" -C "$DATA" ptx-cache && du -h "$OUT/pt
 ptx_restore() {
   local saved=.ptx/ptx-cache.tgz
   [ -f "$saved" ] || saved=$(ls -1 benchmarks/results/h200/session*/ptx-cache.tgz 2>/dev/null | sort -V | tail -1)
-  [ -n "$saved" ] && [ -f "$saved" ] && tar xzf "$saved" -C "$DATA" && echo "ptx cache restored from $saved"; true
+  [ -f "$saved" ] && tar xzf "$saved" -C "$DATA" && echo "ptx cache restored from $saved"; true
 }
 same() {  # every case's tokens against the first case's, within one or more JSON files
   python3 - "$@" <<'PY'
