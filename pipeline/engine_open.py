@@ -17,7 +17,6 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
 import structlog
 import trio
 
@@ -73,7 +72,7 @@ from pipeline.memory_budget import (
     engine_plan,
     staging_buffers,
 )
-from pipeline.memory_facts import OpenMarks
+from pipeline.memory_facts import OpenMarks, runtime_up
 from pipeline.memory_malloc import map_large_blocks
 from pipeline.models.dense import held_bytes, load_dense
 from pipeline.models.file_embedding import wants_file
@@ -112,7 +111,8 @@ async def open_core(
     # held; an untied lm_head's scales widened to the activations' dtype (pipeline/models/dense.py).
     worker = MlxWorker.shared()
     dtype = await worker.run(activation_dtype, config.compute.dtype)
-    on_cpu = await worker.run(lambda: mx.default_device() == mx.cpu)
+    on_cpu = await worker.run(runtime_up)
+    marks.after_runtime()
     on_file = stage is None and wants_file(config.memory.embedding, on_cpu)
     dense_bytes = stage.dense_bytes if stage else held_bytes(
         container.dense_path, manifest.dense_bytes, embedding_on_file=on_file, head_dtype=dtype)

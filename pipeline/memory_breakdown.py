@@ -1,10 +1,11 @@
 """Where a process's peak memory went: the issue-25 table, for every bench case.
 
-    process (Python + libraries) | tokenizer | dense core | expert pool | model state |
+    process (Python + libraries) | device runtime | tokenizer | dense core | expert pool | model state |
     state copies | staging buffers | MLX temporaries (MLX's peak above dense + pool + state
     + copies) | other
 
-The engine marks RSS as it opens (`OpenMarks`: before anything, after the tokenizer);
+The engine marks RSS as it opens (`OpenMarks`: before anything, once MLX's device runtime
+is up, after the tokenizer);
 the rest are sizes it knows (manifest, pool, reader, the prefix cache's state copies:
 a prompt's checkpoint is as large as its live state, 86 MiB at 1024 tokens of the 35B)
 or MLX's own peak. "other" is
@@ -38,6 +39,7 @@ class MemoryBreakdown(msgspec.Struct, frozen=True):
     other_mb: float
     budget_mb: float | None = None  # memory.budget_mb when set
     copies_mb: float = 0.0  # the prefix cache's state copies beside the live state
+    runtime_mb: float = 0.0  # the device's runtime up, before any weight (CUDA: its context)
 
 
 def breakdown(engine: EngineCore, peak_rss_mb: float, mlx_peak_mb: float, tokens: int,
@@ -46,6 +48,7 @@ def breakdown(engine: EngineCore, peak_rss_mb: float, mlx_peak_mb: float, tokens
     marks = engine.memory_marks
     process = marks.start_mb if marks else 0.0
     tokenizer = marks.tokenizer_mb if marks else 0.0
+    runtime = marks.runtime_mb if marks else 0.0
     dense = engine.facts.dense_bytes / MIB  # held: less a token embedding on file
     experts = engine.mtp.experts if engine.mtp is not None else None  # the MTP head's pool
     pool = (engine.storage.nbytes + (experts.nbytes if experts is not None else 0)) / MIB
@@ -55,16 +58,16 @@ def breakdown(engine: EngineCore, peak_rss_mb: float, mlx_peak_mb: float, tokens
     copies = max(engine.prefix_cache.bytes / MIB - state, 0.0)
     staging = engine.router.reader.staging_bytes / MIB
     temporaries = max(mlx_peak_mb - dense - pool - state - copies, 0.0)
-    known = process + tokenizer + dense + pool + state + copies + staging + temporaries
+    known = process + runtime + tokenizer + dense + pool + state + copies + staging + temporaries
     plan = engine.memory_plan
     return MemoryBreakdown(
         peak_rss_mb=peak_rss_mb, mlx_peak_mb=mlx_peak_mb, process_mb=process,
         tokenizer_mb=tokenizer, dense_mb=dense, pool_mb=pool, state_mb=state,
         staging_mb=staging, temporaries_mb=temporaries, other_mb=peak_rss_mb - known,
-        budget_mb=plan.budget_mb if plan else None, copies_mb=copies)
+        budget_mb=plan.budget_mb if plan else None, copies_mb=copies, runtime_mb=runtime)
 
 
-COLUMNS = (("peak RSS", "peak_rss_mb"), ("Python + libs", "process_mb"),
+COLUMNS = (("peak RSS", "peak_rss_mb"), ("Python + libs", "process_mb"), ("runtime", "runtime_mb"),
            ("tokenizer", "tokenizer_mb"), ("dense", "dense_mb"), ("pool", "pool_mb"),
            ("state", "state_mb"), ("copies", "copies_mb"), ("staging", "staging_mb"),
            ("MLX temps", "temporaries_mb"),

@@ -33,7 +33,21 @@ class OpenMarks:
 
     def __init__(self) -> None:
         self.start_mb = current_rss_mb()
+        self.runtime_mb = 0.0  # the device's runtime (the CUDA context), before any weight
         self.tokenizer_mb = 0.0
 
+    def after_runtime(self) -> None:
+        self.runtime_mb = max(current_rss_mb() - self.start_mb, 0.0)
+
     def after_tokenizer(self) -> None:
-        self.tokenizer_mb = max(current_rss_mb() - self.start_mb, 0.0)
+        self.tokenizer_mb = max(current_rss_mb() - self.start_mb - self.runtime_mb, 0.0)
+
+
+def runtime_up() -> bool:
+    """MLX's device runtime brought up (on CUDA the context, its stream and allocator: ~1 GB
+    of host mappings, the issue-25 baseline's "before any weight") so RSS marks split it
+    from the engine's parts; True where MLX runs on the CPU. Runs on the MLX thread."""
+    import mlx.core as mx
+
+    mx.eval(mx.zeros(1))
+    return bool(mx.default_device() == mx.cpu)

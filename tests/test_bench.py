@@ -95,6 +95,11 @@ def test_bench_end_to_end_writes_json_and_trace(tiny_bench: Path, tmp_path: Path
     # prompt less the last token), not also the warm-up's states (forgotten after it).
     memory = default["memory"]
     assert 0 < memory["copies_mb"] <= memory["state_mb"], memory
+    # The device's runtime is marked apart (a CUDA context's ~1 GB; next to nothing on the
+    # CPU), and the host's growth is reported above it.
+    assert 0 <= memory["runtime_mb"] < 64, memory
+    assert report["derived"]["default_rss_over_runtime_mb"] == (
+        default["peak_rss_mb"] - memory["process_mb"] - memory["runtime_mb"])
     assert 0 < default["open_s"] and 0 < default["warmup_s"]
     assert default["open_s"] + default["warmup_s"] < default["seconds"]
     assert default["os_threads"] > 1 if sys.platform.startswith("linux") else True

@@ -229,8 +229,12 @@ def measure(case: Case) -> Result:
             result.resident_decode_tok_s = r.decode_tok_s
         return result
     if case.kind == "resident":
+        from pipeline.memory_facts import OpenMarks, runtime_up
         from qpack.reader import Container
 
+        marks = OpenMarks()  # the engine's marks: its RSS over the runtime compares
+        runtime_up()
+        marks.after_runtime()
         with Container.open(case.model, verify="off") as c:
             vocab = int(c.config.get("text_config", c.config)["vocab_size"])
         r = resident_decode(case.model, prompt_ids(case.prompt_tokens, vocab, case.seed),
@@ -242,6 +246,8 @@ def measure(case: Case) -> Result:
                       decode_tok_s=r.decode_tok_s, prefill_tok_s=r.prefill_tok_s, ttft_s=r.ttft_s,
                       peak_rss_mb=peak_rss_mb(), peak_device_mb=r.peak_device_mb,
                       pool_mb=r.model_bytes / 2**20, backend=backend(),
+                      memory={"peak_rss_mb": peak_rss_mb(), "process_mb": marks.start_mb,
+                              "runtime_mb": marks.runtime_mb},
                       seconds=time.perf_counter() - started)
     if case.kind == "io":
         reader = case.config.get("reader", {})
@@ -345,6 +351,11 @@ class Report:
             out["memory_budget_mb"] = budget
             out["memory_over_budget_mb"] = total - budget
             out["memory_decode_over_budget_mb"] = decoding - budget
+        for r in self.results:  # host RSS above the process with its device runtime up
+            m = r.memory or {}
+            if r.error is None and "runtime_mb" in m:
+                out[f"{r.name.replace('-', '_')}_rss_over_runtime_mb"] = (
+                    r.peak_rss_mb - (m.get("process_mb") or 0.0) - (m["runtime_mb"] or 0.0))
         return out
 
     def to_json(self) -> dict[str, Any]:

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Session 39 (2026-12-06): issue 25's host target measured against its own baseline, and
+# issue 31's warm-all host profile.
+#   export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/h200_session39.sh STEP
+# The issue's host target is "RSS <= the process's RSS before its first weight + 0.6 GB"
+# ("~1.1 GB of the host side is the CUDA runtime before any weight"); the bench had marked
+# the process before MLX brought the CUDA context up (394 MiB), so the runtime's mappings
+# counted as the engine's. The engine now marks RSS once the runtime is up (`runtime_up`,
+# the memory table's "runtime" column) and the bench reports each case's peak above it,
+# mlx-lm's resident model (every weight on the device, no pool) beside it.
+# m: the container, then the cold default case and resident mlx-lm, twice (each its own process).
+# p: the engine's MLX thread profiled against resident mlx-lm's host CPU a token.
+set -uo pipefail
+here=$(dirname "$0")
+step=$1
+. "$here/h200_lib.sh"
+ptx_restore
+rss_table() {  # rss_table JSON...: each case's host peak, its marks, and the peak above the runtime
+  python3 - "$@" <<'PY'
+import json, sys
+for p in sys.argv[1:]:
+    rep = json.load(open(p))
+    for r in rep["results"]:
+        m = r.get("memory") or {}
+        print(p.rsplit("/", 1)[-1], r["name"], "peak", round(r["peak_rss_mb"]), "process",
+              round(m.get("process_mb") or 0), "runtime", round(m.get("runtime_mb") or 0),
+              "tokenizer", round(m.get("tokenizer_mb") or 0), "device", round(r.get("peak_device_mb", 0)),
+              "tok/s", round(r["decode_tok_s"], 2), "maps", r.get("rss_by_mapping"))
+    print({k: round(v) for k, v in rep["derived"].items() if k.endswith("rss_over_runtime_mb")})
+PY
+}
+{
+case $step in
+  m)
+    c35m
+    bench 300 m-cold-1 c35m "${cold[@]}" --cases default,resident
+    bench 300 m-cold-2 c35m "${cold[@]}" --cases default,resident
+    rss_table "$OUT"/m-*.json
+    ptx_save ;;
+  p)  # where the engine's host time a token goes, every expert pooled (MLX thread, cProfile)
+    c35m
+    timeout 400 python3 benchmarks/host_cpu_token.py "$DATA/c35m.qpack" --tokens 24 --profile 45 \
+      2> "$OUT/p-profile.txt" | tail -1
+    grep -v "Z \[" "$OUT/p-profile.txt" | head -60 ;;
+  *) echo "unknown step $step: m or p" >&2 ;;
+esac
+} 2>&1 | tee -a "$OUT/$step.log"
