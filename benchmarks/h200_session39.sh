@@ -8,7 +8,7 @@
 # counted as the engine's. The engine now marks RSS once the runtime is up (`runtime_up`,
 # the memory table's "runtime" column) and the bench reports each case's peak above it,
 # mlx-lm's resident model (every weight on the device, no pool) beside it.
-# m: the container, then the cold default case and resident mlx-lm, twice (each its own process).
+# m: the runtime's own growth (benchmarks/runtime_rss.py), the container, then the cold default case and resident mlx-lm, twice (each its own process).
 # p: the engine's MLX thread profiled against resident mlx-lm's host CPU a token.
 set -uo pipefail
 here=$(dirname "$0")
@@ -32,6 +32,7 @@ PY
 {
 case $step in
   m)
+    python3 benchmarks/runtime_rss.py
     c35m
     bench 300 m-cold-1 c35m "${cold[@]}" --cases default,resident
     bench 300 m-cold-2 c35m "${cold[@]}" --cases default,resident
