@@ -36,6 +36,7 @@ case $step in
     c35m
     bench 300 m-cold-1 c35m "${cold[@]}" --cases default,resident
     bench 300 m-cold-2 c35m "${cold[@]}" --cases default,resident
+    bench 200 m-paged c35m "${warm[@]}" --warm --cases default  # waited tokens' device peak
     rss_table "$OUT"/m-*.json
     ptx_save ;;
   p)  # where the engine's host time a token goes, every expert pooled (MLX thread, cProfile)
