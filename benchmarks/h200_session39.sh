@@ -8,7 +8,9 @@
 # counted as the engine's. The engine now marks RSS once the runtime is up (`runtime_up`,
 # the memory table's "runtime" column) and the bench reports each case's peak above it,
 # mlx-lm's resident model (every weight on the device, no pool) beside it.
-# m: the runtime's own growth (benchmarks/runtime_rss.py), the container, then the cold default case and resident mlx-lm, twice (each its own process).
+# m: the runtime's own growth (benchmarks/runtime_rss.py), the container, the cold default
+#    case and resident mlx-lm twice (each its own process), then the page cache's default
+#    case (waited tokens: their device peak).
 # p: the engine's MLX thread profiled against resident mlx-lm's host CPU a token.
 set -uo pipefail
 here=$(dirname "$0")
