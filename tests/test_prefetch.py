@@ -132,6 +132,29 @@ def test_next_gate_batch_covers_union_of_token_topk() -> None:
     assert [counts[e] for e in ids] == sorted(counts.values(), reverse=True)
 
 
+def test_max_per_layer_cuts_a_gate_layers_predictions_to_its_best() -> None:
+    """`prefetch.max_per_layer` reaches the gate strategies (it had cut only "combined"):
+    a union is cut to the experts most of its tokens pick, one token's to its top logits,
+    on every path a prediction takes (staged, unstaged, read back from the device)."""
+    routers, _ = _routers(6, 16, 32, seed=1)
+    h = mx.random.normal((5, 16))
+    whole = NextGate(routers, moe_layers=MOE, num_experts=32, top_k=3, extra=1)
+    cut = make_strategy("next-gate", moe_layers=MOE, num_experts=32, top_k=3, extra=1,
+                        routers=routers, max_per_layer=2)
+    assert isinstance(cut, NextGate) and cut.params()["max_per_layer"] == 2
+    [(_, ids)] = whole.predict(3, [0], h)
+    assert len(ids) > 2 and cut.predict(3, [0], h) == [(5, ids[:2])]
+    mx.eval(*cut.prepare(3, h))
+    assert cut.predict(3, [0], h) == [(5, ids[:2])]
+    one = mx.random.normal((16,))
+    [(_, top)] = whole.predict(3, [0], one)
+    ranked = np.array(cut.ranking(3, one))
+    assert len(top) == 4 and cut.predict_ranked(3, ranked) == [(5, top[:2])] == cut.predict(3, [0], one)
+    assert whole.params()["max_per_layer"] is None
+    with pytest.raises(ValueError, match="cap=0"):
+        NextGate(routers, moe_layers=MOE, num_experts=32, top_k=3, cap=0)
+
+
 def test_next_gate_stages_a_verify_pass_union_in_the_routing_sync() -> None:
     """A pass's rows (several tokens at decode) are ranked in the routing's own sync, as
     one token's are: `predict` then reads what `prepare` built, the same union as

@@ -34,19 +34,24 @@ class NextGate:
         top_k: int,
         depth: int = 1,
         extra: int = 0,
+        cap: int | None = None,
     ) -> None:
         if depth < 1:
             raise ValueError(f"next-gate: depth must be >= 1, got {depth!r}")
-        if top_k < 1 or extra < 0:
-            raise ValueError(f"next-gate: bad top_k={top_k!r} / extra={extra!r}")
+        if top_k < 1 or extra < 0 or (cap is not None and cap < 1):
+            raise ValueError(f"next-gate: bad top_k={top_k!r} / extra={extra!r} / cap={cap!r}")
         self.name = "next-gate" if depth == 1 else "lookahead"
         self.routers = routers
         self.order = LayerOrder(moe_layers)
         self.num_experts, self.top_k, self.depth, self.extra = num_experts, top_k, depth, extra
+        # prefetch.max_per_layer: a layer's predictions cut to the best `cap` (a verify
+        # pass's union ranks the experts more of its tokens pick first).
+        self.cap = cap or num_experts
         self._staged: tuple[int, mx.array, mx.array, bool] | None = None
 
     def params(self) -> dict[str, Any]:
-        return {"depth": self.depth, "extra": self.extra}
+        cap = self.cap if self.cap < self.num_experts else None
+        return {"depth": self.depth, "extra": self.extra, "max_per_layer": cap}
 
     def observe(self, layer: int, chosen: Sequence[int]) -> None:
         pass  # stateless: the routers carry the knowledge
@@ -89,7 +94,7 @@ class NextGate:
         if not targets or ranked.size == 0:
             return []
         rows = ranked.reshape(len(targets), -1).tolist()
-        return [(t, ids) for t, ids in zip(targets, rows, strict=True) if ids]
+        return [(t, ids[: self.cap]) for t, ids in zip(targets, rows, strict=True) if ids]
 
     def predict(self, layer: int, chosen: Sequence[int], hidden: mx.array | None) -> Prediction:
         targets = self.order.after(layer, self.depth)
@@ -103,7 +108,7 @@ class NextGate:
         rows = int_rows(ranked)
         if union:  # each row leads with how many experts some token picks
             rows = [row[1 : 1 + min(self.num_experts, row[0] + self.extra)] for row in rows]
-        return [(t, ids) for t, ids in zip(targets, rows, strict=True) if ids]
+        return [(t, ids[: self.cap]) for t, ids in zip(targets, rows, strict=True) if ids]
 
     def _rank(self, targets: list[int], logits: mx.array) -> tuple[mx.array, bool]:
         """(lazy ranking, whether it is several tokens' union) for `targets`' logits."""

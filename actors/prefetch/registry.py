@@ -56,7 +56,8 @@ def _gate(depth_from_args: bool) -> Callable[[StrategyArgs], PrefetchStrategy]:
         from actors.prefetch.gate import NextGate
 
         return NextGate(a.routers, moe_layers=a.moe_layers, num_experts=a.num_experts,
-                        top_k=a.top_k, depth=a.depth if depth_from_args else 1, extra=a.extra)
+                        top_k=a.top_k, depth=a.depth if depth_from_args else 1, extra=a.extra,
+                        cap=a.max_per_layer)
 
     return build
 

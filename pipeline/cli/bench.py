@@ -48,7 +48,8 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
                    "prefetch_yields": args.prefetch_yields == "on", "device_copy": args.device_copy,
                    "land": args.land, "switch_interval_ms": args.switch_interval_ms, "io": args.io,
                    "gil_hand_over": args.gil_hand_over == "on"},
-        "prefetch": {"strategy": args.strategy, "depth": args.depth, "extra": args.prefetch_extra},
+        "prefetch": {"strategy": args.strategy, "depth": args.depth, "extra": args.prefetch_extra,
+                     "max_per_layer": args.max_per_layer},
         "compute": {"prefill_chunk": args.prefill_chunk, "device_wait": args.device_wait,
                     "kv_bits": args.kv_bits, "decode_ahead": args.decode_ahead},
     }
@@ -269,6 +270,9 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help=f"prefetch strategy of the default case ({strategies_help()})")
     p.add_argument("--prefetch-extra", type=int, default=0,
                    help="experts a gate strategy predicts beyond top-k per layer (default 0)")
+    p.add_argument("--max-per-layer", type=int, default=None,
+                   help="cap on the experts predicted for a layer (prefetch.max_per_layer; "
+                        "default none): a verify pass's or prompt chunk's union cut to its best")
     p.add_argument("--depth", type=int, default=1,
                    help=f"layers ahead the strategy predicts ({', '.join(DEPTH_STRATEGIES)}; "
                    "default 1)")
