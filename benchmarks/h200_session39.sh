@@ -12,6 +12,7 @@
 #    case and resident mlx-lm twice (each its own process), then the page cache's default
 #    case (waited tokens: their device peak).
 # p: the engine's MLX thread profiled against resident mlx-lm's host CPU a token.
+# s: cold speculation, the pass's predicted union cut to its best 12 / 16 (--max-per-layer).
 set -uo pipefail
 here=$(dirname "$0")
 step=$1
@@ -46,6 +47,24 @@ case $step in
     timeout 400 python3 benchmarks/host_cpu_token.py "$DATA/c35m.qpack" --tokens 24 --profile 45 \
       2> "$OUT/p-profile.txt" | tail -1
     grep -v "Z \[" "$OUT/p-profile.txt" | head -60 ;;
-  *) echo "unknown step $step: m or p" >&2 ;;
+  s)  # cold speculation with the pass's predicted union cut to its best N (prefetch.max_per_layer)
+    c35m
+    for cap in 0 12 16; do
+      extra=(); [ "$cap" = 0 ] || extra=(--max-per-layer "$cap")
+      TAIL=6 bench 200 s-cap$cap c35m "${cold[@]}" --routing calibrated-gate \
+        --cases default,spec-k2-a0.8,spec-auto-a0.8 "${extra[@]}"
+    done
+    python3 - "$OUT"/s-cap*.json <<'PY'
+import json, sys
+for p in sys.argv[1:]:
+    for r in json.load(open(p))["results"]:
+        rp = r["read_path"]
+        print(p.rsplit("/", 1)[-1], r["name"], round(r["decode_tok_s"], 2), "MB/tok",
+              round(r["decode_bytes_per_token"] / 1e6, 1), "in vain", round(rp["wasted_mb"]),
+              "busy", round(rp["disk_busy_fraction"], 2), "GB/s", round(rp["disk_gb_s"], 2),
+              "P/R", round(r["prefetch_precision"], 2), round(r["prefetch_recall"], 2))
+PY
+    ;;
+  *) echo "unknown step $step: m, p or s" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
