@@ -205,11 +205,22 @@ def _os_threads() -> int:
         return 0
 
 
+
+def _resident(case: Case) -> Any:
+    """mlx-lm's resident decode of the case's prompt (pipeline/bench/refs.py)."""
+    from pipeline.bench.refs import resident_decode
+    from qpack.reader import Container
+
+    with Container.open(case.model, verify="off") as c:
+        vocab = int(c.config.get("text_config", c.config)["vocab_size"])
+    return resident_decode(case.model, prompt_ids(case.prompt_tokens, vocab, case.seed),
+                           case.max_tokens, case.seed)
+
 def measure(case: Case) -> Result:
     """Run one case in this process (the worker side)."""
     import trio
 
-    from pipeline.bench.refs import best_bandwidth, read_bandwidth, resident_decode
+    from pipeline.bench.refs import best_bandwidth, read_bandwidth
 
     started = time.perf_counter()
     if case.kind == "moestream" and case.concurrency:
@@ -220,26 +231,16 @@ def measure(case: Case) -> Result:
         result = trio.run(measure_engine, case)
         if wants_resident(case) and not result.paired_resident_tok_s:
             # The compute ceiling, measured in this same process and GPU state.
-            from qpack.reader import Container
-
-            with Container.open(case.model, verify="off") as c:
-                vocab = int(c.config.get("text_config", c.config)["vocab_size"])
-            r = resident_decode(case.model, prompt_ids(case.prompt_tokens, vocab, case.seed),
-                                case.max_tokens, case.seed)
-            result.resident_decode_tok_s = r.decode_tok_s
+            result.resident_decode_tok_s = _resident(case).decode_tok_s
         return result
     if case.kind == "resident":
         from pipeline.memory_facts import OpenMarks, runtime_up
-        from qpack.reader import Container
+        from pipeline.resident_map import peak_rss_mb
 
         marks = OpenMarks()  # the engine's marks: its RSS over the runtime compares
         runtime_up()
         marks.after_runtime()
-        with Container.open(case.model, verify="off") as c:
-            vocab = int(c.config.get("text_config", c.config)["vocab_size"])
-        r = resident_decode(case.model, prompt_ids(case.prompt_tokens, vocab, case.seed),
-                            case.max_tokens, case.seed)
-        from pipeline.resident_map import peak_rss_mb
+        r = _resident(case)
 
         return Result(name=case.name, kind="resident", prompt_tokens=case.prompt_tokens,
                       max_tokens=case.max_tokens, completion_tokens=r.tokens,
