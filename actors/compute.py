@@ -106,6 +106,7 @@ class Compute:
         moe_layers: Sequence[int] = (),
         run_ahead: RunAheadPolicy | None = None,
         decode_ahead: bool = True,
+        pass_cap: int | None = None,
     ) -> None:
         self.worker = worker
         self.model = model
@@ -119,6 +120,10 @@ class Compute:
         # A lone row's decode may queue a second step where every expert is ready
         # (actors/decode.py); `compute.decode_ahead`.
         self.decode_ahead = decode_ahead
+        # A verify pass's gate predictions cut to this many a layer (`prefetch.
+        # pass_max_per_layer`); `in_pass` while one runs (actors/speculative/verify.py).
+        self.pass_cap = pass_cap
+        self.in_pass = False
         # Called with the phase as each forward starts (a benchmark splits prefill from
         # decode there); the engine adds and removes them (`Engine.watch_tokens`).
         self.token_hooks: list[Callable[[Phase], None]] = []
@@ -155,7 +160,10 @@ class Compute:
         # Gate strategies predict in prefill too: from every token of the chunk, the next
         # layer's union (its reads then overlap this layer's compute).
         chosen = [int(e) for e in routing.ids[0]]
-        return as_prediction(self.strategy.predict(routing.layer, chosen, routing.hidden))
+        preds = as_prediction(self.strategy.predict(routing.layer, chosen, routing.hidden))
+        if self.in_pass and self.pass_cap:
+            return [(target, ids[: self.pass_cap]) for target, ids in preds]
+        return preds
 
     def _presync(self, phase: Phase) -> Presync | None:
         # Gate strategies stage their prediction so it is evaluated with the routing.

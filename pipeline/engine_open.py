@@ -58,6 +58,7 @@ from pipeline.engine_sizing import (
     decode_ahead,
     head_slots,
     num_slots,
+    pass_cap,
     pool_banks,
     prefill_chunk_for,
     run_ahead_mode,
@@ -298,6 +299,7 @@ def _start_actors(
         run_ahead=RunAheadPolicy(run_ahead_mode(config.compute.run_ahead, slots, len(
             model.moe_layers), model.top_k) if overlap else "off"),
         decode_ahead=decode_ahead(config.compute.decode_ahead, gpu),
+        pass_cap=pass_cap(config.prefetch.pass_max_per_layer, model.top_k),
     )
     nursery.start_soon(compute.prefetcher.run)
     core = _core(config, container, worker, model, storage, router, compute, tokenizer,

@@ -140,6 +140,7 @@ def test_wrong_type_bool_for_int_and_table_for_value(tmp_path: Path) -> None:
          "one of "),
         ("[compute]\nkv_bits = 5", 4, "compute.kv_bits: invalid value 5, expected one of 0, 4, 8"),
         ('[log]\nlevel = "loud"', 4, "log.level must be one of"),
+        ('[prefetch]\npass_max_per_layer = "some"', 4, "prefetch.pass_max_per_layer"),
     ],
 )
 def test_out_of_range_values(tmp_path: Path, section: str, line: int, expected: str) -> None:

@@ -69,7 +69,9 @@ def bits():
 async def test_greedy_tokens_equal_plain_decode_at_every_draft_length(
         container, family, bits, slots, run_ahead, lengths):
     qpack = container
-    config = engine_config(qpack, pool={"slots": slots}, compute={"run_ahead": run_ahead})
+    cap = 5  # prefetch.pass_max_per_layer: above one token's top-4, under a pass's union
+    config = engine_config(qpack, pool={"slots": slots}, compute={"run_ahead": run_ahead},
+                           prefetch={"pass_max_per_layer": cap})
     greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS)
     async with open_engine(config, record_routing=True) as engine:
         await _same_greedy_tokens(engine, greedy, lengths)
@@ -85,6 +87,13 @@ async def test_greedy_tokens_equal_plain_decode_at_every_draft_length(
             for entry in st.layers:
                 union = list(dict.fromkeys(e for row in entry.observed() for e in row))
                 assert entry.chosen == union
+        # A pass's predictions are cut to the cap (the tokens above stayed plain decode's);
+        # a prompt chunk's union is not.
+        def widths(phase: str) -> list[int]:
+            return [len(ids) for st in steps if st.phase == phase and len(st.layers[0].observed()) > 1
+                    for entry in st.layers for _, ids in entry.predictions]
+        assert widths("decode") and max(widths("decode")) == cap
+        assert max(widths("prefill")) > cap
 
 
 async def _same_greedy_tokens(engine: Any, greedy: SamplingParams, lengths: Any) -> tuple[int, ...]:

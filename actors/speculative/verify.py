@@ -44,6 +44,15 @@ def _run_ahead(c: Compute, make: MakeVerifyStep, tokens: list[int],
 async def verify_pass(c: Compute, make: MakeVerifyStep, tokens: list[int],
                       cache: list[Any]) -> tuple[mx.array, VerifyStepper]:
     """Every position's logits [len(tokens), vocab] (evaluated) and the pass (for `keep`)."""
+    c.in_pass = True  # its gate predictions are cut to `c.pass_cap` (one forward at a time)
+    try:
+        return await _verify_pass(c, make, tokens, cache)
+    finally:
+        c.in_pass = False
+
+
+async def _verify_pass(c: Compute, make: MakeVerifyStep, tokens: list[int],
+                       cache: list[Any]) -> tuple[mx.array, VerifyStepper]:
     await c.begin_token("decode")
     misses0 = c.router.table.misses
     if c.run_ahead.wanted():

@@ -49,7 +49,8 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
                    "land": args.land, "switch_interval_ms": args.switch_interval_ms, "io": args.io,
                    "gil_hand_over": args.gil_hand_over == "on"},
         "prefetch": {"strategy": args.strategy, "depth": args.depth, "extra": args.prefetch_extra,
-                     "max_per_layer": args.max_per_layer},
+                     "max_per_layer": args.max_per_layer,
+                     "pass_max_per_layer": _auto_int(args.pass_max_per_layer)},
         "compute": {"prefill_chunk": args.prefill_chunk, "device_wait": args.device_wait,
                     "kv_bits": args.kv_bits, "decode_ahead": args.decode_ahead},
     }
@@ -64,6 +65,11 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
     # One timeline, of the case asked for (its first routing's run).
     return [msgspec.structs.replace(c, trace=args.trace) if args.trace and c.name == args.trace_case else c
             for c in cases]
+
+
+def _auto_int(value: str) -> int | str:
+    """A flag that takes a number or a word ("auto", "off"): the config checks either."""
+    return int(value) if value.isdigit() else value
 
 
 def _cases(args: argparse.Namespace, base: dict[str, Any], common: dict[str, Any]) -> list[Case]:
@@ -273,6 +279,9 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-per-layer", type=int, default=None,
                    help="cap on the experts predicted for a layer (prefetch.max_per_layer; "
                         "default none): a verify pass's or prompt chunk's union cut to its best")
+    p.add_argument("--pass-max-per-layer", default="auto",
+                   help="a verify pass's predicted experts a layer (prefetch.pass_max_per_layer: "
+                        "a number, auto = twice the top-k, or off)")
     p.add_argument("--depth", type=int, default=1,
                    help=f"layers ahead the strategy predicts ({', '.join(DEPTH_STRATEGIES)}; "
                    "default 1)")
