@@ -13,6 +13,8 @@
 #    case (waited tokens: their device peak).
 # p: the engine's MLX thread profiled against resident mlx-lm's host CPU a token.
 # s: cold speculation, the pass's predicted union cut to its best 12 / 16 (--max-per-layer).
+# n: the next lease's: the shipped pass cap (prefetch.pass_max_per_layer = auto) against off,
+#    cold twice and on the page cache.
 set -uo pipefail
 here=$(dirname "$0")
 step=$1
@@ -65,6 +67,18 @@ for p in sys.argv[1:]:
               "P/R", round(r["prefetch_precision"], 2), round(r["prefetch_recall"], 2))
 PY
     ;;
-  *) echo "unknown step $step: m, p or s" >&2 ;;
+  n)  # the next lease: the shipped pass cap (auto) against none, cold twice, then the page cache
+    c35m
+    for i in 1 2; do
+      for cap in auto off; do
+        TAIL=6 bench 200 n-cold-$cap-$i c35m "${cold[@]}" --routing calibrated-gate \
+          --cases default,spec-k2-a0.8,spec-auto-a0.8 --pass-max-per-layer $cap
+      done
+    done
+    for cap in auto off; do
+      TAIL=6 bench 200 n-paged-$cap c35m "${warm[@]}" --warm --routing calibrated-gate \
+        --cases default,spec-k2-a0.8 --pass-max-per-layer $cap
+    done ;;
+  *) echo "unknown step $step: m, p, s or n" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
