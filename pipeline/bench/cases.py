@@ -205,7 +205,6 @@ def _os_threads() -> int:
         return 0
 
 
-
 def _resident(case: Case) -> Any:
     """mlx-lm's resident decode of the case's prompt (pipeline/bench/refs.py)."""
     from pipeline.bench.refs import resident_decode
@@ -215,6 +214,7 @@ def _resident(case: Case) -> Any:
         vocab = int(c.config.get("text_config", c.config)["vocab_size"])
     return resident_decode(case.model, prompt_ids(case.prompt_tokens, vocab, case.seed),
                            case.max_tokens, case.seed)
+
 
 def measure(case: Case) -> Result:
     """Run one case in this process (the worker side)."""
@@ -241,7 +241,6 @@ def measure(case: Case) -> Result:
         runtime_up()
         marks.after_runtime()
         r = _resident(case)
-
         return Result(name=case.name, kind="resident", prompt_tokens=case.prompt_tokens,
                       max_tokens=case.max_tokens, completion_tokens=r.tokens,
                       decode_tok_s=r.decode_tok_s, prefill_tok_s=r.prefill_tok_s, ttft_s=r.ttft_s,
