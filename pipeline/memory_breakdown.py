@@ -39,7 +39,7 @@ class MemoryBreakdown(msgspec.Struct, frozen=True):
     other_mb: float
     budget_mb: float | None = None  # memory.budget_mb when set
     copies_mb: float = 0.0  # the prefix cache's state copies beside the live state
-    runtime_mb: float = 0.0  # the device's runtime up, before any weight (CUDA: its context)
+    runtime_mb: float = 0.0  # the device's runtime up, before any weight (`runtime_up`)
 
 
 def breakdown(engine: EngineCore, peak_rss_mb: float, mlx_peak_mb: float, tokens: int,

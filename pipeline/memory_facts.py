@@ -33,7 +33,7 @@ class OpenMarks:
 
     def __init__(self) -> None:
         self.start_mb = current_rss_mb()
-        self.runtime_mb = 0.0  # the device's runtime (the CUDA context), before any weight
+        self.runtime_mb = 0.0  # the device's runtime up (`runtime_up`), before any weight
         self.tokenizer_mb = 0.0
 
     def after_runtime(self) -> None:
@@ -44,9 +44,10 @@ class OpenMarks:
 
 
 def runtime_up() -> bool:
-    """MLX's device runtime brought up (on CUDA the context, its stream and allocator: ~1 GB
-    of host mappings, the issue-25 baseline's "before any weight") so RSS marks split it
-    from the engine's parts; True where MLX runs on the CPU. Runs on the MLX thread."""
+    """MLX's device runtime brought up (on CUDA its stream and allocator; MLX's import
+    already made the context: +20-22 MiB here on an H100, session 39) so RSS marks split
+    it from the engine's parts, the issue-25 baseline's "before any weight"; True where
+    MLX runs on the CPU. Runs on the MLX thread."""
     import mlx.core as mx
 
     mx.eval(mx.zeros(1))

@@ -241,12 +241,13 @@ def measure(case: Case) -> Result:
         runtime_up()
         marks.after_runtime()
         r = _resident(case)
+        peak = peak_rss_mb()
         return Result(name=case.name, kind="resident", prompt_tokens=case.prompt_tokens,
                       max_tokens=case.max_tokens, completion_tokens=r.tokens,
                       decode_tok_s=r.decode_tok_s, prefill_tok_s=r.prefill_tok_s, ttft_s=r.ttft_s,
-                      peak_rss_mb=peak_rss_mb(), peak_device_mb=r.peak_device_mb,
+                      peak_rss_mb=peak, peak_device_mb=r.peak_device_mb,
                       pool_mb=r.model_bytes / 2**20, backend=backend(),
-                      memory={"peak_rss_mb": peak_rss_mb(), "process_mb": marks.start_mb,
+                      memory={"peak_rss_mb": peak, "process_mb": marks.start_mb,
                               "runtime_mb": marks.runtime_mb},
                       seconds=time.perf_counter() - started)
     if case.kind == "io":
