@@ -19,7 +19,7 @@ from pipeline.bench.speculative import (
     speculation_table,
     with_references,
 )
-from pipeline.cli.commands import readers_arg
+from pipeline.cli.commands import count_or, readers_arg
 from pipeline.cli.counts import LAYERS, TOKENS, WORKERS, seconds
 from qpack import families
 from qpack.synth.presets import FULL_SIZE
@@ -50,7 +50,7 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
                    "gil_hand_over": args.gil_hand_over == "on"},
         "prefetch": {"strategy": args.strategy, "depth": args.depth, "extra": args.prefetch_extra,
                      "max_per_layer": args.max_per_layer,
-                     "pass_max_per_layer": _auto_int(args.pass_max_per_layer)},
+                     "pass_max_per_layer": args.pass_max_per_layer},
         "compute": {"prefill_chunk": args.prefill_chunk, "device_wait": args.device_wait,
                     "kv_bits": args.kv_bits, "decode_ahead": args.decode_ahead},
     }
@@ -65,11 +65,6 @@ def plan_cases(args: argparse.Namespace) -> list[Case]:
     # One timeline, of the case asked for (its first routing's run).
     return [msgspec.structs.replace(c, trace=args.trace) if args.trace and c.name == args.trace_case else c
             for c in cases]
-
-
-def _auto_int(value: str) -> int | str:
-    """A flag that takes a number or a word ("auto", "off"): the config checks either."""
-    return int(value) if value.isdigit() else value
 
 
 def _cases(args: argparse.Namespace, base: dict[str, Any], common: dict[str, Any]) -> list[Case]:
@@ -279,7 +274,7 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-per-layer", type=int, default=None,
                    help="cap on the experts predicted for a layer (prefetch.max_per_layer; "
                         "default none): a verify pass's or prompt chunk's union cut to its best")
-    p.add_argument("--pass-max-per-layer", default="auto",
+    p.add_argument("--pass-max-per-layer", type=count_or("auto", "off"), default="auto",
                    help="a verify pass's predicted experts a layer (prefetch.pass_max_per_layer: "
                         "a number, auto = twice the top-k, or off)")
     p.add_argument("--depth", type=int, default=1,

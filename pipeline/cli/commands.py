@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,14 +15,22 @@ if TYPE_CHECKING:
 
 
 
-def readers_arg(text: str) -> int | str:
-    """--readers: "auto" or a count (the config checks its range)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or auto, not {text!r}") from None
+def count_or(*words: str) -> Callable[[str], int | str]:
+    """An argparse type: a count or one of `words` (the config checks the count's range)."""
+    expected = ", ".join(["a number", *words[:-1]]) + f" or {words[-1]}"
+
+    def parse(text: str) -> int | str:
+        if text in words:
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, not {text!r}") from None
+
+    return parse
+
+
+readers_arg = count_or("auto")  # --readers: "auto" or a count
 
 
 def budget_arg(text: str) -> int | str:
