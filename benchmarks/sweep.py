@@ -18,9 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import msgspec  # noqa: E402
 
-from pipeline.bench.cases import Case, Report, Result, machine_info, run_case  # noqa: E402
+from pipeline.bench.cases import Case, Result, run_case  # noqa: E402
 from pipeline.bench.refs import container_summary  # noqa: E402
 from pipeline.bench.report import plot_sweep, write_json  # noqa: E402
+from pipeline.bench.summary import Report, machine_info  # noqa: E402
 
 
 def pool_points(container: dict, chunk: int, n: int) -> list[int]:

@@ -147,8 +147,8 @@ async def test_serial_reads_one_expert_at_a_time_and_prefetches_nothing(tiny_ben
     """The `serial` reference (the end-to-end run above measures `default` only): its plan
     turns overlap off, its engine then reads with one reader and predicts nothing, and
     `default_over_serial` is the ratio of their decode rates."""
-    from pipeline.bench.cases import Report
     from pipeline.bench.spec import Result, engine_dict
+    from pipeline.bench.summary import Report
     from pipeline.config.loading import config_from_dict
     from pipeline.engine import open_engine
 
@@ -163,8 +163,8 @@ async def test_serial_reads_one_expert_at_a_time_and_prefetches_nothing(tiny_ben
 
 
 def test_tokens_are_compared_with_the_defaults_only_where_they_must_agree() -> None:
-    from pipeline.bench.cases import Report
     from pipeline.bench.spec import Result
+    from pipeline.bench.summary import Report
 
     def run(name: str, tokens: list[int], **kw: Any) -> Result:
         return Result(name=name, kind="moestream", token_ids=tokens,

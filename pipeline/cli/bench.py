@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from actors.prefetch.registry import DEPTH_STRATEGIES, strategies_help
-from pipeline.bench.cases import Case, Report, machine_info, run_case
+from pipeline.bench.cases import Case, run_case
 from pipeline.bench.routing import ROUTINGS
 from pipeline.bench.speculative import (
     is_spec_case,
@@ -19,6 +19,7 @@ from pipeline.bench.speculative import (
     speculation_table,
     with_references,
 )
+from pipeline.bench.summary import Report, machine_info
 from pipeline.cli.commands import count_or, readers_arg
 from pipeline.cli.counts import LAYERS, TOKENS, WORKERS, seconds
 from qpack import families
