@@ -46,12 +46,11 @@ class NextGate:
         self.num_experts, self.top_k, self.depth, self.extra = num_experts, top_k, depth, extra
         # prefetch.max_per_layer: a layer's predictions cut to the best `cap` (a verify
         # pass's union ranks the experts more of its tokens pick first).
-        self.cap = cap or num_experts
+        self.cap = cap
         self._staged: tuple[int, mx.array, mx.array, bool] | None = None
 
     def params(self) -> dict[str, Any]:
-        cap = self.cap if self.cap < self.num_experts else None
-        return {"depth": self.depth, "extra": self.extra, "max_per_layer": cap}
+        return {"depth": self.depth, "extra": self.extra, "max_per_layer": self.cap}
 
     def observe(self, layer: int, chosen: Sequence[int]) -> None:
         pass  # stateless: the routers carry the knowledge
