@@ -4,6 +4,7 @@ the timeline file format, and O_DIRECT reads."""
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import zlib
 from pathlib import Path
@@ -141,6 +142,46 @@ def test_a_warm_speculative_case_is_compared_with_plain_runs_of_its_own_engine(
     # mlx-lm) left in the prefix cache after it are not in it (they were: 5.3x the state).
     for memory in (spec["memory"], plain["memory"]):
         assert memory["copies_mb"] <= memory["state_mb"] * 1.5, memory
+
+
+def test_rounds_interleave_the_cases_and_a_ratio_is_the_median_of_the_rounds(
+        tiny_bench: Path, tmp_path: Path, capsys) -> None:
+    """`--rounds 2`: the case list run twice, one round after the other; each
+    round's speculating run drafts from and is compared with its own round's plain run."""
+    import moestream_bench
+
+    out = tmp_path / "rounds.json"
+    assert moestream_bench.main([
+        "bench", str(tiny_bench), "--cases", "spec-k2-a0.8", "--slots", "8", "--rounds", "2",
+        "--prompt-tokens", "4", "--max-tokens", "4", "--json", str(out),
+    ]) == 0
+    report = json.loads(out.read_text())
+    names = [r["name"] for r in report["results"]]
+    assert names == ["default", "spec-k2-a0.8", "default#2", "spec-k2-a0.8#2"]
+    by_name = {r["name"]: r for r in report["results"]}
+    derived = report["derived"]
+    ratios = [by_name[f"spec-k2-a0.8{n}"]["decode_tok_s"] / by_name[f"default{n}"]["decode_tok_s"]
+              for n in ("", "#2")]
+    assert derived["spec-k2-a0.8_over_plain_rounds"] == ratios
+    assert derived["spec-k2-a0.8_over_plain"] == statistics.median(ratios)
+    assert derived["decode_tok_s_rounds"]["default"] == [
+        by_name[f"default{n}"]["decode_tok_s"] for n in ("", "#2")]
+    # Greedy speculation is exact in every round (the drafts are each round's reference's).
+    plain = by_name["default"]["token_ids"]
+    assert plain and all(by_name[f"spec-k2-a0.8{n}"]["token_ids"] == plain for n in ("", "#2"))
+    assert derived["tokens_as_default"] == {"default#2": True}
+    assert all(by_name[f"spec-k2-a0.8{n}"]["verify_passes"] > 0 for n in ("", "#2"))
+    table = capsys.readouterr().err
+    assert "x plain by round" in table and f"{statistics.median(ratios):.2f}x" in table
+
+
+def test_rounds_below_one_are_one_line(tiny_bench: Path, capsys) -> None:
+    import moestream_bench
+
+    with pytest.raises(SystemExit):
+        moestream_bench.main(["bench", str(tiny_bench), "--rounds", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--rounds" in err[-1] and "0" in err[-1] and "Traceback" not in "".join(err)
 
 
 async def test_serial_reads_one_expert_at_a_time_and_prefetches_nothing(tiny_bench: Path) -> None:

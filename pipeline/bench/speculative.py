@@ -17,6 +17,7 @@ MTP drafter of a container that has the head, and reports what it accepts.
 from __future__ import annotations
 
 import re
+import statistics
 from typing import Any
 
 _NAME = re.compile(r"^(?P<warm>warm-)?spec-(?P<mode>auto|ngram|mtp|k(?P<k>[1-8]))(?:-a(?P<a>0\.\d+|1\.0|1))?$")
@@ -56,49 +57,70 @@ def spec_result_fields(stats: Any, case: Any) -> dict[str, Any]:
             "acceptance": stats.drafts_accepted / stats.drafts_proposed if stats.drafts_proposed else 0.0}
 
 
-def spec_derived(results: dict[str, Any]) -> dict[str, float]:
+def spec_derived(results: dict[str, Any]) -> dict[str, Any]:
     """Each speculating case's decode tok/s over plain decode's ("x plain"): a warm case's
     median of its (plain, speculative) pairs in one engine (`bench/warm_pairs.py`), its
     one run over the reference case's beside it (`_single_over_plain`); a cold case's
-    one run over its reference's."""
+    one run over its reference's. Run in rounds (`bench/rounds.py`), a round's ratio is
+    over its own round's reference, the case's the median of its rounds' (listed in
+    `_over_plain_rounds`)."""
+    from pipeline.bench.rounds import split_round
     from pipeline.bench.warm_pairs import Pairs
 
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
+    by_round: dict[str, list[float]] = {}
     for name, r in results.items():
-        base, _, routing = name.partition("@")
+        first, rnd = split_round(name)
+        base, _, routing = first.partition("@")
         if not is_spec_case(base):
             continue
-        ref = results.get(reference_of(base) + (f"@{routing}" if routing else ""))
+        ref = results.get(reference_of(base) + (f"@{routing}" if routing else "") + rnd)
         single = r.decode_tok_s / ref.decode_tok_s if ref is not None and ref.decode_tok_s > 0 else None
+        ratio = single
         if r.paired_plain_tok_s:
-            out[f"{name}_over_plain"] = Pairs(r.paired_spec_tok_s, r.paired_plain_tok_s, "plain").ratio
-            if single is not None:
-                out[f"{name}_single_over_plain"] = single
-        elif single is not None:
-            out[f"{name}_over_plain"] = single
+            ratio = Pairs(r.paired_spec_tok_s, r.paired_plain_tok_s, "plain").ratio
+            if single is not None and not rnd:
+                out[f"{first}_single_over_plain"] = single
+        if ratio is not None:
+            by_round.setdefault(first, []).append(ratio)
+    for first, ratios in by_round.items():
+        out[f"{first}_over_plain"] = statistics.median(ratios)
+        if len(ratios) > 1:
+            out[f"{first}_over_plain_rounds"] = ratios
     return out
 
 
 def speculation_table(report: dict[str, Any]):  # -> rich.table.Table | None
+    """One row a speculating case; run in rounds, its medians and each round's ratio."""
     from rich.table import Table
 
-    rows = [r for r in report["results"] if not r.get("error") and r.get("speculative", "off") != "off"]
+    from pipeline.bench.rounds import split_round
+
+    rows = [r for r in report["results"] if not r.get("error") and r.get("speculative", "off") != "off"
+            and not split_round(r["name"])[1]]
     if not rows:
         return None
     derived = report.get("derived", {})
+    tok_s = derived.get("decode_tok_s_rounds", {})
     table = Table(title="speculative decoding (emulated: drafts from the plain run's tokens, "
                   "a fraction corrupted; not a real drafter's acceptance)")
-    cols = ("case", "mode", "drafts", "emulated a", "decode tok/s", "x plain", "acceptance",
-            "tokens/pass", "passes")
+    cols = ["case", "mode", "drafts", "emulated a", "decode tok/s", "x plain", "acceptance",
+            "tokens/pass", "passes"]
+    if tok_s:
+        cols[4:6] = ["decode tok/s (median)", "x plain (median)", "x plain by round"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("case", "mode") else "right")
     for r in rows:
         a = r.get("emulated_acceptance")
         ratio = derived.get(f"{r['name']}_over_plain")
-        table.add_row(r["name"], r["speculative"], str(r.get("draft_tokens", "")),
-                      "-" if a is None else f"{a:.2f}", f"{r['decode_tok_s']:.2f}",
-                      "-" if ratio is None else f"{ratio:.2f}x", f"{r.get('acceptance', 0):.2f}",
-                      f"{r.get('tokens_per_pass', 0):.2f}", str(r.get("verify_passes", 0)))
+        runs = tok_s.get(r["name"], [r["decode_tok_s"]])
+        cells = [r["name"], r["speculative"], str(r.get("draft_tokens", "")),
+                 "-" if a is None else f"{a:.2f}", f"{statistics.median(runs):.2f}",
+                 "-" if ratio is None else f"{ratio:.2f}x"]
+        if tok_s:
+            cells.append(" ".join(f"{x:.2f}" for x in derived.get(f"{r['name']}_over_plain_rounds", [])))
+        table.add_row(*cells, f"{r.get('acceptance', 0):.2f}", f"{r.get('tokens_per_pass', 0):.2f}",
+                      str(r.get("verify_passes", 0)))
     return table
 
 

@@ -70,6 +70,10 @@ class Report:
 
         out.update(batch_derived({r.name: r for r in self.results if r.error is None}))
         out.update(spec_derived({r.name: r for r in self.results if r.error is None}))
+        from pipeline.bench.rounds import tok_s_by_round
+
+        if rounds := tok_s_by_round({r.name: r for r in self.results if r.error is None}):
+            out["decode_tok_s_rounds"] = rounds
         agree = tokens_as_default({r.name: r for r in self.results if r.error is None})
         if agree:
             out["tokens_as_default"] = agree

@@ -12,6 +12,7 @@ import msgspec
 
 from actors.prefetch.registry import DEPTH_STRATEGIES, strategies_help
 from pipeline.bench.cases import Case, run_case
+from pipeline.bench.rounds import round_name
 from pipeline.bench.routing import ROUTINGS
 from pipeline.bench.speculative import (
     is_spec_case,
@@ -21,7 +22,7 @@ from pipeline.bench.speculative import (
 )
 from pipeline.bench.summary import Report, machine_info
 from pipeline.cli.commands import count_or, readers_arg
-from pipeline.cli.counts import LAYERS, TOKENS, WORKERS, seconds
+from pipeline.cli.counts import LAYERS, ROUNDS, TOKENS, WORKERS, seconds
 from qpack import families
 from qpack.synth.presets import FULL_SIZE
 
@@ -127,18 +128,22 @@ def run_bench(args: argparse.Namespace, cases: list[Case], command: str) -> dict
 
     err = Console(stderr=True)
     report = Report(machine_info(), container_summary(args.model), command)
-    for case in with_references(cases):
-        if case.reference:
-            suffix = case.name.partition("@")[2]
-            ref = report.by_name(case.reference + (f"@{suffix}" if suffix else ""))
-            case.draft_reference = list(ref.token_ids) if ref is not None else []
-        err.print(f"[dim]bench: {case.name} ...[/dim]")
-        result = run_case(case, timeout_s=args.case_timeout)
-        if result.error:
-            err.print(f"[red]bench: {case.name} failed:[/red] {result.error}")
-        report.results.append(result)
-        if args.json:  # after every case: a bench stopped by a time limit keeps what it ran
-            write_json(report.to_json(), args.json)
+    planned = with_references(cases)
+    for n in range(1, args.rounds + 1):  # one round after the other (pipeline/bench/rounds.py)
+        for case in planned:
+            case = msgspec.structs.replace(case, name=round_name(case.name, n),
+                                           trace=case.trace if n == 1 else None)
+            if case.reference:
+                suffix = case.name.partition("@")[2].partition("#")[0]
+                ref = report.by_name(round_name(case.reference + (f"@{suffix}" if suffix else ""), n))
+                case.draft_reference = list(ref.token_ids) if ref is not None else []
+            err.print(f"[dim]bench: {case.name} ...[/dim]")
+            result = run_case(case, timeout_s=args.case_timeout)
+            if result.error:
+                err.print(f"[red]bench: {case.name} failed:[/red] {result.error}")
+            report.results.append(result)
+            if args.json:  # after every case: a bench stopped by a time limit keeps what it ran
+                write_json(report.to_json(), args.json)
     return report.to_json()
 
 
@@ -297,6 +302,10 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    "the container's routers), calibrated-gate (and gate strategies see the "
                    "model's emulated gate-ahead); in batch-N cases each row routes as its own "
                    "request; cases of the 2nd value and later are named 'case@routing'")
+    p.add_argument("--rounds", type=ROUNDS, default=1,
+                   help="run the cases this many times, one round after the other (default 1): "
+                        "a speculating case's x plain is the median of its rounds' ratios, each "
+                        "over its own round's plain run; later rounds' results are named case#N")
     p.add_argument("--case-timeout", type=seconds(86400), default=None, help="seconds per case before giving up")
 
 

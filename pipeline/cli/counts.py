@@ -42,4 +42,5 @@ def seconds(hi: float) -> Callable[[str], float]:
 TOKENS = count(1, 1 << 16)  # prompt or generated tokens of a benchmark run
 SLOTS = count(1, 1 << 24)  # as pool.slots
 LAYERS = count(1, 1024)
+ROUNDS = count(1, 100)  # `bench --rounds`: the case list run this many times
 WORKERS = count(1, 256)
