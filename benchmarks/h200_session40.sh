@@ -8,6 +8,7 @@
 # ratios (pipeline/bench/rounds.py).
 # r: cold, calibrated gate, the shipped defaults (prefetch.pass_max_per_layer = auto), 4 rounds.
 # o: the same with the pass's predicted union whole (off), 3 rounds.
+# c: k = 2 only, the pass's union cut to 12 against whole (off), 3 rounds each.
 set -uo pipefail
 here=$(dirname "$0")
 step=$1
@@ -40,6 +41,13 @@ case $step in
     TAIL=8 bench 330 o-off c35m "${cold[@]}" --routing calibrated-gate --rounds 3 \
       --cases default,spec-k2-a0.8,spec-auto-a0.8 --pass-max-per-layer off
     rounds_table "$OUT"/o-off.json ;;
-  *) echo "unknown step $step: r or o" >&2 ;;
+  c)
+    c35m
+    for cap in 12 off; do
+      TAIL=8 bench 260 c-$cap c35m "${cold[@]}" --routing calibrated-gate --rounds 3 \
+        --cases default,spec-k2-a0.8 --pass-max-per-layer $cap
+    done
+    rounds_table "$OUT"/c-*.json ;;
+  *) echo "unknown step $step: r, o or c" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
