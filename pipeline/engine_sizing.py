@@ -80,12 +80,13 @@ def decode_ahead(setting: str, gpu: bool) -> bool:
 
 def pass_cap(setting: int | str, top_k: int) -> int | None:
     """`prefetch.pass_max_per_layer`: the experts a verify pass predicts for a layer, or
-    None for its whole union. "auto" is twice the top-k: a k = 2 pass on the 35B's
-    calibrated routing read 292 MB a token instead of 303 with 16 and ran ~4 % faster on a
-    busy disk, its recall nearly unchanged (0.57 against 0.58; docs/speculative.md)."""
+    None for its whole union. "auto" is one and a half top-k (12 on the 35B): in three
+    rounds each on one H100 (session 40), a cold k = 2 pass on the 35B's calibrated
+    routing read 284-286 MB a token cut to 12, 302-316 cut to 16, 305-312 whole, at the
+    same speed within the lease's spread (x plain 1.37, 1.37, 1.34; docs/results.md)."""
     if setting == "off":
         return None
-    return 2 * top_k if setting == "auto" else int(setting)
+    return -(-3 * top_k // 2) if setting == "auto" else int(setting)
 
 
 def head_slots(configured: int | None, slots: int, moe_layers: int, num_experts: int,

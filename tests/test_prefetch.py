@@ -155,10 +155,10 @@ def test_max_per_layer_cuts_a_gate_layers_predictions_to_its_best() -> None:
         NextGate(routers, moe_layers=MOE, num_experts=32, top_k=3, cap=0)
 
 
-def test_a_verify_pass_cap_is_twice_the_top_k_unless_set() -> None:
+def test_a_verify_pass_cap_is_one_and_a_half_top_k_unless_set() -> None:
     from pipeline.engine_sizing import pass_cap
 
-    assert pass_cap("auto", 8) == 16 and pass_cap("auto", 10) == 20
+    assert pass_cap("auto", 8) == 12 and pass_cap("auto", 10) == 15 and pass_cap("auto", 3) == 5
     assert pass_cap("off", 8) is None and pass_cap(12, 8) == 12
 
 

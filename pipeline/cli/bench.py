@@ -282,7 +282,7 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                         "default none): a verify pass's or prompt chunk's union cut to its best")
     p.add_argument("--pass-max-per-layer", type=count_or("auto", "off"), default="auto",
                    help="a verify pass's predicted experts a layer (prefetch.pass_max_per_layer: "
-                        "a number, auto = twice the top-k, or off)")
+                        "a number, auto = 1.5 x the top-k, or off)")
     p.add_argument("--depth", type=int, default=1,
                    help=f"layers ahead the strategy predicts ({', '.join(DEPTH_STRATEGIES)}; "
                    "default 1)")

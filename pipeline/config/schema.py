@@ -175,8 +175,8 @@ class PrefetchConfig(_Section, frozen=True):
     # ranking (more recall for more bytes; worth it where the disk idles).
     extra: Annotated[int, within(0, 64)] = 0
     # Gate strategies: a verify pass's predicted union (its positions' picks, ranked by how
-    # many pick each) cut to its best N; "auto": twice the model's top-k; "off": whole. Its
-    # wrong part is read on a disk a pass keeps busy (docs/speculative.md, session 39).
+    # many pick each) cut to its best N; "auto": 1.5 x the model's top-k; "off": whole. Its
+    # wrong part is read on a disk a pass keeps busy (docs/speculative.md, session 40).
     pass_max_per_layer: Annotated[int, within(1, 1 << 16)] | Literal["auto", "off"] = "auto"
     combine: tuple[str, ...] = ()  # the strategies "combined" unions
 
