@@ -9,6 +9,8 @@
 # r: cold, calibrated gate, the shipped defaults (prefetch.pass_max_per_layer = auto), 4 rounds.
 # o: the same with the pass's predicted union whole (off), 3 rounds.
 # c: k = 2 only, the pass's union cut to 12 against whole (off), 3 rounds each.
+# g: the page cache (every expert file read in first), 3 rounds: `auto` on the bench's
+#    prompt (prompt lookup that finds nothing: the back-off's regime) and k = 2 at a = 0.8.
 set -uo pipefail
 here=$(dirname "$0")
 step=$1
@@ -48,6 +50,11 @@ case $step in
         --cases default,spec-k2-a0.8 --pass-max-per-layer $cap
     done
     rounds_table "$OUT"/c-*.json ;;
-  *) echo "unknown step $step: r, o or c" >&2 ;;
+  g)
+    paged c35m
+    TAIL=8 bench 330 g-paged c35m "${warm[@]}" --warm --routing calibrated-gate --rounds 3 \
+      --cases default,spec-auto,spec-k2-a0.8
+    rounds_table "$OUT"/g-paged.json ;;
+  *) echo "unknown step $step: r, o, c or g" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
