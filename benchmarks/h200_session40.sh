@@ -11,6 +11,10 @@
 # c: k = 2 only, the pass's union cut to 12 against whole (off), 3 rounds each.
 # g: the page cache (every expert file read in first), 3 rounds: `auto` on the bench's
 #    prompt (prompt lookup that finds nothing: the back-off's regime) and k = 2 at a = 0.8.
+# x: the next lease's first step. `g` drew different tokens run to run (plain decode on the
+#    page cache, calibrated routing, waited tokens: 3 rounds, 3 sequences; every cold run of
+#    this session agreed). Which part: the waited token (device_wait off against auto), the
+#    calibrated routing (router against calibrated), or the fast reads (cold against both).
 set -uo pipefail
 here=$(dirname "$0")
 step=$1
@@ -55,6 +59,22 @@ case $step in
     TAIL=8 bench 330 g-paged c35m "${warm[@]}" --warm --routing calibrated-gate --rounds 3 \
       --cases default,spec-auto,spec-k2-a0.8
     rounds_table "$OUT"/g-paged.json ;;
-  *) echo "unknown step $step: r, o, c or g" >&2 ;;
+  x)
+    paged c35m
+    for dw in auto off; do
+      TAIL=3 bench 200 x-cal-$dw c35m "${warm[@]}" --warm --routing calibrated-gate --rounds 3 \
+        --cases default --device-wait $dw
+    done
+    TAIL=3 bench 200 x-router-auto c35m "${warm[@]}" --warm --rounds 3 --cases default
+    python3 - "$OUT"/x-*.json <<'PY'
+import json, sys
+for p in sys.argv[1:]:
+    res = json.load(open(p))["results"]
+    ref = res[0]["token_ids"]
+    print(p.rsplit("/", 1)[-1], [(r["name"], r.get("awaited_tokens"),
+          next((i for i, (a, b) in enumerate(zip(ref, r["token_ids"])) if a != b), None)) for r in res])
+PY
+    ;;
+  *) echo "unknown step $step: r, o, c, g or x" >&2 ;;
 esac
 } 2>&1 | tee -a "$OUT/$step.log"
