@@ -170,6 +170,7 @@ def test_rounds_interleave_the_cases_and_a_ratio_is_the_median_of_the_rounds(
     plain = by_name["default"]["token_ids"]
     assert plain and all(by_name[f"spec-k2-a0.8{n}"]["token_ids"] == plain for n in ("", "#2"))
     assert derived["tokens_as_default"] == {"default#2": True}
+    assert derived["tokens_as_reference"] == {"spec-k2-a0.8": True, "spec-k2-a0.8#2": True}
     assert all(by_name[f"spec-k2-a0.8{n}"]["verify_passes"] > 0 for n in ("", "#2"))
     table = capsys.readouterr().err
     assert "x plain by round" in table and f"{statistics.median(ratios):.2f}x" in table
@@ -219,10 +220,21 @@ def test_tokens_are_compared_with_the_defaults_only_where_they_must_agree() -> N
                run("default@calibrated", [4, 4, 4, 4], routing="calibrated")]
     derived = Report({}, {"dense_mb": 1.0}, "", results).derived()
     assert derived["tokens_as_default"] == {"serial": True, "warm-all": False}
+    # A speculating case against its own plain reference, round by round: greedy
+    # verification keeps plain decode's tokens whatever the drafts.
+    assert derived["tokens_as_reference"] == {"warm-spec-k2-a0.8": False}
     from pipeline.bench.agreement import disagreement
 
     line = disagreement({"derived": derived})
     assert line is not None and "warm-all" in line and "serial" not in line
+    rounds = [run("default", [1, 2, 3, 4]), run("spec-k2-a0.8", [1, 2, 3, 4], speculative="ngram"),
+              run("default#2", [1, 2, 3, 5]), run("spec-k2-a0.8#2", [1, 2, 3, 5], speculative="ngram"),
+              run("spec-k2-a0.8@calibrated", [4, 4], routing="calibrated", speculative="ngram")]
+    derived = Report({}, {"dense_mb": 1.0}, "", rounds).derived()
+    assert derived["tokens_as_reference"] == {"spec-k2-a0.8": True, "spec-k2-a0.8#2": True}
+    assert derived["tokens_as_default"] == {"default#2": False}
+    line = disagreement({"derived": derived})
+    assert line is not None and "default#2" in line and "spec-k2" not in line
     assert disagreement({"derived": {"tokens_as_default": {"serial": True}}}) is None
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 
-def _how(r: Any) -> tuple[Any, ...]:
+def _how(r: Any, drafts: bool = True) -> tuple[Any, ...]:
     """What must match for the tokens to: the prompt, the length, who routes, no batch,
-    no drafts, and the prompt's chunking (a GPU rounds a chunk's rows by its length)."""
-    return (r.prompt_tokens, r.max_tokens, r.routing, r.concurrency, r.speculative,
-            min(r.prefill_chunk or r.prompt_tokens, r.prompt_tokens))
+    the prompt's chunking (a GPU rounds a chunk's rows by its length), and (`drafts`)
+    the same speculation (the default's tokens are compared with no drafter's)."""
+    return (r.prompt_tokens, r.max_tokens, r.routing, r.concurrency,
+            min(r.prefill_chunk or r.prompt_tokens, r.prompt_tokens),
+            *((r.speculative,) if drafts else ()))
 
 
 def tokens_as_default(results: dict[str, Any]) -> dict[str, bool]:
@@ -26,12 +28,34 @@ def tokens_as_default(results: dict[str, Any]) -> dict[str, bool]:
             and _how(r) == _how(default)}
 
 
+def tokens_as_reference(results: dict[str, Any]) -> dict[str, bool]:
+    """Speculating case name -> whether its tokens equal its plain reference's of the same
+    round and routing (`default` or `warm-all`): greedy verification keeps exactly what
+    plain decode draws, whatever the drafts (the bench decodes greedily)."""
+    from pipeline.bench.rounds import split_round
+    from pipeline.bench.speculative import is_spec_case, reference_of
+
+    out: dict[str, bool] = {}
+    for name, r in results.items():
+        first, rnd = split_round(name)
+        base, at, routing = first.partition("@")
+        if not is_spec_case(base) or not r.token_ids:
+            continue
+        ref = results.get(reference_of(base) + at + routing + rnd)
+        if ref is not None and ref.token_ids and _how(r, drafts=False) == _how(ref, drafts=False):
+            out[name] = r.token_ids == ref.token_ids
+    return out
+
+
 def disagreement(report: dict[str, Any]) -> str | None:
-    """One line naming the cases whose tokens part from the default's (None: none do)."""
-    differ = [name for name, same in report.get("derived", {}).get("tokens_as_default", {}).items()
-              if not same]
+    """One line naming the cases whose tokens part from the default's, or a speculating
+    case's from its plain reference's (None: none do)."""
+    derived = report.get("derived", {})
+    differ = [name for key in ("tokens_as_default", "tokens_as_reference")
+              for name, same in derived.get(key, {}).items() if not same]
     if not differ:
         return None
-    return ("bench: tokens differ from the default case's in " + ", ".join(differ)
+    return ("bench: tokens differ from the default case's (a speculating case's: its plain "
+            "run's) in " + ", ".join(differ)
             + " (the streamed forward is exact: a kernel or an engine bug; "
               "benchmarks/pool_exact_check.py compares greedy log-probabilities)")

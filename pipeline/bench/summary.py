@@ -65,7 +65,7 @@ class Report:
                 key = name.replace("-", "_")
                 out[f"{key}_prefill_ceiling_tok_s"] = ceiling
                 out[f"{key}_prefill_over_ceiling"] = long.prefill_tok_s / ceiling
-        from pipeline.bench.agreement import tokens_as_default
+        from pipeline.bench.agreement import tokens_as_default, tokens_as_reference
         from pipeline.bench.batch import batch_derived
 
         out.update(batch_derived({r.name: r for r in self.results if r.error is None}))
@@ -74,9 +74,11 @@ class Report:
 
         if rounds := tok_s_by_round({r.name: r for r in self.results if r.error is None}):
             out["decode_tok_s_rounds"] = rounds
-        agree = tokens_as_default({r.name: r for r in self.results if r.error is None})
-        if agree:
+        ok = {r.name: r for r in self.results if r.error is None}
+        if agree := tokens_as_default(ok):
             out["tokens_as_default"] = agree
+        if spec_agree := tokens_as_reference(ok):
+            out["tokens_as_reference"] = spec_agree
         if default is not None:
             # The dense core held (the measured split's: less a token embedding on file, more
             # an lm_head widened), not its size on file.
