@@ -33,15 +33,13 @@ def tokens_as_reference(results: dict[str, Any]) -> dict[str, bool]:
     round and routing (`default` or `warm-all`): greedy verification keeps exactly what
     plain decode draws, whatever the drafts (the bench decodes greedily)."""
     from pipeline.bench.rounds import split_round
-    from pipeline.bench.speculative import is_spec_case, reference_of
+    from pipeline.bench.speculative import is_spec_case, reference_name
 
     out: dict[str, bool] = {}
     for name, r in results.items():
-        first, rnd = split_round(name)
-        base, at, routing = first.partition("@")
-        if not is_spec_case(base) or not r.token_ids:
+        if not is_spec_case(split_round(name)[0].partition("@")[0]) or not r.token_ids:
             continue
-        ref = results.get(reference_of(base) + at + routing + rnd)
+        ref = results.get(reference_name(name))
         if ref is not None and ref.token_ids and _how(r, drafts=False) == _how(ref, drafts=False):
             out[name] = r.token_ids == ref.token_ids
     return out

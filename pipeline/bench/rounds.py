@@ -11,10 +11,9 @@ names each result `case#n` (after any `@routing`).
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
-__all__ = ["round_name", "split_round", "tok_s_by_round", "median_of_rounds"]
+__all__ = ["round_name", "split_round", "tok_s_by_round"]
 
 
 def round_name(name: str, n: int) -> str:
@@ -34,8 +33,3 @@ def tok_s_by_round(results: dict[str, Any]) -> dict[str, list[float]]:
     for name, r in results.items():
         out.setdefault(split_round(name)[0], []).append(r.decode_tok_s)
     return {name: runs for name, runs in out.items() if len(runs) > 1}
-
-
-def median_of_rounds(values: dict[str, list[float]]) -> dict[str, float]:
-    """The median of each name's values."""
-    return {name: statistics.median(v) for name, v in values.items() if v}

@@ -37,6 +37,16 @@ def reference_of(name: str) -> str:
     return "warm-all" if m["warm"] else "default"
 
 
+def reference_name(name: str) -> str:
+    """The name of the plain run a speculating case `name` (with any `@routing` and
+    `#round`) drafts from and is compared with: its reference of the same routing and round."""
+    from pipeline.bench.rounds import split_round
+
+    first, rnd = split_round(name)
+    base, at, routing = first.partition("@")
+    return reference_of(base) + at + routing + rnd
+
+
 def spec_case_fields(name: str, base: dict[str, Any]) -> dict[str, Any]:
     """Case fields for `name`: its config over `base` and its speculation."""
     m = _NAME.match(name)
@@ -71,10 +81,9 @@ def spec_derived(results: dict[str, Any]) -> dict[str, Any]:
     by_round: dict[str, list[float]] = {}
     for name, r in results.items():
         first, rnd = split_round(name)
-        base, _, routing = first.partition("@")
-        if not is_spec_case(base):
+        if not is_spec_case(first.partition("@")[0]):
             continue
-        ref = results.get(reference_of(base) + (f"@{routing}" if routing else "") + rnd)
+        ref = results.get(reference_name(name))
         single = r.decode_tok_s / ref.decode_tok_s if ref is not None and ref.decode_tok_s > 0 else None
         ratio = single
         if r.paired_plain_tok_s:
@@ -131,8 +140,7 @@ def with_references(cases: list[Any]) -> list[Any]:
     names = {c.name for c in cases}
     for case in sorted(cases, key=lambda c: c.emulate is not None):  # references first
         if case.emulate is not None:
-            suffix = case.name.partition("@")[2]
-            ref = case.reference + (f"@{suffix}" if suffix else "")
+            ref = reference_name(case.name)
             if ref not in names:
                 names.add(ref)
                 plain = {**case.config, "compute": {**case.config.get("compute", {}),

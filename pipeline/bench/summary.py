@@ -35,6 +35,7 @@ class Report:
 
     def derived(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        ok = {r.name: r for r in self.results if r.error is None}  # the cases that ran
         default, serial = self.by_name("default"), self.by_name("serial")
         resident, io = self.by_name("resident"), self.by_name("io")
         if default is not None and io is not None and io.read_gb_s > 0:
@@ -67,14 +68,12 @@ class Report:
                 out[f"{key}_prefill_over_ceiling"] = long.prefill_tok_s / ceiling
         from pipeline.bench.agreement import tokens_as_default, tokens_as_reference
         from pipeline.bench.batch import batch_derived
-
-        out.update(batch_derived({r.name: r for r in self.results if r.error is None}))
-        out.update(spec_derived({r.name: r for r in self.results if r.error is None}))
         from pipeline.bench.rounds import tok_s_by_round
 
-        if rounds := tok_s_by_round({r.name: r for r in self.results if r.error is None}):
+        out.update(batch_derived(ok))
+        out.update(spec_derived(ok))
+        if rounds := tok_s_by_round(ok):
             out["decode_tok_s_rounds"] = rounds
-        ok = {r.name: r for r in self.results if r.error is None}
         if agree := tokens_as_default(ok):
             out["tokens_as_default"] = agree
         if spec_agree := tokens_as_reference(ok):

@@ -16,6 +16,7 @@ from pipeline.bench.rounds import round_name
 from pipeline.bench.routing import ROUTINGS
 from pipeline.bench.speculative import (
     is_spec_case,
+    reference_name,
     spec_case_fields,
     speculation_table,
     with_references,
@@ -134,8 +135,7 @@ def run_bench(args: argparse.Namespace, cases: list[Case], command: str) -> dict
             case = msgspec.structs.replace(case, name=round_name(case.name, n),
                                            trace=case.trace if n == 1 else None)
             if case.reference:
-                suffix = case.name.partition("@")[2].partition("#")[0]
-                ref = report.by_name(round_name(case.reference + (f"@{suffix}" if suffix else ""), n))
+                ref = report.by_name(reference_name(case.name))
                 case.draft_reference = list(ref.token_ids) if ref is not None else []
             err.print(f"[dim]bench: {case.name} ...[/dim]")
             result = run_case(case, timeout_s=args.case_timeout)
